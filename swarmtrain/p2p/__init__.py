@@ -1,0 +1,39 @@
+"""swarmtrain.p2p: a py-libp2p host with a persistent identity, typed protobuf RPC, relays and
+hole punching, and gossipsub for loss-tolerant broadcasts."""
+
+from libp2p.peer.id import ID as PeerID
+
+from swarmtrain.p2p.errors import (
+    MessageTooLargeError as MessageTooLargeError,
+)
+from swarmtrain.p2p.errors import (
+    NoSuchMethodError as NoSuchMethodError,
+)
+from swarmtrain.p2p.errors import (
+    P2PError as P2PError,
+)
+from swarmtrain.p2p.errors import (
+    PeerUnreachableError as PeerUnreachableError,
+)
+from swarmtrain.p2p.errors import (
+    RemoteError as RemoteError,
+)
+from swarmtrain.p2p.errors import (
+    RPCCancelledError as RPCCancelledError,
+)
+from swarmtrain.p2p.errors import (
+    RPCError as RPCError,
+)
+from swarmtrain.p2p.errors import (
+    RPCProtocolError as RPCProtocolError,
+)
+from swarmtrain.p2p.errors import (
+    RPCTimeoutError as RPCTimeoutError,
+)
+from swarmtrain.p2p.host import P2P as P2P
+from swarmtrain.p2p.host import P2PConfig as P2PConfig
+from swarmtrain.p2p.identity import IdentityError as IdentityError
+from swarmtrain.p2p.identity import load_or_create_identity as load_or_create_identity
+from swarmtrain.p2p.rpc import RPCContext as RPCContext
+
+__all__ = ["PeerID"]

@@ -1,0 +1,51 @@
+"""The py-libp2p 0.8.1 internals swarmtrain adjusts, in one place.
+
+- Dial latency: py-libp2p waits ``_HAPPY_EYEBALLS_DELAY`` (250 ms) before it returns from
+  every dial; we set it to 0 so all (at most 2) addresses of a peer are dialled at once.
+- Yamux frames: 64 KiB frames cost a Python round trip each; we send frames of up to 1 MiB
+  (sender side only: an unpatched receiver accepts frames up to its 16 MiB window cap).
+- Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values); its loggers
+  stay at ERROR unless the user configures them.
+
+These are module attributes of a pinned version; ``apply_libp2p_tuning`` checks the version
+and fails loudly if the attributes moved.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import version
+
+SUPPORTED_LIBP2P_VERSION = "0.8.1"
+YAMUX_MAX_FRAME_SIZE = 1024 * 1024
+_applied = False
+
+
+def apply_libp2p_tuning(*, quiet_logging: bool = True) -> None:
+    """Idempotently apply the tuning described in this module's docstring."""
+    global _applied
+    if _applied:
+        return
+    installed = version("libp2p")
+    if installed != SUPPORTED_LIBP2P_VERSION:
+        raise RuntimeError(
+            f"swarmtrain needs libp2p=={SUPPORTED_LIBP2P_VERSION} (found {installed}): "
+            "it tunes that version's internals; reinstall with "
+            f"`pip install libp2p=={SUPPORTED_LIBP2P_VERSION}`"
+        )
+    import libp2p.network.swarm as swarm_module
+    import libp2p.stream_muxer.yamux.yamux as yamux_module
+
+    for module, name in (
+        (swarm_module, "_HAPPY_EYEBALLS_DELAY"),
+        (yamux_module, "MAX_MESSAGE_SIZE"),
+    ):
+        if not hasattr(module, name):
+            raise RuntimeError(f"libp2p internals changed: {module.__name__}.{name} is missing")
+    swarm_module._HAPPY_EYEBALLS_DELAY = 0.0
+    yamux_module.MAX_MESSAGE_SIZE = YAMUX_MAX_FRAME_SIZE
+    if quiet_logging:
+        libp2p_logger = logging.getLogger("libp2p")
+        if libp2p_logger.level == logging.NOTSET:
+            libp2p_logger.setLevel(logging.ERROR)
+    _applied = True

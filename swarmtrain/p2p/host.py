@@ -1,0 +1,418 @@
+"""``P2P``: a py-libp2p host with a persistent identity and typed protobuf RPC.
+
+The only module (with relay.py and pubsub.py) that talks to libp2p's host API. Lifetime::
+
+    async with P2P.create(initial_peers=[...], identity_path="peer.key") as p2p:
+        p2p.add_protobuf_handler("demo::Echo.echo", echo, EchoRequest)
+        reply = await p2p.call_protobuf_handler(peer_id, "demo::Echo.echo", req, EchoReply)
+
+Resource handling: ``create`` opens the host, a task group for background work (relay
+reservations, hole punching) and the RPC server; leaving the ``async with`` cancels running
+calls (callers get ``RPCCancelledError``), stops background tasks and closes every connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import multiaddr
+import trio
+from google.protobuf.message import Message
+from libp2p import new_host
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.network.exceptions import SwarmException
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+
+from swarmtrain.p2p import rpc
+from swarmtrain.p2p._tuning import apply_libp2p_tuning
+from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, RPCTimeoutError
+from swarmtrain.p2p.identity import load_or_create_identity
+from swarmtrain.utils.exception_groups import collapse_exception_groups
+
+logger = logging.getLogger(__name__)
+TOut = TypeVar("TOut", bound=Message)
+PEERSTORE_ADDR_TTL = 3600.0
+
+
+@dataclass(frozen=True)
+class P2PConfig:
+    """Validated settings of a ``P2P`` host (hivemind's keyword names)."""
+
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    initial_peers: tuple[str, ...] = ()
+    identity_path: str | None = None
+    client_mode: bool = False
+    enable_websocket: bool = False
+    dial_timeout: float = 5.0
+    request_timeout: float | None = 30.0
+    max_message_size: int = rpc.DEFAULT_MAX_MESSAGE_SIZE
+    quiet_logging: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("host_maddrs", "announce_maddrs", "initial_peers"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise TypeError(f"{name} must be a list of multiaddr strings, not one string")
+            parsed = []
+            for addr in value:
+                try:
+                    parsed.append(str(multiaddr.Multiaddr(str(addr))))
+                except Exception as e:
+                    raise ValueError(f"{name}: {addr!r} is not a valid multiaddr: {e}") from None
+            object.__setattr__(self, name, tuple(parsed))
+        for addr in self.initial_peers:
+            if "/p2p/" not in addr:
+                raise ValueError(f"initial peer {addr!r} must end with /p2p/<peer id>")
+        if self.dial_timeout <= 0:
+            raise ValueError("dial_timeout must be positive")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError("request_timeout must be positive or None")
+        if self.max_message_size <= 0:
+            raise ValueError("max_message_size must be positive")
+
+
+def as_peer_id(peer: ID | str | bytes) -> ID:
+    if isinstance(peer, ID):
+        return peer
+    if isinstance(peer, str):
+        return ID.from_base58(peer)
+    if isinstance(peer, bytes):
+        return ID(peer)
+    raise TypeError(f"expected a peer id, got {type(peer).__name__}")
+
+
+def _build_host(key_pair: KeyPair, config: P2PConfig, listen: list[multiaddr.Multiaddr]):
+    noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+    kwargs: dict[str, Any] = {}
+    if config.announce_maddrs:
+        kwargs["announce_addrs"] = [multiaddr.Multiaddr(a) for a in config.announce_maddrs]
+    return new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},  # never plaintext, which py-libp2p offers by default
+        muxer_preference="YAMUX",
+        listen_addrs=listen or None,
+        enable_websocket=config.enable_websocket or any("/ws" in a for a in config.host_maddrs),
+        **kwargs,
+    )
+
+
+class P2P:
+    """A running libp2p host. Build it with ``async with P2P.create(...) as p2p``."""
+
+    def __init__(self, host, key_pair: KeyPair, config: P2PConfig):
+        self._host = host
+        self.key_pair = key_pair
+        self.config = config
+        self.peer_id: ID = host.get_id()
+        self._rpc_server = rpc.RPCServer(config.max_message_size)
+        self._nursery: trio.Nursery | None = None
+        self._dial_locks: dict[ID, trio.Lock] = {}
+        self.relay = None  # set by swarmtrain.p2p.relay when enabled
+        self._closed = False
+
+    # ---------------------------------------------------------------- lifetime
+
+    @classmethod
+    @asynccontextmanager
+    async def create(
+        cls,
+        initial_peers: Sequence[str] = (),
+        *,
+        host_maddrs: Sequence[str] | None = None,
+        announce_maddrs: Sequence[str] = (),
+        identity_path: str | None = None,
+        client_mode: bool = False,
+        **kwargs: Any,
+    ) -> AsyncIterator[P2P]:
+        """Start a host, connect to ``initial_peers``, yield it; close everything on exit."""
+        config = P2PConfig(
+            host_maddrs=tuple(host_maddrs) if host_maddrs is not None else P2PConfig.host_maddrs,
+            announce_maddrs=tuple(announce_maddrs),
+            initial_peers=tuple(initial_peers),
+            identity_path=identity_path,
+            client_mode=client_mode,
+            **kwargs,
+        )
+        apply_libp2p_tuning(quiet_logging=config.quiet_logging)
+        key_pair = load_or_create_identity(config.identity_path)
+        listen = [] if config.client_mode else [multiaddr.Multiaddr(a) for a in config.host_maddrs]
+        host = _build_host(key_pair, config, listen)
+        self = cls(host, key_pair, config)
+        host.set_stream_handler(rpc.RPC_PROTOCOL_ID, self._on_rpc_stream)
+        try:
+            with collapse_exception_groups():
+                async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    try:
+                        await self._connect_initial_peers()
+                        yield self
+                    finally:
+                        self._closed = True
+                        self._rpc_server.cancel_all()
+                        nursery.cancel_scope.cancel()
+                        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                            await self._rpc_server.wait_idle()  # let them say ERROR(CANCELLED)
+                        await self._close_network()
+        except OSError as e:
+            raise P2PError(f"could not listen on {list(config.host_maddrs)}: {e}") from e
+
+    async def _close_network(self) -> None:
+        # py-libp2p's own shutdown path closes connections from an already-cancelled scope, which
+        # leaks their sockets; close them explicitly (shielded, bounded) first.
+        with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+            try:
+                await self._host.get_network().close()
+            except Exception:
+                logger.debug("error while closing the libp2p network", exc_info=True)
+
+    async def _connect_initial_peers(self) -> None:
+        if not self.config.initial_peers:
+            return
+        failures: list[str] = []
+
+        async def connect_one(addr: str) -> None:
+            try:
+                await self.connect(addr)
+            except PeerUnreachableError as e:
+                failures.append(f"{addr}: {e}")
+
+        async with trio.open_nursery() as nursery:
+            for addr in self.config.initial_peers:
+                nursery.start_soon(connect_one, addr)
+        if len(failures) == len(self.config.initial_peers):
+            raise PeerUnreachableError(
+                "could not reach any of the initial peers:\n  " + "\n  ".join(failures)
+            )
+        for failure in failures:
+            logger.warning("initial peer unreachable (continuing with the others): %s", failure)
+
+    @property
+    def host(self):
+        """The underlying py-libp2p host (for extensions inside swarmtrain.p2p)."""
+        return self._host
+
+    @property
+    def nursery(self) -> trio.Nursery:
+        """The task group that owns this host's background tasks."""
+        if self._nursery is None:
+            raise P2PError("the host is not running")
+        return self._nursery
+
+    # --------------------------------------------------------------- addresses
+
+    def get_visible_maddrs(self) -> list[str]:
+        """Multiaddrs (ending in /p2p/<id>) other peers can pass as ``initial_peers``."""
+        addrs = [str(a) for a in self._host.get_addrs()]
+        if self.relay is not None:
+            addrs += self.relay.circuit_addrs()
+        return addrs
+
+    def get_connected_peers(self) -> list[ID]:
+        return list(self._host.get_connected_peers())
+
+    def is_connected(self, peer: ID | str) -> bool:
+        return bool(self._host.get_network().connections.get(as_peer_id(peer)))
+
+    def add_addrs(self, peer: ID | str, addrs: Sequence[str]) -> None:
+        """Remember addresses of a peer (without dialling it)."""
+        self._host.get_peerstore().add_addrs(
+            as_peer_id(peer), [multiaddr.Multiaddr(a) for a in addrs], PEERSTORE_ADDR_TTL
+        )
+
+    def known_addrs(self, peer: ID | str) -> list[str]:
+        try:
+            return [str(a) for a in self._host.get_peerstore().addrs(as_peer_id(peer))]
+        except Exception:
+            return []
+
+    # --------------------------------------------------------------- dialling
+
+    async def connect(self, maddr: str) -> ID:
+        """Dial the peer at ``maddr`` (``.../p2p/<id>``, possibly a ``/p2p-circuit`` address)."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(maddr))
+        except Exception as e:
+            raise ValueError(f"{maddr!r} is not a dialable multiaddr with /p2p/<id>: {e}") from None
+        self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, PEERSTORE_ADDR_TTL)
+        await self.ensure_connected(info.peer_id)
+        return info.peer_id
+
+    async def ensure_connected(self, peer: ID | str) -> None:
+        """Connect to ``peer`` unless already connected. Raises ``PeerUnreachableError``."""
+        peer_id = as_peer_id(peer)
+        if peer_id == self.peer_id:
+            raise PeerUnreachableError("a peer cannot dial itself")
+        if self.is_connected(peer_id):
+            return
+        lock = self._dial_locks.setdefault(peer_id, trio.Lock())
+        async with lock:
+            if self.is_connected(peer_id):
+                return
+            addrs = self._host.get_peerstore().addrs(peer_id) if self._known(peer_id) else []
+            direct = [a for a in addrs if "/p2p-circuit" not in str(a)]
+            relayed = [a for a in addrs if "/p2p-circuit" in str(a)]
+            if not addrs:
+                raise PeerUnreachableError(f"no known addresses for peer {peer_id}")
+            errors: list[str] = []
+            if direct:
+                try:
+                    with trio.fail_after(self.config.dial_timeout):
+                        await self._host.connect(PeerInfo(peer_id, direct))
+                    return
+                except trio.TooSlowError:
+                    errors.append(f"direct dial timed out after {self.config.dial_timeout} s")
+                except (SwarmException, OSError) as e:
+                    errors.append(f"direct dial failed: {e}")
+            if relayed and self.relay is not None:
+                try:
+                    with trio.fail_after(self.config.dial_timeout):
+                        await self.relay.dial_through_relay(peer_id, relayed)
+                    return
+                except trio.TooSlowError:
+                    errors.append(f"relayed dial timed out after {self.config.dial_timeout} s")
+                except (SwarmException, OSError, P2PError) as e:
+                    errors.append(f"relayed dial failed: {e}")
+            elif relayed:
+                errors.append("only /p2p-circuit addresses are known and relaying is disabled")
+            raise PeerUnreachableError(f"cannot reach {peer_id}: " + "; ".join(errors))
+
+    def _known(self, peer_id: ID) -> bool:
+        try:
+            return peer_id in self._host.get_peerstore().peer_ids()
+        except Exception:
+            return False
+
+    async def new_stream(self, peer: ID | str, protocol_id: str):
+        """Open a libp2p stream to ``peer`` (dialling first if needed)."""
+        peer_id = as_peer_id(peer)
+        await self.ensure_connected(peer_id)
+        try:
+            with trio.fail_after(self.config.dial_timeout):
+                return await self._host.new_stream(peer_id, [protocol_id])
+        except trio.TooSlowError:
+            raise PeerUnreachableError(
+                f"{peer_id} did not accept a {protocol_id} stream within "
+                f"{self.config.dial_timeout} s"
+            ) from None
+        except Exception as e:
+            raise PeerUnreachableError(
+                f"cannot open a {protocol_id} stream to {peer_id}: {e}"
+            ) from e
+
+    async def _open_rpc_stream(self, peer_id: ID):
+        return await self.new_stream(peer_id, rpc.RPC_PROTOCOL_ID)
+
+    # ------------------------------------------------------------------- RPC
+
+    def add_protobuf_handler(
+        self,
+        name: str,
+        handler,
+        input_protobuf_type: type[Message],
+        *,
+        stream_input: bool = False,
+        stream_output: bool = False,
+        max_message_size: int | None = None,
+        timeout: float | None = None,
+        replace: bool = False,
+    ) -> None:
+        """Serve ``name`` (by convention ``{prefix}::Service.method``).
+
+        ``handler(request, context)``: ``request`` is one message, or an async iterator of
+        messages if ``stream_input``; it returns one message, or is an async generator of
+        messages if ``stream_output``. Exceptions reach the caller as ``RemoteError``.
+        """
+        self._rpc_server.add_handler(
+            name,
+            handler,
+            input_protobuf_type,
+            stream_input=stream_input,
+            stream_output=stream_output,
+            max_message_size=max_message_size,
+            timeout=timeout,
+            replace=replace,
+        )
+
+    def remove_protobuf_handler(self, name: str) -> None:
+        self._rpc_server.remove_handler(name)
+
+    async def call_protobuf_handler(
+        self,
+        peer: ID | str,
+        name: str,
+        request,
+        output_protobuf_type: type[TOut],
+        *,
+        stream_input: bool = False,
+        timeout: float | type[Ellipsis] | None = ...,  # noqa: ASYNC109 (public facade keyword)
+        max_message_size: int | None = None,
+    ) -> TOut:
+        """Call a unary-output handler. ``request`` is a message, or an (async) iterable of
+        messages with ``stream_input=True``. ``timeout`` defaults to ``request_timeout``."""
+        timeout = self.config.request_timeout if timeout is ... else timeout
+        with trio.move_on_after(timeout if timeout is not None else math.inf) as scope:
+            return await rpc.call_unary_output(
+                self._open_rpc_stream,
+                as_peer_id(peer),
+                name,
+                request,
+                output_protobuf_type,
+                stream_input=stream_input,
+                max_message_size=max_message_size or self.config.max_message_size,
+            )
+        assert scope.cancelled_caught
+        raise RPCTimeoutError(f"{name} to {peer} did not complete within {timeout} s")
+
+    @asynccontextmanager
+    async def iterate_protobuf_handler(
+        self,
+        peer: ID | str,
+        name: str,
+        request,
+        output_protobuf_type: type[TOut],
+        *,
+        stream_input: bool = False,
+        next_message_timeout: float | type[Ellipsis] | None = ...,
+        max_message_size: int | None = None,
+    ) -> AsyncIterator[rpc.ResponseStream[TOut]]:
+        """Call a stream-output handler: ``async with ... as responses: async for r in responses``.
+
+        ``next_message_timeout`` (default ``request_timeout``) bounds the wait for each
+        response, not the whole call. Leaving the block early cancels the remote handler.
+        """
+        timeout = (
+            self.config.request_timeout if next_message_timeout is ... else next_message_timeout
+        )
+        async with rpc.open_call(
+            self._open_rpc_stream,
+            as_peer_id(peer),
+            name,
+            request,
+            output_protobuf_type,
+            stream_input=stream_input,
+            max_message_size=max_message_size or self.config.max_message_size,
+        ) as reader:
+            yield rpc.ResponseStream(reader, timeout)
+
+    async def _on_rpc_stream(self, net_stream) -> None:
+        remote_id = net_stream.muxed_conn.peer_id
+        await self._rpc_server.serve_stream(net_stream, remote_id)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "peer_id": str(self.peer_id),
+            "connected_peers": len(self.get_connected_peers()),
+            "handlers": self._rpc_server.handler_names,
+            "calls_served": self._rpc_server.calls_served,
+        }

@@ -1,0 +1,484 @@
+"""Typed protobuf RPC over libp2p streams: handler registry, server side and client side.
+
+One stream carries one call. The caller sends OPEN(method), its request message(s) and END,
+then reads the response message(s) until END or ERROR. The callee answers with MESSAGE frames
+and END, or a single ERROR frame. Either side closing or resetting the stream before the call
+finished cancels the call on the other side:
+
+- the caller cancels (timeout, task cancelled): it closes its side; the callee's watcher sees
+  the end of stream before the call finished and cancels the handler;
+- the callee cancels (shutdown, handler deadline): it sends ERROR(CANCELLED) and closes; the
+  caller raises ``RPCCancelledError``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import trio
+from google.protobuf.message import DecodeError, Message
+
+from swarmtrain.p2p.errors import (
+    MessageTooLargeError,
+    NoSuchMethodError,
+    RemoteError,
+    RPCCancelledError,
+    RPCError,
+    RPCProtocolError,
+    RPCTimeoutError,
+)
+from swarmtrain.p2p.framing import FrameKind
+from swarmtrain.p2p.rpc_stream import RPCStream
+from swarmtrain.proto import p2p_pb2
+from swarmtrain.utils.exception_groups import collapse_exception_groups
+
+logger = logging.getLogger(__name__)
+
+RPC_PROTOCOL_ID = "/swarmtrain/rpc/1.0.0"
+DEFAULT_MAX_MESSAGE_SIZE = 256 * 1024 * 1024
+# How long a callee waits for the next frame of a request before giving up on the caller.
+DEFAULT_REQUEST_IDLE_TIMEOUT = 60.0
+
+ErrorCode = p2p_pb2.RPCErrorCode
+TOut = TypeVar("TOut", bound=Message)
+
+
+@dataclass(frozen=True)
+class RPCContext:
+    """What a handler knows about the call: who is calling and which method."""
+
+    remote_id: Any  # libp2p.peer.id.ID
+    method: str
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    name: str
+    handler: Callable[..., Any]
+    input_type: type[Message]
+    stream_input: bool
+    stream_output: bool
+    max_message_size: int
+    timeout: float | None
+
+
+def serialize_checked(message: Message, max_message_size: int, what: str) -> bytes:
+    payload = message.SerializeToString()
+    if len(payload) > max_message_size:
+        raise MessageTooLargeError(
+            f"{what} is {len(payload)} bytes, over the max_message_size of {max_message_size}"
+        )
+    return payload
+
+
+def parse_message(message_type: type[Message], payload, what: str) -> Message:
+    try:
+        return message_type.FromString(bytes(payload))
+    except DecodeError as e:
+        raise RPCProtocolError(f"{what} is not a valid {message_type.__name__}: {e}") from None
+
+
+def _remote_failure(method: str, header: p2p_pb2.RPCFrameHeader) -> RPCError:
+    code, kind, text = header.error_code, header.error_type, header.error_message
+    if code == ErrorCode.NO_SUCH_METHOD:
+        return NoSuchMethodError(f"the peer has no handler named {method!r}")
+    if code == ErrorCode.MESSAGE_TOO_LARGE:
+        return MessageTooLargeError(f"{method}: the peer refused a message: {text}")
+    if code == ErrorCode.PROTOCOL_ERROR:
+        return RPCProtocolError(f"{method}: the peer reported a protocol error: {text}")
+    if code == ErrorCode.CANCELLED:
+        return RPCCancelledError(f"{method}: the peer cancelled the call: {text}")
+    if code == ErrorCode.TIMEOUT:
+        return RPCTimeoutError(f"{method}: the peer timed out: {text}")
+    return RemoteError(method, kind or "Exception", text)
+
+
+class _IncomingMessages:
+    """Async iterator over the request messages of a stream-input call (server side)."""
+
+    def __init__(self, stream: RPCStream, spec: HandlerSpec, idle_timeout: float):
+        self._stream, self._spec, self._idle_timeout = stream, spec, idle_timeout
+        self.finished = trio.Event()
+
+    def __aiter__(self) -> _IncomingMessages:
+        return self
+
+    async def __anext__(self) -> Message:
+        if self.finished.is_set():
+            raise StopAsyncIteration
+        with trio.move_on_after(self._idle_timeout) as scope:
+            frame = await self._stream.receive_frame()
+        if scope.cancelled_caught:
+            raise RPCTimeoutError(f"no request message for {self._idle_timeout} s")
+        if frame is None:
+            raise RPCCancelledError("the caller closed the stream before END")
+        if frame.kind == FrameKind.END:
+            self.finished.set()
+            raise StopAsyncIteration
+        if frame.kind != FrameKind.MESSAGE:
+            raise RPCProtocolError(f"unexpected frame {FrameKind.Name(frame.kind)} in a request")
+        return parse_message(self._spec.input_type, frame.payload, "the request")
+
+
+class RPCServer:
+    """Handler registry plus the callee side of the protocol. Owned by a ``P2P`` object."""
+
+    def __init__(self, default_max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE):
+        self.default_max_message_size = default_max_message_size
+        self.request_idle_timeout = DEFAULT_REQUEST_IDLE_TIMEOUT
+        self._handlers: dict[str, HandlerSpec] = {}
+        self._active_calls: set[trio.CancelScope] = set()
+        self._closing = False
+        self._became_idle = trio.Event()
+        self.calls_served = 0
+
+    def add_handler(
+        self,
+        name: str,
+        handler: Callable[..., Any],
+        input_type: type[Message],
+        *,
+        stream_input: bool = False,
+        stream_output: bool = False,
+        max_message_size: int | None = None,
+        timeout: float | None = None,
+        replace: bool = False,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("handler name must be a non-empty string")
+        if not (isinstance(input_type, type) and issubclass(input_type, Message)):
+            raise TypeError(f"input_type must be a protobuf message class, got {input_type!r}")
+        if name in self._handlers and not replace:
+            raise ValueError(f"a handler named {name!r} is already registered")
+        if stream_output and not inspect.isasyncgenfunction(handler):
+            if not callable(handler):
+                raise TypeError("handler must be callable")
+        elif not stream_output and not inspect.iscoroutinefunction(handler):
+            raise TypeError(f"handler for {name!r} must be an async function")
+        self._handlers[name] = HandlerSpec(
+            name=name,
+            handler=handler,
+            input_type=input_type,
+            stream_input=stream_input,
+            stream_output=stream_output,
+            max_message_size=max_message_size or self.default_max_message_size,
+            timeout=timeout,
+        )
+
+    def remove_handler(self, name: str) -> None:
+        self._handlers.pop(name, None)
+
+    @property
+    def handler_names(self) -> list[str]:
+        return sorted(self._handlers)
+
+    def cancel_all(self) -> None:
+        """Stop accepting calls and cancel the running ones (they answer ERROR(CANCELLED))."""
+        self._closing = True
+        for scope in list(self._active_calls):
+            scope.cancel()
+
+    async def wait_idle(self) -> None:
+        """Wait until no call is being served (e.g. after ``cancel_all``)."""
+        if self._active_calls:
+            await self._became_idle.wait()
+
+    async def serve_stream(self, net_stream, remote_id) -> None:
+        """Serve one incoming call. Never raises: failures go to the caller or the debug log."""
+        stream = RPCStream(net_stream, self.default_max_message_size)
+        scope = trio.CancelScope()
+        self._active_calls.add(scope)
+        try:
+            try:
+                with scope:
+                    if self._closing:
+                        scope.cancel()
+                    await self._serve(stream, remote_id)
+            except trio.Cancelled:
+                # py-libp2p itself is being cancelled (host shutdown): still tell the caller.
+                await self._send_error_quietly(
+                    stream, ErrorCode.CANCELLED, "Cancelled", "the callee is shutting down"
+                )
+                raise
+            if scope.cancelled_caught:
+                await self._send_error_quietly(
+                    stream, ErrorCode.CANCELLED, "Cancelled", "the callee is shutting down"
+                )
+        except (RPCProtocolError, MessageTooLargeError) as e:
+            logger.debug("rejecting a malformed call from %s: %s", remote_id, e)
+            code = (
+                ErrorCode.MESSAGE_TOO_LARGE
+                if isinstance(e, MessageTooLargeError)
+                else ErrorCode.PROTOCOL_ERROR
+            )
+            await self._send_error_quietly(stream, code, type(e).__name__, str(e))
+        except RPCError as e:
+            logger.debug("call from %s ended early: %s", remote_id, e)
+        except Exception:
+            logger.exception("unexpected failure serving a call from %s", remote_id)
+        finally:
+            self._active_calls.discard(scope)
+            if not self._active_calls:
+                self._became_idle.set()
+                self._became_idle = trio.Event()
+        await stream.aclose()
+
+    async def _send_error_quietly(self, stream: RPCStream, code: int, kind: str, text: str):
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            try:
+                await stream.send_error(code, kind, text)
+            except RPCError:
+                pass
+
+    async def _serve(self, stream: RPCStream, remote_id) -> None:
+        with trio.move_on_after(self.request_idle_timeout) as open_scope:
+            frame = await stream.receive_frame()
+        if open_scope.cancelled_caught or frame is None:
+            return
+        if frame.kind != FrameKind.OPEN:
+            raise RPCProtocolError(f"a call must start with OPEN, got {FrameKind.Name(frame.kind)}")
+        spec = self._handlers.get(frame.header.method)
+        if spec is None:
+            await stream.send_error(
+                ErrorCode.NO_SUCH_METHOD,
+                "NoSuchMethod",
+                f"no handler named {frame.header.method!r}",
+            )
+            return
+        stream.set_max_message_size(spec.max_message_size)
+        context = RPCContext(remote_id=remote_id, method=spec.name)
+        incoming = _IncomingMessages(stream, spec, self.request_idle_timeout)
+        if spec.stream_input:
+            request: Any = incoming
+        else:
+            request = await incoming.__anext__()
+            try:
+                await incoming.__anext__()
+            except StopAsyncIteration:
+                pass
+            else:
+                raise RPCProtocolError(f"{spec.name} takes one request message, got more")
+
+        caller_gone = False
+        with collapse_exception_groups():
+            async with trio.open_nursery() as nursery:
+
+                async def watch_caller() -> None:
+                    # After the request is complete the caller only reads; anything it sends now
+                    # (normally the end of stream) means it gave up on the call.
+                    nonlocal caller_gone
+                    await incoming.finished.wait()
+                    try:
+                        await stream.receive_frame()
+                    except RPCError:
+                        pass
+                    caller_gone = True
+                    nursery.cancel_scope.cancel()
+
+                async def run_handler() -> None:
+                    try:
+                        with trio.fail_after(spec.timeout if spec.timeout else math.inf):
+                            await self._run_handler(spec, request, context, stream)
+                    except trio.TooSlowError:
+                        await stream.send_error(
+                            ErrorCode.TIMEOUT, "Timeout", f"handler ran past {spec.timeout} s"
+                        )
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch_caller)
+                nursery.start_soon(run_handler)
+        if caller_gone:
+            logger.debug("%s: the caller %s cancelled the call", spec.name, remote_id)
+        self.calls_served += 1
+
+    async def _run_handler(self, spec, request, context, stream: RPCStream) -> None:
+        try:
+            if spec.stream_output:
+                responses = spec.handler(request, context)
+                try:
+                    async for response in responses:
+                        payload = serialize_checked(
+                            response, spec.max_message_size, f"a response of {spec.name}"
+                        )
+                        await stream.send_message(payload)
+                finally:
+                    aclose = getattr(responses, "aclose", None)
+                    if aclose is not None:
+                        with trio.CancelScope(shield=True):
+                            await aclose()
+            else:
+                response = await spec.handler(request, context)
+                if not isinstance(response, Message):
+                    raise TypeError(
+                        f"handler {spec.name} returned {type(response).__name__}, "
+                        "not a protobuf message"
+                    )
+                payload = serialize_checked(
+                    response, spec.max_message_size, f"the response of {spec.name}"
+                )
+                await stream.send_message(payload)
+        except (RPCCancelledError, RPCTimeoutError):
+            raise  # the caller is gone or too slow: nobody to answer
+        except RPCProtocolError:
+            raise
+        except MessageTooLargeError as e:
+            await stream.send_error(ErrorCode.MESSAGE_TOO_LARGE, type(e).__name__, str(e))
+            return
+        except Exception as e:
+            logger.debug("handler %s raised", spec.name, exc_info=True)
+            await stream.send_error(ErrorCode.HANDLER_ERROR, type(e).__name__, str(e))
+            return
+        await stream.send_end()
+
+
+OpenStream = Callable[[Any], Awaitable[Any]]
+
+
+class _ResponseReader(Generic[TOut]):
+    def __init__(self, stream: RPCStream, method: str, output_type: type[TOut]):
+        self.stream, self.method, self.output_type = stream, method, output_type
+        self.finished = False
+
+    async def next_message(self) -> TOut | None:
+        """The next response, or None after END. Raises the remote error, if any."""
+        if self.finished:
+            return None
+        frame = await self.stream.receive_frame()
+        if frame is None:
+            raise RPCCancelledError(f"{self.method}: the peer closed the stream before END")
+        if frame.kind == FrameKind.END:
+            self.finished = True
+            return None
+        if frame.kind == FrameKind.ERROR:
+            self.finished = True
+            raise _remote_failure(self.method, frame.header)
+        if frame.kind != FrameKind.MESSAGE:
+            raise RPCProtocolError(f"{self.method}: unexpected {FrameKind.Name(frame.kind)} frame")
+        return parse_message(self.output_type, frame.payload, f"a response of {self.method}")
+
+
+class ResponseStream(Generic[TOut]):
+    """Async iterator over the responses of a stream-output call.
+
+    ``next_message_timeout`` bounds the wait for each message (RPCTimeoutError).
+    """
+
+    def __init__(self, reader: _ResponseReader[TOut], next_message_timeout: float | None):
+        self._reader = reader
+        self._timeout = next_message_timeout
+
+    def __aiter__(self) -> ResponseStream[TOut]:
+        return self
+
+    async def __anext__(self) -> TOut:
+        with trio.move_on_after(self._timeout if self._timeout else math.inf) as scope:
+            message = await self._reader.next_message()
+        if scope.cancelled_caught:
+            raise RPCTimeoutError(f"{self._reader.method}: no response for {self._timeout} s")
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+
+async def _send_requests(
+    stream: RPCStream, method: str, requests, max_message_size: int, stream_input: bool
+) -> None:
+    if not stream_input:
+        payload = serialize_checked(requests, max_message_size, f"the request of {method}")
+        await stream.send_open(method, payload, end=True)
+        return
+    await stream.send_open(method)
+    if isinstance(requests, Message):
+        raise TypeError("stream_input=True needs an (async) iterable of messages")
+    if isinstance(requests, AsyncIterable):
+        async for request in requests:
+            await stream.send_message(
+                serialize_checked(request, max_message_size, f"a request of {method}")
+            )
+    else:
+        for request in requests:
+            await stream.send_message(
+                serialize_checked(request, max_message_size, f"a request of {method}")
+            )
+    await stream.send_end()
+
+
+@asynccontextmanager
+async def open_call(
+    open_stream: OpenStream,
+    peer_id,
+    method: str,
+    requests,
+    output_type: type[TOut],
+    *,
+    stream_input: bool,
+    max_message_size: int,
+) -> AsyncIterator[_ResponseReader[TOut]]:
+    """Open a call, send the request(s) in a background task, yield the response reader.
+
+    On any exit before the responses ended (error, cancellation) the stream is closed, which
+    cancels the handler on the callee.
+    """
+    if not stream_input and not isinstance(requests, Message):
+        raise TypeError(f"the request must be a protobuf message, got {type(requests).__name__}")
+    if not (isinstance(output_type, type) and issubclass(output_type, Message)):
+        raise TypeError(f"output_type must be a protobuf message class, got {output_type!r}")
+    if not stream_input:
+        # Fail before dialling when our own request is too large.
+        serialize_checked(requests, max_message_size, f"the request of {method}")
+    stream = RPCStream(await open_stream(peer_id), max_message_size)
+    reader = _ResponseReader(stream, method, output_type)
+    try:
+        with collapse_exception_groups():
+            async with trio.open_nursery() as nursery:
+
+                async def send() -> None:
+                    try:
+                        await _send_requests(
+                            stream, method, requests, max_message_size, stream_input
+                        )
+                    except RPCCancelledError:
+                        # The callee answered early (e.g. with an error) and closed its side: the
+                        # reader reports what it said.
+                        pass
+
+                nursery.start_soon(send)
+                yield reader
+                nursery.cancel_scope.cancel()
+    finally:
+        # Closing (not resetting: a reset can stall py-libp2p's connection) before the responses
+        # ended tells the callee to cancel the handler.
+        await stream.aclose()
+
+
+async def call_unary_output(
+    open_stream: OpenStream,
+    peer_id,
+    method: str,
+    requests,
+    output_type: type[TOut],
+    *,
+    stream_input: bool,
+    max_message_size: int,
+) -> TOut:
+    async with open_call(
+        open_stream,
+        peer_id,
+        method,
+        requests,
+        output_type,
+        stream_input=stream_input,
+        max_message_size=max_message_size,
+    ) as reader:
+        response = await reader.next_message()
+        if response is None:
+            raise RPCProtocolError(f"{method}: the peer ended the call without a response")
+        if await reader.next_message() is not None:
+            raise RPCProtocolError(f"{method}: the peer sent more than one response")
+        return response

@@ -1,0 +1,139 @@
+"""A libp2p stream carrying RPC frames: buffered frame reads and cancellation-safe writes.
+
+Writes are shielded from cancellation piece by piece (at most ``WRITE_PIECE_SIZE`` bytes each):
+cancelling py-libp2p in the middle of a Noise write can kill the whole connection (see
+LIBP2P-NOTES), so a cancelled call stops *between* pieces and then closes the stream.
+"""
+
+from __future__ import annotations
+
+import trio
+from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
+
+from swarmtrain.p2p.errors import (
+    RPCCancelledError,
+    RPCProtocolError,
+    RPCTimeoutError,
+)
+from swarmtrain.p2p.framing import Frame, FrameDecoder, FrameKind, encode_header, message_header
+from swarmtrain.proto import p2p_pb2
+
+READ_SIZE = 1024 * 1024
+WRITE_PIECE_SIZE = 1024 * 1024
+# A single shielded piece that makes no progress for this long means the connection is dead.
+WRITE_STALL_TIMEOUT = 60.0
+CLOSE_TIMEOUT = 2.0
+_END_FRAME = encode_header(p2p_pb2.RPCFrameHeader(kind=FrameKind.END))
+
+
+class RPCStream:
+    """Frames over one libp2p stream. Not safe for concurrent senders (one sender task)."""
+
+    def __init__(self, stream, max_message_size: int):
+        self.stream = stream
+        self._decoder = FrameDecoder(max_message_size)
+        self._eof = False
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def set_max_message_size(self, max_message_size: int) -> None:
+        self._decoder.max_payload_size = max_message_size
+
+    async def receive_frame(self) -> Frame | None:
+        """The next frame, or None on a clean end of stream between frames."""
+        while True:
+            frame = self._decoder.next_frame()
+            if frame is not None:
+                return frame
+            if self._eof:
+                if self._decoder.buffered_bytes:
+                    raise RPCProtocolError("the stream ended in the middle of a frame")
+                return None
+            try:
+                data = await self.stream.read(max(READ_SIZE, self._decoder.bytes_wanted))
+            except StreamEOF:
+                self._eof = True
+                continue
+            except StreamReset:
+                raise RPCCancelledError("the peer reset the stream") from None
+            except StreamError as e:
+                raise RPCCancelledError(f"the stream failed: {e!r}") from None
+            if not data:
+                self._eof = True
+                continue
+            self.bytes_received += len(data)
+            self._decoder.feed(data)
+
+    async def _write(self, data: bytes | memoryview) -> None:
+        with trio.CancelScope(shield=True):
+            try:
+                with trio.fail_after(WRITE_STALL_TIMEOUT):
+                    await self.stream.write(data)
+            except trio.TooSlowError:
+                raise RPCTimeoutError(
+                    f"the peer did not accept data for {WRITE_STALL_TIMEOUT} s"
+                ) from None
+            except (StreamClosed, StreamReset) as e:
+                raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
+            except StreamError as e:
+                raise RPCCancelledError(f"the stream failed: {e!r}") from None
+        self.bytes_sent += len(data)
+
+    async def send_message(self, payload: bytes) -> None:
+        header = message_header(len(payload))
+        if len(payload) <= 64 * 1024:
+            await self._write(header + payload)
+            return
+        await self._write(header)
+        view = memoryview(payload)
+        for start in range(0, len(view), WRITE_PIECE_SIZE):
+            await trio.lowlevel.checkpoint_if_cancelled()
+            await self._write(view[start : start + WRITE_PIECE_SIZE])
+
+    async def send_control(self, header: p2p_pb2.RPCFrameHeader) -> None:
+        await self._write(encode_header(header))
+
+    async def send_open(
+        self, method: str, first_payload: bytes | None = None, *, end: bool = False
+    ) -> None:
+        """Send OPEN, then optionally one message and END (one write when they are small)."""
+        data = encode_header(p2p_pb2.RPCFrameHeader(kind=FrameKind.OPEN, method=method))
+        if first_payload is not None and len(first_payload) <= 64 * 1024:
+            data += message_header(len(first_payload)) + first_payload
+            if end:
+                data += _END_FRAME
+            await self._write(data)
+            return
+        await self._write(data)
+        if first_payload is not None:
+            await self.send_message(first_payload)
+        if end:
+            await self.send_end()
+
+    async def send_end(self) -> None:
+        await self._write(_END_FRAME)
+
+    async def send_error(self, code: int, error_type: str, message: str) -> None:
+        await self.send_control(
+            p2p_pb2.RPCFrameHeader(
+                kind=FrameKind.ERROR,
+                error_code=code,
+                error_type=error_type,
+                error_message=message[:4096],
+            )
+        )
+
+    async def aclose(self) -> None:
+        """Half-close our side (FIN), shielded and bounded; never raises."""
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+            try:
+                await self.stream.close()
+            except Exception:
+                pass
+
+    async def reset(self) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+            try:
+                await self.stream.reset()
+            except Exception:
+                pass

@@ -1,0 +1,1 @@
+"""Generated protobuf modules (compiled from ../../proto/*.proto at build time)."""

@@ -1,0 +1,319 @@
+"""Typed RPC between real py-libp2p hosts on loopback (TCP + Noise + Yamux)."""
+
+import time
+
+import pytest
+import trio
+from google.protobuf.wrappers_pb2 import BytesValue, Int64Value, StringValue
+
+from swarmtrain.p2p import (
+    P2P,
+    MessageTooLargeError,
+    NoSuchMethodError,
+    PeerUnreachableError,
+    RemoteError,
+    RPCCancelledError,
+    RPCTimeoutError,
+)
+from swarmtrain.p2p.identity import generate_identity, peer_id_of
+from swarmtrain.p2p.rpc import RPC_PROTOCOL_ID
+
+pytestmark = pytest.mark.trio
+
+
+async def reverse(request, context):
+    return StringValue(value=request.value[::-1])
+
+
+async def whoami(request, context):
+    return StringValue(value=str(context.remote_id))
+
+
+async def fail(request, context):
+    raise KeyError(f"no such key {request.value}")
+
+
+async def count_to(request, context):
+    for i in range(request.value):
+        yield Int64Value(value=i)
+
+
+async def total_size(requests, context):
+    total = 0
+    async for request in requests:
+        total += len(request.value)
+    return Int64Value(value=total)
+
+
+async def echo_each(requests, context):
+    async for request in requests:
+        yield StringValue(value=request.value.upper())
+
+
+def serve_all(p2p):
+    p2p.add_protobuf_handler("test::Demo.reverse", reverse, StringValue)
+    p2p.add_protobuf_handler("test::Demo.whoami", whoami, StringValue)
+    p2p.add_protobuf_handler("test::Demo.fail", fail, StringValue)
+    p2p.add_protobuf_handler("test::Demo.count_to", count_to, Int64Value, stream_output=True)
+    p2p.add_protobuf_handler("test::Demo.total_size", total_size, BytesValue, stream_input=True)
+    p2p.add_protobuf_handler(
+        "test::Demo.echo_each", echo_each, StringValue, stream_input=True, stream_output=True
+    )
+
+
+async def test_unary_between_three_peers():
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        serve_all(a)
+        serve_all(b)
+        async with P2P.create(initial_peers=a.get_visible_maddrs() + b.get_visible_maddrs()) as c:
+            for server in (a, b):
+                reply = await c.call_protobuf_handler(
+                    server.peer_id, "test::Demo.reverse", StringValue(value="swarm"), StringValue
+                )
+                assert reply.value == "mraws"
+                who = await c.call_protobuf_handler(
+                    server.peer_id, "test::Demo.whoami", StringValue(), StringValue
+                )
+                assert who.value == str(c.peer_id)
+            # b was told about a; b calls a the other way round
+            reply = await b.call_protobuf_handler(
+                a.peer_id, "test::Demo.reverse", StringValue(value="ab"), StringValue
+            )
+            assert reply.value == "ba"
+            assert set(c.get_connected_peers()) == {a.peer_id, b.peer_id}
+
+
+async def test_streaming_shapes():
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        serve_all(a)
+        async with b.iterate_protobuf_handler(
+            a.peer_id, "test::Demo.count_to", Int64Value(value=100), Int64Value
+        ) as responses:
+            assert [r.value async for r in responses] == list(range(100))
+
+        async def requests():
+            for size in (0, 1, 10, 100_000):
+                yield BytesValue(value=b"x" * size)
+
+        reply = await b.call_protobuf_handler(
+            a.peer_id, "test::Demo.total_size", requests(), Int64Value, stream_input=True
+        )
+        assert reply.value == 100_011
+        words = [StringValue(value=w) for w in ("a", "bc", "def")]
+        async with b.iterate_protobuf_handler(
+            a.peer_id, "test::Demo.echo_each", words, StringValue, stream_input=True
+        ) as responses:
+            assert [r.value async for r in responses] == ["A", "BC", "DEF"]
+
+
+async def test_remote_errors_are_typed():
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        serve_all(a)
+        with pytest.raises(RemoteError) as info:
+            await b.call_protobuf_handler(
+                a.peer_id, "test::Demo.fail", StringValue(value="k1"), StringValue
+            )
+        assert info.value.error_type == "KeyError"
+        assert "no such key k1" in info.value.remote_message
+        with pytest.raises(NoSuchMethodError):
+            await b.call_protobuf_handler(a.peer_id, "test::Demo.nope", StringValue(), StringValue)
+        # the connection survives errors
+        reply = await b.call_protobuf_handler(
+            a.peer_id, "test::Demo.reverse", StringValue(value="ok"), StringValue
+        )
+        assert reply.value == "ko"
+
+
+async def test_timeout_cancels_the_remote_handler():
+    handler_started, handler_cancelled = trio.Event(), trio.Event()
+
+    async def hang(request, context):
+        handler_started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            handler_cancelled.set()
+
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        a.add_protobuf_handler("test::Demo.hang", hang, StringValue)
+        with pytest.raises(RPCTimeoutError):
+            await b.call_protobuf_handler(
+                a.peer_id, "test::Demo.hang", StringValue(), StringValue, timeout=0.5
+            )
+        assert handler_started.is_set()
+        with trio.fail_after(5):
+            await handler_cancelled.wait()
+
+
+async def test_caller_cancellation_cancels_the_remote_stream_handler():
+    sent, cancelled = [], trio.Event()
+
+    async def endless(request, context):
+        try:
+            i = 0
+            while True:
+                sent.append(i)
+                yield Int64Value(value=i)
+                i += 1
+                await trio.sleep(0.01)
+        finally:
+            cancelled.set()
+
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        a.add_protobuf_handler("test::Demo.endless", endless, Int64Value, stream_output=True)
+        async with b.iterate_protobuf_handler(
+            a.peer_id, "test::Demo.endless", Int64Value(), Int64Value
+        ) as responses:
+            async for response in responses:
+                if response.value == 5:
+                    break
+        with trio.fail_after(5):
+            await cancelled.wait()
+        count = len(sent)
+        await trio.sleep(0.2)
+        assert len(sent) == count  # the handler really stopped
+
+
+async def test_callee_shutdown_reaches_the_caller():
+    started = trio.Event()
+
+    async def slow(request, context):
+        started.set()
+        await trio.sleep_forever()
+
+    async with P2P.create() as b, trio.open_nursery() as nursery:
+        a_scope = trio.CancelScope()
+
+        async def run_a(task_status=trio.TASK_STATUS_IGNORED):
+            with a_scope:
+                async with P2P.create() as a:
+                    a.add_protobuf_handler("test::Demo.slow", slow, StringValue)
+                    task_status.started(a)
+                    await trio.sleep_forever()
+
+        a = await nursery.start(run_a)
+        b.add_addrs(a.peer_id, a.get_visible_maddrs())
+
+        async def close_a_later():
+            await started.wait()
+            a_scope.cancel()
+
+        nursery.start_soon(close_a_later)
+        with trio.fail_after(10), pytest.raises(RPCCancelledError):
+            await b.call_protobuf_handler(
+                a.peer_id, "test::Demo.slow", StringValue(), StringValue, timeout=None
+            )
+
+
+async def test_message_size_limits_on_both_sides():
+    async with (
+        P2P.create() as a,
+        P2P.create(initial_peers=a.get_visible_maddrs(), max_message_size=50_000) as b,
+    ):
+        a.add_protobuf_handler(
+            "test::Demo.small", total_size, BytesValue, stream_input=True, max_message_size=1000
+        )
+
+        async def big_reply(request, context):
+            return BytesValue(value=b"z" * request.value)
+
+        a.add_protobuf_handler("test::Demo.big_reply", big_reply, Int64Value)
+        # the receiver (a) refuses a request over its handler's limit
+        with pytest.raises(MessageTooLargeError, match="1000"):
+            await b.call_protobuf_handler(
+                a.peer_id,
+                "test::Demo.small",
+                [BytesValue(value=b"x" * 5000)],
+                Int64Value,
+                stream_input=True,
+            )
+        # the sender (b) refuses to send over its own limit, before dialling
+        with pytest.raises(MessageTooLargeError):
+            await b.call_protobuf_handler(
+                a.peer_id, "test::Demo.reverse", StringValue(value="y" * 60_000), StringValue
+            )
+        # the caller (b) refuses a response over its limit
+        with pytest.raises(MessageTooLargeError):
+            await b.call_protobuf_handler(
+                a.peer_id, "test::Demo.big_reply", Int64Value(value=60_000), BytesValue
+            )
+        ok = await b.call_protobuf_handler(
+            a.peer_id, "test::Demo.big_reply", Int64Value(value=40_000), BytesValue
+        )
+        assert len(ok.value) == 40_000
+
+
+async def test_unreachable_peers_fail_fast():
+    async with P2P.create(dial_timeout=3.0) as a:
+        unknown = peer_id_of(generate_identity())
+        started = time.monotonic()
+        with pytest.raises(PeerUnreachableError, match="no known addresses"):
+            await a.call_protobuf_handler(unknown, "x::Y.z", StringValue(), StringValue)
+        # a closed port on loopback: refused at once, well before dial_timeout
+        with trio.socket.socket() as sock:
+            await sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        a.add_addrs(unknown, [f"/ip4/127.0.0.1/tcp/{port}"])
+        with pytest.raises(PeerUnreachableError):
+            await a.call_protobuf_handler(unknown, "x::Y.z", StringValue(), StringValue)
+        assert time.monotonic() - started < 2.5
+
+
+async def test_garbage_on_a_stream_is_rejected_and_others_keep_working():
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        serve_all(a)
+        for garbage in (b"\xff" * 64, b"\x05hello world", b"\x02\x08\x02" + b"\x00" * 10):
+            stream = await b.new_stream(a.peer_id, RPC_PROTOCOL_ID)
+            await stream.write(garbage)
+            with trio.fail_after(5):
+                data = b""
+                try:
+                    while chunk := await stream.read(1024):
+                        data += chunk
+                except Exception:
+                    pass  # closed or reset: either way the callee gave up on this stream
+            await stream.close()
+        # an oversized request header is refused before the callee allocates anything
+        reply = await b.call_protobuf_handler(
+            a.peer_id, "test::Demo.reverse", StringValue(value="still fine"), StringValue
+        )
+        assert reply.value == "enif llits"
+
+
+async def test_many_concurrent_calls():
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        serve_all(a)
+        results = {}
+
+        async def one(i):
+            reply = await b.call_protobuf_handler(
+                a.peer_id, "test::Demo.reverse", StringValue(value=f"{i:04d}"), StringValue
+            )
+            results[i] = reply.value
+
+        async def stream_one(i):
+            async with b.iterate_protobuf_handler(
+                a.peer_id, "test::Demo.count_to", Int64Value(value=i % 7), Int64Value
+            ) as responses:
+                assert [r.value async for r in responses] == list(range(i % 7))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(100):
+                nursery.start_soon(one, i)
+                nursery.start_soon(stream_one, i)
+        assert results == {i: f"{i:04d}"[::-1] for i in range(100)}
+
+
+async def test_bad_registrations_raise():
+    async with P2P.create() as a:
+        with pytest.raises(TypeError):
+            a.add_protobuf_handler("x::Y.z", reverse, dict)
+        a.add_protobuf_handler("x::Y.z", reverse, StringValue)
+        with pytest.raises(ValueError, match="already registered"):
+            a.add_protobuf_handler("x::Y.z", reverse, StringValue)
+
+        def not_async(request, context):
+            return request
+
+        with pytest.raises(TypeError, match="async"):
+            a.add_protobuf_handler("x::Y.w", not_async, StringValue)
