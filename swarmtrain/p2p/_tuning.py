@@ -4,8 +4,9 @@
   every dial; we set it to 0 so all (at most 2) addresses of a peer are dialled at once.
 - Yamux frames: 64 KiB frames cost a Python round trip each; we send frames of up to 1 MiB
   (sender side only: an unpatched receiver accepts frames up to its 16 MiB window cap).
-- Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values); its loggers
-  stay at ERROR unless the user configures them.
+- Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values) and reports
+  routine events (a peer closing during identify) as errors; its loggers stay at CRITICAL
+  unless the user configures them or sets ``SWARMTRAIN_LIBP2P_LOG_LEVEL``.
 
 These are module attributes of a pinned version; ``apply_libp2p_tuning`` checks the version
 and fails loudly if the attributes moved.
@@ -14,6 +15,7 @@ and fails loudly if the attributes moved.
 from __future__ import annotations
 
 import logging
+import os
 from importlib.metadata import version
 
 SUPPORTED_LIBP2P_VERSION = "0.8.1"
@@ -45,7 +47,10 @@ def apply_libp2p_tuning(*, quiet_logging: bool = True) -> None:
     swarm_module._HAPPY_EYEBALLS_DELAY = 0.0
     yamux_module.MAX_MESSAGE_SIZE = YAMUX_MAX_FRAME_SIZE
     if quiet_logging:
-        libp2p_logger = logging.getLogger("libp2p")
-        if libp2p_logger.level == logging.NOTSET:
-            libp2p_logger.setLevel(logging.ERROR)
+        # py-libp2p logs expected events (a peer closing during identify) at ERROR level.
+        # (py-libp2p itself sets WARNING with no handler, so Python's last-resort handler prints
+        # them; LIBP2P_DEBUG, py-libp2p's own switch, keeps its behaviour.)
+        if not os.environ.get("LIBP2P_DEBUG"):
+            level = os.environ.get("SWARMTRAIN_LIBP2P_LOG_LEVEL", "CRITICAL").upper()
+            logging.getLogger("libp2p").setLevel(getattr(logging, level, logging.CRITICAL))
     _applied = True

@@ -1,0 +1,189 @@
+"""Throughput and latency of swarmtrain's RPC path against a raw trio TCP socket, same run.
+
+    python benchmarks/benchmark_p2p.py [--mib 64] [--runs 5]
+
+Measures, each as the median of --runs runs:
+- bytes/s of one stream-input RPC carrying --mib MiB in 1 MiB messages (TCP + Noise + Yamux),
+  and of a raw trio TCP socket moving the same bytes, in one process and across two processes;
+- dial latency (a fresh host connecting to a running one) and tiny-RPC round-trip latency.
+Prints ratios against raw TCP measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+import trio
+from google.protobuf.wrappers_pb2 import BytesValue, Int64Value, StringValue
+
+from swarmtrain.p2p import P2P
+
+CHUNK = 1024 * 1024
+
+
+async def _sink(requests, context):
+    total = 0
+    async for request in requests:
+        total += len(request.value)
+    return Int64Value(value=total)
+
+
+async def _echo(request, context):
+    return request
+
+
+def serve_p2p():
+    async def main():
+        async with P2P.create() as p2p:
+            p2p.add_protobuf_handler("bench::P2P.sink", _sink, BytesValue, stream_input=True)
+            p2p.add_protobuf_handler("bench::P2P.echo", _echo, StringValue)
+            print(p2p.get_visible_maddrs()[0], flush=True)
+            await trio.to_thread.run_sync(sys.stdin.read)  # until the parent closes stdin
+
+    trio.run(main)
+
+
+def serve_tcp():
+    async def main():
+        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+        print(listener.socket.getsockname()[1], flush=True)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, _counting_handler, [listener])
+            await trio.to_thread.run_sync(sys.stdin.read)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def _counting_handler(stream):
+    # Protocol: 8-byte length, then the payload; answer one byte when all arrived.
+    header = b""
+    while len(header) < 8:
+        header += await stream.receive_some(8 - len(header))
+    remaining = int.from_bytes(header, "big")
+    while remaining > 0:
+        data = await stream.receive_some(min(CHUNK, remaining))
+        if not data:
+            return
+        remaining -= len(data)
+    await stream.send_all(b"\x01")
+    await stream.aclose()
+
+
+async def tcp_transfer(port: int, nbytes: int) -> float:
+    payload = b"\x07" * CHUNK
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    started = time.perf_counter()
+    await stream.send_all(nbytes.to_bytes(8, "big"))
+    for _ in range(nbytes // CHUNK):
+        await stream.send_all(payload)
+    assert await stream.receive_some(1) == b"\x01"
+    elapsed = time.perf_counter() - started
+    await stream.aclose()
+    return elapsed
+
+
+async def rpc_transfer(client: P2P, server_id, nbytes: int) -> float:
+    payload = BytesValue(value=b"\x07" * CHUNK)
+    started = time.perf_counter()
+    reply = await client.call_protobuf_handler(
+        server_id, "bench::P2P.sink", [payload] * (nbytes // CHUNK), Int64Value, stream_input=True
+    )
+    elapsed = time.perf_counter() - started
+    assert reply.value == nbytes
+    return elapsed
+
+
+def start_child(kind: str):
+    proc = subprocess.Popen(
+        [sys.executable, __file__, f"--serve-{kind}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return proc, proc.stdout.readline().strip()
+
+
+async def one_process(nbytes: int, runs: int) -> dict:
+    out = {"tcp": [], "rpc": []}
+    async with trio.open_nursery() as nursery:
+        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+        port = listener.socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, _counting_handler, [listener])
+        async with (
+            P2P.create() as server,
+            P2P.create(initial_peers=server.get_visible_maddrs()) as client,
+        ):
+            server.add_protobuf_handler("bench::P2P.sink", _sink, BytesValue, stream_input=True)
+            await rpc_transfer(client, server.peer_id, CHUNK)  # warm-up
+            for _ in range(runs):
+                out["tcp"].append(nbytes / await tcp_transfer(port, nbytes))
+                out["rpc"].append(nbytes / await rpc_transfer(client, server.peer_id, nbytes))
+        nursery.cancel_scope.cancel()
+    return out
+
+
+async def two_processes(nbytes: int, runs: int) -> dict:
+    out = {"tcp": [], "rpc": [], "dial_ms": [], "rtt_ms": []}
+    p2p_proc, maddr = start_child("p2p")
+    tcp_proc, port = start_child("tcp")
+    try:
+        async with P2P.create(initial_peers=[maddr]) as client:
+            server_id = maddr.rsplit("/p2p/", 1)[1]
+            await rpc_transfer(client, server_id, CHUNK)
+            for _ in range(runs):
+                out["tcp"].append(nbytes / await tcp_transfer(int(port), nbytes))
+                out["rpc"].append(nbytes / await rpc_transfer(client, server_id, nbytes))
+            for _ in range(20):
+                started = time.perf_counter()
+                await client.call_protobuf_handler(
+                    server_id, "bench::P2P.echo", StringValue(value="ping"), StringValue
+                )
+                out["rtt_ms"].append(1000 * (time.perf_counter() - started))
+        for _ in range(max(runs, 5)):
+            started = time.perf_counter()
+            async with P2P.create(initial_peers=[maddr]):
+                out["dial_ms"].append(1000 * (time.perf_counter() - started))
+    finally:
+        for proc in (p2p_proc, tcp_proc):
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--serve-p2p", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-tcp", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_p2p:
+        return serve_p2p()
+    if args.serve_tcp:
+        return serve_tcp()
+    nbytes = args.mib * CHUNK
+    mib = 1024 * 1024
+    print(f"{args.mib} MiB per transfer, median of {args.runs} runs")
+    for label, fn in (("one process", one_process), ("two processes", two_processes)):
+        res = trio.run(fn, nbytes, args.runs)
+        tcp, rpc = statistics.median(res["tcp"]) / mib, statistics.median(res["rpc"]) / mib
+        print(
+            f"{label:14s} raw TCP {tcp:8.0f} MiB/s | swarmtrain RPC {rpc:6.0f} MiB/s "
+            f"| ratio {rpc / tcp:.3f}  (rpc runs: {[round(x / mib) for x in res['rpc']]})"
+        )
+        if "dial_ms" in res:
+            print(
+                f"dial latency (fresh host -> running host, incl. host start) median "
+                f"{statistics.median(res['dial_ms']):.1f} ms; tiny RPC round trip median "
+                f"{statistics.median(res['rtt_ms']):.2f} ms"
+            )
+
+
+if __name__ == "__main__":
+    main()

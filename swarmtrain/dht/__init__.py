@@ -1,0 +1,37 @@
+"""Kademlia DHT with expiring records, dictionary subkeys and record validators.
+
+The modules below are pure (no I/O); the networked node builds on them.
+"""
+
+from .blacklist import Blacklist as Blacklist
+from .blacklist import BlacklistStatistics as BlacklistStatistics
+from .identifiers import DHTID as DHTID
+from .routing import KBucket as KBucket
+from .routing import PingRequest as PingRequest
+from .routing import RoutingTable as RoutingTable
+from .routing import RoutingTableStatistics as RoutingTableStatistics
+from .serialization import MAX_NESTING_DEPTH as MAX_NESTING_DEPTH
+from .serialization import MAX_VALUE_SIZE as MAX_VALUE_SIZE
+from .serialization import DHTValueError as DHTValueError
+from .serialization import UnsupportedValueTypeError as UnsupportedValueTypeError
+from .serialization import ValueTooLargeError as ValueTooLargeError
+from .serialization import deserialize as deserialize
+from .serialization import serialize as serialize
+from .storage import CacheRefreshQueue as CacheRefreshQueue
+from .storage import DHTExpiration as DHTExpiration
+from .storage import DHTLocalStorage as DHTLocalStorage
+from .storage import DictionaryDHTValue as DictionaryDHTValue
+from .storage import TimedStorage as TimedStorage
+from .storage import ValueWithExpiration as ValueWithExpiration
+from .storage import get_dht_time as get_dht_time
+from .traverse import FoundCallback as FoundCallback
+from .traverse import GetNeighbors as GetNeighbors
+from .traverse import simple_traverse_dht as simple_traverse_dht
+from .traverse import traverse_dht as traverse_dht
+from .validation import NO_SUBKEY as NO_SUBKEY
+from .validation import BytesWithPublicKey as BytesWithPublicKey
+from .validation import CompositeValidator as CompositeValidator
+from .validation import DHTRecord as DHTRecord
+from .validation import Ed25519SignatureValidator as Ed25519SignatureValidator
+from .validation import RecordValidatorBase as RecordValidatorBase
+from .validation import SchemaValidator as SchemaValidator

@@ -1,0 +1,81 @@
+"""160-bit Kademlia identifiers for DHT nodes and keys."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from .serialization import serialize
+
+__all__ = ["DHTID"]
+
+
+class DHTID(int):
+    """A node or key identifier: an integer in ``[DHTID.MIN, DHTID.MAX)``, compared by XOR distance.
+
+    Key ids are the hash of the msgpack-serialized key (:meth:`generate`), so every peer derives
+    the same id from the same key; node ids are random unless a seed source is given.
+    """
+
+    HASH_NBYTES = 20  # 160 bits
+    NBITS = HASH_NBYTES * 8
+    MIN, MAX = 0, 2**NBITS  # inclusive min, exclusive max
+
+    def __new__(cls, value: int) -> DHTID:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"DHTID must be an int, got {type(value).__name__}")
+        if not cls.MIN <= value < cls.MAX:
+            raise ValueError(f"DHTID must be in [0, 2**{cls.NBITS}), got {value}")
+        return super().__new__(cls, value)
+
+    @classmethod
+    def generate(cls, source: Any = None) -> DHTID:
+        """Id of a key: the hash of ``serialize(source)``; a random id if ``source`` is None."""
+        if source is None:
+            return cls.from_bytes(os.urandom(cls.HASH_NBYTES))
+        return cls.from_serialized_key(serialize(source))
+
+    @classmethod
+    def from_serialized_key(cls, serialized_key: bytes) -> DHTID:
+        """Id of an already serialized key: ``from_serialized_key(serialize(k)) == generate(k)``."""
+        digest = hashlib.blake2b(serialized_key, digest_size=cls.HASH_NBYTES).digest()
+        return cls.from_bytes(digest)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> DHTID:  # type: ignore[override]
+        """Parse the big-endian :meth:`to_bytes` form (exactly :attr:`HASH_NBYTES` bytes)."""
+        if len(raw) != cls.HASH_NBYTES:
+            raise ValueError(f"DHTID must be {cls.HASH_NBYTES} bytes long, got {len(raw)}")
+        return cls(int.from_bytes(raw, "big"))
+
+    def to_bytes(self) -> bytes:  # type: ignore[override]
+        """Big-endian encoding, :attr:`HASH_NBYTES` bytes long."""
+        return int.to_bytes(self, self.HASH_NBYTES, "big")
+
+    def xor_distance(self, other: int) -> int:
+        """Kademlia distance between this id and ``other``."""
+        return int(self) ^ int(other)
+
+    def xor_distances(self, others: Iterable[int]) -> list[int]:
+        """Distances from this id to each of ``others``."""
+        me = int(self)
+        return [me ^ int(other) for other in others]
+
+    def bucket_index(self, other: int) -> int:
+        """Index of the highest differing bit: ``NBITS - 1 - common_prefix_length``; -1 if equal."""
+        return (int(self) ^ int(other)).bit_length() - 1
+
+    @classmethod
+    def common_prefix_length(cls, *ids: int) -> int:
+        """Number of leading bits (out of :attr:`NBITS`) shared by all ``ids``."""
+        if not ids:
+            raise ValueError("common_prefix_length needs at least one id")
+        differing = 0
+        for other in ids[1:]:
+            differing |= int(ids[0]) ^ int(other)
+        return cls.NBITS - differing.bit_length()
+
+    def __repr__(self) -> str:
+        return f"DHTID({int(self):#0{self.HASH_NBYTES * 2 + 2}x})"

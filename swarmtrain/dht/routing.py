@@ -1,0 +1,284 @@
+"""Kademlia routing table (sans-IO): decides whom to ping, never pings.
+
+Peer ids are opaque hashable values here (the node layer uses libp2p peer-id strings).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import random
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from .identifiers import DHTID
+
+__all__ = ["KBucket", "PingRequest", "RoutingTable", "RoutingTableStatistics"]
+
+PeerT = TypeVar("PeerT", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class PingRequest(Generic[PeerT]):
+    """Action: ping this node; if it does not answer, call ``RoutingTable.remove(node_id)``.
+
+    A full bucket asks for its least-recently-seen node to be checked; if the node answers,
+    report it with ``add_or_update_node`` and the newcomer stays a replacement.
+    """
+
+    node_id: DHTID
+    peer_id: PeerT
+
+
+@dataclass(frozen=True)
+class RoutingTableStatistics:
+    """A snapshot of :class:`RoutingTable` occupancy."""
+
+    num_nodes: int
+    num_replacement_nodes: int
+    num_buckets: int
+    num_pending_pings: int
+    max_depth: int
+
+
+class KBucket(Generic[PeerT]):
+    """Up to ``size`` nodes whose ids lie in ``[lower, upper)``, least-recently-seen first.
+
+    Nodes that arrive while the bucket is full wait in a replacement list (also at most ``size``,
+    oldest dropped first) and are promoted when a main node is removed.
+    """
+
+    def __init__(self, lower: int, upper: int, size: int, depth: int = 0):
+        if not 0 <= lower < upper or size < 1:
+            raise ValueError(f"invalid bucket lower={lower}, upper={upper}, size={size}")
+        self.lower, self.upper, self.size, self.depth = lower, upper, size, depth
+        self.nodes: dict[DHTID, PeerT] = {}  # insertion order = least recently seen first
+        self.replacement_nodes: dict[DHTID, PeerT] = {}  # same order
+        self.pending_pings: set[DHTID] = set()
+        self.last_updated = float("-inf")
+
+    def has_in_range(self, node_id: int) -> bool:
+        """Whether ``node_id`` falls into this bucket's range."""
+        return self.lower <= node_id < self.upper
+
+    def add_or_update_node(
+        self, node_id: DHTID, peer_id: PeerT, now: float
+    ) -> tuple[bool, DHTID | None]:
+        """Mark ``node_id`` as just seen.
+
+        :returns: (whether the node is now in the main list, replacement node dropped to make room)
+        """
+        if not self.has_in_range(node_id):
+            raise ValueError(f"{node_id!r} is outside bucket [{self.lower:#x}, {self.upper:#x})")
+        self.last_updated = max(self.last_updated, now)
+        self.pending_pings.discard(node_id)
+        if node_id in self.nodes:
+            del self.nodes[node_id]
+            self.nodes[node_id] = peer_id
+            return True, None
+        if len(self.nodes) < self.size:
+            self.replacement_nodes.pop(node_id, None)
+            self.nodes[node_id] = peer_id
+            return True, None
+        self.replacement_nodes.pop(node_id, None)
+        self.replacement_nodes[node_id] = peer_id
+        if len(self.replacement_nodes) > self.size:
+            dropped = next(iter(self.replacement_nodes))
+            del self.replacement_nodes[dropped]
+            return False, dropped
+        return False, None
+
+    def request_ping_node(self) -> PingRequest[PeerT] | None:
+        """The least-recently-seen main node not already awaiting a ping, or None."""
+        for node_id, peer_id in self.nodes.items():
+            if node_id not in self.pending_pings:
+                self.pending_pings.add(node_id)
+                return PingRequest(node_id, peer_id)
+        return None
+
+    def remove(self, node_id: DHTID) -> bool:
+        """Forget a node; a removed main node is replaced by the most recently seen replacement."""
+        self.pending_pings.discard(node_id)
+        if self.replacement_nodes.pop(node_id, None) is not None:
+            return True
+        if node_id not in self.nodes:
+            return False
+        del self.nodes[node_id]
+        if self.replacement_nodes:
+            promoted, peer_id = self.replacement_nodes.popitem()
+            self.nodes[promoted] = peer_id
+        return True
+
+    def split(self) -> tuple[KBucket[PeerT], KBucket[PeerT]]:
+        """Split the range in two halves; replacements fill the free slots of each half."""
+        if self.upper - self.lower < 2:
+            raise ValueError("a bucket of width 1 cannot be split")
+        midpoint = (self.lower + self.upper) // 2
+        halves = (
+            KBucket[PeerT](self.lower, midpoint, self.size, self.depth + 1),
+            KBucket[PeerT](midpoint, self.upper, self.size, self.depth + 1),
+        )
+        for half in halves:
+            half.last_updated = self.last_updated
+        for source in (self.nodes, self.replacement_nodes):
+            for node_id, peer_id in source.items():
+                half = halves[node_id >= midpoint]
+                target = half.nodes if len(half.nodes) < half.size else half.replacement_nodes
+                target[node_id] = peer_id
+        for node_id in self.pending_pings:
+            halves[node_id >= midpoint].pending_pings.add(node_id)
+        return halves
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __repr__(self) -> str:
+        return (
+            f"KBucket(depth={self.depth}, nodes={len(self.nodes)}/{self.size}, "
+            f"replacements={len(self.replacement_nodes)}, "
+            f"range=[{self.lower:#x}, {self.upper:#x}))"
+        )
+
+
+class RoutingTable(Generic[PeerT]):
+    """Kademlia routing table of ``node_id``: buckets of up to ``bucket_size`` nodes.
+
+    A full bucket is split if it covers ``node_id`` or its depth is not a multiple of
+    ``depth_modulo`` (Kademlia paper, section 4.2); otherwise the newcomer becomes a replacement
+    and :meth:`add_or_update_node` returns a :class:`PingRequest` for the bucket's stalest node.
+    """
+
+    def __init__(self, node_id: DHTID, bucket_size: int = 20, depth_modulo: int = 5):
+        if bucket_size < 1:
+            raise ValueError(f"bucket_size must be positive, got {bucket_size}")
+        if depth_modulo < 1:
+            raise ValueError(f"depth_modulo must be positive, got {depth_modulo}")
+        self.node_id, self.bucket_size, self.depth_modulo = node_id, bucket_size, depth_modulo
+        self.buckets: list[KBucket[PeerT]] = [KBucket(DHTID.MIN, DHTID.MAX, bucket_size)]
+        self._lowers: list[int] = [DHTID.MIN]
+        self._uid_to_peer_id: dict[DHTID, PeerT] = {}
+        self._peer_id_to_uid: dict[PeerT, DHTID] = {}
+
+    def get_bucket_index(self, node_id: int) -> int:
+        """Index in :attr:`buckets` of the bucket whose range holds ``node_id``."""
+        if not DHTID.MIN <= node_id < DHTID.MAX:
+            raise ValueError(f"{node_id} is not a valid DHTID")
+        return bisect.bisect_right(self._lowers, node_id) - 1
+
+    def add_or_update_node(
+        self, node_id: DHTID, peer_id: PeerT, *, now: float
+    ) -> PingRequest[PeerT] | None:
+        """Record that ``node_id`` (reachable as ``peer_id``) was just seen alive at time ``now``.
+
+        :returns: a node the caller should ping (see :class:`PingRequest`), or None
+        """
+        if node_id == self.node_id:
+            return None
+        previous_uid = self._peer_id_to_uid.get(peer_id)
+        if previous_uid is not None and previous_uid != node_id:
+            self.remove(previous_uid)  # the peer restarted with a new DHT id
+        previous_peer = self._uid_to_peer_id.get(node_id)
+        if previous_peer is not None and previous_peer != peer_id:
+            del self._peer_id_to_uid[previous_peer]
+        self._uid_to_peer_id[node_id] = peer_id
+        self._peer_id_to_uid[peer_id] = node_id
+
+        while True:
+            index = self.get_bucket_index(node_id)
+            bucket = self.buckets[index]
+            added, dropped = bucket.add_or_update_node(node_id, peer_id, now)
+            if dropped is not None:
+                self._forget(dropped)
+            if added:
+                return None
+            can_split = bucket.upper - bucket.lower >= 2
+            if can_split and (
+                bucket.has_in_range(self.node_id) or bucket.depth % self.depth_modulo != 0
+            ):
+                self._split_bucket(index)  # the newcomer is re-filed into one of the halves
+                continue
+            return bucket.request_ping_node()
+
+    def _split_bucket(self, index: int) -> None:
+        left, right = self.buckets[index].split()
+        self.buckets[index : index + 1] = [left, right]
+        self._lowers[index : index + 1] = [left.lower, right.lower]
+
+    def _forget(self, node_id: DHTID) -> None:
+        peer_id = self._uid_to_peer_id.pop(node_id, None)
+        if peer_id is not None and self._peer_id_to_uid.get(peer_id) == node_id:
+            del self._peer_id_to_uid[peer_id]
+
+    def remove(self, node_id: DHTID) -> bool:
+        """Forget a node (e.g. it failed a ping); a replacement takes its place. True if known."""
+        removed = self.buckets[self.get_bucket_index(node_id)].remove(node_id)
+        self._forget(node_id)
+        return removed
+
+    def __delitem__(self, node_id: DHTID) -> None:
+        if not self.remove(node_id):
+            raise KeyError(node_id)
+
+    def __contains__(self, node_id: object) -> bool:
+        """Whether ``node_id`` is in a bucket's main list (replacements do not count)."""
+        if not isinstance(node_id, int) or not DHTID.MIN <= node_id < DHTID.MAX:
+            return False
+        return node_id in self.buckets[self.get_bucket_index(node_id)].nodes
+
+    def __len__(self) -> int:
+        return sum(len(bucket) for bucket in self.buckets)
+
+    def __iter__(self) -> Iterator[tuple[DHTID, PeerT]]:
+        """(node_id, peer_id) for every main-list node."""
+        for bucket in self.buckets:
+            yield from bucket.nodes.items()
+
+    def get_peer_id(self, node_id: DHTID) -> PeerT | None:
+        """Peer id of a known node (main list or replacement), or None."""
+        return self._uid_to_peer_id.get(node_id)
+
+    def get_node_id(self, peer_id: PeerT) -> DHTID | None:
+        """DHT id of a known peer (main list or replacement), or None."""
+        return self._peer_id_to_uid.get(peer_id)
+
+    def get_nearest_neighbors(
+        self, query_id: int, k: int, exclude: DHTID | None = None
+    ) -> list[tuple[DHTID, PeerT]]:
+        """Up to ``k`` main-list nodes nearest to ``query_id`` by XOR distance, nearest first."""
+        if k < 0:
+            raise ValueError(f"k must be non-negative, got {k}")
+        query = int(query_id)
+        candidates = (item for item in self if item[0] != exclude)
+        return heapq.nsmallest(k, candidates, key=lambda item: item[0] ^ query)
+
+    def get_stale_buckets(self, now: float, max_age: float) -> list[KBucket[PeerT]]:
+        """Buckets that saw no node for more than ``max_age`` seconds before ``now``."""
+        return [bucket for bucket in self.buckets if bucket.last_updated < now - max_age]
+
+    def get_refresh_ids(
+        self, now: float, max_age: float, rng: random.Random | None = None
+    ) -> list[DHTID]:
+        """A random id inside each stale bucket: look them up to refresh the table."""
+        rng = rng if rng is not None else random.Random()
+        return [
+            DHTID(rng.randrange(bucket.lower, bucket.upper))
+            for bucket in self.get_stale_buckets(now, max_age)
+        ]
+
+    def statistics(self) -> RoutingTableStatistics:
+        """Current occupancy as a frozen record."""
+        return RoutingTableStatistics(
+            num_nodes=len(self),
+            num_replacement_nodes=sum(len(b.replacement_nodes) for b in self.buckets),
+            num_buckets=len(self.buckets),
+            num_pending_pings=sum(len(b.pending_pings) for b in self.buckets),
+            max_depth=max(bucket.depth for bucket in self.buckets),
+        )
+
+    def __repr__(self) -> str:
+        stats = self.statistics()
+        return (
+            f"RoutingTable(node_id={self.node_id!r}, nodes={stats.num_nodes}, "
+            f"buckets={stats.num_buckets}, bucket_size={self.bucket_size})"
+        )

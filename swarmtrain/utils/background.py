@@ -1,0 +1,140 @@
+"""One background trio loop per process, for plain (blocking) code and asyncio code.
+
+swarmtrain is written once, as trio/anyio coroutines. Code that is not running trio reaches it
+through ``BackgroundRuntime``: a daemon thread running a trio loop behind an anyio blocking
+portal, shared by every swarmtrain object of the process and stopped when the last one releases
+it (so a clean shutdown leaves no thread behind).
+
+- ``runtime.call(fn, *args)`` blocks the calling thread until ``fn`` finishes on the loop. A
+  ``KeyboardInterrupt`` (or any exception) while waiting cancels the trio task before it
+  propagates, so Ctrl-C never leaves work running in the background.
+- ``await runtime.call_asyncio(fn, *args)`` is the same for asyncio code: the asyncio loop is
+  never blocked, and cancelling the awaiting asyncio task (``wait_for`` timeouts included)
+  cancels the trio task.
+- After ``fork()`` (DataLoader workers) the child has no loop thread: every call raises a clear
+  ``RuntimeError`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError as FutureCancelledError
+from concurrent.futures import Future
+from contextlib import AbstractAsyncContextManager, ExitStack, contextmanager
+from typing import Any, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+T = TypeVar("T")
+
+
+class BackgroundRuntime:
+    """A refcounted trio loop in a daemon thread. Use ``acquire()`` / ``release()``."""
+
+    _lock = threading.Lock()
+    _instance: BackgroundRuntime | None = None
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self.portal: BlockingPortal = self._stack.enter_context(
+            start_blocking_portal(backend="trio", name="swarmtrain-background-loop")
+        )
+        self._pid = os.getpid()
+        self._refs = 0
+
+    # ------------------------------------------------------------ lifetime
+
+    @classmethod
+    def acquire(cls) -> BackgroundRuntime:
+        """The process's runtime (started on first use); pair every call with ``release()``."""
+        with cls._lock:
+            runtime = cls._instance
+            if runtime is None or runtime._pid != os.getpid():
+                runtime = cls._instance = cls()
+            runtime._refs += 1
+            return runtime
+
+    def release(self) -> None:
+        """Drop one reference; the last one stops the loop and joins its thread."""
+        with self._lock:
+            self._refs -= 1
+            if self._refs > 0:
+                return
+            if BackgroundRuntime._instance is self:
+                BackgroundRuntime._instance = None
+        if os.getpid() == self._pid:
+            self._stack.close()
+
+    @classmethod
+    def active_references(cls) -> int:
+        runtime = cls._instance
+        return runtime._refs if runtime is not None else 0
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                "this swarmtrain object was created in another process (before a fork, e.g. "
+                "in a DataLoader worker); create swarmtrain objects in the process that uses them"
+            )
+
+    # --------------------------------------------------------------- calls
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``await fn(*args)`` on the loop and block until it returns (Ctrl-C safe)."""
+        self._check_process()
+        future = self.portal.start_task_soon(fn, *args)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # the portal cancels the trio task when its future is cancelled
+            raise
+
+    def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a plain function on the loop thread (for state that only the loop may touch)."""
+        self._check_process()
+        return self.portal.call(fn, *args)
+
+    async def call_asyncio(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """From asyncio: ``await`` ``fn(*args)`` running on the trio loop, without blocking."""
+        self._check_process()
+        future: Future = self.portal.start_task_soon(fn, *args)
+        try:
+            return await asyncio.wrap_future(future)
+        except (asyncio.CancelledError, FutureCancelledError):
+            future.cancel()
+            raise
+
+    def start_service(
+        self, factory: Callable[[], AbstractAsyncContextManager[T]]
+    ) -> tuple[T, Callable[[], None]]:
+        """Enter ``factory()`` in its own task on the loop; return (value, stop)."""
+        self._check_process()
+        stopped = Future()
+
+        async def serve(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+            stop_event = anyio.Event()
+            async with factory() as value:
+                task_status.started((value, stop_event))
+                await stop_event.wait()
+
+        future, (value, stop_event) = self.portal.start_task(serve)
+
+        def stop() -> None:
+            if stopped.done():
+                return
+            stopped.set_result(None)
+            self.portal.call(stop_event.set)
+            future.result()
+
+        return value, stop
+
+    @contextmanager
+    def wrap_async_context_manager(self, cm: AbstractAsyncContextManager[T]) -> Iterator[T]:
+        """Use an async context manager from blocking code (entered and exited in one task)."""
+        self._check_process()
+        with self.portal.wrap_async_context_manager(cm) as value:
+            yield value

@@ -1,0 +1,175 @@
+import random
+
+import pytest
+
+from swarmtrain.dht import DHTID, KBucket, PingRequest, RoutingTable
+
+
+def random_ids(rng: random.Random, n: int) -> list[DHTID]:
+    return [DHTID(rng.getrandbits(160)) for _ in range(n)]
+
+
+def check_invariants(table: RoutingTable) -> None:
+    assert table.buckets[0].lower == DHTID.MIN and table.buckets[-1].upper == DHTID.MAX
+    for left, right in zip(table.buckets, table.buckets[1:], strict=False):
+        assert left.upper == right.lower
+    for bucket in table.buckets:
+        assert len(bucket.nodes) <= bucket.size and len(bucket.replacement_nodes) <= bucket.size
+        assert bucket.upper - bucket.lower == 2 ** (160 - bucket.depth)
+        for node_id in [*bucket.nodes, *bucket.replacement_nodes]:
+            assert bucket.has_in_range(node_id)
+            assert table.get_bucket_index(node_id) == table.buckets.index(bucket)
+
+
+def test_splits_follow_kademlia_rules():
+    rng = random.Random(0)
+    own_id = DHTID(rng.getrandbits(160))
+    table: RoutingTable[str] = RoutingTable(own_id, bucket_size=4, depth_modulo=1)
+    for i, node_id in enumerate(random_ids(rng, 2000)):
+        table.add_or_update_node(node_id, f"peer{i}", now=0)
+    check_invariants(table)
+    # depth_modulo=1: only buckets holding our own id split, so every other bucket is the
+    # sibling of one on the path to our id and there is one bucket per level
+    depths = sorted(bucket.depth for bucket in table.buckets)
+    own_bucket = table.buckets[table.get_bucket_index(own_id)]
+    assert depths == [*range(1, own_bucket.depth + 1), own_bucket.depth]
+    for bucket in table.buckets:
+        if bucket is not own_bucket:
+            assert DHTID.common_prefix_length(bucket.lower, own_id) == bucket.depth - 1
+
+
+def test_depth_modulo_allows_extra_splits():
+    rng = random.Random(1)
+    ids = random_ids(rng, 3000)
+    plain: RoutingTable[int] = RoutingTable(ids[0], bucket_size=4, depth_modulo=1)
+    relaxed: RoutingTable[int] = RoutingTable(ids[0], bucket_size=4, depth_modulo=5)
+    for i, node_id in enumerate(ids[1:]):
+        plain.add_or_update_node(node_id, i, now=0)
+        relaxed.add_or_update_node(node_id, i, now=0)
+    check_invariants(relaxed)
+    assert len(relaxed.buckets) > len(plain.buckets)
+    assert len(relaxed) > len(plain)
+    # a subtree that left the path to our id at depth d keeps splitting up to the next
+    # multiple of depth_modulo, then stops
+    max_extra_depth = 0
+    for bucket in relaxed.buckets:
+        if not bucket.has_in_range(ids[0]):
+            divergence_depth = DHTID.common_prefix_length(bucket.lower, ids[0]) + 1
+            assert bucket.depth <= -(-divergence_depth // 5) * 5
+            max_extra_depth = max(max_extra_depth, bucket.depth - divergence_depth)
+    assert max_extra_depth > 0
+
+
+def test_nearest_neighbors_match_brute_force():
+    rng = random.Random(2)
+    ids = random_ids(rng, 500)
+    table: RoutingTable[int] = RoutingTable(ids[0], bucket_size=1000)
+    for i, node_id in enumerate(ids[1:], start=1):
+        table.add_or_update_node(node_id, i, now=0)
+    assert len(table) == 499
+    for query in random_ids(rng, 20) + ids[1:5]:
+        expected = sorted(ids[1:], key=lambda n: n ^ query)[:7]
+        assert [n for n, _ in table.get_nearest_neighbors(query, k=7)] == expected
+        found = table.get_nearest_neighbors(query, k=7, exclude=expected[0])
+        assert [n for n, _ in found] == expected[1:] + sorted(ids[1:], key=lambda n: n ^ query)[7:8]
+        assert all(table.get_peer_id(n) == peer for n, peer in found)
+    assert table.get_nearest_neighbors(ids[1], k=0) == []
+    with pytest.raises(ValueError):
+        table.get_nearest_neighbors(ids[1], k=-1)
+
+
+def test_nearest_neighbors_on_split_table():
+    rng = random.Random(3)
+    ids = random_ids(rng, 400)
+    table: RoutingTable[int] = RoutingTable(ids[0], bucket_size=8)
+    for i, node_id in enumerate(ids[1:]):
+        table.add_or_update_node(node_id, i, now=0)
+    known = [node_id for node_id, _ in table]
+    for query in random_ids(rng, 10):
+        expected = sorted(known, key=lambda n: n ^ query)[:5]
+        assert [n for n, _ in table.get_nearest_neighbors(query, 5)] == expected
+
+
+def full_bucket_table() -> tuple[RoutingTable[str], list[DHTID]]:
+    # own id at the bottom; nodes in the top half never share our bucket after the first split
+    table: RoutingTable[str] = RoutingTable(DHTID(0), bucket_size=2, depth_modulo=1)
+    top = [DHTID((1 << 159) + i) for i in range(1, 6)]
+    return table, top
+
+
+def test_full_bucket_requests_ping_and_keeps_replacements():
+    table, top = full_bucket_table()
+    assert table.add_or_update_node(top[0], "a", now=1) is None
+    assert table.add_or_update_node(top[1], "b", now=2) is None
+    ping = table.add_or_update_node(top[2], "c", now=3)
+    assert ping == PingRequest(top[0], "a")  # least recently seen
+    assert top[2] not in table and table.get_peer_id(top[2]) == "c"
+    # a second newcomer asks about the next stale node, not the one already being pinged
+    assert table.add_or_update_node(top[3], "d", now=4) == PingRequest(top[1], "b")
+    # nothing left to ping
+    assert table.add_or_update_node(top[4], "e", now=5) is None
+    stats = table.statistics()
+    assert (stats.num_nodes, stats.num_replacement_nodes, stats.num_pending_pings) == (2, 2, 2)
+    assert table.get_node_id("e") == top[4]  # the oldest replacement "c" was dropped
+    assert table.get_peer_id(top[2]) is None and table.get_node_id("c") is None
+
+    # "a" answered the ping: it stays and becomes most recently seen
+    assert table.add_or_update_node(top[0], "a", now=6) is None
+    assert list(table.buckets[-1].nodes) == [top[1], top[0]]
+    # "b" did not answer: the most recently seen replacement takes its place
+    assert table.remove(top[1])
+    assert list(table.buckets[-1].nodes) == [top[0], top[4]]
+    assert table.get_node_id("b") is None
+    assert not table.remove(top[1])
+    with pytest.raises(KeyError):
+        del table[top[1]]
+
+
+def test_split_promotes_replacements_and_respects_midpoint():
+    bucket: KBucket[int] = KBucket(0, 16, size=2)
+    bucket.add_or_update_node(DHTID(7), 7, now=1)
+    bucket.add_or_update_node(DHTID(8), 8, now=2)
+    assert bucket.add_or_update_node(DHTID(9), 9, now=3) == (False, None)
+    left, right = bucket.split()
+    assert (left.lower, left.upper, right.lower, right.upper) == (0, 8, 8, 16)
+    assert list(left.nodes) == [7] and list(right.nodes) == [8, 9]
+    assert left.depth == right.depth == 1 and left.last_updated == 3
+    with pytest.raises(ValueError, match="outside"):
+        left.add_or_update_node(DHTID(8), 8, now=4)
+    with pytest.raises(ValueError, match="cannot be split"):
+        KBucket(3, 4, size=1).split()
+
+
+def test_peer_id_mapping_and_reidentified_peer():
+    table: RoutingTable[str] = RoutingTable(DHTID(0))
+    table.add_or_update_node(DHTID(5), "peer", now=0)
+    assert table.get_node_id("peer") == 5 and table.get_peer_id(DHTID(5)) == "peer"
+    table.add_or_update_node(DHTID(6), "peer", now=1)  # restarted with a new id
+    assert DHTID(5) not in table and DHTID(6) in table
+    assert table.get_node_id("peer") == 6 and table.get_peer_id(DHTID(5)) is None
+    table.add_or_update_node(DHTID(6), "moved", now=2)  # same id, new peer id
+    assert table.get_node_id("peer") is None and table.get_node_id("moved") == 6
+    assert table.add_or_update_node(DHTID(0), "me", now=3) is None and DHTID(0) not in table
+    assert "not an id" not in table and DHTID.MAX not in table
+
+
+def test_refresh_ids_cover_stale_buckets():
+    rng = random.Random(4)
+    table: RoutingTable[int] = RoutingTable(DHTID(rng.getrandbits(160)), bucket_size=2)
+    for i, node_id in enumerate(random_ids(rng, 50)):
+        table.add_or_update_node(node_id, i, now=float(i))
+    assert table.get_stale_buckets(now=100.0, max_age=1000.0) == []
+    stale = table.get_stale_buckets(now=100.0, max_age=75.0)
+    assert stale and all(bucket.last_updated < 25.0 for bucket in stale)
+    refresh_ids = table.get_refresh_ids(now=100.0, max_age=75.0, rng=random.Random(0))
+    assert len(refresh_ids) == len(stale)
+    assert all(b.has_in_range(i) for b, i in zip(stale, refresh_ids, strict=True))
+
+
+def test_invalid_parameters():
+    with pytest.raises(ValueError):
+        RoutingTable(DHTID(0), bucket_size=0)
+    with pytest.raises(ValueError):
+        RoutingTable(DHTID(0), depth_modulo=0)
+    with pytest.raises(ValueError):
+        RoutingTable(DHTID(0)).get_bucket_index(DHTID.MAX)
