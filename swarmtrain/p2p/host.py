@@ -36,6 +36,7 @@ from swarmtrain.p2p import rpc
 from swarmtrain.p2p._tuning import apply_libp2p_tuning
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, RPCTimeoutError
 from swarmtrain.p2p.identity import load_or_create_identity
+from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,14 @@ class P2PConfig:
     request_timeout: float | None = 30.0
     max_message_size: int = rpc.DEFAULT_MAX_MESSAGE_SIZE
     quiet_logging: bool = True
+    # NAT traversal (swarmtrain.p2p.relay): dial and accept relayed connections; serve as a relay
+    # when listening; reserve relay slots (always in client_mode, or with use_auto_relay);
+    # upgrade relayed connections by hole punching.
+    use_relay: bool = True
+    relay_service: bool = True
+    use_auto_relay: bool = False
+    use_hole_punching: bool = True
+    relay_max_reservations: int = 16
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -80,6 +89,10 @@ class P2PConfig:
             raise ValueError("request_timeout must be positive or None")
         if self.max_message_size <= 0:
             raise ValueError("max_message_size must be positive")
+        if self.relay_max_reservations < 0:
+            raise ValueError("relay_max_reservations must be non-negative")
+        if self.use_auto_relay and not self.use_relay:
+            raise ValueError("use_auto_relay needs use_relay=True")
 
 
 def as_peer_id(peer: ID | str | bytes) -> ID:
@@ -118,7 +131,7 @@ class P2P:
         self._rpc_server = rpc.RPCServer(config.max_message_size)
         self._nursery: trio.Nursery | None = None
         self._dial_locks: dict[ID, trio.Lock] = {}
-        self.relay = None  # set by swarmtrain.p2p.relay when enabled
+        self.relay: RelayManager | None = None  # set in create when relaying is enabled
         self._closed = False
 
     # ---------------------------------------------------------------- lifetime
@@ -155,7 +168,11 @@ class P2P:
                 async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
                     self._nursery = nursery
                     try:
+                        if config.use_relay or config.relay_service:
+                            self.relay = await RelayManager.start(self)
                         await self._connect_initial_peers()
+                        if self.relay is not None:
+                            await self.relay.reserve_initial_relays()
                         yield self
                     finally:
                         self._closed = True
