@@ -317,3 +317,20 @@ async def test_bad_registrations_raise():
 
         with pytest.raises(TypeError, match="async"):
             a.add_protobuf_handler("x::Y.w", not_async, StringValue)
+
+
+async def test_websocket_transport_interoperates_with_tcp():
+    async with P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0/ws"]) as ws_peer:
+        (addr,) = ws_peer.get_visible_maddrs()
+        assert "/ws/" in addr and "/tcp/0/" not in addr
+        serve_all(ws_peer)
+        # a TCP-listening peer dials the WebSocket one when asked to
+        async with P2P.create(initial_peers=[addr], enable_websocket=True) as tcp_peer:
+            reply = await tcp_peer.call_protobuf_handler(
+                ws_peer.peer_id, "test::Demo.reverse", StringValue(value="ws"), StringValue
+            )
+            assert reply.value == "sw"
+            async with tcp_peer.iterate_protobuf_handler(
+                ws_peer.peer_id, "test::Demo.count_to", Int64Value(value=3), Int64Value
+            ) as responses:
+                assert [r.value async for r in responses] == [0, 1, 2]

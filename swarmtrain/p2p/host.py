@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -105,17 +106,39 @@ def as_peer_id(peer: ID | str | bytes) -> ID:
     raise TypeError(f"expected a peer id, got {type(peer).__name__}")
 
 
-def _build_host(key_pair: KeyPair, config: P2PConfig, listen: list[multiaddr.Multiaddr]):
+def _with_ws_port(addr: str) -> multiaddr.Multiaddr:
+    """py-libp2p 0.8.1's WebSocket listener reports ``/tcp/0`` instead of the port it bound, so
+    we choose a free port for ``/tcp/0/ws`` addresses ourselves."""
+    maddr = multiaddr.Multiaddr(addr)
+    protocols = [p.name for p in maddr.protocols()]
+    if "ws" not in protocols or maddr.value_for_protocol("tcp") != "0":
+        return maddr
+    family = socket.AF_INET6 if "ip6" in protocols else socket.AF_INET
+    host = maddr.value_for_protocol("ip6" if "ip6" in protocols else "ip4")
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    return multiaddr.Multiaddr(addr.replace("/tcp/0/", f"/tcp/{port}/", 1))
+
+
+def _build_host(key_pair: KeyPair, config: P2PConfig):
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     kwargs: dict[str, Any] = {}
     if config.announce_maddrs:
         kwargs["announce_addrs"] = [multiaddr.Multiaddr(a) for a in config.announce_maddrs]
+    # py-libp2p builds one transport per kind of address in ``listen_addrs`` (and ignores the
+    # enable_* flags when it finds any), so a TCP listener could not dial a WebSocket peer and
+    # vice versa. We list one address of every kind we want to *dial*; the host only listens on
+    # ``listen`` (see ``host.run`` in ``P2P.create``).
+    use_websocket = config.enable_websocket or any("/ws" in a for a in config.host_maddrs)
+    transport_kinds = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    if use_websocket:
+        transport_kinds.append(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0/ws"))
     return new_host(
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},  # never plaintext, which py-libp2p offers by default
         muxer_preference="YAMUX",
-        listen_addrs=listen or None,
-        enable_websocket=config.enable_websocket or any("/ws" in a for a in config.host_maddrs),
+        listen_addrs=transport_kinds,
         **kwargs,
     )
 
@@ -159,8 +182,8 @@ class P2P:
         )
         apply_libp2p_tuning(quiet_logging=config.quiet_logging)
         key_pair = load_or_create_identity(config.identity_path)
-        listen = [] if config.client_mode else [multiaddr.Multiaddr(a) for a in config.host_maddrs]
-        host = _build_host(key_pair, config, listen)
+        listen = [] if config.client_mode else [_with_ws_port(a) for a in config.host_maddrs]
+        host = _build_host(key_pair, config)
         self = cls(host, key_pair, config)
         host.set_stream_handler(rpc.RPC_PROTOCOL_ID, self._on_rpc_stream)
         try:
