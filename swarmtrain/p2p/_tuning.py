@@ -46,6 +46,9 @@ def apply_libp2p_tuning(*, quiet_logging: bool = True) -> None:
             raise RuntimeError(f"libp2p internals changed: {module.__name__}.{name} is missing")
     swarm_module._HAPPY_EYEBALLS_DELAY = 0.0
     yamux_module.MAX_MESSAGE_SIZE = YAMUX_MAX_FRAME_SIZE
+    from swarmtrain.p2p._io_tuning import apply_io_tuning
+
+    apply_io_tuning()
     if quiet_logging:
         # py-libp2p logs expected events (a peer closing during identify) at ERROR level.
         # (py-libp2p itself sets WARNING with no handler, so Python's last-resort handler prints
