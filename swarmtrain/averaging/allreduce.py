@@ -1,0 +1,545 @@
+"""Butterfly all-reduce over libp2p RPC streams: the async shell around ``AllReduceCore``.
+
+``AllReduceService`` serves ``{prefix}::Averaging.rpc_aggregate_part`` on one host and hands
+each incoming stream to the round (``AllReduceRunner``) whose group id it names. A runner does
+one round::
+
+    async with AllReduceService.create(p2p, prefix="demo") as service:
+        result = await AllReduceRunner(service, group, tensors, weight=1.0).run()
+        for tensor, delta in zip(tensors, result.deltas):
+            tensor.add_(delta)
+
+Resource handling: ``AllReduceService.create`` registers the handler and removes it on exit.
+``run`` owns a task group with one task per remote reducer (the stream that sends our parts and
+reads back the averaged deltas) and a watchdog for senders that never show up; incoming
+streams are served by the host's RPC server and end when the round ends. Leaving ``run`` (done,
+past ``allreduce_timeout``, or cancelled) closes every stream it opened and ends the incoming
+ones with ``AVERAGING_FINISHED``.
+
+Error handling: no failure of another peer raises. A sender that fails (disconnects, is too
+slow, sends bad data) is banned and the local slice is averaged without it; a reducer that
+fails leaves our local values in its slice. ``AllReduceResult`` says who failed and why.
+Tensor math that may be large (codecs) runs in worker threads; averaging happens on the loop
+in parts of at most ``part_size_bytes``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import torch
+
+from swarmtrain.averaging.allreduce_core import (
+    AllReduceCore,
+    AllReduceGroup,
+    AllReduceStatistics,
+    AveragingMode,
+    Failure,
+    Reject,
+)
+from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from swarmtrain.compression import (
+    CompressionBase,
+    CompressionInfo,
+    NoCompression,
+    TensorDescriptor,
+    WireFormatError,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
+from swarmtrain.compression.wire import TensorMessage
+from swarmtrain.p2p import P2P, P2PError
+from swarmtrain.proto import averaging_pb2
+from swarmtrain.utils.exception_groups import collapse_exception_groups
+
+__all__ = [
+    "AllReduceConfig",
+    "AllReduceResult",
+    "AllReduceRunner",
+    "AllReduceService",
+    "rpc_aggregate_part_name",
+]
+
+logger = logging.getLogger(__name__)
+
+Code = averaging_pb2.AveragingCode
+# Room for codec metadata on top of a part's raw bytes (codebooks, block scales).
+_PART_OVERHEAD_BYTES = 1 << 16
+_REJECT_CODES = {
+    Reject.BAD_GROUP_ID: Code.AVERAGING_BAD_GROUP_ID,
+    Reject.NOT_A_SENDER: Code.AVERAGING_NOT_A_SENDER,
+    Reject.NOT_A_REDUCER: Code.AVERAGING_NOT_A_REDUCER,
+    Reject.DUPLICATE_SENDER: Code.AVERAGING_DUPLICATE_SENDER,
+    Reject.BANNED: Code.AVERAGING_BANNED,
+    Reject.BAD_PART: Code.AVERAGING_BAD_PART,
+    Reject.FINISHED: Code.AVERAGING_FINISHED,
+}
+
+
+def rpc_aggregate_part_name(prefix: str) -> str:
+    return f"{prefix}::Averaging.rpc_aggregate_part"
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """Settings of one round (every member should use the same ``part_size_bytes``).
+
+    :param compression: codec for the parts we send (reducers answer with the same codec)
+    :param part_size_bytes: largest raw size of one part
+    :param sender_timeout: a reducer bans a sender that does not open its stream, or send its
+      next part, within this many seconds (None: never)
+    :param reducer_timeout: a sender gives up on a reducer that sends no result for this many
+      seconds; must exceed ``sender_timeout`` (None: never)
+    :param allreduce_timeout: the whole round ends after this many seconds; unfinished slices
+      keep local values (None: no limit)
+    """
+
+    compression: CompressionBase = field(default_factory=NoCompression)
+    part_size_bytes: int = DEFAULT_PART_SIZE_BYTES
+    sender_timeout: float | None = 10.0
+    reducer_timeout: float | None = 20.0
+    allreduce_timeout: float | None = 60.0
+
+    def __post_init__(self):
+        if not isinstance(self.compression, CompressionBase):
+            raise TypeError("compression must be a swarmtrain.compression codec")
+        if not isinstance(self.part_size_bytes, int) or self.part_size_bytes <= 0:
+            raise ValueError(f"part_size_bytes must be a positive int, got {self.part_size_bytes}")
+        for name in ("sender_timeout", "reducer_timeout", "allreduce_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value}")
+        if self.reducer_timeout is not None and (
+            self.sender_timeout is None or self.reducer_timeout <= self.sender_timeout
+        ):
+            raise ValueError("reducer_timeout must be longer than sender_timeout")
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    """What a round produced.
+
+    :param deltas: ``average - local`` per tensor (zero where a slice failed); None for AUX
+    :param banned_senders: senders our slice was averaged without, and why
+    :param failed_reducers: reducers whose slices kept our local values, and why
+    :param timed_out: the round hit ``allreduce_timeout``
+    """
+
+    deltas: tuple[torch.Tensor, ...] | None
+    banned_senders: Mapping[Hashable, Failure]
+    failed_reducers: Mapping[Hashable, Failure]
+    timed_out: bool = False
+
+    @property
+    def complete(self) -> bool:
+        """Every peer took part in every slice."""
+        return not (self.banned_senders or self.failed_reducers or self.timed_out)
+
+
+def _part_to_proto(message: TensorMessage) -> averaging_pb2.AveragingTensorPart:
+    return averaging_pb2.AveragingTensorPart(
+        buffer=message.buffer.tobytes(),
+        size=message.size,
+        dtype=message.dtype,
+        compression=int(message.compression),
+    )
+
+
+def _part_from_proto(part: averaging_pb2.AveragingTensorPart) -> TensorMessage:
+    return TensorMessage(
+        np.frombuffer(part.buffer, dtype=np.uint8),
+        tuple(part.size),
+        part.dtype,
+        part.compression,  # validated by check_header when decoded
+    )
+
+
+def _decode(part: averaging_pb2.AveragingTensorPart, shape, dtype) -> torch.Tensor | None:
+    """Decode a part against the shape and dtype we expect; None if it does not fit."""
+    try:
+        return deserialize_torch_tensor(
+            _part_from_proto(part), expected_shape=shape, expected_dtype=dtype
+        )
+    except (WireFormatError, ValueError):
+        return None
+
+
+def _response(code: int, detail: str = "", **kwargs) -> averaging_pb2.AveragingResponse:
+    return averaging_pb2.AveragingResponse(code=code, detail=detail[:1024], **kwargs)
+
+
+class AllReduceService:
+    """Serves ``rpc_aggregate_part`` for every round on one host; see the module docstring.
+
+    :param group_wait_timeout: how long a stream for an unknown group waits for its round to
+      start locally (members start a round at slightly different times)
+    :param max_message_size: largest part message accepted (it bounds ``part_size_bytes``)
+    """
+
+    def __init__(
+        self,
+        p2p: P2P,
+        prefix: str,
+        *,
+        group_wait_timeout: float = 5.0,
+        max_message_size: int = 4 * DEFAULT_PART_SIZE_BYTES + _PART_OVERHEAD_BYTES,
+    ):
+        self.p2p = p2p
+        self.prefix = prefix
+        self.handler_name = rpc_aggregate_part_name(prefix)
+        self.group_wait_timeout = group_wait_timeout
+        self.max_message_size = max_message_size
+        self._runners: dict[bytes, AllReduceRunner] = {}
+        self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._registered = anyio.Event()
+
+    @classmethod
+    @asynccontextmanager
+    async def create(cls, p2p: P2P, prefix: str, **kwargs) -> AsyncIterator[AllReduceService]:
+        """Register the handler on ``p2p``; remove it on exit."""
+        self = cls(p2p, prefix, **kwargs)
+        p2p.add_protobuf_handler(
+            self.handler_name,
+            self._rpc_aggregate_part,
+            averaging_pb2.AveragingRequest,
+            stream_input=True,
+            stream_output=True,
+            max_message_size=self.max_message_size,
+        )
+        try:
+            yield self
+        finally:
+            p2p.remove_protobuf_handler(self.handler_name)
+
+    def _register(self, runner: AllReduceRunner) -> None:
+        group_id = runner.group.group_id
+        if group_id in self._runners or group_id in self._finished:
+            raise ValueError(f"a round with group_id {group_id.hex()} already ran here")
+        self._runners[group_id] = runner
+        self._registered.set()
+        self._registered = anyio.Event()
+
+    def _unregister(self, runner: AllReduceRunner) -> None:
+        group_id = runner.group.group_id
+        if self._runners.get(group_id) is runner:
+            del self._runners[group_id]
+            self._finished[group_id] = None
+            while len(self._finished) > 1024:
+                self._finished.popitem(last=False)
+
+    async def _find_runner(self, group_id: bytes) -> AllReduceRunner | None:
+        with anyio.move_on_after(self.group_wait_timeout):
+            while group_id not in self._runners and group_id not in self._finished:
+                await self._registered.wait()
+        return self._runners.get(group_id)
+
+    async def _rpc_aggregate_part(self, requests, context):
+        try:
+            first = await requests.__anext__()
+        except StopAsyncIteration:
+            return
+        runner = await self._find_runner(first.group_id)
+        if runner is None:
+            if first.group_id in self._finished:
+                yield _response(Code.AVERAGING_FINISHED, "this round is over")
+            else:
+                yield _response(Code.AVERAGING_BAD_GROUP_ID, "no round with this group_id")
+            return
+        async with aclosing(runner._serve_sender(first, requests, context.remote_id)) as replies:
+            async for reply in replies:
+                yield reply
+
+
+class AllReduceRunner:
+    """One butterfly all-reduce round of ``tensors`` in ``group``; see the module docstring.
+
+    :param service: the host's all-reduce service (its peer must be a member of ``group``)
+    :param tensors: local tensors (read, never written; an AUX peer passes tensors of the
+      right shapes and dtypes, e.g. zeros)
+    :param weight: our weight in the average (default 1; ignored for AUX peers)
+    """
+
+    def __init__(
+        self,
+        service: AllReduceService,
+        group: AllReduceGroup,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float | None = None,
+        config: AllReduceConfig | None = None,
+    ):
+        self.service = service
+        self.group = group
+        self.config = config or AllReduceConfig()
+        index = group.index_of(service.p2p.peer_id)
+        if index is None:
+            raise ValueError(f"this peer ({service.p2p.peer_id}) is not a member of the group")
+        self.local_index = index
+        self.mode = group.modes[index]
+        if weight is None:
+            weight = 0.0 if self.mode == AveragingMode.AUX else 1.0
+        self.weight = float(weight)
+        if self.config.part_size_bytes + _PART_OVERHEAD_BYTES > service.max_message_size:
+            raise ValueError(
+                f"part_size_bytes={self.config.part_size_bytes} does not fit the service's "
+                f"max_message_size={service.max_message_size}"
+            )
+        self.tensors = tuple(tensors)
+        self._core: AllReduceCore | None = None
+        self._part_ready: list[anyio.Event] = []
+        self._changed = anyio.Event()
+        self._read_scopes: dict[int, anyio.CancelScope] = {}
+        self._closed = False
+        self._started = False
+        self._deadline = math.inf
+
+    @property
+    def core(self) -> AllReduceCore:
+        if self._core is None:
+            raise RuntimeError("the round has not started")
+        return self._core
+
+    def statistics(self) -> AllReduceStatistics:
+        return self.core.statistics()
+
+    # ------------------------------------------------------------------ the round
+
+    async def run(self) -> AllReduceResult:
+        """Run the round; return the deltas (never raises for another peer's failure)."""
+        if self._started:
+            raise RuntimeError("an AllReduceRunner runs once")
+        self._started = True
+        config = self.config
+        now = anyio.current_time()
+        self._core = core = AllReduceCore(
+            self.group,
+            self.local_index,
+            self.tensors,
+            weight=self.weight,
+            part_size_bytes=config.part_size_bytes,
+            sender_timeout=config.sender_timeout,
+            reducer_timeout=config.reducer_timeout,
+            now=now,
+        )
+        self._part_ready = [anyio.Event() for _ in range(core.num_local_parts)]
+        self._notify(tuple(k for k in range(core.num_local_parts) if core.is_part_ready(k)))
+        deadline = now + config.allreduce_timeout if config.allreduce_timeout else math.inf
+        self._deadline = deadline
+        self.service._register(self)
+        timed_out = False
+        try:
+            with anyio.CancelScope(deadline=deadline) as scope, collapse_exception_groups():
+                async with anyio.create_task_group() as tasks:
+                    if core.is_reducer:
+                        tasks.start_soon(self._ban_missing_senders)
+                    async with anyio.create_task_group() as streams:
+                        for reducer in core.remote_reducers():
+                            streams.start_soon(self._communicate_with_reducer, reducer)
+                    while not core.reducing_finished:
+                        await self._changed.wait()
+                    tasks.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                timed_out = True
+                logger.debug("all-reduce %s hit its deadline", self.group.group_id.hex())
+                self._notify(core.expire(anyio.current_time()))
+        finally:
+            self._close()
+        return AllReduceResult(
+            deltas=core.deltas(),
+            banned_senders=core.banned_senders,
+            failed_reducers=core.failed_reducers,
+            timed_out=timed_out,
+        )
+
+    def _close(self) -> None:
+        self._closed = True
+        self.service._unregister(self)
+        for scope in list(self._read_scopes.values()):
+            scope.cancel()
+        self._notify(tuple(range(len(self._part_ready))))
+
+    def _notify(self, completed: tuple[int, ...] = ()) -> None:
+        for k in completed:
+            self._part_ready[k].set()
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _ban_missing_senders(self) -> None:
+        core = self.core
+        await anyio.sleep_until(core.missing_senders_deadline)
+        self._notify(core.ban_missing_senders(anyio.current_time()))
+
+    # ------------------------------------------------------------------ as a sender
+
+    async def _requests_for(self, reducer: int) -> AsyncIterator[averaging_pb2.AveragingRequest]:
+        core, compression = self.core, self.config.compression
+        for k in range(core.num_parts_for(reducer)):
+            spec = core.container.part_spec(reducer, k)
+            part = core.container.input_part(reducer, k)
+            info = CompressionInfo(
+                key=spec.tensor_index,
+                descriptor=TensorDescriptor.from_tensor(self.tensors[spec.tensor_index]),
+                part_index=k,
+                part_size=spec.numel,
+            )
+            message = await anyio.to_thread.run_sync(compression.compress, part, info)
+            request = averaging_pb2.AveragingRequest(part_index=k, part=_part_to_proto(message))
+            if k == 0:
+                request.group_id = self.group.group_id
+                request.weight = self.weight
+            yield request
+
+    async def _communicate_with_reducer(self, reducer: int) -> None:
+        core = self.core
+        peer_id = self.group.peer_ids[reducer]
+        try:
+            async with self.service.p2p.iterate_protobuf_handler(
+                peer_id,
+                self.service.handler_name,
+                self._requests_for(reducer),
+                averaging_pb2.AveragingResponse,
+                stream_input=True,
+                next_message_timeout=None,
+                max_message_size=self.service.max_message_size,
+            ) as responses:
+                for k in range(core.num_parts_for(reducer)):
+                    if not await self._receive_result(reducer, k, responses):
+                        return
+                with anyio.move_on_after(1.0):  # let the reducer end the call cleanly
+                    await _next_or_none(responses)
+        except P2PError as e:
+            logger.debug("reducer %s failed: %r", peer_id, e)
+            core.fail_reducer(reducer, Failure.DISCONNECTED)
+        finally:
+            # A no-op unless the reducer is unfinished (we were cancelled).
+            past_deadline = anyio.current_time() >= self._deadline
+            core.fail_reducer(reducer, Failure.DEADLINE if past_deadline else Failure.DISCONNECTED)
+            self._notify()
+
+    async def _receive_result(self, reducer: int, k: int, responses) -> bool:
+        core = self.core
+        with anyio.CancelScope(deadline=core.reducer_deadline(reducer)) as scope:
+            response = await _next_or_none(responses)
+        if scope.cancelled_caught:
+            core.fail_reducer(reducer, Failure.TIMEOUT)
+            return False
+        if response is None:
+            core.fail_reducer(reducer, Failure.DISCONNECTED)
+            return False
+        if response.code == Code.AVERAGING_PART_UNCHANGED:
+            ok = core.receive_delta(
+                reducer, response.part_index, None, unchanged=True, now=anyio.current_time()
+            )
+        elif response.code == Code.AVERAGING_AVERAGED_PART:
+            shape = (core.container.part_spec(reducer, k).numel,)
+            dtype = core.container.part_dtype(reducer, k)
+            delta = await anyio.to_thread.run_sync(_decode, response.delta, shape, dtype)
+            ok = core.receive_delta(
+                reducer, response.part_index, delta, unchanged=False, now=anyio.current_time()
+            )
+        else:
+            logger.debug(
+                "reducer %s answered %s: %s",
+                self.group.peer_ids[reducer],
+                Code.Name(response.code) if response.code in Code.values() else response.code,
+                response.detail,
+            )
+            core.fail_reducer(reducer, Failure.REJECTED)
+            return False
+        self._notify()
+        return ok
+
+    # ------------------------------------------------------------------ as a reducer
+
+    async def _serve_sender(
+        self, first: averaging_pb2.AveragingRequest, requests, remote_id
+    ) -> AsyncIterator[averaging_pb2.AveragingResponse]:
+        """Average one sender's parts with the others' and stream back the deltas."""
+        core = self.core
+        peer = self.group.index_of(remote_id)
+        if self._closed:
+            yield _response(Code.AVERAGING_FINISHED, "this round is over")
+            return
+        reject = core.open_sender(peer, first.group_id, first.weight, anyio.current_time())
+        if reject is not None:
+            self._notify()
+            yield _response(_REJECT_CODES[reject], f"rejected: {reject.value}")
+            return
+        if peer is None:  # unreachable: open_sender rejects non-members
+            return
+        try:
+            request: averaging_pb2.AveragingRequest | None = first
+            for k in range(core.num_local_parts):
+                if k > 0:
+                    request = await self._next_part(peer, requests)
+                    if request is None:
+                        yield self._why_stopped(peer)
+                        return
+                shape, dtype = core.local_part_shape(k)
+                sent = await anyio.to_thread.run_sync(_decode, request.part, shape, dtype)
+                outcome = core.receive_part(peer, request.part_index, sent, anyio.current_time())
+                self._notify(outcome.completed)
+                if outcome.reject is not None:
+                    yield _response(_REJECT_CODES[outcome.reject], f"part {k} rejected")
+                    return
+                await self._part_ready[k].wait()
+                if self._closed or core.sender_banned(peer):
+                    yield self._why_stopped(peer)
+                    return
+                yield await self._result(peer, k, sent, request.part.compression)
+                core.result_sent(peer, k, anyio.current_time())
+                self._notify()
+        finally:
+            self._notify(core.ban_sender(peer, Failure.DISCONNECTED))  # no-op once it is done
+
+    async def _next_part(self, peer: int, requests) -> averaging_pb2.AveragingRequest | None:
+        """The sender's next request, or None (then it is banned, or the round is over)."""
+        core = self.core
+        with anyio.CancelScope(deadline=core.sender_deadline(peer)) as scope:
+            self._read_scopes[peer] = scope
+            try:
+                request = await _next_or_none(requests)
+            except P2PError as e:
+                logger.debug("sender %s failed: %r", self.group.peer_ids[peer], e)
+                request = None
+            finally:
+                self._read_scopes.pop(peer, None)
+        if scope.cancelled_caught and not self._closed:
+            self._notify(core.ban_sender(peer, Failure.TIMEOUT))
+            return None
+        if request is None:
+            self._notify(core.ban_sender(peer, Failure.DISCONNECTED))
+        return request
+
+    def _why_stopped(self, peer: int) -> averaging_pb2.AveragingResponse:
+        reason = self.core.banned_senders.get(self.group.peer_ids[peer])
+        if self._closed or reason in (None, Failure.DEADLINE):
+            return _response(Code.AVERAGING_FINISHED, "this round is over")
+        if reason == Failure.TIMEOUT:
+            return _response(Code.AVERAGING_SENDER_TIMEOUT, "no part within sender_timeout")
+        return _response(Code.AVERAGING_BANNED, f"banned: {reason.value}")
+
+    async def _result(
+        self, peer: int, k: int, sent: torch.Tensor, compression: int
+    ) -> averaging_pb2.AveragingResponse:
+        delta = self.core.delta_for(peer, k, sent)
+        if delta is None:
+            return _response(Code.AVERAGING_PART_UNCHANGED, part_index=k)
+        message = await anyio.to_thread.run_sync(serialize_torch_tensor, delta, compression)
+        return _response(Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_to_proto(message))
+
+
+async def _next_or_none(iterator):
+    """The next item of an async iterator, or None at its end."""
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return None

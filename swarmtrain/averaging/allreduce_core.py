@@ -1,0 +1,501 @@
+"""State of one butterfly all-reduce round, without I/O (sans-IO core).
+
+The async shell (``swarmtrain.averaging.allreduce``) feeds events in and does what the return
+values say; every method takes ``now`` where time matters and none of them waits.
+
+Roles. Every peer of the group has a mode:
+
+======  ============================  =================================
+mode    sends its tensors (a sender)  reduces a slice (fraction > 0)
+======  ============================  =================================
+NODE    yes                           if its fraction is positive
+CLIENT  yes                           never (fraction 0)
+AUX     never (weight-less helper)    yes
+======  ============================  =================================
+
+Reducer side (the local slice, if any): each sender opens one stream and sends its parts in
+order; a part is averaged once every sender that is not banned contributed it. A sender is
+banned when it never opens a stream within ``sender_timeout`` of the start, when its next part
+does not arrive within ``sender_timeout`` of the previous result, when it sends bad data, or
+when its stream fails. The reducer then finishes with the others.
+
+Sender side (the local tensors, unless AUX): for each reducer we receive one delta
+(average - local) per part. A reducer that sends nothing for ``reducer_timeout``, sends bad
+data, rejects us or disconnects is *failed*: its slice keeps our local values.
+
+``reducer_timeout`` must exceed ``sender_timeout``: a reducer legitimately waits up to
+``sender_timeout`` for a slow sender before it can answer.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmtrain.averaging.partition import (
+    DEFAULT_PART_SIZE_BYTES,
+    TensorPartContainer,
+    TensorPartReducer,
+)
+
+__all__ = [
+    "AllReduceCore",
+    "AllReduceGroup",
+    "AllReduceStatistics",
+    "AveragingMode",
+    "Failure",
+    "PartOutcome",
+    "Reject",
+]
+
+
+class AveragingMode(enum.Enum):
+    """A peer's role in a group (hivemind's names)."""
+
+    NODE = 0
+    CLIENT = 1
+    AUX = 2
+
+
+class Reject(enum.Enum):
+    """Why a reducer refuses a sender's stream (mirrors AveragingCode in averaging.proto)."""
+
+    BAD_GROUP_ID = "bad_group_id"
+    NOT_A_SENDER = "not_a_sender"
+    NOT_A_REDUCER = "not_a_reducer"
+    DUPLICATE_SENDER = "duplicate_sender"
+    BANNED = "banned"
+    BAD_PART = "bad_part"
+    FINISHED = "finished"
+
+
+class Failure(enum.Enum):
+    """Why a sender was banned or a reducer failed."""
+
+    TIMEOUT = "timeout"
+    DISCONNECTED = "disconnected"
+    BAD_DATA = "bad_data"
+    REJECTED = "rejected"
+    DEADLINE = "deadline"
+
+
+@dataclass(frozen=True)
+class AllReduceGroup:
+    """Who takes part in a round, agreed on by every member before it starts.
+
+    :param group_id: unique id of this round
+    :param peer_ids: members in order; the i-th reduces the i-th slice
+    :param fractions: each member's share of the values to reduce (0 for clients)
+    :param modes: each member's mode; default CLIENT for a zero fraction, else NODE
+    """
+
+    group_id: bytes
+    peer_ids: tuple[Hashable, ...]
+    fractions: tuple[float, ...]
+    modes: tuple[AveragingMode, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.group_id, bytes) or not self.group_id:
+            raise ValueError("group_id must be non-empty bytes")
+        object.__setattr__(self, "peer_ids", tuple(self.peer_ids))
+        object.__setattr__(self, "fractions", tuple(float(f) for f in self.fractions))
+        modes = tuple(self.modes) or tuple(
+            AveragingMode.CLIENT if f == 0 else AveragingMode.NODE for f in self.fractions
+        )
+        object.__setattr__(self, "modes", modes)
+        n = len(self.peer_ids)
+        if n == 0:
+            raise ValueError("a group needs at least one peer")
+        if len(set(self.peer_ids)) != n:
+            raise ValueError("peer_ids must be unique")
+        if len(self.fractions) != n or len(self.modes) != n:
+            raise ValueError("peer_ids, fractions and modes must have the same length")
+        for peer, f, mode in zip(self.peer_ids, self.fractions, self.modes, strict=True):
+            if not isinstance(mode, AveragingMode):
+                raise TypeError(f"mode of {peer} is {mode!r}, not an AveragingMode")
+            if not math.isfinite(f) or f < 0:
+                raise ValueError(f"fraction of {peer} must be finite and non-negative, got {f}")
+            if mode == AveragingMode.CLIENT and f != 0:
+                raise ValueError(f"{peer} is a CLIENT, so its fraction must be 0, got {f}")
+        if not any(f > 0 for f in self.fractions):
+            raise ValueError("at least one peer must have a positive fraction (a reducer)")
+
+    @property
+    def size(self) -> int:
+        return len(self.peer_ids)
+
+    def index_of(self, peer_id: Hashable) -> int | None:
+        try:
+            return self.peer_ids.index(peer_id)
+        except ValueError:
+            return None
+
+    @property
+    def sender_indices(self) -> tuple[int, ...]:
+        """Group indices of the senders (every peer but AUX), in group order."""
+        return tuple(i for i, m in enumerate(self.modes) if m != AveragingMode.AUX)
+
+
+@dataclass(frozen=True)
+class PartOutcome:
+    """What a received part led to: the local parts now averaged, or a rejection."""
+
+    completed: tuple[int, ...] = ()
+    reject: Reject | None = None
+
+
+@dataclass(frozen=True)
+class AllReduceStatistics:
+    parts_to_reduce: int
+    parts_reduced: int
+    parts_expected: int
+    parts_received: int
+    banned_senders: frozenset[Hashable] = field(default_factory=frozenset)
+    failed_reducers: frozenset[Hashable] = field(default_factory=frozenset)
+    finished: bool = False
+
+
+class _Sender(enum.Enum):
+    WAITING = 0  # has not opened a stream yet
+    ACTIVE = 1
+    DONE = 2  # received the results of all its parts
+    BANNED = 3
+
+
+class AllReduceCore:
+    """One peer's state for one round.
+
+    :param group: the members, fractions and modes
+    :param local_index: our index in ``group``
+    :param tensors: our tensors (an AUX peer passes tensors of the right shapes and dtypes)
+    :param weight: our weight in the average (ignored for AUX)
+    :param sender_timeout: seconds a sender may take to open its stream, and to send each part
+      after the previous result (None: no limit)
+    :param reducer_timeout: seconds a reducer may take for each result (None: no limit)
+    :param now: the start time of the round
+    """
+
+    def __init__(
+        self,
+        group: AllReduceGroup,
+        local_index: int,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float = 1.0,
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
+        now: float = 0.0,
+    ):
+        if not 0 <= local_index < group.size:
+            raise ValueError(f"local_index {local_index} is outside the group")
+        weight = float(weight)
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"weight must be finite and non-negative, got {weight}")
+        for name, value in (
+            ("sender_timeout", sender_timeout),
+            ("reducer_timeout", reducer_timeout),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value}")
+        if reducer_timeout is not None and (
+            sender_timeout is None or reducer_timeout <= sender_timeout
+        ):
+            raise ValueError(
+                "reducer_timeout needs a shorter sender_timeout: a reducer waits up to "
+                "sender_timeout for slow senders before it can answer"
+            )
+        self.group = group
+        self.local_index = local_index
+        self.mode = group.modes[local_index]
+        self.weight = weight
+        self.sender_timeout = math.inf if sender_timeout is None else float(sender_timeout)
+        self.reducer_timeout = math.inf if reducer_timeout is None else float(reducer_timeout)
+        self.start_time = now
+        self.container = TensorPartContainer(tensors, group.fractions, part_size_bytes)
+        self._sender_slot = {peer: slot for slot, peer in enumerate(group.sender_indices)}
+
+        # reducer side
+        n_local = self.container.num_parts_by_peer[local_index]
+        self._local_parts = self.container.input_parts(local_index)
+        self.reducer = TensorPartReducer(
+            [p.numel() for p in self._local_parts],
+            [self.container.part_dtype(local_index, k) for k in range(n_local)],
+            len(group.sender_indices),
+        )
+        self._senders: dict[int, _Sender] = {}
+        self._sender_weight: dict[int, float] = {}
+        self._next_part: dict[int, int] = {}
+        self._last_activity: dict[int, float] = {}
+        if n_local:
+            for peer in group.sender_indices:
+                self._senders[peer] = _Sender.WAITING
+
+        # sender side
+        self._reducer_failures: dict[int, Failure] = {}
+        self._reducer_activity: dict[int, float] = {}
+        if self.is_sender:
+            for peer, n in enumerate(self.container.num_parts_by_peer):
+                if n and peer != local_index:
+                    self._reducer_activity[peer] = now
+        self._ban_reasons: dict[int, Failure] = {}
+
+        if n_local and self.is_sender:  # our own contribution needs no network
+            self._senders[local_index] = _Sender.ACTIVE
+            completed: list[int] = []
+            for k, part in enumerate(self._local_parts):
+                completed += self.reducer.accumulate(self._slot(local_index), k, part, weight)
+            self._on_completed(tuple(completed))
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def is_sender(self) -> bool:
+        return self.mode != AveragingMode.AUX
+
+    @property
+    def is_reducer(self) -> bool:
+        return self.container.num_parts_by_peer[self.local_index] > 0
+
+    @property
+    def num_local_parts(self) -> int:
+        return self.reducer.num_parts
+
+    def local_part_shape(self, part_index: int) -> tuple[tuple[int], torch.dtype]:
+        """Shape and dtype a sender's part ``part_index`` of our slice must have."""
+        spec = self.container.part_spec(self.local_index, part_index)
+        return (spec.numel,), self.container.part_dtype(self.local_index, part_index)
+
+    def remote_reducers(self) -> tuple[int, ...]:
+        """Group indices of the reducers we send to over the network."""
+        return tuple(self._reducer_activity)
+
+    def num_parts_for(self, reducer: int) -> int:
+        return self.container.num_parts_by_peer[reducer]
+
+    @property
+    def sending_finished(self) -> bool:
+        return not self.is_sender or self.container.finished
+
+    @property
+    def reducing_finished(self) -> bool:
+        return all(state in (_Sender.DONE, _Sender.BANNED) for state in self._senders.values())
+
+    @property
+    def finished(self) -> bool:
+        return self.sending_finished and self.reducing_finished
+
+    # ------------------------------------------------------------------ reducer side
+
+    def open_sender(
+        self, peer: int | None, group_id: bytes, weight: float, now: float
+    ) -> Reject | None:
+        """A stream arrived from group member ``peer`` (None: not a member). Accept or reject."""
+        if group_id != self.group.group_id:
+            return Reject.BAD_GROUP_ID
+        if peer is None or peer not in self._sender_slot or peer == self.local_index:
+            return Reject.NOT_A_SENDER
+        if not self.is_reducer:
+            return Reject.NOT_A_REDUCER
+        state = self._senders[peer]
+        if state == _Sender.BANNED:
+            return Reject.BANNED
+        if self.reducing_finished:
+            return Reject.FINISHED
+        if state != _Sender.WAITING:
+            return Reject.DUPLICATE_SENDER
+        if not math.isfinite(weight) or weight < 0:
+            self.ban_sender(peer, Failure.BAD_DATA)
+            return Reject.BAD_PART
+        self._senders[peer] = _Sender.ACTIVE
+        self._sender_weight[peer] = float(weight)
+        self._next_part[peer] = 0
+        self._last_activity[peer] = now
+        return None
+
+    def receive_part(
+        self, peer: int, part_index: int, tensor: torch.Tensor | None, now: float
+    ) -> PartOutcome:
+        """Part ``part_index`` from an active sender; None means it could not be decoded."""
+        state = self._senders.get(peer)
+        if state == _Sender.BANNED:
+            return PartOutcome(reject=Reject.BANNED)
+        if state != _Sender.ACTIVE or self.reducer.is_complete(part_index):
+            return PartOutcome(self.ban_sender(peer, Failure.BAD_DATA), Reject.BAD_PART)
+        shape, _ = (
+            self.local_part_shape(part_index)
+            if part_index < self.num_local_parts
+            else ((-1,), None)
+        )
+        if (
+            tensor is None
+            or part_index != self._next_part[peer]
+            or tuple(tensor.shape) != shape
+            or not tensor.dtype.is_floating_point
+        ):
+            return PartOutcome(self.ban_sender(peer, Failure.BAD_DATA), Reject.BAD_PART)
+        self._next_part[peer] = part_index + 1
+        self._last_activity[peer] = now
+        completed = self.reducer.accumulate(
+            self._slot(peer), part_index, tensor, self._sender_weight[peer]
+        )
+        self._on_completed(completed)
+        return PartOutcome(completed)
+
+    def sender_banned(self, peer: int) -> bool:
+        return self._senders.get(peer) == _Sender.BANNED
+
+    def is_part_ready(self, part_index: int) -> bool:
+        return self.reducer.is_complete(part_index)
+
+    def delta_for(self, peer: int, part_index: int, sent: torch.Tensor) -> torch.Tensor | None:
+        """``average - sent`` for a complete part (None: keep local values), in ``sent``'s dtype.
+
+        Call once the sender's result is about to go out; :meth:`result_sent` afterwards.
+        """
+        average = self.reducer.result(part_index)
+        if average is None:
+            return None
+        return (average - sent.reshape(-1).to(average.dtype)).to(sent.dtype)
+
+    def result_sent(self, peer: int, part_index: int, now: float) -> None:
+        """The result of ``part_index`` went out to ``peer``: its next part is now due."""
+        if self._senders.get(peer) != _Sender.ACTIVE:
+            return
+        self._last_activity[peer] = now
+        if part_index + 1 >= self.num_local_parts:
+            self._senders[peer] = _Sender.DONE
+
+    def sender_deadline(self, peer: int) -> float:
+        """When ``peer``'s next part is overdue."""
+        return self._last_activity.get(peer, self.start_time) + self.sender_timeout
+
+    @property
+    def missing_senders_deadline(self) -> float:
+        """When senders that never opened a stream get banned."""
+        return self.start_time + self.sender_timeout
+
+    def ban_missing_senders(self, now: float) -> tuple[int, ...]:
+        """Ban senders still without a stream if their deadline passed; return completed parts."""
+        if now < self.missing_senders_deadline:
+            return ()
+        completed: list[int] = []
+        for peer, state in list(self._senders.items()):
+            if state == _Sender.WAITING:
+                completed += self.ban_sender(peer, Failure.TIMEOUT)
+        return tuple(completed)
+
+    def ban_sender(self, peer: int, reason: Failure) -> tuple[int, ...]:
+        """Stop waiting for ``peer`` (see Failure); return the parts that became complete."""
+        if self._senders.get(peer) in (None, _Sender.BANNED, _Sender.DONE):
+            return ()
+        self._senders[peer] = _Sender.BANNED
+        self._ban_reasons[peer] = reason
+        completed = self.reducer.ban(self._slot(peer))
+        self._on_completed(completed)
+        return completed
+
+    def _on_completed(self, completed: tuple[int, ...]) -> None:
+        local = self.local_index
+        if not completed or self._senders.get(local) != _Sender.ACTIVE:
+            return
+        for k in completed:
+            self.container.register_delta(local, k, self.delta_for(local, k, self._local_parts[k]))
+        if self.reducer.finished:
+            self._senders[local] = _Sender.DONE
+
+    def _slot(self, peer: int) -> int:
+        return self._sender_slot[peer]
+
+    # ------------------------------------------------------------------ sender side
+
+    def reducer_deadline(self, reducer: int) -> float:
+        """When the next result of ``reducer`` is overdue."""
+        return self._reducer_activity[reducer] + self.reducer_timeout
+
+    def receive_delta(
+        self,
+        reducer: int,
+        part_index: int,
+        delta: torch.Tensor | None,
+        *,
+        unchanged: bool,
+        now: float,
+    ) -> bool:
+        """A result from ``reducer``: a delta, or ``unchanged`` (keep local values).
+
+        ``delta`` None without ``unchanged`` means it could not be decoded. Returns False (and
+        fails the reducer) for bad data.
+        """
+        if reducer not in self._reducer_activity or self.container.reducer_done(reducer):
+            return False
+        expected = self.container.num_received(reducer)
+        spec_numel = (
+            self.container.part_spec(reducer, part_index).numel
+            if part_index < self.num_parts_for(reducer)
+            else -1
+        )
+        bad = part_index != expected or (
+            not unchanged
+            and (
+                delta is None
+                or tuple(delta.shape) != (spec_numel,)
+                or not delta.dtype.is_floating_point
+            )
+        )
+        if bad:
+            self.fail_reducer(reducer, Failure.BAD_DATA)
+            return False
+        self.container.register_delta(reducer, part_index, None if unchanged else delta)
+        self._reducer_activity[reducer] = now
+        return True
+
+    def fail_reducer(self, reducer: int, reason: Failure) -> None:
+        """Keep local values for whatever ``reducer`` has not answered yet."""
+        if reducer not in self._reducer_activity or self.container.reducer_done(reducer):
+            return
+        self.container.register_failed_reducer(reducer)
+        self._reducer_failures[reducer] = reason
+
+    # ------------------------------------------------------------------ round
+
+    def expire(self, now: float) -> tuple[int, ...]:
+        """The overall deadline passed: fail every pending reducer and sender."""
+        for reducer in self._reducer_activity:
+            self.fail_reducer(reducer, Failure.DEADLINE)
+        completed: list[int] = []
+        for peer, state in list(self._senders.items()):
+            if state in (_Sender.WAITING, _Sender.ACTIVE) and peer != self.local_index:
+                completed += self.ban_sender(peer, Failure.DEADLINE)
+        if self._senders.get(self.local_index) == _Sender.ACTIVE:  # nothing left to wait for
+            self._senders[self.local_index] = _Sender.DONE
+        return tuple(completed)
+
+    def deltas(self) -> tuple[torch.Tensor, ...] | None:
+        """``average - local`` per tensor (zero where a reducer failed); None for AUX peers."""
+        return self.container.deltas() if self.is_sender else None
+
+    @property
+    def banned_senders(self) -> dict[Hashable, Failure]:
+        return {self.group.peer_ids[p]: r for p, r in self._ban_reasons.items()}
+
+    @property
+    def failed_reducers(self) -> dict[Hashable, Failure]:
+        return {self.group.peer_ids[p]: r for p, r in self._reducer_failures.items()}
+
+    def statistics(self) -> AllReduceStatistics:
+        expected = sum(self.num_parts_for(r) for r in self._reducer_activity)
+        received = sum(self.container.num_received(r) for r in self._reducer_activity)
+        return AllReduceStatistics(
+            parts_to_reduce=self.num_local_parts,
+            parts_reduced=self.reducer.num_complete,
+            parts_expected=expected,
+            parts_received=received,
+            banned_senders=frozenset(self.banned_senders),
+            failed_reducers=frozenset(self.failed_reducers),
+            finished=self.finished,
+        )

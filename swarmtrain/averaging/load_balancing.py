@@ -1,0 +1,128 @@
+"""How much of the vector each peer reduces, given bandwidths (pure, exact, no solver).
+
+Cost model of one butterfly all-reduce of a vector of size 1. Peer ``i`` reduces a fraction
+``w_i`` of it. ``S`` peers are *senders* (NODE and CLIENT peers; AUX peers send nothing).
+
+- as a sender, peer ``i`` uploads the ``1 - w_i`` it does not reduce itself and downloads as
+  much back (averaged);
+- as a reducer, it downloads ``w_i`` from each of the other senders and uploads ``w_i`` back to
+  each of them: ``S - 1`` others for a sender, ``S`` for an AUX peer.
+
+So ``incoming_i = outgoing_i = s_i + (S - 2 s_i) w_i`` (``s_i`` is 1 for a sender, else 0),
+and the round takes ``max_i (incoming_i + outgoing_i) / bandwidth_i`` over peers with a positive
+bandwidth. Peers with bandwidth 0 are clients: they reduce nothing and their own (fixed) time
+is not part of the objective.
+
+:func:`optimize_fractions` minimises that maximum exactly. It is the linear program hivemind
+hands to scipy, solved in closed form: with ``c_i = S - 2 s_i > 0`` every constraint
+``s_i + c_i w_i <= t b_i / 2`` is tight at the optimum unless ``t`` is held up by a peer that
+reduces nothing (then any assignment under those caps is optimal); peers with ``c_i <= 0``
+(only when ``S <= 2``) reduce at no extra cost and take the whole vector.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from swarmtrain.averaging.partition import apportion
+
+__all__ = ["butterfly_cost", "load_balance_peers", "optimize_fractions"]
+
+
+def _resolve(
+    bandwidths: Sequence[float | None], senders: Sequence[bool] | None
+) -> tuple[list[float], list[bool]]:
+    if not bandwidths:
+        raise ValueError("need at least one peer")
+    if senders is None:
+        senders = [True] * len(bandwidths)
+    if len(senders) != len(bandwidths):
+        raise ValueError("bandwidths and senders have different lengths")
+    for b in bandwidths:
+        if b is not None and (not math.isfinite(b) or b < 0):
+            raise ValueError(f"bandwidths must be finite and non-negative, got {b}")
+    specified = [float(b) for b in bandwidths if b is not None and b > 0]
+    default = math.fsum(specified) / len(specified) if specified else 1.0
+    resolved = [default if b is None else float(b) for b in bandwidths]
+    if not any(b > 0 for b in resolved):
+        raise ValueError("at least one peer must have a positive (or unspecified) bandwidth")
+    return resolved, [bool(s) for s in senders]
+
+
+def butterfly_cost(
+    fractions: Sequence[float],
+    bandwidths: Sequence[float | None],
+    senders: Sequence[bool] | None = None,
+) -> float:
+    """Time of one round for a vector of size 1: max over reducing-capable peers of
+    ``(incoming + outgoing) / bandwidth`` (see the module docstring)."""
+    resolved, is_sender = _resolve(bandwidths, senders)
+    if len(fractions) != len(resolved):
+        raise ValueError("fractions and bandwidths have different lengths")
+    num_senders = sum(is_sender)
+    cost = 0.0
+    for w, b, s in zip(fractions, resolved, is_sender, strict=True):
+        if b > 0:
+            traffic = int(s) + (num_senders - 2 * int(s)) * w
+            cost = max(cost, 2.0 * traffic / b)
+    return cost
+
+
+def optimize_fractions(
+    bandwidths: Sequence[float | None], senders: Sequence[bool] | None = None
+) -> tuple[float, ...]:
+    """Fractions (summing to 1) that minimise :func:`butterfly_cost`.
+
+    :param bandwidths: per peer; 0 is a client (reduces nothing), None is "unspecified" (the
+      mean of the specified positive bandwidths, or 1 when none is specified)
+    :param senders: per peer, whether it sends its own tensors (False for AUX peers); all True
+      by default
+    """
+    resolved, is_sender = _resolve(bandwidths, senders)
+    num_senders = sum(is_sender)
+    reducers = [i for i, b in enumerate(resolved) if b > 0]
+    s = [float(x) for x in is_sender]
+    c = [num_senders - 2 * s[i] for i in range(len(resolved))]
+    fractions = [0.0] * len(resolved)
+
+    free = [i for i in reducers if c[i] <= 0]  # reducing costs them nothing (S <= 2)
+    if free:
+        total = math.fsum(resolved[i] for i in free)
+        for i in free:
+            fractions[i] = resolved[i] / total
+        return tuple(fractions)
+
+    # All c_i > 0: the optimum is t = max(t0, t1) (t in units of "time / 2").
+    t0 = max(s[i] / resolved[i] for i in reducers)
+    t1 = (1.0 + math.fsum(s[i] / c[i] for i in reducers)) / math.fsum(
+        resolved[i] / c[i] for i in reducers
+    )
+    t = max(t0, t1)
+    caps = {i: max(0.0, (t * resolved[i] - s[i]) / c[i]) for i in reducers}
+    total = math.fsum(caps.values())
+    for i in reducers:
+        fractions[i] = caps[i] / total
+    return tuple(fractions)
+
+
+def load_balance_peers(
+    vector_size: int,
+    bandwidths: Sequence[float | None],
+    min_size: int = 0,
+    *,
+    senders: Sequence[bool] | None = None,
+) -> tuple[int, ...]:
+    """How many of ``vector_size`` values each peer reduces (hivemind's function and meaning).
+
+    :param min_size: peers that would reduce fewer values get none (their share goes to the
+      others), unless that would leave nobody
+    """
+    if vector_size < 0:
+        raise ValueError(f"vector_size must be non-negative, got {vector_size}")
+    fractions = list(optimize_fractions(bandwidths, senders))
+    if min_size > 0 and vector_size > 0:
+        threshold = min_size / vector_size
+        if max(fractions) >= threshold:
+            fractions = [f if f >= threshold else 0.0 for f in fractions]
+    return apportion(vector_size, fractions)

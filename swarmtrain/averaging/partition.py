@@ -1,0 +1,352 @@
+"""Splitting tensors into per-peer parts, reassembling results, and reducing one slice (pure).
+
+Every peer of a group computes the same layout from the same inputs (tensor shapes and dtypes,
+peer fractions, part size), so parts are identified by ``(peer index, part index)`` alone:
+
+- the flat concatenation of all tensors is cut into one contiguous *slice* per peer, with sizes
+  apportioned to the peer fractions (:func:`apportion`);
+- each slice is cut into *parts* of at most ``part_size_bytes`` raw bytes; a part never crosses
+  a tensor boundary, so it is a flat range of one tensor.
+
+:class:`TensorPartContainer` holds one peer's view of a round: the parts it sends and the
+deltas (average minus local values) it receives back. :class:`TensorPartReducer` averages the
+local slice over all senders with weights, and knows which senders are banned.
+
+Nothing here does I/O or waits; the async shell is ``swarmtrain.averaging.allreduce``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DEFAULT_PART_SIZE_BYTES",
+    "PartSpec",
+    "TensorPartContainer",
+    "TensorPartReducer",
+    "apportion",
+    "partition_tensors",
+]
+
+DEFAULT_PART_SIZE_BYTES = 1 << 19
+
+
+def apportion(total: int, fractions: Sequence[float]) -> tuple[int, ...]:
+    """Split ``total`` items into integer sizes proportional to ``fractions`` (largest remainder).
+
+    Deterministic (ties go to the lower index); a zero fraction always gets zero items.
+
+    :raises ValueError: a fraction is negative or not finite, or all of them are zero
+    """
+    if total < 0:
+        raise ValueError(f"total must be non-negative, got {total}")
+    fractions = tuple(float(f) for f in fractions)
+    if not fractions:
+        raise ValueError("need at least one fraction")
+    if any(not math.isfinite(f) or f < 0 for f in fractions):
+        raise ValueError(f"fractions must be finite and non-negative, got {fractions}")
+    norm = math.fsum(fractions)
+    if norm <= 0:
+        raise ValueError("at least one fraction must be positive")
+    quotas = [total * f / norm for f in fractions]
+    sizes = [min(total, math.floor(q)) for q in quotas]
+    remainders = sorted(
+        (i for i, f in enumerate(fractions) if f > 0), key=lambda i: (-(quotas[i] - sizes[i]), i)
+    )
+    missing = total - sum(sizes)
+    while missing > 0:  # at most len(fractions) rounds; more only through float error
+        for i in remainders[:missing]:
+            sizes[i] += 1
+        missing = total - sum(sizes)
+    while missing < 0:  # float error the other way: take from the largest
+        largest = max(range(len(sizes)), key=lambda i: (sizes[i], -i))
+        sizes[largest] -= 1
+        missing += 1
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One part: the flat range ``[start, stop)`` of tensor ``tensor_index``."""
+
+    tensor_index: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def partition_tensors(
+    numels: Sequence[int],
+    element_sizes: Sequence[int],
+    fractions: Sequence[float],
+    part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+) -> tuple[tuple[PartSpec, ...], ...]:
+    """The parts of every peer, in order: ``result[peer][part]``.
+
+    :param numels: number of values in each tensor
+    :param element_sizes: bytes per value of each tensor (a part holds at most
+      ``max(1, part_size_bytes // element_size)`` values)
+    :param fractions: each peer's share of the values (zero: the peer reduces nothing)
+    """
+    if len(numels) != len(element_sizes):
+        raise ValueError("numels and element_sizes have different lengths")
+    if part_size_bytes <= 0:
+        raise ValueError(f"part_size_bytes must be positive, got {part_size_bytes}")
+    if any(n < 0 for n in numels) or any(s <= 0 for s in element_sizes):
+        raise ValueError("numels must be non-negative and element sizes positive")
+    slice_sizes = apportion(sum(numels), fractions)
+    tensor_starts = [0]
+    for n in numels:
+        tensor_starts.append(tensor_starts[-1] + n)
+
+    layout: list[tuple[PartSpec, ...]] = []
+    slice_start = 0
+    tensor_index = 0
+    for size in slice_sizes:
+        slice_stop = slice_start + size
+        parts: list[PartSpec] = []
+        position = slice_start
+        while position < slice_stop:
+            while tensor_starts[tensor_index + 1] <= position:
+                tensor_index += 1
+            values_per_part = max(1, part_size_bytes // element_sizes[tensor_index])
+            offset = position - tensor_starts[tensor_index]
+            stop = min(slice_stop, tensor_starts[tensor_index + 1], position + values_per_part)
+            parts.append(PartSpec(tensor_index, offset, offset + stop - position))
+            position = stop
+        layout.append(tuple(parts))
+        slice_start = slice_stop
+    return tuple(layout)
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    if not tensors:
+        raise ValueError("need at least one tensor to average")
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor {i} is a {type(tensor).__name__}, not a torch.Tensor")
+        if not tensor.dtype.is_floating_point:
+            raise TypeError(f"tensor {i} has dtype {tensor.dtype}; only floating point averages")
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are kept in: float64 for float64 tensors, float32 for the rest."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class TensorPartContainer:
+    """One peer's tensors cut into parts (to send), plus the deltas received for them.
+
+    :param tensors: the local tensors (floating point, any shape; read, never written)
+    :param peer_fractions: each peer's share of the values, in group order
+    :param part_size_bytes: largest raw size of one part
+
+    A delta is ``average - local`` for one part. Parts whose reducer failed keep a zero delta:
+    the local values are kept for them.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        peer_fractions: Sequence[float],
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+    ):
+        _check_tensors(tensors)
+        self.tensors = tuple(tensors)
+        self._flat = [t.detach().reshape(-1) for t in self.tensors]
+        self.layout = partition_tensors(
+            [t.numel() for t in self.tensors],
+            [t.element_size() for t in self.tensors],
+            peer_fractions,
+            part_size_bytes,
+        )
+        self.group_size = len(self.layout)
+        self.num_parts_by_peer = tuple(len(parts) for parts in self.layout)
+        self._deltas = [torch.zeros_like(flat) for flat in self._flat]
+        self._received = [[False] * n for n in self.num_parts_by_peer]
+        self._num_received = [0] * self.group_size
+        self._failed = [False] * self.group_size
+
+    def part_spec(self, peer_index: int, part_index: int) -> PartSpec:
+        return self.layout[peer_index][part_index]
+
+    def input_part(self, peer_index: int, part_index: int) -> torch.Tensor:
+        """The local values of one part, as a flat tensor (a view where possible)."""
+        spec = self.layout[peer_index][part_index]
+        return self._flat[spec.tensor_index][spec.start : spec.stop]
+
+    def input_parts(self, peer_index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(self.input_part(peer_index, k) for k in range(len(self.layout[peer_index])))
+
+    def part_dtype(self, peer_index: int, part_index: int) -> torch.dtype:
+        return self.tensors[self.layout[peer_index][part_index].tensor_index].dtype
+
+    def register_delta(self, peer_index: int, part_index: int, delta: torch.Tensor | None) -> None:
+        """Record ``average - local`` for one part (None: keep the local values).
+
+        :raises ValueError: unknown or already registered part, or a delta of the wrong size
+        """
+        if self._failed[peer_index]:
+            raise ValueError(f"reducer {peer_index} already failed")
+        if not 0 <= part_index < self.num_parts_by_peer[peer_index]:
+            raise ValueError(f"reducer {peer_index} has no part {part_index}")
+        if self._received[peer_index][part_index]:
+            raise ValueError(f"part {part_index} of reducer {peer_index} was already registered")
+        spec = self.layout[peer_index][part_index]
+        if delta is not None:
+            if delta.numel() != spec.numel:
+                raise ValueError(
+                    f"part {part_index} of reducer {peer_index} has {spec.numel} values, "
+                    f"got a delta of {delta.numel()}"
+                )
+            target = self._deltas[spec.tensor_index][spec.start : spec.stop]
+            target.copy_(delta.reshape(-1))
+        self._received[peer_index][part_index] = True
+        self._num_received[peer_index] += 1
+
+    def register_failed_reducer(self, peer_index: int) -> int:
+        """The reducer failed: its parts not received yet keep local values. Returns how many."""
+        if self._failed[peer_index]:
+            return 0
+        self._failed[peer_index] = True
+        return self.num_parts_by_peer[peer_index] - self._num_received[peer_index]
+
+    def reducer_done(self, peer_index: int) -> bool:
+        """Whether every part of this reducer arrived, or it failed."""
+        return (
+            self._failed[peer_index]
+            or self._num_received[peer_index] == self.num_parts_by_peer[peer_index]
+        )
+
+    def num_received(self, peer_index: int) -> int:
+        return self._num_received[peer_index]
+
+    @property
+    def finished(self) -> bool:
+        return all(self.reducer_done(i) for i in range(self.group_size))
+
+    def deltas(self) -> tuple[torch.Tensor, ...]:
+        """``average - local`` for every tensor, in its shape and dtype."""
+        return tuple(d.reshape(t.shape) for d, t in zip(self._deltas, self.tensors, strict=True))
+
+
+class TensorPartReducer:
+    """Weighted averaging of one peer's slice over all senders (pure bookkeeping).
+
+    :param part_numels: number of values in each part of the slice
+    :param part_dtypes: dtype of each part (sums are kept in float32, or float64 for float64)
+    :param num_senders: number of senders; each contributes every part once, or is banned
+
+    A part is *complete* when every sender that is not banned contributed it. Its result is the
+    weighted mean of the contributions, or None when their total weight is zero (then every
+    sender keeps its own values: no NaN). Contributions made before a sender was banned stay in.
+    """
+
+    def __init__(
+        self,
+        part_numels: Sequence[int],
+        part_dtypes: Sequence[torch.dtype],
+        num_senders: int,
+    ):
+        if len(part_numels) != len(part_dtypes):
+            raise ValueError("part_numels and part_dtypes have different lengths")
+        if num_senders < 0:
+            raise ValueError("num_senders must be non-negative")
+        self.part_numels = tuple(int(n) for n in part_numels)
+        self.part_dtypes = tuple(part_dtypes)
+        self.num_parts = len(self.part_numels)
+        self.num_senders = num_senders
+        self._sums: list[torch.Tensor | None] = [None] * self.num_parts
+        self._weights = [0.0] * self.num_parts
+        self._contributed: list[set[int]] = [set() for _ in range(self.num_parts)]
+        self._results: dict[int, torch.Tensor | None] = {}
+        self._banned: set[int] = set()
+
+    @property
+    def banned(self) -> frozenset[int]:
+        return frozenset(self._banned)
+
+    def is_banned(self, sender: int) -> bool:
+        return sender in self._banned
+
+    def is_complete(self, part_index: int) -> bool:
+        return part_index in self._results
+
+    @property
+    def num_complete(self) -> int:
+        return len(self._results)
+
+    @property
+    def finished(self) -> bool:
+        return len(self._results) == self.num_parts
+
+    def accumulate(
+        self, sender: int, part_index: int, tensor: torch.Tensor, weight: float
+    ) -> tuple[int, ...]:
+        """Add one sender's part; return the parts this completed (this one, or none).
+
+        :raises ValueError: unknown sender or part, a banned sender, a repeated part, a tensor
+          of the wrong size, or a weight that is negative or not finite
+        """
+        self._check_sender(sender)
+        if sender in self._banned:
+            raise ValueError(f"sender {sender} is banned")
+        if not 0 <= part_index < self.num_parts:
+            raise ValueError(f"no part {part_index} (the slice has {self.num_parts})")
+        if sender in self._contributed[part_index]:
+            raise ValueError(f"sender {sender} already contributed part {part_index}")
+        if tensor.numel() != self.part_numels[part_index]:
+            raise ValueError(
+                f"part {part_index} has {self.part_numels[part_index]} values, got {tensor.numel()}"
+            )
+        weight = float(weight)
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"weight must be finite and non-negative, got {weight}")
+        if self.is_complete(part_index):  # every active sender already contributed it
+            raise ValueError(f"part {part_index} is already complete")
+        values = tensor.detach().reshape(-1).to(accumulator_dtype(self.part_dtypes[part_index]))
+        current = self._sums[part_index]
+        if current is None:
+            current = self._sums[part_index] = torch.zeros_like(values)
+        if weight:
+            current.add_(values, alpha=weight)
+        self._weights[part_index] += weight
+        self._contributed[part_index].add(sender)
+        return self._complete_ready((part_index,))
+
+    def ban(self, sender: int) -> tuple[int, ...]:
+        """Stop waiting for ``sender``; return the parts that became complete."""
+        self._check_sender(sender)
+        if sender in self._banned:
+            return ()
+        self._banned.add(sender)
+        return self._complete_ready(range(self.num_parts))
+
+    def result(self, part_index: int) -> torch.Tensor | None:
+        """The weighted mean of a complete part (float32/float64), or None for zero weight."""
+        if part_index not in self._results:
+            raise ValueError(f"part {part_index} is not complete")
+        return self._results[part_index]
+
+    def _complete_ready(self, candidates) -> tuple[int, ...]:
+        active = set(range(self.num_senders)) - self._banned
+        completed = []
+        for k in candidates:
+            if k in self._results or not active <= self._contributed[k]:
+                continue
+            total, weight = self._sums[k], self._weights[k]
+            self._results[k] = total.div_(weight) if total is not None and weight > 0 else None
+            self._sums[k] = None
+            completed.append(k)
+        return tuple(completed)
+
+    def _check_sender(self, sender: int) -> None:
+        if not 0 <= sender < self.num_senders:
+            raise ValueError(f"no sender {sender} (there are {self.num_senders})")

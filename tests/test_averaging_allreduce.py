@@ -1,0 +1,371 @@
+"""Butterfly all-reduce between real py-libp2p hosts on loopback (no mocks)."""
+
+import math
+import threading
+import time
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import torch
+import trio
+
+from swarmtrain.averaging import (
+    AllReduceConfig,
+    AllReduceGroup,
+    AllReduceRunner,
+    AllReduceService,
+    AveragingMode,
+    Failure,
+)
+from swarmtrain.averaging.allreduce import rpc_aggregate_part_name
+from swarmtrain.averaging.partition import TensorPartContainer
+from swarmtrain.compression import (
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    serialize_torch_tensor,
+)
+from swarmtrain.p2p import P2P
+from swarmtrain.proto import averaging_pb2
+
+pytestmark = pytest.mark.trio
+
+NODE, CLIENT, AUX = AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.AUX
+SHAPES = [(100, 100), (5000,), (3, 7, 11)]
+FAST = AllReduceConfig(
+    part_size_bytes=16 * 1024, sender_timeout=5.0, reducer_timeout=10.0, allreduce_timeout=30.0
+)
+
+
+@asynccontextmanager
+async def swarm(n):
+    """n connected hosts, each serving all-reduce under the prefix "test"."""
+    async with AsyncExitStack() as stack:
+        hosts, services = [], []
+        for _ in range(n):
+            maddrs = [a for host in hosts for a in host.get_visible_maddrs()]
+            host = await stack.enter_async_context(P2P.create(initial_peers=maddrs))
+            hosts.append(host)
+            services.append(await stack.enter_async_context(AllReduceService.create(host, "test")))
+        yield hosts, services
+
+
+def random_tensors(n, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randn(*s, generator=generator) for s in SHAPES] for _ in range(n)]
+
+
+async def run_all(runners):
+    results = [None] * len(runners)
+
+    async def run(i):
+        results[i] = await runners[i].run()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(runners)):
+            nursery.start_soon(run, i)
+    return results
+
+
+def weighted_mean(tensors, weights, members):
+    total = sum(weights[i] for i in members)
+    return [sum(tensors[i][t] * weights[i] for i in members) / total for t in range(len(SHAPES))]
+
+
+def check_averaged(tensors, result, want, **tolerance):
+    assert result.deltas is not None
+    for local, delta, mean in zip(tensors, result.deltas, want, strict=True):
+        assert delta.shape == local.shape and delta.dtype == local.dtype
+        torch.testing.assert_close(local + delta, mean, **tolerance)
+
+
+@pytest.mark.parametrize(
+    "fractions, weights",
+    [([1, 1, 1, 1], [1, 1, 1, 1]), ([0.1, 0.4, 0.2, 0.3], [1.0, 2.0, 0.5, 0.0])],
+    ids=["equal", "weighted"],
+)
+async def test_four_peers_exact_weighted_mean(fractions, weights):
+    tensors = random_tensors(4)
+    async with swarm(4) as (hosts, services):
+        group = AllReduceGroup(b"round-1", tuple(h.peer_id for h in hosts), tuple(fractions))
+        runners = [
+            AllReduceRunner(services[i], group, tensors[i], weight=weights[i], config=FAST)
+            for i in range(4)
+        ]
+        start = time.monotonic()
+        results = await run_all(runners)
+        elapsed = time.monotonic() - start
+    want = weighted_mean(tensors, weights, range(4))
+    if weights == [1, 1, 1, 1]:
+        want_torch = [torch.stack([t[i] for t in tensors]).mean(0) for i in range(len(SHAPES))]
+        for a, b in zip(want, want_torch, strict=True):
+            torch.testing.assert_close(a, b)
+    for i in range(4):
+        assert results[i].complete, results[i]
+        check_averaged(tensors[i], results[i], want)
+    assert elapsed < 10
+
+
+async def test_client_and_aux_peers():
+    tensors = random_tensors(4, seed=1)
+    weights = [1.0, 3.0, 0.0, 0.5]
+    async with swarm(4) as (hosts, services):
+        group = AllReduceGroup(
+            b"round-2",
+            tuple(h.peer_id for h in hosts),
+            (0.5, 0.0, 0.3, 0.2),
+            (NODE, CLIENT, AUX, NODE),
+        )
+        runners = [
+            AllReduceRunner(services[i], group, tensors[i], weight=weights[i], config=FAST)
+            for i in range(4)
+        ]
+        results = await run_all(runners)
+    want = weighted_mean(tensors, weights, [0, 1, 3])
+    for i in (0, 1, 3):
+        assert results[i].complete, results[i]
+        check_averaged(tensors[i], results[i], want)
+    assert results[2].deltas is None and results[2].complete
+
+
+async def test_one_client_and_one_aux():
+    tensors = random_tensors(2, seed=2)
+    async with swarm(2) as (hosts, services):
+        group = AllReduceGroup(
+            b"round-3", (hosts[0].peer_id, hosts[1].peer_id), (0.0, 1.0), (CLIENT, AUX)
+        )
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=FAST) for i in (0, 1)]
+        results = await run_all(runners)
+    check_averaged(tensors[0], results[0], tensors[0])  # the only sender: its own values
+    assert results[1].deltas is None and results[0].complete and results[1].complete
+
+
+async def test_fp16_compression_within_tolerance():
+    tensors = random_tensors(4, seed=3)
+    config = AllReduceConfig(
+        compression=Float16Compression(),
+        part_size_bytes=16 * 1024,
+        sender_timeout=5.0,
+        reducer_timeout=10.0,
+        allreduce_timeout=30.0,
+    )
+    async with swarm(4) as (hosts, services):
+        group = AllReduceGroup(b"round-4", tuple(h.peer_id for h in hosts), (1, 1, 1, 1))
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=config) for i in range(4)]
+        results = await run_all(runners)
+    want = weighted_mean(tensors, [1] * 4, range(4))
+    for i in range(4):
+        assert results[i].complete
+        check_averaged(tensors[i], results[i], want, atol=5e-3, rtol=0)
+
+
+class StallingCompression(CompressionBase):
+    """NoCompression that blocks its worker thread after ``after`` calls until released."""
+
+    def __init__(self, after):
+        self.after, self.calls = after, 0
+        self.stalled, self.release = threading.Event(), threading.Event()
+
+    def compress(self, tensor, info=None, allow_inplace=False):
+        self.calls += 1
+        if self.calls > self.after:
+            self.stalled.set()
+            self.release.wait(timeout=30)
+        return NoCompression().compress(tensor, info)
+
+    def estimate_compression_ratio(self, info):
+        return 1.0
+
+
+class StallingRunner(AllReduceRunner):
+    """A real runner that stops answering after ``after`` results (then it gets killed)."""
+
+    def __init__(self, *args, after, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after, self.answered, self.stalled = after, 0, trio.Event()
+
+    async def _result(self, *args):
+        self.answered += 1
+        if self.answered > self.after:
+            self.stalled.set()
+            await trio.sleep_forever()
+        return await super()._result(*args)
+
+
+async def test_peer_dies_mid_round():
+    tensors = random_tensors(4, seed=4)
+    config = AllReduceConfig(
+        part_size_bytes=4096, sender_timeout=5.0, reducer_timeout=10.0, allreduce_timeout=30.0
+    )
+    codec = StallingCompression(after=2)
+    dying_config = AllReduceConfig(
+        compression=codec,
+        part_size_bytes=4096,
+        sender_timeout=5.0,
+        reducer_timeout=10.0,
+        allreduce_timeout=30.0,
+    )
+    group_ready, box = trio.Event(), {}
+
+    async def dying_peer(maddrs, task_status=trio.TASK_STATUS_IGNORED):
+        async with (
+            P2P.create(initial_peers=maddrs) as host,
+            AllReduceService.create(host, "test") as service,
+        ):
+            task_status.started(host.peer_id)
+            await group_ready.wait()
+            dying = StallingRunner(service, box["group"], tensors[3], config=dying_config, after=1)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dying.run)
+                await dying.stalled.wait()  # it answered one part and hangs as a reducer...
+                # ...and stopped sending its own parts (a worker thread sets a threading.Event)
+                await trio.to_thread.run_sync(codec.stalled.wait, 30)
+                nursery.cancel_scope.cancel()
+                codec.release.set()  # lets its worker thread return
+        # leaving P2P.create: the peer is gone mid-round
+
+    async with swarm(3) as (hosts, services), trio.open_nursery() as nursery:
+        maddrs = [a for h in hosts for a in h.get_visible_maddrs()]
+        dead_peer = await nursery.start(dying_peer, maddrs)
+        peers = (*(h.peer_id for h in hosts), dead_peer)
+        box["group"] = group = AllReduceGroup(b"round-5", peers, (1, 1, 1, 1))
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=config) for i in range(3)]
+        start = time.monotonic()
+        group_ready.set()
+        results = await run_all(runners)
+        elapsed = time.monotonic() - start
+
+    mean4 = weighted_mean(tensors, [1] * 4, range(4))
+    mean3 = weighted_mean(tensors, [1] * 4, range(3))
+    layout = TensorPartContainer(tensors[0], (1, 1, 1, 1), 4096).layout
+    final = [
+        [(t + d).reshape(-1) for t, d in zip(tensors[i], results[i].deltas, strict=True)]
+        for i in range(3)
+    ]
+    for i in range(3):
+        assert not results[i].timed_out
+        # the dying peer's round either ended its streams (FINISHED) or its host closed them
+        assert set(results[i].failed_reducers) == {dead_peer}
+        assert results[i].failed_reducers[dead_peer] in (Failure.REJECTED, Failure.DISCONNECTED)
+        assert set(results[i].banned_senders) == {dead_peer}
+    saw_mean3 = False
+    for reducer, parts in enumerate(layout):
+        for spec in parts:
+            window = slice(spec.start, spec.stop)
+            m4 = mean4[spec.tensor_index].reshape(-1)[window]
+            m3 = mean3[spec.tensor_index].reshape(-1)[window]
+            values = [final[i][spec.tensor_index][window] for i in range(3)]
+            if reducer < 3:  # honest reducers: everyone got the same average, with or without D
+                for v in values:
+                    torch.testing.assert_close(v, values[0])
+                matches3 = torch.allclose(values[0], m3, atol=1e-6)
+                assert matches3 or torch.allclose(values[0], m4, atol=1e-6)
+                saw_mean3 |= matches3
+            else:  # the dead reducer's slice: the average if it arrived, else local values
+                for i, v in enumerate(values):
+                    local = tensors[i][spec.tensor_index].reshape(-1)[window]
+                    assert torch.allclose(v, m4, atol=1e-6) or torch.equal(v, local)
+    assert saw_mean3  # the dead peer's missing parts were averaged without it
+    assert elapsed < 15
+
+
+async def test_peer_sending_wrong_shapes_is_excluded():
+    tensors = random_tensors(3, seed=5)
+    async with swarm(5) as (hosts, services):
+        bad_shape, garbage = hosts[3], hosts[4]
+        group = AllReduceGroup(
+            b"round-6",
+            tuple(h.peer_id for h in hosts),
+            (1, 1, 1, 0, 0),
+            (NODE, NODE, NODE, CLIENT, CLIENT),
+        )
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=FAST) for i in range(3)]
+        layout = TensorPartContainer(tensors[0], group.fractions, FAST.part_size_bytes).layout
+        codes = []
+
+        async def send_bad(host, reducer, make_part):
+            numel = layout[reducer][0].numel
+            request = averaging_pb2.AveragingRequest(
+                group_id=group.group_id, weight=1.0, part_index=0, part=make_part(numel)
+            )
+            async with host.iterate_protobuf_handler(
+                hosts[reducer].peer_id,
+                rpc_aggregate_part_name("test"),
+                [request],
+                averaging_pb2.AveragingResponse,
+                stream_input=True,
+            ) as responses:
+                async for response in responses:
+                    codes.append(response.code)
+
+        def wrong_shape(numel):
+            message = serialize_torch_tensor(torch.zeros(numel + 1))
+            return averaging_pb2.AveragingTensorPart(
+                buffer=message.buffer.tobytes(), size=[numel + 1], dtype="float32"
+            )
+
+        def garbage_bytes(numel):
+            return averaging_pb2.AveragingTensorPart(
+                buffer=b"\x01" * (4 * numel - 3), size=[numel], dtype="float32"
+            )
+
+        results = [None] * 3
+
+        async def run_honest(i):
+            results[i] = await runners[i].run()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(run_honest, i)
+                nursery.start_soon(send_bad, bad_shape, i, wrong_shape)
+                nursery.start_soon(send_bad, garbage, i, garbage_bytes)
+    assert codes == [averaging_pb2.AVERAGING_BAD_PART] * 6
+    want = weighted_mean(tensors, [1] * 3, range(3))
+    for i in range(3):
+        assert results[i].banned_senders == {
+            bad_shape.peer_id: Failure.BAD_DATA,
+            garbage.peer_id: Failure.BAD_DATA,
+        }
+        assert not results[i].failed_reducers and not results[i].timed_out
+        check_averaged(tensors[i], results[i], want)
+
+
+async def test_absent_peer_times_out_and_unknown_groups_are_rejected():
+    tensors = random_tensors(2, seed=6)
+    config = AllReduceConfig(
+        part_size_bytes=16 * 1024, sender_timeout=0.5, reducer_timeout=1.0, allreduce_timeout=5.0
+    )
+    async with swarm(3) as (hosts, services):
+        # hosts[2] serves all-reduce but never starts this round: its streams wait, then fail
+        services[2].group_wait_timeout = 0.2
+        group = AllReduceGroup(b"round-7", tuple(h.peer_id for h in hosts), (1, 1, 1))
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=config) for i in (0, 1)]
+        start = time.monotonic()
+        results = await run_all(runners)
+        elapsed = time.monotonic() - start
+    absent = hosts[2].peer_id
+    want = weighted_mean(tensors, [1, 1], (0, 1))
+    layout = TensorPartContainer(tensors[0], (1, 1, 1), 16 * 1024).layout
+    for i in (0, 1):
+        assert results[i].banned_senders == {absent: Failure.TIMEOUT}
+        assert results[i].failed_reducers == {absent: Failure.REJECTED}
+        for t, (local, delta) in enumerate(zip(tensors[i], results[i].deltas, strict=True)):
+            expected = want[t].reshape(-1).clone()
+            for spec in layout[2]:
+                if spec.tensor_index == t:
+                    expected[spec.start : spec.stop] = local.reshape(-1)[spec.start : spec.stop]
+            torch.testing.assert_close((local + delta).reshape(-1), expected)
+    assert elapsed < 4
+
+
+async def test_allreduce_timeout_keeps_local_values():
+    tensors = random_tensors(2, seed=7)
+    config = AllReduceConfig(sender_timeout=None, reducer_timeout=None, allreduce_timeout=0.5)
+    async with swarm(2) as (hosts, services):
+        group = AllReduceGroup(b"round-8", (hosts[0].peer_id, hosts[1].peer_id), (1, 1))
+        start = time.monotonic()
+        result = await AllReduceRunner(services[0], group, tensors[0], config=config).run()
+        elapsed = time.monotonic() - start
+    assert result.timed_out and not result.complete
+    assert all(bool((d == 0).all()) for d in result.deltas)
+    assert math.isclose(elapsed, 0.5, abs_tol=1.5)

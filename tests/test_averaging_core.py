@@ -1,0 +1,231 @@
+"""AllReduceCore wired to other cores in memory: no sockets, no clock (``now`` is a number)."""
+
+import pytest
+import torch
+
+from swarmtrain.averaging.allreduce_core import (
+    AllReduceCore,
+    AllReduceGroup,
+    AveragingMode,
+    Failure,
+    Reject,
+)
+
+NODE, CLIENT, AUX = AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.AUX
+
+
+def make_group(fractions, modes=()):
+    return AllReduceGroup(
+        b"gid", tuple(f"peer{i}" for i in range(len(fractions))), fractions, modes
+    )
+
+
+def make_cores(group, tensors_by_peer, weights=None, **kwargs):
+    kwargs.setdefault("part_size_bytes", 64)
+    weights = weights or [1.0] * group.size
+    return [
+        AllReduceCore(group, i, tensors_by_peer[i], weight=weights[i], now=0.0, **kwargs)
+        for i in range(group.size)
+    ]
+
+
+def exchange(cores, *, skip_senders=(), skip_reducers=(), now=1.0, state=None):
+    """Every sender streams every part to every remote reducer, in rounds of one part.
+
+    ``state`` (a dict) carries which streams are open and which parts went out across calls.
+    """
+    state = {} if state is None else state
+    opened, sent = state.setdefault("opened", set()), state.setdefault("sent", set())
+    progress = True
+    while progress:
+        progress = False
+        for s, sender in enumerate(cores):
+            if s in skip_senders or not sender.is_sender:
+                continue
+            for r in sender.remote_reducers():
+                reducer = cores[r]
+                if r in skip_reducers or sender.container.reducer_done(r):
+                    continue
+                if (s, r) not in opened:
+                    assert reducer.open_sender(s, b"gid", sender.weight, now) is None
+                    opened.add((s, r))
+                k = sender.container.num_received(r)
+                if reducer.sender_banned(s):
+                    continue
+                if (s, r, k) not in sent:
+                    outcome = reducer.receive_part(s, k, sender.container.input_part(r, k), now)
+                    assert outcome.reject is None
+                    sent.add((s, r, k))
+                    progress = True
+                if reducer.is_part_ready(k):
+                    delta = reducer.delta_for(s, k, sender.container.input_part(r, k))
+                    assert sender.receive_delta(r, k, delta, unchanged=delta is None, now=now)
+                    reducer.result_sent(s, k, now)
+                    progress = True
+
+
+def weighted_mean(tensors_by_peer, weights, members):
+    total = sum(weights[i] for i in members)
+    return [
+        sum(tensors_by_peer[i][t] * weights[i] for i in members) / total
+        for t in range(len(tensors_by_peer[0]))
+    ]
+
+
+def random_tensors(n, shapes=((13, 7), (50,), (3, 3, 3))):
+    return [[torch.randn(*s) for s in shapes] for _ in range(n)]
+
+
+def test_four_nodes_exact_weighted_mean():
+    group = make_group([0.1, 0.4, 0.2, 0.3])
+    tensors, weights = random_tensors(4), [1.0, 2.0, 0.5, 0.0]
+    cores = make_cores(group, tensors, weights)
+    exchange(cores)
+    want = weighted_mean(tensors, weights, range(4))
+    for i, core in enumerate(cores):
+        assert core.finished and core.statistics().finished
+        for local, delta, mean in zip(tensors[i], core.deltas(), want, strict=True):
+            torch.testing.assert_close(local + delta, mean)
+
+
+def test_client_and_aux():
+    group = make_group([0.5, 0.0, 0.25, 0.25], (NODE, CLIENT, AUX, NODE))
+    tensors = random_tensors(4)
+    cores = make_cores(group, tensors, [1.0, 3.0, 0.0, 1.0])
+    assert cores[1].num_local_parts == 0 and not cores[2].is_sender
+    assert cores[2].open_sender(2, b"gid", 1.0, 0.0) == Reject.NOT_A_SENDER
+    assert cores[1].open_sender(0, b"gid", 1.0, 0.0) == Reject.NOT_A_REDUCER
+    exchange(cores)
+    want = weighted_mean(tensors, [1.0, 3.0, 0.0, 1.0], [0, 1, 3])
+    assert cores[2].finished and cores[2].deltas() is None
+    for i in (0, 1, 3):
+        assert cores[i].finished
+        for local, delta, mean in zip(tensors[i], cores[i].deltas(), want, strict=True):
+            torch.testing.assert_close(local + delta, mean)
+
+
+def test_missing_sender_is_banned_after_sender_timeout():
+    group = make_group([1, 1, 1])
+    tensors = random_tensors(3)
+    cores = make_cores(group, tensors, sender_timeout=5.0, reducer_timeout=10.0)
+    state = {}
+    exchange(cores, skip_senders={2}, skip_reducers={2}, state=state)
+    assert not cores[0].reducing_finished
+    assert cores[0].missing_senders_deadline == 5.0
+    assert cores[0].ban_missing_senders(4.9) == ()
+    assert cores[0].ban_missing_senders(5.0) == (0,)  # peer1 waits for part 0's result
+    cores[1].ban_missing_senders(5.0)
+    exchange(cores, skip_senders={2}, skip_reducers={2}, state=state)
+    for i in (0, 1):
+        assert cores[i].banned_senders == {"peer2": Failure.TIMEOUT}
+        assert cores[i].reducer_deadline(2) == 10.0
+        cores[i].fail_reducer(2, Failure.TIMEOUT)  # the dead reducer's slice stays local
+        assert cores[i].finished
+    want = weighted_mean(tensors, [1.0] * 3, [0, 1])
+    for i in (0, 1):
+        for t, (local, delta) in enumerate(zip(tensors[i], cores[i].deltas(), strict=True)):
+            spec_ranges = [
+                (p.start, p.stop) for p in cores[i].container.layout[2] if p.tensor_index == t
+            ]
+            result = (local + delta).reshape(-1)
+            expected = want[t].reshape(-1).clone()
+            for start, stop in spec_ranges:
+                expected[start:stop] = local.reshape(-1)[start:stop]
+            torch.testing.assert_close(result, expected)
+
+
+def test_slow_sender_deadline_follows_its_last_result():
+    group = make_group([1, 0.0], (NODE, CLIENT))
+    core = make_cores(group, random_tensors(2), sender_timeout=2.0, reducer_timeout=3.0)[0]
+    assert core.open_sender(1, b"gid", 1.0, now=1.0) is None
+    assert core.sender_deadline(1) == 3.0
+    part = core.container.input_part(0, 0)
+    assert core.receive_part(1, 0, part, now=1.5).completed == (0,)
+    core.result_sent(1, 0, now=2.5)
+    assert core.sender_deadline(1) == 4.5
+    assert core.ban_sender(1, Failure.TIMEOUT) == tuple(range(1, core.num_local_parts))
+    assert core.finished
+    assert core.receive_part(1, 1, part, now=5).reject == Reject.BANNED
+    assert core.open_sender(1, b"gid", 1.0, now=5) == Reject.BANNED
+
+
+def test_bad_parts_ban_the_sender():
+    group = make_group([1, 0, 0, 0])
+    core = make_cores(group, random_tensors(4))[0]
+    for peer in (1, 2, 3):
+        assert core.open_sender(peer, b"gid", 1.0, 0.0) is None
+    assert core.open_sender(1, b"gid", 1.0, 0.0) == Reject.DUPLICATE_SENDER
+    shape = core.local_part_shape(0)[0]
+    assert core.receive_part(1, 0, torch.zeros(shape[0] + 1), 0.0).reject == Reject.BAD_PART
+    assert core.receive_part(2, 1, torch.zeros(shape), 0.0).reject == Reject.BAD_PART
+    assert core.receive_part(3, 0, None, 0.0).reject == Reject.BAD_PART  # undecodable
+    assert set(core.banned_senders) == {"peer1", "peer2", "peer3"}
+    assert core.finished  # only our own contribution is left: deltas are zero
+    assert all(bool((d == 0).all()) for d in core.deltas())
+
+
+def test_open_sender_rejections():
+    group = make_group([1, 1], (NODE, NODE))
+    core = make_cores(group, random_tensors(2))[0]
+    assert core.open_sender(1, b"other", 1.0, 0.0) == Reject.BAD_GROUP_ID
+    assert core.open_sender(None, b"gid", 1.0, 0.0) == Reject.NOT_A_SENDER
+    assert core.open_sender(0, b"gid", 1.0, 0.0) == Reject.NOT_A_SENDER  # ourselves
+    assert core.open_sender(1, b"gid", float("nan"), 0.0) == Reject.BAD_PART
+    assert core.open_sender(1, b"gid", 1.0, 0.0) == Reject.BANNED
+
+
+def test_bad_delta_fails_the_reducer_and_keeps_local_values():
+    group = make_group([1, 1])
+    tensors = random_tensors(2)
+    core = make_cores(group, tensors)[0]
+    numel = core.container.part_spec(1, 0).numel
+    assert core.receive_delta(1, 0, torch.ones(numel), unchanged=False, now=1.0)
+    assert core.reducer_deadline(1) == float("inf")
+    assert not core.receive_delta(1, 1, torch.ones(numel + 1), unchanged=False, now=1.0)
+    assert core.failed_reducers == {"peer1": Failure.BAD_DATA}
+    assert not core.receive_delta(1, 1, torch.ones(numel), unchanged=False, now=1.0)
+
+
+def test_zero_weights_keep_local_values():
+    group = make_group([1, 1, 1])
+    tensors = random_tensors(3)
+    cores = make_cores(group, tensors, [0.0, 0.0, 0.0])
+    exchange(cores)
+    for core in cores:
+        assert core.finished
+        assert all(bool((d == 0).all()) and not d.isnan().any() for d in core.deltas())
+
+
+def test_expire_fails_everything_pending():
+    group = make_group([1, 1, 1])
+    cores = make_cores(group, random_tensors(3), sender_timeout=1.0, reducer_timeout=2.0)
+    assert cores[0].open_sender(1, b"gid", 1.0, 0.0) is None
+    completed = cores[0].expire(now=100.0)
+    assert completed == tuple(range(cores[0].num_local_parts))
+    assert cores[0].finished
+    assert cores[0].failed_reducers == {"peer1": Failure.DEADLINE, "peer2": Failure.DEADLINE}
+    assert cores[0].banned_senders == {"peer1": Failure.DEADLINE, "peer2": Failure.DEADLINE}
+    assert all(bool((d == 0).all()) for d in cores[0].deltas())
+
+
+def test_group_and_core_validation():
+    with pytest.raises(ValueError):
+        make_group([0.0, 0.0])
+    with pytest.raises(ValueError):
+        make_group([1.0, 1.0], (NODE, CLIENT))
+    with pytest.raises(ValueError):
+        AllReduceGroup(b"", ("a",), (1.0,))
+    with pytest.raises(ValueError):
+        AllReduceGroup(b"g", ("a", "a"), (1.0, 1.0))
+    group = make_group([1.0])
+    with pytest.raises(ValueError):
+        AllReduceCore(group, 0, [torch.zeros(3)], sender_timeout=2.0, reducer_timeout=1.0)
+    with pytest.raises(ValueError):
+        AllReduceCore(group, 0, [torch.zeros(3)], weight=-1)
+    with pytest.raises(ValueError):
+        AllReduceCore(group, 1, [torch.zeros(3)])
+
+
+def test_single_peer_is_done_at_once():
+    core = AllReduceCore(make_group([1.0]), 0, [torch.randn(100)], part_size_bytes=64)
+    assert core.finished and bool((core.deltas()[0] == 0).all())

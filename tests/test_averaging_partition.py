@@ -1,0 +1,164 @@
+"""Partitioning, reassembly and weighted reduction of tensor parts (pure, no network)."""
+
+import math
+
+import pytest
+import torch
+
+from swarmtrain.averaging.partition import (
+    TensorPartContainer,
+    TensorPartReducer,
+    apportion,
+    partition_tensors,
+)
+
+
+@pytest.mark.parametrize(
+    "total, fractions",
+    [
+        (10, [1, 1, 1]),
+        (7, [0.5, 0, 0.5]),
+        (1000, [0.1, 0.2, 0.3, 0.4]),
+        (0, [1, 2]),
+        (3, [1, 1, 1, 1, 1]),
+        (123457, [1e-9, 1, 3.3]),
+    ],
+)
+def test_apportion_sums_and_is_proportional(total, fractions):
+    sizes = apportion(total, fractions)
+    assert sum(sizes) == total
+    norm = sum(fractions)
+    for size, f in zip(sizes, fractions, strict=True):
+        assert abs(size - total * f / norm) < 1.0
+        if f == 0:
+            assert size == 0
+
+
+def test_apportion_rejects_bad_fractions():
+    for bad in ([0, 0], [-1, 2], [math.nan], [math.inf, 1], []):
+        with pytest.raises(ValueError):
+            apportion(10, bad)
+
+
+def test_partition_covers_every_value_once_without_crossing_tensors():
+    numels, sizes = [1000, 1, 0, 4097, 333], [4, 2, 4, 8, 4]
+    layout = partition_tensors(numels, sizes, [0.3, 0.0, 0.2, 0.5], part_size_bytes=1024)
+    assert len(layout) == 4 and layout[1] == ()
+    covered = [torch.zeros(n, dtype=torch.int64) for n in numels]
+    for parts in layout:
+        for part in parts:
+            assert 0 < part.numel <= max(1, 1024 // sizes[part.tensor_index])
+            covered[part.tensor_index][part.start : part.stop] += 1
+    assert all(bool((c == 1).all()) for c in covered)
+    slice_sizes = [sum(p.numel for p in parts) for parts in layout]
+    assert slice_sizes == list(apportion(sum(numels), [0.3, 0.0, 0.2, 0.5]))
+
+
+def test_partition_is_deterministic():
+    args = ([5000, 77], [4, 4], [0.123456789, 0.3, 0.576543211], 512)
+    assert partition_tensors(*args) == partition_tensors(*args)
+
+
+def test_container_splits_and_reassembles_deltas():
+    tensors = [torch.randn(30, 40), torch.randn(17, dtype=torch.float64), torch.randn(5, 5, 5)]
+    container = TensorPartContainer(tensors, [1, 2, 0, 1], part_size_bytes=256)
+    assert container.num_parts_by_peer[2] == 0
+    flat = torch.cat([t.reshape(-1).double() for t in tensors])
+    joined = torch.cat([p.double() for peer in range(4) for p in container.input_parts(peer)])
+    assert torch.equal(joined, flat)
+
+    target = [torch.randn_like(t) for t in tensors]
+    target_container = TensorPartContainer(target, [1, 2, 0, 1], part_size_bytes=256)
+    for peer in (0, 1, 3):
+        for k, part in enumerate(container.input_parts(peer)):
+            container.register_delta(peer, k, target_container.input_part(peer, k) - part)
+    assert container.finished
+    for t, want, delta in zip(tensors, target, container.deltas(), strict=True):
+        assert delta.shape == t.shape and delta.dtype == t.dtype
+        torch.testing.assert_close(t + delta, want)
+
+
+def test_container_failed_reducer_keeps_local_values():
+    tensors = [torch.randn(1000)]
+    container = TensorPartContainer(tensors, [1, 1], part_size_bytes=400)
+    container.register_delta(0, 0, torch.ones(100))
+    assert container.register_failed_reducer(1) == container.num_parts_by_peer[1]
+    assert not container.finished
+    for k in range(1, container.num_parts_by_peer[0]):
+        container.register_delta(0, k, None)  # unchanged
+    assert container.finished
+    delta = container.deltas()[0]
+    assert torch.equal(delta[:100], torch.ones(100))
+    assert torch.equal(delta[100:], torch.zeros(900))
+    with pytest.raises(ValueError):
+        container.register_delta(1, 0, torch.ones(100))  # the reducer failed
+    with pytest.raises(ValueError):
+        container.register_delta(0, 0, torch.ones(100))  # twice
+
+
+def test_container_rejects_wrong_delta_size_and_bad_tensors():
+    container = TensorPartContainer([torch.zeros(10)], [1])
+    with pytest.raises(ValueError):
+        container.register_delta(0, 0, torch.zeros(11))
+    with pytest.raises(ValueError):
+        container.register_delta(0, 5, torch.zeros(10))
+    with pytest.raises(TypeError):
+        TensorPartContainer([torch.zeros(3, dtype=torch.int64)], [1])
+    with pytest.raises(ValueError):
+        TensorPartContainer([], [1])
+
+
+def test_reducer_weighted_mean_and_completion_order():
+    reducer = TensorPartReducer([3, 2], [torch.float32, torch.float16], num_senders=3)
+    a, b, c = torch.tensor([1.0, 2, 3]), torch.tensor([3.0, 2, 1]), torch.tensor([0.0, 0, 6])
+    assert reducer.accumulate(0, 0, a, 1.0) == ()
+    assert reducer.accumulate(2, 0, c, 2.0) == ()
+    assert reducer.accumulate(1, 1, torch.ones(2, dtype=torch.float16), 1.0) == ()
+    assert reducer.accumulate(1, 0, b, 1.0) == (0,)
+    torch.testing.assert_close(reducer.result(0), (a + b + 2 * c) / 4)
+    assert not reducer.is_complete(1)
+    with pytest.raises(ValueError):
+        reducer.result(1)
+
+
+def test_reducer_ban_completes_parts_and_rejects_the_banned():
+    reducer = TensorPartReducer([2, 2, 2], [torch.float32] * 3, num_senders=3)
+    reducer.accumulate(0, 0, torch.ones(2), 1.0)
+    reducer.accumulate(1, 0, torch.zeros(2), 1.0)
+    reducer.accumulate(2, 0, torch.full((2,), 5.0), 1.0)  # part 0 includes sender 2
+    reducer.accumulate(0, 1, torch.ones(2), 1.0)
+    reducer.accumulate(1, 1, torch.full((2,), 3.0), 1.0)
+    assert reducer.ban(2) == (1,)
+    torch.testing.assert_close(reducer.result(0), torch.full((2,), 2.0))
+    torch.testing.assert_close(reducer.result(1), torch.full((2,), 2.0))
+    assert reducer.ban(2) == ()
+    with pytest.raises(ValueError):
+        reducer.accumulate(2, 2, torch.ones(2), 1.0)
+    reducer.accumulate(0, 2, torch.ones(2), 1.0)
+    assert reducer.ban(1) == (2,)
+    assert reducer.finished and reducer.banned == {1, 2}
+
+
+def test_reducer_zero_total_weight_gives_no_nan():
+    reducer = TensorPartReducer([4], [torch.float32], num_senders=2)
+    reducer.accumulate(0, 0, torch.randn(4), 0.0)
+    assert reducer.accumulate(1, 0, torch.randn(4), 0.0) == (0,)
+    assert reducer.result(0) is None  # every sender keeps its own values
+    everyone_banned = TensorPartReducer([4], [torch.float32], num_senders=1)
+    assert everyone_banned.ban(0) == (0,) and everyone_banned.result(0) is None
+
+
+def test_reducer_validates_inputs():
+    reducer = TensorPartReducer([4], [torch.float32], num_senders=2)
+    for args in [
+        (2, 0, torch.zeros(4), 1.0),  # no such sender
+        (0, 1, torch.zeros(4), 1.0),  # no such part
+        (0, 0, torch.zeros(5), 1.0),  # wrong size
+        (0, 0, torch.zeros(4), -1.0),  # negative weight
+        (0, 0, torch.zeros(4), math.nan),
+    ]:
+        with pytest.raises(ValueError):
+            reducer.accumulate(*args)
+    reducer.accumulate(0, 0, torch.zeros(4), 1.0)
+    with pytest.raises(ValueError):
+        reducer.accumulate(0, 0, torch.zeros(4), 1.0)  # twice
