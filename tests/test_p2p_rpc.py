@@ -334,3 +334,42 @@ async def test_websocket_transport_interoperates_with_tcp():
                 ws_peer.peer_id, "test::Demo.count_to", Int64Value(value=3), Int64Value
             ) as responses:
                 assert [r.value async for r in responses] == [0, 1, 2]
+
+
+async def test_back_to_back_calls_reuse_streams_and_survive_a_restarted_callee(tmp_path):
+    key = str(tmp_path / "callee.key")
+    async with P2P.create() as b:
+        async with P2P.create(identity_path=key) as a:
+            serve_all(a)
+            address = a.get_visible_maddrs()[0]
+            await b.connect(address)
+            for i in range(20):
+                reply = await b.call_protobuf_handler(
+                    a.peer_id, "test::Demo.reverse", StringValue(value=f"n{i}"), StringValue
+                )
+                assert reply.value == f"n{i}"[::-1]
+            # errors and streaming calls in between do not poison pooled streams
+            with pytest.raises(RemoteError):
+                await b.call_protobuf_handler(
+                    a.peer_id, "test::Demo.fail", StringValue(value="x"), StringValue
+                )
+            async with b.iterate_protobuf_handler(
+                a.peer_id, "test::Demo.count_to", Int64Value(value=3), Int64Value
+            ) as responses:
+                assert [r.value async for r in responses] == [0, 1, 2]
+            reply = await b.call_protobuf_handler(
+                a.peer_id, "test::Demo.reverse", StringValue(value="ok"), StringValue
+            )
+            stats = b.statistics()
+            assert stats["rpc_streams_reused"] >= 19, stats
+            assert stats["rpc_streams_opened"] <= 4, stats
+        # The callee restarts with the same identity and address: b's pooled streams are dead,
+        # and its next call still works (a fresh stream over a fresh connection).
+        async with P2P.create(
+            identity_path=key, host_maddrs=[address.split("/p2p/")[0]]
+        ) as restarted:
+            serve_all(restarted)
+            reply = await b.call_protobuf_handler(
+                restarted.peer_id, "test::Demo.reverse", StringValue(value="again"), StringValue
+            )
+            assert reply.value == "niaga"

@@ -3,6 +3,7 @@ hole punching, and gossipsub for loss-tolerant broadcasts."""
 
 from libp2p.peer.id import ID as PeerID
 
+from swarmtrain.p2p.autonat import Reachability as Reachability
 from swarmtrain.p2p.errors import (
     MessageTooLargeError as MessageTooLargeError,
 )

@@ -33,8 +33,9 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
-from swarmtrain.p2p import rpc
+from swarmtrain.p2p import rpc, rpc_client
 from swarmtrain.p2p._tuning import apply_libp2p_tuning
+from swarmtrain.p2p.autonat import AutoNAT, Reachability
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, RPCTimeoutError
 from swarmtrain.p2p.identity import load_or_create_identity
 from swarmtrain.p2p.relay import RelayManager
@@ -67,6 +68,9 @@ class P2PConfig:
     use_auto_relay: bool = False
     use_hole_punching: bool = True
     relay_max_reservations: int = 16
+    # AutoNAT (swarmtrain.p2p.autonat): a listening peer serves dial-backs and asks peers to
+    # dial it back; judged unreachable, it reserves relay slots as if use_auto_relay were set.
+    use_autonat: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -152,9 +156,11 @@ class P2P:
         self.config = config
         self.peer_id: ID = host.get_id()
         self._rpc_server = rpc.RPCServer(config.max_message_size)
+        self._stream_pool = rpc_client.StreamPool(self._open_rpc_stream)
         self._nursery: trio.Nursery | None = None
         self._dial_locks: dict[ID, trio.Lock] = {}
         self.relay: RelayManager | None = None  # set in create when relaying is enabled
+        self.autonat: AutoNAT | None = None  # set in create when use_autonat
         self._closed = False
 
     # ---------------------------------------------------------------- lifetime
@@ -193,18 +199,25 @@ class P2P:
                     try:
                         if config.use_relay or config.relay_service:
                             self.relay = await RelayManager.start(self)
+                        if config.use_autonat:
+                            self.autonat = AutoNAT.start(self)
                         await self._connect_initial_peers()
                         if self.relay is not None:
                             await self.relay.reserve_initial_relays()
+                        if self.autonat is not None:
+                            self.autonat.start_checks()
                         yield self
                     finally:
                         self._closed = True
                         self._rpc_server.cancel_all()
                         nursery.cancel_scope.cancel()
                         with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                            await self._stream_pool.aclose()
                             await self._rpc_server.wait_idle()  # let them say ERROR(CANCELLED)
                         await self._close_network()
         except OSError as e:
+            if self._nursery is not None:
+                raise  # not a startup failure: an error from the caller's own code
             raise P2PError(f"could not listen on {list(config.host_maddrs)}: {e}") from e
 
     async def _close_network(self) -> None:
@@ -257,6 +270,14 @@ class P2P:
         if self.relay is not None:
             addrs += self.relay.circuit_addrs()
         return addrs
+
+    @property
+    def reachability(self) -> Reachability:
+        """Whether other peers can dial us directly: ``PRIVATE`` in client_mode, else AutoNAT's
+        verdict (``UNKNOWN`` until enough peers answered, or without ``use_autonat``)."""
+        if self.config.client_mode:
+            return Reachability.PRIVATE
+        return self.autonat.reachability if self.autonat is not None else Reachability.UNKNOWN
 
     def get_connected_peers(self) -> list[ID]:
         return list(self._host.get_connected_peers())
@@ -402,8 +423,8 @@ class P2P:
         messages with ``stream_input=True``. ``timeout`` defaults to ``request_timeout``."""
         timeout = self.config.request_timeout if timeout is ... else timeout
         with trio.move_on_after(timeout if timeout is not None else math.inf) as scope:
-            return await rpc.call_unary_output(
-                self._open_rpc_stream,
+            return await rpc_client.call_unary_output(
+                self._stream_pool,
                 as_peer_id(peer),
                 name,
                 request,
@@ -425,7 +446,7 @@ class P2P:
         stream_input: bool = False,
         next_message_timeout: float | type[Ellipsis] | None = ...,
         max_message_size: int | None = None,
-    ) -> AsyncIterator[rpc.ResponseStream[TOut]]:
+    ) -> AsyncIterator[rpc_client.ResponseStream[TOut]]:
         """Call a stream-output handler: ``async with ... as responses: async for r in responses``.
 
         ``next_message_timeout`` (default ``request_timeout``) bounds the wait for each
@@ -434,8 +455,8 @@ class P2P:
         timeout = (
             self.config.request_timeout if next_message_timeout is ... else next_message_timeout
         )
-        async with rpc.open_call(
-            self._open_rpc_stream,
+        async with rpc_client.open_call(
+            self._stream_pool,
             as_peer_id(peer),
             name,
             request,
@@ -443,7 +464,7 @@ class P2P:
             stream_input=stream_input,
             max_message_size=max_message_size or self.config.max_message_size,
         ) as reader:
-            yield rpc.ResponseStream(reader, timeout)
+            yield rpc_client.ResponseStream(reader, timeout)
 
     async def _on_rpc_stream(self, net_stream) -> None:
         remote_id = net_stream.muxed_conn.peer_id
@@ -455,4 +476,6 @@ class P2P:
             "connected_peers": len(self.get_connected_peers()),
             "handlers": self._rpc_server.handler_names,
             "calls_served": self._rpc_server.calls_served,
+            "rpc_streams_opened": self._stream_pool.streams_opened,
+            "rpc_streams_reused": self._stream_pool.streams_reused,
         }

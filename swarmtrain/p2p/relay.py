@@ -5,9 +5,10 @@ Roles, each switched by a ``P2PConfig`` field:
 - relay service (``relay_service``, on by default): a peer that listens relays circuits for
   peers that hold a reservation on it (the circuit relay v2 "hop" protocol). A ``client_mode``
   peer never serves: nobody can dial it directly.
-- reservations (``client_mode`` peers, or any peer with ``use_auto_relay``): once its initial
-  peers are connected, the peer reserves a slot on each of them that offers the hop protocol
-  and renews the slots before they expire. Its ``/p2p-circuit`` addresses then appear in
+- reservations (``client_mode`` peers, any peer with ``use_auto_relay``, and peers that
+  AutoNAT judges unreachable, see ``swarmtrain.p2p.autonat``): once its initial peers are
+  connected, the peer reserves a slot on each of them that offers the hop protocol and renews
+  the slots before they expire. Its ``/p2p-circuit`` addresses then appear in
   ``P2P.get_visible_maddrs()``.
 - relayed dials and inbound circuits (``use_relay``): ``P2P.ensure_connected`` calls
   ``dial_through_relay`` when a peer has only ``/p2p-circuit`` addresses.
@@ -88,6 +89,7 @@ RELAY_CIRCUITS_PER_RESERVATION = 8
 @dataclass(frozen=True)
 class RelayStatistics:
     relay_service: bool
+    reachability: str  # AutoNAT's verdict: "unknown", "public" or "private"
     reservations: int
     relayed_dials: int
     hole_punches_succeeded: int
@@ -123,6 +125,8 @@ class RelayManager:
         self.serve = serve
         self.accept_relayed = accept_relayed
         self.want_reservations = reserve
+        self._reserve_always = reserve  # by configuration; AutoNAT toggles the others
+        self._auto_reservations: trio.CancelScope | None = None
         self.hole_punching = hole_punching and accept_relayed
         self._max_reservations = max_reservations
         self._timeout = timeout
@@ -183,6 +187,32 @@ class RelayManager:
         """
         if not self.want_reservations:
             return
+        await self._reserve_on_initial_peers()
+        self._p2p.nursery.start_soon(self._keep_reservations)
+
+    def set_auto_reservations(self, wanted: bool) -> None:
+        """AutoNAT's hook: start (or stop) reserving slots as if ``use_auto_relay`` were set.
+
+        No effect on a peer that reserves by configuration or does not use relays. Starting runs
+        in the host's nursery; stopping forgets the reservations (the relays let them lapse).
+        """
+        if self._reserve_always or not self.accept_relayed or wanted == self.want_reservations:
+            return
+        self.want_reservations = wanted
+        if wanted:
+            self._auto_reservations = trio.CancelScope()
+            self._p2p.nursery.start_soon(self._reserve_automatically, self._auto_reservations)
+        else:
+            if self._auto_reservations is not None:
+                self._auto_reservations.cancel()
+            self._reservations.clear()
+
+    async def _reserve_automatically(self, scope: trio.CancelScope) -> None:
+        with scope:
+            await self._reserve_on_initial_peers()
+            await self._keep_reservations()
+
+    async def _reserve_on_initial_peers(self) -> None:
         candidates = self._candidate_relays(connected_only=True)
         failures = await self._reserve_on(candidates)
         if not self._reservations:
@@ -195,7 +225,6 @@ class RelayManager:
                 RELAY_RETRY_INTERVAL,
                 "; ".join(f"{relay}: {error}" for relay, error in failures.items()),
             )
-        self._p2p.nursery.start_soon(self._keep_reservations)
 
     def _candidate_relays(self, *, connected_only: bool) -> list[ID]:
         candidates: list[ID] = []
@@ -421,6 +450,7 @@ class RelayManager:
     def statistics(self) -> RelayStatistics:
         return RelayStatistics(
             relay_service=self.serve,
+            reachability=self._p2p.reachability.value,
             reservations=sum(r.expires > time.time() for r in self._reservations.values()),
             relayed_dials=self._relayed_dials,
             hole_punches_succeeded=self._punches_ok,

@@ -16,10 +16,9 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import trio
 from google.protobuf.message import DecodeError, Message
@@ -44,6 +43,10 @@ RPC_PROTOCOL_ID = "/swarmtrain/rpc/1.0.0"
 DEFAULT_MAX_MESSAGE_SIZE = 256 * 1024 * 1024
 # How long a callee waits for the next frame of a request before giving up on the caller.
 DEFAULT_REQUEST_IDLE_TIMEOUT = 60.0
+# A callee keeps an idle stream open this long for the caller's next call (callers reuse
+# streams for at most CALLER_STREAM_REUSE_TIME, well inside this).
+SERVER_STREAM_IDLE_TIMEOUT = 30.0
+CALLER_STREAM_REUSE_TIME = 15.0
 
 ErrorCode = p2p_pb2.RPCErrorCode
 TOut = TypeVar("TOut", bound=Message)
@@ -199,7 +202,11 @@ class RPCServer:
                 with scope:
                     if self._closing:
                         scope.cancel()
-                    await self._serve(stream, remote_id)
+                    # One stream carries calls one after another: the caller may reuse it
+                    # after a call ended with END.
+                    idle_timeout = self.request_idle_timeout
+                    while await self._serve(stream, remote_id, idle_timeout):
+                        idle_timeout = SERVER_STREAM_IDLE_TIMEOUT
             except trio.Cancelled:
                 # py-libp2p itself is being cancelled (host shutdown): still tell the caller.
                 await self._send_error_quietly(
@@ -236,11 +243,12 @@ class RPCServer:
             except RPCError:
                 pass
 
-    async def _serve(self, stream: RPCStream, remote_id) -> None:
-        with trio.move_on_after(self.request_idle_timeout) as open_scope:
+    async def _serve(self, stream: RPCStream, remote_id, idle_timeout: float) -> bool:
+        """Serve one call; True if it ended cleanly and the stream may carry another."""
+        with trio.move_on_after(idle_timeout) as open_scope:
             frame = await stream.receive_frame()
         if open_scope.cancelled_caught or frame is None:
-            return
+            return False
         if frame.kind != FrameKind.OPEN:
             raise RPCProtocolError(f"a call must start with OPEN, got {FrameKind.Name(frame.kind)}")
         spec = self._handlers.get(frame.header.method)
@@ -250,7 +258,7 @@ class RPCServer:
                 "NoSuchMethod",
                 f"no handler named {frame.header.method!r}",
             )
-            return
+            return False
         stream.set_max_message_size(spec.max_message_size)
         context = RPCContext(remote_id=remote_id, method=spec.name)
         incoming = _IncomingMessages(stream, spec, self.request_idle_timeout)
@@ -265,7 +273,7 @@ class RPCServer:
             else:
                 raise RPCProtocolError(f"{spec.name} takes one request message, got more")
 
-        caller_gone = False
+        caller_gone = handler_ended = False
         with collapse_exception_groups():
             async with trio.open_nursery() as nursery:
 
@@ -275,16 +283,20 @@ class RPCServer:
                     nonlocal caller_gone
                     await incoming.finished.wait()
                     try:
-                        await stream.receive_frame()
+                        frame = await stream.receive_frame()
                     except RPCError:
-                        pass
+                        frame = None
+                    if handler_ended:
+                        stream.unread(frame)  # the caller's next call, not a cancellation
+                        return
                     caller_gone = True
                     nursery.cancel_scope.cancel()
 
                 async def run_handler() -> None:
+                    nonlocal handler_ended
                     try:
                         with trio.fail_after(spec.timeout if spec.timeout else math.inf):
-                            await self._run_handler(spec, request, context, stream)
+                            handler_ended = await self._run_handler(spec, request, context, stream)
                     except trio.TooSlowError:
                         await stream.send_error(
                             ErrorCode.TIMEOUT, "Timeout", f"handler ran past {spec.timeout} s"
@@ -296,8 +308,10 @@ class RPCServer:
         if caller_gone:
             logger.debug("%s: the caller %s cancelled the call", spec.name, remote_id)
         self.calls_served += 1
+        return handler_ended and not caller_gone
 
-    async def _run_handler(self, spec, request, context, stream: RPCStream) -> None:
+    async def _run_handler(self, spec, request, context, stream: RPCStream) -> bool:
+        """Run the handler and answer; True if the call ended with END."""
         try:
             if spec.stream_output:
                 responses = spec.handler(request, context)
@@ -329,156 +343,10 @@ class RPCServer:
             raise
         except MessageTooLargeError as e:
             await stream.send_error(ErrorCode.MESSAGE_TOO_LARGE, type(e).__name__, str(e))
-            return
+            return False
         except Exception as e:
             logger.debug("handler %s raised", spec.name, exc_info=True)
             await stream.send_error(ErrorCode.HANDLER_ERROR, type(e).__name__, str(e))
-            return
+            return False
         await stream.send_end()
-
-
-OpenStream = Callable[[Any], Awaitable[Any]]
-
-
-class _ResponseReader(Generic[TOut]):
-    def __init__(self, stream: RPCStream, method: str, output_type: type[TOut]):
-        self.stream, self.method, self.output_type = stream, method, output_type
-        self.finished = False
-
-    async def next_message(self) -> TOut | None:
-        """The next response, or None after END. Raises the remote error, if any."""
-        if self.finished:
-            return None
-        frame = await self.stream.receive_frame()
-        if frame is None:
-            raise RPCCancelledError(f"{self.method}: the peer closed the stream before END")
-        if frame.kind == FrameKind.END:
-            self.finished = True
-            return None
-        if frame.kind == FrameKind.ERROR:
-            self.finished = True
-            raise _remote_failure(self.method, frame.header)
-        if frame.kind != FrameKind.MESSAGE:
-            raise RPCProtocolError(f"{self.method}: unexpected {FrameKind.Name(frame.kind)} frame")
-        return parse_message(self.output_type, frame.payload, f"a response of {self.method}")
-
-
-class ResponseStream(Generic[TOut]):
-    """Async iterator over the responses of a stream-output call.
-
-    ``next_message_timeout`` bounds the wait for each message (RPCTimeoutError).
-    """
-
-    def __init__(self, reader: _ResponseReader[TOut], next_message_timeout: float | None):
-        self._reader = reader
-        self._timeout = next_message_timeout
-
-    def __aiter__(self) -> ResponseStream[TOut]:
-        return self
-
-    async def __anext__(self) -> TOut:
-        with trio.move_on_after(self._timeout if self._timeout else math.inf) as scope:
-            message = await self._reader.next_message()
-        if scope.cancelled_caught:
-            raise RPCTimeoutError(f"{self._reader.method}: no response for {self._timeout} s")
-        if message is None:
-            raise StopAsyncIteration
-        return message
-
-
-async def _send_requests(
-    stream: RPCStream, method: str, requests, max_message_size: int, stream_input: bool
-) -> None:
-    if not stream_input:
-        payload = serialize_checked(requests, max_message_size, f"the request of {method}")
-        await stream.send_open(method, payload, end=True)
-        return
-    await stream.send_open(method)
-    if isinstance(requests, Message):
-        raise TypeError("stream_input=True needs an (async) iterable of messages")
-    if isinstance(requests, AsyncIterable):
-        async for request in requests:
-            await stream.send_message(
-                serialize_checked(request, max_message_size, f"a request of {method}")
-            )
-    else:
-        for request in requests:
-            await stream.send_message(
-                serialize_checked(request, max_message_size, f"a request of {method}")
-            )
-    await stream.send_end()
-
-
-@asynccontextmanager
-async def open_call(
-    open_stream: OpenStream,
-    peer_id,
-    method: str,
-    requests,
-    output_type: type[TOut],
-    *,
-    stream_input: bool,
-    max_message_size: int,
-) -> AsyncIterator[_ResponseReader[TOut]]:
-    """Open a call, send the request(s) in a background task, yield the response reader.
-
-    On any exit before the responses ended (error, cancellation) the stream is closed, which
-    cancels the handler on the callee.
-    """
-    if not stream_input and not isinstance(requests, Message):
-        raise TypeError(f"the request must be a protobuf message, got {type(requests).__name__}")
-    if not (isinstance(output_type, type) and issubclass(output_type, Message)):
-        raise TypeError(f"output_type must be a protobuf message class, got {output_type!r}")
-    if not stream_input:
-        # Fail before dialling when our own request is too large.
-        serialize_checked(requests, max_message_size, f"the request of {method}")
-    stream = RPCStream(await open_stream(peer_id), max_message_size)
-    reader = _ResponseReader(stream, method, output_type)
-    try:
-        with collapse_exception_groups():
-            async with trio.open_nursery() as nursery:
-
-                async def send() -> None:
-                    try:
-                        await _send_requests(
-                            stream, method, requests, max_message_size, stream_input
-                        )
-                    except RPCCancelledError:
-                        # The callee answered early (e.g. with an error) and closed its side: the
-                        # reader reports what it said.
-                        pass
-
-                nursery.start_soon(send)
-                yield reader
-                nursery.cancel_scope.cancel()
-    finally:
-        # Closing (not resetting: a reset can stall py-libp2p's connection) before the responses
-        # ended tells the callee to cancel the handler.
-        await stream.aclose()
-
-
-async def call_unary_output(
-    open_stream: OpenStream,
-    peer_id,
-    method: str,
-    requests,
-    output_type: type[TOut],
-    *,
-    stream_input: bool,
-    max_message_size: int,
-) -> TOut:
-    async with open_call(
-        open_stream,
-        peer_id,
-        method,
-        requests,
-        output_type,
-        stream_input=stream_input,
-        max_message_size=max_message_size,
-    ) as reader:
-        response = await reader.next_message()
-        if response is None:
-            raise RPCProtocolError(f"{method}: the peer ended the call without a response")
-        if await reader.next_message() is not None:
-            raise RPCProtocolError(f"{method}: the peer sent more than one response")
-        return response
+        return True

@@ -33,17 +33,38 @@ class RPCStream:
         self.stream = stream
         self._decoder = FrameDecoder(max_message_size)
         self._eof = False
+        self._pushed_back: Frame | None = None
+        self.frames_received = 0
         self.bytes_sent = 0
         self.bytes_received = 0
 
     def set_max_message_size(self, max_message_size: int) -> None:
         self._decoder.max_payload_size = max_message_size
 
+    def unread(self, frame: Frame | None) -> None:
+        """Put a frame back: the next ``receive_frame`` returns it again."""
+        if frame is not None:
+            self._pushed_back = frame
+
+    def is_reusable(self) -> bool:
+        """True if the stream is idle and open both ways (nothing buffered, no EOF or reset)."""
+        if self._eof or self._pushed_back is not None or self._decoder.buffered_bytes:
+            return False
+        muxed = getattr(self.stream, "muxed_stream", None)
+        return not any(
+            getattr(muxed, flag, False)
+            for flag in ("closed", "recv_closed", "send_closed", "reset_received")
+        )
+
     async def receive_frame(self) -> Frame | None:
         """The next frame, or None on a clean end of stream between frames."""
+        if self._pushed_back is not None:
+            frame, self._pushed_back = self._pushed_back, None
+            return frame
         while True:
             frame = self._decoder.next_frame()
             if frame is not None:
+                self.frames_received += 1
                 return frame
             if self._eof:
                 if self._decoder.buffered_bytes:

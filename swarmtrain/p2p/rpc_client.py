@@ -1,0 +1,248 @@
+"""Caller side of swarmtrain's RPC protocol (see ``rpc.py``): stream pool, calls, responses."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Generic, TypeVar
+
+import trio
+from google.protobuf.message import Message
+
+from swarmtrain.p2p.errors import RPCCancelledError, RPCProtocolError, RPCTimeoutError
+from swarmtrain.p2p.framing import FrameKind
+from swarmtrain.p2p.rpc import (
+    CALLER_STREAM_REUSE_TIME,
+    _remote_failure,
+    parse_message,
+    serialize_checked,
+)
+from swarmtrain.p2p.rpc_stream import RPCStream
+from swarmtrain.utils.exception_groups import collapse_exception_groups
+
+logger = logging.getLogger("swarmtrain.p2p.rpc")
+TOut = TypeVar("TOut", bound=Message)
+
+OpenStream = Callable[[Any], Awaitable[Any]]
+
+
+class StreamPool:
+    """Idle RPC streams per peer, so back-to-back calls skip opening and negotiating a stream.
+
+    A stream goes back to the pool only after a call that ended with END, with all requests
+    sent; it is reused for at most ``reuse_time`` seconds (the callee keeps idle streams for
+    ``SERVER_STREAM_IDLE_TIMEOUT``) and only while it shows no EOF, reset or stray data.
+    """
+
+    def __init__(
+        self,
+        open_stream: OpenStream,
+        *,
+        reuse_time: float = CALLER_STREAM_REUSE_TIME,
+        max_idle_per_peer: int = 8,
+    ):
+        self._open_stream = open_stream
+        self.reuse_time = reuse_time
+        self.max_idle_per_peer = max_idle_per_peer
+        self._idle: dict[Any, list[tuple[RPCStream, float]]] = {}
+        self.streams_opened = 0
+        self.streams_reused = 0
+
+    async def acquire(self, peer_id, max_message_size: int) -> tuple[RPCStream, bool]:
+        """An idle stream to ``peer_id`` (reused=True) or a freshly opened one."""
+        idle = self._idle.get(peer_id)
+        now = trio.current_time()
+        while idle:
+            stream, since = idle.pop()
+            if now - since <= self.reuse_time and stream.is_reusable():
+                stream.set_max_message_size(max_message_size)
+                self.streams_reused += 1
+                return stream, True
+            await stream.aclose()
+        stream = RPCStream(await self._open_stream(peer_id), max_message_size)
+        self.streams_opened += 1
+        return stream, False
+
+    def release(self, peer_id, stream: RPCStream) -> bool:
+        """Keep ``stream`` for reuse; False if the pool is full (the caller closes it)."""
+        idle = self._idle.setdefault(peer_id, [])
+        if len(idle) >= self.max_idle_per_peer or not stream.is_reusable():
+            return False
+        idle.append((stream, trio.current_time()))
+        return True
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, {}
+        for streams in idle.values():
+            for stream, _ in streams:
+                await stream.aclose()
+
+
+class _ResponseReader(Generic[TOut]):
+    def __init__(self, stream: RPCStream, method: str, output_type: type[TOut], reused: bool):
+        self.stream, self.method, self.output_type = stream, method, output_type
+        self.reused = reused
+        self.frames_before = stream.frames_received
+        self.finished = False
+        self.ended_with_end = False
+
+    async def next_message(self) -> TOut | None:
+        """The next response, or None after END. Raises the remote error, if any."""
+        if self.finished:
+            return None
+        frame = await self.stream.receive_frame()
+        if frame is None:
+            raise RPCCancelledError(f"{self.method}: the peer closed the stream before END")
+        if frame.kind == FrameKind.END:
+            self.finished = self.ended_with_end = True
+            return None
+        if frame.kind == FrameKind.ERROR:
+            self.finished = True
+            raise _remote_failure(self.method, frame.header)
+        if frame.kind != FrameKind.MESSAGE:
+            raise RPCProtocolError(f"{self.method}: unexpected {FrameKind.Name(frame.kind)} frame")
+        return parse_message(self.output_type, frame.payload, f"a response of {self.method}")
+
+
+class ResponseStream(Generic[TOut]):
+    """Async iterator over the responses of a stream-output call.
+
+    ``next_message_timeout`` bounds the wait for each message (RPCTimeoutError).
+    """
+
+    def __init__(self, reader: _ResponseReader[TOut], next_message_timeout: float | None):
+        self._reader = reader
+        self._timeout = next_message_timeout
+
+    def __aiter__(self) -> ResponseStream[TOut]:
+        return self
+
+    async def __anext__(self) -> TOut:
+        with trio.move_on_after(self._timeout if self._timeout else math.inf) as scope:
+            message = await self._reader.next_message()
+        if scope.cancelled_caught:
+            raise RPCTimeoutError(f"{self._reader.method}: no response for {self._timeout} s")
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+
+async def _send_requests(
+    stream: RPCStream, method: str, requests, max_message_size: int, stream_input: bool
+) -> None:
+    if not stream_input:
+        payload = serialize_checked(requests, max_message_size, f"the request of {method}")
+        await stream.send_open(method, payload, end=True)
+        return
+    await stream.send_open(method)
+    if isinstance(requests, Message):
+        raise TypeError("stream_input=True needs an (async) iterable of messages")
+    if isinstance(requests, AsyncIterable):
+        async for request in requests:
+            await stream.send_message(
+                serialize_checked(request, max_message_size, f"a request of {method}")
+            )
+    else:
+        for request in requests:
+            await stream.send_message(
+                serialize_checked(request, max_message_size, f"a request of {method}")
+            )
+    await stream.send_end()
+
+
+@asynccontextmanager
+async def open_call(
+    pool: StreamPool,
+    peer_id,
+    method: str,
+    requests,
+    output_type: type[TOut],
+    *,
+    stream_input: bool,
+    max_message_size: int,
+) -> AsyncIterator[_ResponseReader[TOut]]:
+    """Start a call, send the request(s) in a background task, yield the response reader.
+
+    On any exit before the responses ended (error, cancellation) the stream is closed, which
+    cancels the handler on the callee; after a clean END it goes back to ``pool``.
+    """
+    if not stream_input and not isinstance(requests, Message):
+        raise TypeError(f"the request must be a protobuf message, got {type(requests).__name__}")
+    if not (isinstance(output_type, type) and issubclass(output_type, Message)):
+        raise TypeError(f"output_type must be a protobuf message class, got {output_type!r}")
+    if not stream_input:
+        # Fail before dialling when our own request is too large.
+        serialize_checked(requests, max_message_size, f"the request of {method}")
+    stream, reused = await pool.acquire(peer_id, max_message_size)
+    reader = _ResponseReader(stream, method, output_type, reused)
+    sent_all = reusable = False
+    try:
+        with collapse_exception_groups():
+            async with trio.open_nursery() as nursery:
+
+                async def send() -> None:
+                    nonlocal sent_all
+                    try:
+                        await _send_requests(
+                            stream, method, requests, max_message_size, stream_input
+                        )
+                        sent_all = True
+                    except RPCCancelledError:
+                        # The callee answered early (e.g. with an error) and closed its side: the
+                        # reader reports what it said.
+                        pass
+
+                nursery.start_soon(send)
+                yield reader
+                reusable = reader.ended_with_end and sent_all
+                nursery.cancel_scope.cancel()
+    finally:
+        # Closing (not resetting: a reset can stall py-libp2p's connection) before the responses
+        # ended tells the callee to cancel the handler.
+        if not (reusable and pool.release(peer_id, stream)):
+            await stream.aclose()
+
+
+async def call_unary_output(
+    pool: StreamPool,
+    peer_id,
+    method: str,
+    requests,
+    output_type: type[TOut],
+    *,
+    stream_input: bool,
+    max_message_size: int,
+) -> TOut:
+    """A call with one response. A reused stream that turns out dead before any answer (the
+    callee closed it meanwhile) is retried once on a fresh stream; stream inputs are not."""
+    for attempt in range(2):
+        reader = None
+        try:
+            async with open_call(
+                pool,
+                peer_id,
+                method,
+                requests,
+                output_type,
+                stream_input=stream_input,
+                max_message_size=max_message_size,
+            ) as reader:
+                response = await reader.next_message()
+                if response is None:
+                    raise RPCProtocolError(f"{method}: the peer ended the call without a response")
+                if await reader.next_message() is not None:
+                    raise RPCProtocolError(f"{method}: the peer sent more than one response")
+                return response
+        except RPCCancelledError:
+            stale = (
+                reader is not None
+                and reader.reused
+                and reader.stream.frames_received == reader.frames_before
+            )
+            if attempt == 0 and stale and not stream_input:
+                logger.debug("%s: a reused stream to %s was dead; retrying", method, peer_id)
+                continue
+            raise
+    raise AssertionError("unreachable")
