@@ -373,3 +373,28 @@ async def test_back_to_back_calls_reuse_streams_and_survive_a_restarted_callee(t
                 restarted.peer_id, "test::Demo.reverse", StringValue(value="again"), StringValue
             )
             assert reply.value == "niaga"
+
+
+async def test_closing_hosts_leaves_no_tasks_behind():
+    def descendants(task):
+        out = []
+        for nursery in task.child_nurseries:
+            for child in nursery.child_tasks:
+                out.append(child)
+                out += descendants(child)
+        return out
+
+    root = trio.lowlevel.current_root_task()
+    before = {id(t) for t in descendants(root)}
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        serve_all(a)
+        await b.call_protobuf_handler(a.peer_id, "test::Demo.reverse", StringValue(), StringValue)
+        async with b.iterate_protobuf_handler(
+            a.peer_id, "test::Demo.count_to", Int64Value(value=2), Int64Value
+        ) as responses:
+            assert [r.value async for r in responses] == [0, 1]
+        assert len(descendants(root)) > len(before)
+    for _ in range(10):
+        await trio.sleep(0.01)
+    leftover = [t.name for t in descendants(root) if id(t) not in before]
+    assert leftover == []
