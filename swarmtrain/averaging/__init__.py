@@ -9,3 +9,6 @@ from swarmtrain.averaging.allreduce_core import AveragingMode as AveragingMode
 from swarmtrain.averaging.allreduce_core import Failure as Failure
 from swarmtrain.averaging.load_balancing import load_balance_peers as load_balance_peers
 from swarmtrain.averaging.load_balancing import optimize_fractions as optimize_fractions
+from swarmtrain.averaging.matchmaking_core import MatchmakingConfig as MatchmakingConfig
+from swarmtrain.averaging.matchmaking_core import MatchmakingCore as MatchmakingCore
+from swarmtrain.averaging.matchmaking_core import next_group_bits as next_group_bits

@@ -1,0 +1,572 @@
+"""The sans-IO matchmaking state machine (types in matchmaking_types, rules in
+matchmaking_rules; both re-exported here)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from types import MappingProxyType
+
+from swarmtrain.averaging.allreduce_core import AveragingMode
+
+__all__ = [
+    "Accepted",
+    "Action",
+    "BeginAllReduce",
+    "CancelJoinRequest",
+    "Declaration",
+    "Declare",
+    "Disbanded",
+    "FailureReason",
+    "FetchDeclarations",
+    "GroupAssembled",
+    "GroupMember",
+    "JoinRequest",
+    "LeaderMessage",
+    "MatchmakingConfig",
+    "MatchmakingCore",
+    "MatchmakingFailed",
+    "MatchmakingGroup",
+    "MatchmakingStatistics",
+    "Phase",
+    "RejectReason",
+    "Rejected",
+    "SendJoinRequest",
+    "SendToFollower",
+    "derive_group_id",
+    "is_valid_group_key",
+    "leader_candidates",
+    "make_group_key",
+    "may_lead",
+    "next_group_bits",
+    "order_members",
+]
+
+from swarmtrain.averaging.matchmaking_rules import (  # noqa: F401
+    _hash,
+    _is_viable,
+    _next_power_of_two,
+    derive_group_id,
+    leader_candidates,
+    may_lead,
+    next_group_bits,
+    order_members,
+)
+from swarmtrain.averaging.matchmaking_types import (  # noqa: F401
+    _FINAL_MESSAGES,
+    _GROUP_ID_DOMAIN,
+    _GROUP_KEY,
+    _LOOKING,
+    _MOSHPIT_DOMAIN,
+    _ORDER_DOMAIN,
+    _TERMINAL,
+    Accepted,
+    Action,
+    BeginAllReduce,
+    CancelJoinRequest,
+    Declaration,
+    Declare,
+    Disbanded,
+    FailureReason,
+    FetchDeclarations,
+    GroupAssembled,
+    GroupMember,
+    JoinRequest,
+    LeaderMessage,
+    MatchmakingConfig,
+    MatchmakingFailed,
+    MatchmakingGroup,
+    MatchmakingStatistics,
+    PeerId,
+    Phase,
+    Rejected,
+    RejectReason,
+    SendJoinRequest,
+    SendToFollower,
+    _check_bandwidth,
+    _check_mode,
+    _check_peer_id,
+    is_valid_group_key,
+    make_group_key,
+)
+
+# ---------------------------------------------------------------------------------- the core
+
+
+class MatchmakingCore:
+    """One peer's matchmaking for one round.
+
+    :param config: shared settings
+    :param peer_id: our id (bytes; ``PeerID.to_bytes()``)
+    :param schema_hash: hash of the tensors' shapes and dtypes; only equal hashes average
+    :param group_bits: our bucket this round (see :func:`next_group_bits`)
+    :param deadline: give up at this time
+    :param mode: NODE and AUX peers declare and may lead; CLIENT peers only follow
+    :param bandwidth: our bandwidth for load balancing (None: unknown)
+    :param gather: bytes to share with the group (``data_for_gather``)
+    :param scheduled_time: when we intend to average (our first expiration is no earlier)
+    :param nonce: mixed into the group id if we lead (the shell passes random bytes)
+
+    Usage: ``start(now)``, then pass every event in; after every call, carry out the returned
+    actions in order, then call ``tick(now)`` once ``now >= next_deadline()``. Stop after a
+    :class:`GroupAssembled` or :class:`MatchmakingFailed` action (``done`` becomes True).
+    """
+
+    def __init__(
+        self,
+        config: MatchmakingConfig,
+        peer_id: PeerId,
+        schema_hash: bytes,
+        group_bits: str = "",
+        *,
+        deadline: float,
+        mode: AveragingMode = AveragingMode.NODE,
+        bandwidth: float | None = None,
+        gather: bytes = b"",
+        scheduled_time: float | None = None,
+        nonce: bytes = b"",
+    ):
+        if not isinstance(config, MatchmakingConfig):
+            raise TypeError("config must be a MatchmakingConfig")
+        _check_peer_id(peer_id)
+        if not isinstance(schema_hash, bytes) or not schema_hash:
+            raise ValueError("schema_hash must be non-empty bytes")
+        _check_mode(mode)
+        if not isinstance(deadline, (int, float)) or math.isnan(deadline):
+            raise ValueError(f"deadline must be a number, got {deadline!r}")
+        if not isinstance(gather, bytes) or not isinstance(nonce, bytes):
+            raise TypeError("gather and nonce must be bytes")
+        self.config = config
+        self.peer_id = peer_id
+        self.schema_hash = schema_hash
+        self.group_key = make_group_key(config.prefix, group_bits)
+        self.group_bits = group_bits
+        self.deadline = float(deadline)
+        self.mode = mode
+        self.bandwidth = _check_bandwidth(bandwidth)
+        self.gather = gather
+        self.scheduled_time = scheduled_time
+        self.nonce = nonce
+
+        self._phase = Phase.NEW
+        self._expiration = -math.inf  # our current expiration (declared, unless a client)
+        self._declared: Declaration | None = None
+        self._result: GroupAssembled | MatchmakingFailed | None = None
+        # follower side
+        self._leader: PeerId | None = None
+        self._request_deadline = math.inf  # REQUESTING: first answer due; FOLLOWING: group due
+        self._redirects = 0
+        self._candidates: list[Declaration] = []
+        self._tried: set[tuple[PeerId, float]] = set()
+        self._fetch_pending = False
+        self._next_fetch = -math.inf
+        # leader side
+        self._followers: dict[PeerId, JoinRequest] = {}
+        # for statistics and failure reasons
+        self._compatible_seen: set[PeerId] = set()
+        self._schema_mismatches: set[PeerId] = set()
+        self._requests_sent = 0
+        self._rejections_received: Counter[RejectReason] = Counter()
+        self._rejections_sent: Counter[RejectReason] = Counter()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def done(self) -> bool:
+        return self._phase in _TERMINAL
+
+    @property
+    def result(self) -> GroupAssembled | MatchmakingFailed | None:
+        return self._result
+
+    @property
+    def expiration(self) -> float:
+        return self._expiration
+
+    @property
+    def leader(self) -> PeerId | None:
+        """The peer we asked or follow (REQUESTING / FOLLOWING), else None."""
+        return self._leader
+
+    @property
+    def followers(self) -> tuple[PeerId, ...]:
+        return tuple(self._followers)
+
+    @property
+    def declares(self) -> bool:
+        """Whether we declare (and so may lead): every mode but CLIENT."""
+        return self.mode != AveragingMode.CLIENT
+
+    def next_deadline(self) -> float:
+        """When :meth:`tick` next has something to do (``inf`` when done)."""
+        if self._phase in _TERMINAL or self._phase == Phase.NEW:
+            return math.inf
+        times = [self.deadline]
+        if self._phase != Phase.FOLLOWING:
+            times.append(self._expiration)
+        if self._phase in (Phase.REQUESTING, Phase.FOLLOWING):
+            times.append(self._request_deadline)
+        if self._phase == Phase.SEARCHING and not self._candidates and not self._fetch_pending:
+            times.append(self._next_fetch)
+        return min(times)
+
+    def statistics(self) -> MatchmakingStatistics:
+        return MatchmakingStatistics(
+            phase=self._phase,
+            group_key=self.group_key,
+            expiration=self._expiration,
+            leader=self._leader,
+            num_followers=len(self._followers),
+            num_candidates=len(self._candidates),
+            requests_sent=self._requests_sent,
+            peers_seen=len(self._compatible_seen),
+            schema_mismatches=len(self._schema_mismatches),
+            rejections_received=MappingProxyType(dict(self._rejections_received)),
+            rejections_sent=MappingProxyType(dict(self._rejections_sent)),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<MatchmakingCore {self.peer_id!r} {self.group_key} {self._phase.value} "
+            f"leader={self._leader!r} followers={len(self._followers)}>"
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, now: float) -> list[Action]:
+        """Declare ourselves (unless a client) and read the group key."""
+        if self._phase != Phase.NEW:
+            raise RuntimeError(f"start() called in phase {self._phase.value}")
+        self._phase = Phase.SEARCHING
+        if now >= self.deadline:
+            return self._fail(
+                FailureReason.DEADLINE, "the deadline passed before matchmaking began"
+            )
+        actions: list[Action] = []
+        self._renew_expiration(now, actions)
+        self._fetch(now, actions)
+        return actions
+
+    def cancel(self, now: float) -> list[Action]:
+        """Give up: disband followers, leave our leader, withdraw the declaration."""
+        if self._phase in _TERMINAL:
+            return []
+        return self._fail(FailureReason.CANCELLED, "matchmaking was cancelled")
+
+    def tick(self, now: float) -> list[Action]:
+        """Handle whatever became due at ``now`` (timeouts, our expiration, the deadline)."""
+        if self._phase not in _LOOKING:
+            return []
+        actions: list[Action] = []
+        # 1. an answer or a group that is overdue
+        if self._phase in (Phase.REQUESTING, Phase.FOLLOWING) and now >= self._request_deadline:
+            actions.append(CancelJoinRequest(self._leader))
+            self._leave_leader()
+        # 2. our expiration: lead what we have, or start over
+        if self._phase != Phase.FOLLOWING and now >= self._expiration:
+            if self._can_assemble(final=True):
+                return actions + self._assemble(now)
+            if now < self.deadline:
+                actions += self._disband(None)
+                self._renew_expiration(now, actions)
+                self._next_fetch = -math.inf  # a new expiration may make new peers eligible
+        # 3. the deadline
+        if now >= self.deadline:
+            return actions + self._fail(*self._failure_reason())
+        return actions + self._advance(now)
+
+    # ------------------------------------------------------------------ DHT results
+
+    def receive_declarations(self, declarations: Iterable[Declaration], now: float) -> list[Action]:
+        """The result of :class:`FetchDeclarations` (records of other keys are ignored by the
+        shell; expired ones and our own are skipped here)."""
+        self._fetch_pending = False
+        self._next_fetch = now + self.config.refresh_interval
+        if self._phase not in _LOOKING:
+            return []
+        declarations = list(declarations)
+        for d in declarations:
+            if d.peer_id == self.peer_id or not d.looking_for_group or d.expiration <= now:
+                continue
+            if d.schema_hash == self.schema_hash:
+                self._compatible_seen.add(d.peer_id)
+            elif d.schema_hash:  # an empty hash is unknown: a join request will tell
+                self._schema_mismatches.add(d.peer_id)
+        self._candidates = leader_candidates(
+            declarations,
+            self.peer_id,
+            self._expiration,
+            self.schema_hash,
+            now,
+            self._tried,
+            self.mode,
+        )
+        return self._advance(now)
+
+    def fetch_failed(self, now: float) -> list[Action]:
+        """The DHT read failed: try again after ``refresh_interval``."""
+        return self.receive_declarations((), now)
+
+    # ------------------------------------------------------------------ leader side
+
+    def handle_join_request(self, peer: PeerId, request: JoinRequest, now: float) -> list[Action]:
+        """``peer`` (authenticated by the transport) asks us to lead it."""
+        reason, suggestion = self._reason_to_reject(peer, request, now)
+        if reason is not None:
+            self._rejections_sent[reason] += 1
+            if reason == RejectReason.BAD_SCHEMA_HASH:
+                self._schema_mismatches.add(peer)
+            return [SendToFollower(peer, Rejected(reason, suggestion))]
+        self._followers[peer] = request
+        self._compatible_seen.add(peer)
+        actions: list[Action] = [SendToFollower(peer, Accepted())]
+        target = self.config.target_group_size
+        if target is not None and len(self._followers) + 1 >= target and self._can_assemble():
+            actions += self._assemble(now)
+        return actions
+
+    def reject_malformed_request(self, peer: PeerId) -> list[Action]:
+        """A join request from ``peer`` could not be decoded (or failed validation)."""
+        self._rejections_sent[RejectReason.PROTOCOL_VIOLATION] += 1
+        return [SendToFollower(peer, Rejected(RejectReason.PROTOCOL_VIOLATION))]
+
+    def follower_left(self, peer: PeerId, now: float) -> list[Action]:
+        """The join stream of an accepted follower closed or failed before a final message."""
+        self._followers.pop(peer, None)
+        return []
+
+    def _reason_to_reject(
+        self, peer: PeerId, request: JoinRequest, now: float
+    ) -> tuple[RejectReason | None, PeerId | None]:
+        if not isinstance(request, JoinRequest) or not isinstance(peer, bytes) or not peer:
+            return RejectReason.PROTOCOL_VIOLATION, None
+        if self._phase not in _LOOKING:
+            return RejectReason.NOT_LOOKING, None
+        if not self.declares or now >= self._expiration:
+            return RejectReason.NOT_DECLARED, None
+        if request.group_key != self.group_key:
+            return RejectReason.BAD_GROUP_KEY, None
+        if request.schema_hash != self.schema_hash:
+            return RejectReason.BAD_SCHEMA_HASH, None
+        if self._phase == Phase.FOLLOWING:
+            return RejectReason.NOT_A_LEADER, self._leader
+        if peer == self.peer_id or peer in self._followers:
+            return RejectReason.DUPLICATE, None
+        if not may_lead(self.peer_id, self._expiration, peer, request.expiration, request.mode):
+            return RejectReason.BAD_EXPIRATION, None
+        target = self.config.target_group_size
+        if target is not None and len(self._followers) + 1 >= target:
+            return RejectReason.GROUP_FULL, None
+        return None, None
+
+    def _can_assemble(self, final: bool = False) -> bool:
+        """Whether we may assemble now (``final``: at our expiration, else with a full group)."""
+        if not self.declares or self._phase not in (Phase.SEARCHING, Phase.REQUESTING):
+            return False
+        members = [self._own_member(), *self._follower_members()]
+        if final and len(members) < self.config.min_group_size:
+            return False
+        return _is_viable(members)
+
+    def _own_member(self) -> GroupMember:
+        return GroupMember(self.peer_id, self.mode, self.bandwidth, self.gather)
+
+    def _follower_members(self) -> list[GroupMember]:
+        return [GroupMember(p, r.mode, r.bandwidth, r.gather) for p, r in self._followers.items()]
+
+    def _assemble(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        if self._phase == Phase.REQUESTING:
+            actions.append(CancelJoinRequest(self._leader))
+            self._leave_leader()
+        members = [self._own_member(), *self._follower_members()]
+        group_id = derive_group_id(
+            self.group_key, self.peer_id, self._expiration, (m.peer_id for m in members), self.nonce
+        )
+        group = MatchmakingGroup(
+            group_id, self.group_key, self.peer_id, order_members(group_id, members)
+        )
+        for follower in self._followers:
+            actions.append(SendToFollower(follower, BeginAllReduce(group)))
+        self._followers.clear()
+        return actions + self._finish(GroupAssembled(group, is_leader=True))
+
+    def _disband(self, suggested_leader: PeerId | None) -> list[Action]:
+        actions: list[Action] = [
+            SendToFollower(f, Disbanded(suggested_leader)) for f in self._followers
+        ]
+        self._followers.clear()
+        return actions
+
+    # ------------------------------------------------------------------ follower side
+
+    def handle_leader_message(
+        self, leader: PeerId, message: LeaderMessage, now: float
+    ) -> list[Action]:
+        """A message on our join stream to ``leader``. Messages from anyone but the peer we
+        asked are stale (a stream we gave up on) and ignored."""
+        if self._phase not in (Phase.REQUESTING, Phase.FOLLOWING) or leader != self._leader:
+            return []
+        if isinstance(message, Accepted):
+            if self._phase != Phase.REQUESTING:
+                return self._drop_leader(now, cancel=True)  # accepted twice
+            self._phase = Phase.FOLLOWING
+            # the leader assembles at its expiration, which is no later than ours
+            self._request_deadline = max(self._expiration, now) + self.config.request_timeout
+            return self._disband(leader)
+        if isinstance(message, Rejected):
+            self._rejections_received[message.reason] += 1
+            if message.reason == RejectReason.BAD_SCHEMA_HASH:
+                self._compatible_seen.discard(leader)
+                self._schema_mismatches.add(leader)
+            if self._phase == Phase.FOLLOWING:
+                return self._drop_leader(now)  # not a valid answer after Accepted
+            return self._redirect_or_search(message.suggested_leader, now)
+        if isinstance(message, Disbanded):
+            return self._redirect_or_search(message.suggested_leader, now)
+        if isinstance(message, BeginAllReduce):
+            group = message.group
+            index = group.index_of(self.peer_id)
+            if (
+                self._phase != Phase.FOLLOWING
+                or index is None
+                or group.leader != leader
+                or group.group_key != self.group_key
+                or group.members[index].mode != self.mode
+            ):
+                return self._drop_leader(now)
+            self._leave_leader()
+            return self._finish(GroupAssembled(group, is_leader=False))
+        return self._drop_leader(now, cancel=True)
+
+    def request_failed(self, leader: PeerId, now: float) -> list[Action]:
+        """Our join stream to ``leader`` failed, or ended without a final message."""
+        if self._phase not in (Phase.REQUESTING, Phase.FOLLOWING) or leader != self._leader:
+            return []
+        return self._drop_leader(now)
+
+    def _drop_leader(self, now: float, cancel: bool = False) -> list[Action]:
+        actions: list[Action] = [CancelJoinRequest(self._leader)] if cancel else []
+        self._leave_leader()
+        return actions + self._advance(now)
+
+    def _leave_leader(self) -> None:
+        self._phase = Phase.SEARCHING
+        self._leader = None
+        self._request_deadline = math.inf
+
+    def _redirect_or_search(self, suggested: PeerId | None, now: float) -> list[Action]:
+        self._leave_leader()
+        if (
+            suggested is not None
+            and suggested != self.peer_id
+            and self._redirects < self.config.max_redirects
+        ):
+            self._redirects += 1
+            return self._request(suggested, now)
+        return self._advance(now)
+
+    def _request(self, leader: PeerId, now: float) -> list[Action]:
+        self._phase = Phase.REQUESTING
+        self._leader = leader
+        self._request_deadline = now + self.config.request_timeout
+        self._requests_sent += 1
+        request = JoinRequest(
+            self.group_key,
+            self.schema_hash,
+            self._expiration,
+            self.mode,
+            self.bandwidth,
+            self.gather,
+        )
+        return [SendJoinRequest(leader, request)]
+
+    def _advance(self, now: float) -> list[Action]:
+        """While SEARCHING: ask the next candidate, or re-read the key when it is time."""
+        if self._phase != Phase.SEARCHING:
+            return []
+        while self._candidates:
+            candidate = self._candidates.pop(0)
+            if candidate.expiration <= now or not may_lead(
+                candidate.peer_id, candidate.expiration, self.peer_id, self._expiration, self.mode
+            ):
+                continue
+            if (candidate.peer_id, candidate.expiration) in self._tried:
+                continue
+            self._tried.add((candidate.peer_id, candidate.expiration))
+            self._redirects = 0
+            return self._request(candidate.peer_id, now)
+        actions: list[Action] = []
+        if now >= self._next_fetch:
+            self._fetch(now, actions)
+        return actions
+
+    # ------------------------------------------------------------------ shared
+
+    def _renew_expiration(self, now: float, actions: list[Action]) -> None:
+        start = now if self.scheduled_time is None else max(self.scheduled_time, now)
+        self._expiration = min(max(start, now + self.config.min_matchmaking_time), self.deadline)
+        if self.declares:
+            self._declared = Declaration(
+                self.peer_id, self._expiration, True, self.schema_hash, self.mode, self.bandwidth
+            )
+            actions.append(Declare(self.group_key, self._declared))
+
+    def _fetch(self, now: float, actions: list[Action]) -> None:
+        if not self._fetch_pending:
+            self._fetch_pending = True
+            actions.append(FetchDeclarations(self.group_key))
+
+    def _withdraw(self) -> list[Action]:
+        if self._declared is None:
+            return []
+        d = self._declared
+        self._declared = None
+        gone = Declaration(
+            d.peer_id, math.nextafter(d.expiration, math.inf), False, d.schema_hash, d.mode
+        )
+        return [Declare(self.group_key, gone)]
+
+    def _finish(self, result: GroupAssembled | MatchmakingFailed) -> list[Action]:
+        self._phase = Phase.ASSEMBLED if isinstance(result, GroupAssembled) else Phase.FAILED
+        self._result = result
+        self._candidates.clear()
+        return [*self._withdraw(), result]
+
+    def _fail(self, reason: FailureReason, detail: str) -> list[Action]:
+        actions = self._disband(None)
+        if self._phase in (Phase.REQUESTING, Phase.FOLLOWING):
+            actions.append(CancelJoinRequest(self._leader))
+        self._leave_leader()
+        return actions + self._finish(MatchmakingFailed(reason, detail))
+
+    def _failure_reason(self) -> tuple[FailureReason, str]:
+        need = self.config.min_group_size
+        seen = len(self._compatible_seen) + 1
+        key = self.group_key
+        if not self._compatible_seen and self._schema_mismatches:
+            return FailureReason.SCHEMA_MISMATCH, (
+                f"{len(self._schema_mismatches)} peer(s) under {key} average another schema "
+                "(different tensor shapes, dtypes or names); none average ours"
+            )
+        if seen < need:
+            return FailureReason.TOO_FEW_PEERS, (
+                f"found {seen} peer(s) under {key} counting us, need min_group_size={need}"
+            )
+        if self._followers:
+            return FailureReason.TOO_FEW_PEERS, (
+                f"only {len(self._followers) + 1} peer(s) joined our group under {key} by the "
+                f"deadline, need min_group_size={need}"
+            )
+        if self._phase == Phase.FOLLOWING:
+            return FailureReason.DEADLINE, (
+                f"leader {self._leader!r} did not begin all-reduce before the deadline"
+            )
+        return FailureReason.DEADLINE, (
+            f"saw {seen - 1} other peer(s) under {key} but formed no group before the deadline"
+        )

@@ -1,0 +1,462 @@
+"""Matchmaking for one averaging round, without I/O (sans-IO core).
+
+One :class:`MatchmakingCore` is one peer looking for a group in one round. The async shell
+(``swarmtrain.averaging.matchmaking``) feeds it events and carries out the actions it returns;
+no method waits, and every method that depends on time takes ``now``.
+
+Protocol (hivemind's, with its gaps closed):
+
+- Every peer that can lead (NODE and AUX peers; CLIENT peers cannot be reached) *declares*
+  itself under the group key ``{prefix}.0b{group_bits}``: a DHT record with subkey = its peer id,
+  value = a :class:`Declaration` and DHT expiration = the time by which it means to start
+  averaging (``expiration``, at least ``min_matchmaking_time`` from now, at most the deadline).
+- Peers are totally ordered by *priority* ``(expiration, peer_id)``: lower goes first. A peer
+  asks only peers of higher priority to lead it, the highest first; a leader accepts only
+  joiners of lower priority. So a peer follows leaders that expire *no later* than itself: the
+  leader assembles at its own expiration, while its followers are still looking, and no cycle
+  of peers can wait on each other. (hivemind's ``BAD_EXPIRATION_TIME`` rule, plus the peer-id
+  tie break that makes the order total when expirations are equal.)
+- A leader accepts joiners until the group has ``target_group_size`` members (then assembles at
+  once) or until its expiration; then it assembles if it has at least ``min_group_size``
+  members, or disbands its followers and declares again with a new expiration.
+- A peer waiting for its own leader's answer may still accept followers; once a leader accepts
+  it, it disbands them with a redirect to that leader (``Disbanded(suggested_leader=...)``) and
+  answers later joiners ``NOT_A_LEADER`` with the same suggestion.
+- A follower waits ``request_timeout`` for the first answer and then until its own expiration
+  plus ``request_timeout`` for the group; a rejection, a disband, a failed stream or a timeout
+  sends it to the next candidate (or to the suggested leader, at most ``max_redirects`` times in
+  a row). It keeps looking until the deadline.
+- The round ends with exactly one terminal action: :class:`GroupAssembled` or
+  :class:`MatchmakingFailed` with a :class:`FailureReason`.
+
+Phases (``Phase``) and what moves between them::
+
+    NEW ──start──> SEARCHING ──SendJoinRequest──> REQUESTING ──Accepted──> FOLLOWING
+    SEARCHING <── Rejected / Disbanded / request_failed / request_timeout ── REQUESTING|FOLLOWING
+    REQUESTING|FOLLOWING ── Rejected / Disbanded with a suggestion ──> REQUESTING (redirect)
+    FOLLOWING ──BeginAllReduce──> ASSEMBLED
+    SEARCHING|REQUESTING ── group full, or enough members at the expiration ──> ASSEMBLED
+    any but ASSEMBLED ── deadline / cancel ──> FAILED
+
+The leader role runs alongside SEARCHING and REQUESTING (followers may join while we look for
+our own leader) and ends on entering FOLLOWING, ASSEMBLED or FAILED.
+
+Moshpit: :func:`next_group_bits` moves each member of a group to a different bucket for the
+next round, so repeated rounds in small groups average the whole swarm (see its docstring).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Union
+
+from swarmtrain.averaging.allreduce_core import AveragingMode
+
+PeerId = bytes
+_GROUP_KEY = re.compile(r"[^.]+\.0b[01]*")
+_GROUP_ID_DOMAIN = b"swarmtrain/matchmaking/group-id/v1"
+_ORDER_DOMAIN = b"swarmtrain/matchmaking/order/v1"
+_MOSHPIT_DOMAIN = b"swarmtrain/matchmaking/moshpit/v1"
+
+
+# ---------------------------------------------------------------------------------- group keys
+
+
+def make_group_key(prefix: str, group_bits: str) -> str:
+    """``{prefix}.0b{group_bits}``, the DHT key under which a bucket's peers declare."""
+    key = f"{prefix}.0b{group_bits}"
+    if not is_valid_group_key(key):
+        raise ValueError(
+            f"bad group key {key!r}: prefix must be non-empty without '.', bits only 0 and 1"
+        )
+    return key
+
+
+def is_valid_group_key(key: str) -> bool:
+    return isinstance(key, str) and _GROUP_KEY.fullmatch(key) is not None
+
+
+# ---------------------------------------------------------------------------------- enums
+
+
+class RejectReason(enum.Enum):
+    """Why a peer refuses to lead a joiner (mirrors MatchmakingCode in matchmaking.proto)."""
+
+    NOT_LOOKING = "not_looking"  # not matchmaking now (not started, or the round is over)
+    NOT_DECLARED = "not_declared"  # a client, or between two declarations: cannot lead
+    BAD_GROUP_KEY = "bad_group_key"  # the joiner looks for a group under another key
+    BAD_SCHEMA_HASH = "bad_schema_hash"  # the joiner averages tensors of another schema
+    NOT_A_LEADER = "not_a_leader"  # we follow someone: ask suggested_leader instead
+    DUPLICATE = "duplicate"  # the joiner is already our follower, or is us
+    BAD_EXPIRATION = "bad_expiration"  # the joiner has higher priority: it should lead us
+    GROUP_FULL = "group_full"  # target_group_size reached
+    PROTOCOL_VIOLATION = "protocol_violation"  # a malformed request
+
+
+class FailureReason(enum.Enum):
+    """Why a round of matchmaking ended without a group."""
+
+    TOO_FEW_PEERS = "too_few_peers"  # fewer than min_group_size compatible peers showed up
+    SCHEMA_MISMATCH = "schema_mismatch"  # peers showed up, but all average another schema
+    DEADLINE = "deadline"  # peers were there but no group formed in time (slow leader, ...)
+    CANCELLED = "cancelled"  # the caller gave up
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    SEARCHING = "searching"  # no outgoing request; may lead followers
+    REQUESTING = "requesting"  # waiting for a potential leader's first answer; may lead
+    FOLLOWING = "following"  # accepted by a leader, waiting for its group
+    ASSEMBLED = "assembled"
+    FAILED = "failed"
+
+
+_LOOKING = (Phase.SEARCHING, Phase.REQUESTING, Phase.FOLLOWING)
+_TERMINAL = (Phase.ASSEMBLED, Phase.FAILED)
+
+
+# ---------------------------------------------------------------------------------- records
+
+
+def _check_bandwidth(bandwidth: float | None) -> float | None:
+    if bandwidth is None:
+        return None
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)):
+        raise TypeError(f"bandwidth must be a number or None, got {bandwidth!r}")
+    if not math.isfinite(bandwidth) or bandwidth < 0:
+        raise ValueError(f"bandwidth must be finite and non-negative, got {bandwidth}")
+    return float(bandwidth)
+
+
+def _check_peer_id(peer_id: object, what: str = "peer_id") -> None:
+    if not isinstance(peer_id, bytes) or not peer_id:
+        raise TypeError(f"{what} must be non-empty bytes, got {peer_id!r}")
+
+
+def _check_mode(mode: object) -> None:
+    if not isinstance(mode, AveragingMode):
+        raise TypeError(f"mode must be an AveragingMode, got {mode!r}")
+
+
+@dataclass(frozen=True)
+class MatchmakingConfig:
+    """Matchmaking settings (hivemind's names).
+
+    :param prefix: the averager's namespace; group keys are ``{prefix}.0b{bits}``
+    :param target_group_size: a leader assembles as soon as it has this many members (None: no
+      limit, assemble at the expiration)
+    :param min_group_size: a leader disbands instead of assembling with fewer members
+    :param min_matchmaking_time: a declaration lasts at least this long (hivemind's
+      ``averaging_expiration`` / ``min_matchmaking_time``): the window for followers to join
+    :param request_timeout: how long to wait for a potential leader's first answer, and for its
+      group past our own expiration; keep it below ``min_matchmaking_time``
+    :param refresh_interval: how often to re-read the group key while nobody is left to ask
+    :param max_redirects: how many ``suggested_leader`` hops to follow in a row
+    """
+
+    prefix: str
+    target_group_size: int | None = None
+    min_group_size: int = 2
+    min_matchmaking_time: float = 5.0
+    request_timeout: float = 3.0
+    refresh_interval: float = 1.0
+    max_redirects: int = 3
+
+    def __post_init__(self):
+        make_group_key(self.prefix, "")  # validates the prefix
+        for name in ("min_group_size", "max_redirects"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if self.min_group_size < 1:
+            raise ValueError(f"min_group_size must be at least 1, got {self.min_group_size}")
+        if self.max_redirects < 0:
+            raise ValueError(f"max_redirects must be non-negative, got {self.max_redirects}")
+        target = self.target_group_size
+        if target is not None:
+            if isinstance(target, bool) or not isinstance(target, int):
+                raise TypeError(f"target_group_size must be an int or None, got {target!r}")
+            if target < self.min_group_size:
+                raise ValueError(
+                    f"target_group_size ({target}) is below min_group_size ({self.min_group_size})"
+                )
+        for name in ("min_matchmaking_time", "request_timeout", "refresh_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """One peer's record under a group key: DHT subkey ``peer_id``, DHT expiration
+    ``expiration``, the other fields the value (``MatchmakingDeclaration`` on the wire).
+
+    A peer that stops looking overwrites its record with ``looking_for_group=False`` and an
+    expiration just after the one it declared (so the DHT keeps the newer record).
+    """
+
+    peer_id: PeerId
+    expiration: float
+    looking_for_group: bool = True
+    schema_hash: bytes = b""
+    mode: AveragingMode = AveragingMode.NODE
+    bandwidth: float | None = None
+
+    def __post_init__(self):
+        _check_peer_id(self.peer_id)
+        _check_mode(self.mode)
+        if not isinstance(self.expiration, (int, float)) or math.isnan(self.expiration):
+            raise ValueError(f"expiration must be a number, got {self.expiration!r}")
+        object.__setattr__(self, "bandwidth", _check_bandwidth(self.bandwidth))
+
+    @property
+    def priority(self) -> tuple[float, PeerId]:
+        return (self.expiration, self.peer_id)
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """What a joiner sends a potential leader (the joiner's id comes from the transport).
+
+    :param expiration: the joiner's own expiration; the leader must expire no later
+    :param gather: opaque bytes the leader hands to every member (``data_for_gather``)
+    """
+
+    group_key: str
+    schema_hash: bytes
+    expiration: float
+    mode: AveragingMode = AveragingMode.NODE
+    bandwidth: float | None = None
+    gather: bytes = b""
+
+    def __post_init__(self):
+        if not is_valid_group_key(self.group_key):
+            raise ValueError(f"bad group key {self.group_key!r}")
+        if not isinstance(self.schema_hash, bytes) or not self.schema_hash:
+            raise ValueError("schema_hash must be non-empty bytes")
+        if not isinstance(self.expiration, (int, float)) or not math.isfinite(self.expiration):
+            raise ValueError(f"expiration must be a finite number, got {self.expiration!r}")
+        _check_mode(self.mode)
+        object.__setattr__(self, "bandwidth", _check_bandwidth(self.bandwidth))
+        if not isinstance(self.gather, bytes):
+            raise TypeError("gather must be bytes")
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    peer_id: PeerId
+    mode: AveragingMode = AveragingMode.NODE
+    bandwidth: float | None = None
+    gather: bytes = b""
+
+    def __post_init__(self):
+        _check_peer_id(self.peer_id)
+        _check_mode(self.mode)
+        object.__setattr__(self, "bandwidth", _check_bandwidth(self.bandwidth))
+        if not isinstance(self.gather, bytes):
+            raise TypeError("gather must be bytes")
+
+
+@dataclass(frozen=True)
+class MatchmakingGroup:
+    """An assembled group, the same on every member.
+
+    :param group_id: see :func:`derive_group_id`
+    :param members: in group order (see :func:`order_members`); the i-th member reduces the
+      i-th slice of the all-reduce
+    """
+
+    group_id: bytes
+    group_key: str
+    leader: PeerId
+    members: tuple[GroupMember, ...]
+
+    def __post_init__(self):
+        if not isinstance(self.group_id, bytes) or not self.group_id:
+            raise ValueError("group_id must be non-empty bytes")
+        if not is_valid_group_key(self.group_key):
+            raise ValueError(f"bad group key {self.group_key!r}")
+        object.__setattr__(self, "members", tuple(self.members))
+        if not self.members:
+            raise ValueError("a group needs at least one member")
+        for member in self.members:
+            if not isinstance(member, GroupMember):
+                raise TypeError(f"members must be GroupMember, got {member!r}")
+        if len(set(self.peer_ids)) != len(self.members):
+            raise ValueError("group members must be distinct")
+        if self.leader not in self.peer_ids:
+            raise ValueError("the leader must be a member of its group")
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def peer_ids(self) -> tuple[PeerId, ...]:
+        return tuple(m.peer_id for m in self.members)
+
+    @property
+    def modes(self) -> tuple[AveragingMode, ...]:
+        return tuple(m.mode for m in self.members)
+
+    @property
+    def bandwidths(self) -> tuple[float | None, ...]:
+        return tuple(m.bandwidth for m in self.members)
+
+    @property
+    def gathered(self) -> tuple[bytes, ...]:
+        return tuple(m.gather for m in self.members)
+
+    def index_of(self, peer_id: PeerId) -> int | None:
+        try:
+            return self.peer_ids.index(peer_id)
+        except ValueError:
+            return None
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self.peer_ids
+
+
+# ---------------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Leader -> joiner: you are a follower now; wait for BeginAllReduce or Disbanded."""
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Leader -> joiner, final: not accepted (``suggested_leader``: ask that peer instead)."""
+
+    reason: RejectReason
+    suggested_leader: PeerId | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.reason, RejectReason):
+            raise TypeError(f"reason must be a RejectReason, got {self.reason!r}")
+        if self.suggested_leader is not None:
+            _check_peer_id(self.suggested_leader, "suggested_leader")
+
+
+@dataclass(frozen=True)
+class Disbanded:
+    """Leader -> follower, final: the group is off (``suggested_leader``: join that peer)."""
+
+    suggested_leader: PeerId | None = None
+
+    def __post_init__(self):
+        if self.suggested_leader is not None:
+            _check_peer_id(self.suggested_leader, "suggested_leader")
+
+
+@dataclass(frozen=True)
+class BeginAllReduce:
+    """Leader -> follower, final: the group is assembled."""
+
+    group: MatchmakingGroup
+
+
+LeaderMessage = Union[Accepted, Rejected, Disbanded, BeginAllReduce]
+_FINAL_MESSAGES = (Rejected, Disbanded, BeginAllReduce)
+
+
+# ---------------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Declare:
+    """Store ``declaration`` in the DHT: key ``key``, subkey ``declaration.peer_id``,
+    expiration ``declaration.expiration`` (fire and forget; a failed store is not fatal)."""
+
+    key: str
+    declaration: Declaration
+
+
+@dataclass(frozen=True)
+class FetchDeclarations:
+    """Read every subkey of ``key`` from the DHT (latest values), then call
+    :meth:`MatchmakingCore.receive_declarations` (or :meth:`~MatchmakingCore.fetch_failed`)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class SendJoinRequest:
+    """Open a join stream to ``leader`` and send ``request``; pass what comes back to
+    :meth:`MatchmakingCore.handle_leader_message`, or :meth:`~MatchmakingCore.request_failed`
+    if the stream fails or ends without a final message."""
+
+    leader: PeerId
+    request: JoinRequest
+
+
+@dataclass(frozen=True)
+class CancelJoinRequest:
+    """Close our join stream to ``leader`` (we gave up on it)."""
+
+    leader: PeerId
+
+
+@dataclass(frozen=True)
+class SendToFollower:
+    """Send ``message`` on ``follower``'s join stream; close the stream after a final one
+    (anything but :class:`Accepted`)."""
+
+    follower: PeerId
+    message: LeaderMessage
+
+    @property
+    def final(self) -> bool:
+        return isinstance(self.message, _FINAL_MESSAGES)
+
+
+@dataclass(frozen=True)
+class GroupAssembled:
+    """Terminal: matchmaking succeeded; run the all-reduce with ``group``."""
+
+    group: MatchmakingGroup
+    is_leader: bool
+
+
+@dataclass(frozen=True)
+class MatchmakingFailed:
+    """Terminal: no group this round."""
+
+    reason: FailureReason
+    detail: str
+
+
+Action = Union[
+    Declare,
+    FetchDeclarations,
+    SendJoinRequest,
+    CancelJoinRequest,
+    SendToFollower,
+    GroupAssembled,
+    MatchmakingFailed,
+]
+
+
+@dataclass(frozen=True)
+class MatchmakingStatistics:
+    phase: Phase
+    group_key: str
+    expiration: float
+    leader: PeerId | None
+    num_followers: int
+    num_candidates: int
+    requests_sent: int
+    peers_seen: int
+    schema_mismatches: int
+    rejections_received: Mapping[RejectReason, int] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    rejections_sent: Mapping[RejectReason, int] = field(
+        default_factory=lambda: MappingProxyType({})
+    )

@@ -1,0 +1,711 @@
+"""MatchmakingCore wired to other cores in memory: a dict for the DHT, a FIFO queue for the
+network, and a clock that jumps to the next deadline. No sockets, no sleeps."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import random
+import statistics
+
+import pytest
+
+from swarmtrain.averaging.allreduce_core import AveragingMode
+from swarmtrain.averaging.matchmaking_core import (
+    Accepted,
+    BeginAllReduce,
+    CancelJoinRequest,
+    Declaration,
+    Declare,
+    Disbanded,
+    FailureReason,
+    FetchDeclarations,
+    GroupAssembled,
+    GroupMember,
+    JoinRequest,
+    MatchmakingConfig,
+    MatchmakingCore,
+    MatchmakingFailed,
+    MatchmakingGroup,
+    Phase,
+    Rejected,
+    RejectReason,
+    SendJoinRequest,
+    SendToFollower,
+    derive_group_id,
+    is_valid_group_key,
+    leader_candidates,
+    make_group_key,
+    may_lead,
+    next_group_bits,
+    order_members,
+)
+
+NODE, CLIENT, AUX = AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.AUX
+SCHEMA = b"schema-1"
+
+
+def pid(i: int) -> bytes:
+    return f"peer-{i:03d}".encode()
+
+
+class Swarm:
+    """Delivers the cores' actions to each other.
+
+    Each join call is a stream ``(follower, leader, n)``; messages on a stream that closed are
+    dropped, like a real transport would. ``kill(peer)`` closes its streams (the other side
+    sees the failure); ``freeze(peer)`` makes it silent (its streams stay open, nothing answers).
+    ``hide`` maps a peer to peers whose declarations it cannot see.
+    """
+
+    def __init__(self, config: MatchmakingConfig):
+        self.config = config
+        self.now = 0.0
+        self.cores: dict[bytes, MatchmakingCore] = {}
+        self.dht: dict[str, dict[bytes, Declaration]] = collections.defaultdict(dict)
+        self.queue: collections.deque = collections.deque()
+        self.streams: dict[tuple[bytes, bytes], int] = {}  # (follower, leader) -> stream number
+        self.stream_counter = 0
+        self.abandoned: set[int] = set()  # streams the follower closed (or that broke)
+        self.pending_starts: list[tuple[float, bytes]] = []
+        self.results: dict[bytes, GroupAssembled | MatchmakingFailed] = {}
+        self.log: list[tuple[float, bytes, object]] = []
+        self.dead: set[bytes] = set()
+        self.frozen: set[bytes] = set()
+        self.hide: dict[bytes, set[bytes]] = {}
+        self.blank_schema = False
+
+    def add(self, peer: bytes, *, start: float = 0.0, config=None, deadline=30.0, **kwargs):
+        kwargs.setdefault("schema_hash", SCHEMA)
+        self.cores[peer] = MatchmakingCore(config or self.config, peer, deadline=deadline, **kwargs)
+        self.pending_starts.append((start, peer))
+        return self.cores[peer]
+
+    # ------------------------------------------------------------------ delivery
+
+    def alive(self, peer: bytes) -> bool:
+        return peer in self.cores and peer not in self.dead and peer not in self.frozen
+
+    def dispatch(self, src: bytes, actions) -> None:
+        for action in actions:
+            self.log.append((self.now, src, action))
+            if isinstance(action, Declare):
+                record = self.dht[action.key].get(action.declaration.peer_id)
+                if record is None or record.expiration <= action.declaration.expiration:
+                    self.dht[action.key][action.declaration.peer_id] = action.declaration
+            elif isinstance(action, FetchDeclarations):
+                hidden = self.hide.get(src, set())
+                snapshot = [
+                    d
+                    for d in self.dht[action.key].values()
+                    if d.expiration > self.now and d.peer_id not in hidden
+                ]
+                if self.blank_schema:
+                    snapshot = [dataclasses.replace(d, schema_hash=b"") for d in snapshot]
+                self.queue.append((src, lambda c, s=snapshot: c.receive_declarations(s, self.now)))
+            elif isinstance(action, SendJoinRequest):
+                self.stream_counter += 1
+                stream = (src, action.leader)
+                self.streams[stream] = self.stream_counter
+                if action.leader in self.dead or action.leader not in self.cores:
+                    del self.streams[stream]
+                    self.queue.append(
+                        (src, lambda c, lead=action.leader: c.request_failed(lead, self.now))
+                    )
+                else:
+                    self.queue.append(
+                        (
+                            action.leader,
+                            lambda c, f=src, r=action.request: c.handle_join_request(
+                                f, r, self.now
+                            ),
+                        )
+                    )
+            elif isinstance(action, CancelJoinRequest):
+                number = self.streams.pop((src, action.leader), None)
+                if number is not None:
+                    self.abandoned.add(number)
+                    self.queue.append(
+                        (action.leader, lambda c, f=src: c.follower_left(f, self.now))
+                    )
+            elif isinstance(action, SendToFollower):
+                stream = (action.follower, src)
+                number = self.streams.get(stream)
+                if number is None:
+                    continue  # the follower closed the stream
+                if action.final:
+                    del self.streams[stream]
+
+                def deliver(c, lead=src, msg=action.message, n=number):
+                    if n in self.abandoned:
+                        return []  # the follower closed this stream meanwhile
+                    return c.handle_leader_message(lead, msg, self.now)
+
+                self.queue.append((action.follower, deliver))
+            elif isinstance(action, (GroupAssembled, MatchmakingFailed)):
+                assert src not in self.results, "two terminal actions"
+                self.results[src] = action
+            else:  # pragma: no cover
+                raise AssertionError(action)
+
+    def drain(self) -> None:
+        steps = 0
+        while self.queue:
+            steps += 1
+            assert steps < 100_000, "message storm"
+            target, fn = self.queue.popleft()
+            if self.alive(target):
+                self.dispatch(target, fn(self.cores[target]))
+
+    def kill(self, peer: bytes) -> None:
+        self.dead.add(peer)
+        for follower, leader in list(self.streams):
+            if peer in (follower, leader):
+                self.abandoned.add(self.streams[(follower, leader)])
+            if leader == peer:
+                del self.streams[(follower, leader)]
+                self.queue.append((follower, lambda c, p=peer: c.request_failed(p, self.now)))
+            elif follower == peer:
+                del self.streams[(follower, leader)]
+                self.queue.append((leader, lambda c, p=peer: c.follower_left(p, self.now)))
+        self.drain()
+
+    def freeze(self, peer: bytes) -> None:
+        self.frozen.add(peer)
+
+    def run(self, until: float = math.inf) -> dict[bytes, GroupAssembled | MatchmakingFailed]:
+        for _ in range(100_000):
+            self.drain()
+            for t, peer in sorted(self.pending_starts):
+                if t <= self.now:
+                    self.pending_starts.remove((t, peer))
+                    self.dispatch(peer, self.cores[peer].start(self.now))
+                    self.drain()
+            live = [p for p in sorted(self.cores) if self.alive(p) and not self.cores[p].done]
+            times = [self.cores[p].next_deadline() for p in live] + [
+                t for t, _ in self.pending_starts
+            ]
+            if not times or min(times) > until or min(times) == math.inf:
+                return self.results
+            assert min(times) >= self.now - 1e-9, "a deadline in the past was not handled"
+            self.now = max(self.now, min(times))
+            for peer in live:
+                if self.alive(peer) and self.cores[peer].next_deadline() <= self.now:
+                    self.dispatch(peer, self.cores[peer].tick(self.now))
+                    self.drain()
+        raise AssertionError("the simulation did not settle")
+
+    # ------------------------------------------------------------------ checks
+
+    def groups(self) -> dict[bytes, MatchmakingGroup]:
+        return {p: r.group for p, r in self.results.items() if isinstance(r, GroupAssembled)}
+
+    def check_consistent(self) -> list[MatchmakingGroup]:
+        """Every member of an assembled group got the same group; no peer is in two groups."""
+        groups = self.groups()
+        distinct = {g.group_id: g for g in groups.values()}
+        seen: set[bytes] = set()
+        for group in distinct.values():
+            for peer in group.peer_ids:
+                assert groups.get(peer) == group, f"{peer} disagrees about {group}"
+                assert peer not in seen
+                seen.add(peer)
+            target = self.config.target_group_size
+            assert self.config.min_group_size <= group.size <= (target or math.inf)
+        return sorted(distinct.values(), key=lambda g: g.peer_ids)
+
+    def sent(self, kind, src=None):
+        return [a for _, s, a in self.log if isinstance(a, kind) and (src is None or s == src)]
+
+
+def config(**kwargs) -> MatchmakingConfig:
+    kwargs.setdefault("prefix", "test")
+    kwargs.setdefault("target_group_size", 4)
+    kwargs.setdefault("min_group_size", 2)
+    kwargs.setdefault("min_matchmaking_time", 5.0)
+    kwargs.setdefault("request_timeout", 2.0)
+    return MatchmakingConfig(**kwargs)
+
+
+# ---------------------------------------------------------------------------------- swarms
+
+
+def test_four_peers_target_four_form_one_group():
+    swarm = Swarm(config())
+    for i in range(4):
+        swarm.add(pid(i), gather=f"data{i}".encode(), bandwidth=float(i + 1))
+    results = swarm.run()
+    assert len(results) == 4
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(i) for i in range(4)}
+    assert group.leader == pid(0)  # equal expirations: the lowest peer id leads
+    assert swarm.now < 5.0  # a full group assembles at once, not at the expiration
+    for member in group.members:
+        i = int(member.peer_id[-3:])
+        assert member.gather == f"data{i}".encode() and member.bandwidth == float(i + 1)
+    assert {results[p].is_leader for p in group.peer_ids} == {True, False}
+    assert sum(results[p].is_leader for p in group.peer_ids) == 1
+    # everyone withdrew its declaration
+    assert all(not d.looking_for_group for d in swarm.dht["test.0b"].values())
+
+
+def test_eight_peers_target_four_form_two_groups():
+    swarm = Swarm(config())
+    for i in range(8):
+        swarm.add(pid(i))
+    swarm.run()
+    groups = swarm.check_consistent()
+    assert [g.size for g in groups] == [4, 4]
+    assert len({g.group_id for g in groups}) == 2
+    assert sorted(g.leader for g in groups)[0] == pid(0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_swarm_forms_consistent_groups(seed):
+    """Peers start at random times with random matchmaking windows; whatever happens, members
+    agree on their group, nobody is in two groups, and everyone ends with a result."""
+    rng = random.Random(seed)
+    swarm = Swarm(config(target_group_size=4, min_group_size=2))
+    n = 13
+    for i in range(n):
+        cfg = config(min_matchmaking_time=rng.uniform(1.0, 6.0))
+        swarm.add(pid(i), start=rng.uniform(0.0, 4.0), config=cfg, deadline=40.0)
+    results = swarm.run()
+    assert len(results) == n
+    groups = swarm.check_consistent()
+    grouped = sum(g.size for g in groups)
+    assert grouped >= n - 1  # at most one peer is left alone (13 = 4 + 4 + 4 + 1 at worst)
+    for result in results.values():
+        if isinstance(result, MatchmakingFailed):
+            assert result.reason in (FailureReason.TOO_FEW_PEERS, FailureReason.DEADLINE)
+            assert result.detail
+
+
+def test_min_group_size_not_reached_fails_with_too_few_peers():
+    swarm = Swarm(config(min_group_size=3))
+    swarm.add(pid(0), deadline=12.0)
+    swarm.add(pid(1), deadline=12.0)
+    results = swarm.run()
+    for peer in (pid(0), pid(1)):
+        assert isinstance(results[peer], MatchmakingFailed)
+        assert results[peer].reason == FailureReason.TOO_FEW_PEERS
+        assert "min_group_size=3" in results[peer].detail
+    # the leader disbanded its follower at each expiration before the deadline
+    disbands = [a for a in swarm.sent(SendToFollower, pid(0)) if isinstance(a.message, Disbanded)]
+    assert disbands and all(a.follower == pid(1) for a in disbands)
+    assert swarm.now == 12.0
+
+
+def test_alone_fails_with_too_few_peers():
+    swarm = Swarm(config())
+    swarm.add(pid(0), deadline=7.0)
+    result = swarm.run()[pid(0)]
+    assert result.reason == FailureReason.TOO_FEW_PEERS
+    assert "found 1 peer(s)" in result.detail
+
+
+def test_min_group_size_reached_at_expiration_assembles_a_smaller_group():
+    swarm = Swarm(config(target_group_size=4, min_group_size=3))
+    for i in range(3):
+        swarm.add(pid(i))
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert group.size == 3
+    assert swarm.now == 5.0  # not full: the leader waited for its expiration
+
+
+def test_schema_mismatch_is_a_clear_failure():
+    swarm = Swarm(config())
+    swarm.add(pid(0), schema_hash=b"schema-A", deadline=8.0)
+    swarm.add(pid(1), schema_hash=b"schema-B", deadline=8.0)
+    results = swarm.run()
+    for peer in (pid(0), pid(1)):
+        assert results[peer].reason == FailureReason.SCHEMA_MISMATCH, results[peer]
+        assert "another schema" in results[peer].detail
+    assert swarm.cores[pid(1)].statistics().schema_mismatches == 1
+
+
+def test_schema_mismatch_join_is_rejected_with_the_reason():
+    swarm = Swarm(config())
+    swarm.blank_schema = True  # records that do not say their schema: joiners must ask
+    swarm.add(pid(0), schema_hash=b"schema-A", deadline=8.0)
+    swarm.add(pid(1), schema_hash=b"schema-B", deadline=8.0)
+    results = swarm.run()
+    rejects = [a.message for a in swarm.sent(SendToFollower, pid(0))]
+    assert rejects and set(rejects) == {Rejected(RejectReason.BAD_SCHEMA_HASH)}
+    follower = swarm.cores[pid(1)].statistics()
+    assert follower.rejections_received == {RejectReason.BAD_SCHEMA_HASH: len(rejects)}
+    for peer in (pid(0), pid(1)):
+        assert results[peer].reason == FailureReason.SCHEMA_MISMATCH
+
+
+def test_leader_disbands_at_deadline_and_followers_hear_it():
+    swarm = Swarm(config(target_group_size=4, min_group_size=3))
+    swarm.add(pid(0), deadline=4.0)  # its expiration is capped by its deadline
+    swarm.add(pid(1), deadline=20.0)
+    results = swarm.run()
+    assert results[pid(0)].reason == FailureReason.TOO_FEW_PEERS
+    messages = [a.message for a in swarm.sent(SendToFollower, pid(0))]
+    assert messages == [Accepted(), Disbanded()]
+    assert results[pid(1)].reason == FailureReason.TOO_FEW_PEERS
+    assert swarm.now == 20.0
+
+
+def test_follower_whose_leader_vanishes_finds_another():
+    swarm = Swarm(config(target_group_size=5, min_group_size=3))
+    for i in range(4):
+        swarm.add(pid(i), deadline=25.0)
+    swarm.add(pid(4), start=1.0, deadline=25.0)
+    swarm.run(until=0.0)
+    assert swarm.cores[pid(1)].phase == Phase.FOLLOWING
+    assert swarm.cores[pid(0)].followers == (pid(1), pid(2), pid(3))
+    swarm.kill(pid(0))  # its streams fail (its stale declaration stays in the DHT)
+    results = swarm.run()
+    assert pid(0) not in results
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(1), pid(2), pid(3), pid(4)}
+    assert swarm.now < 25.0
+
+
+def test_follower_whose_leader_goes_silent_times_out_and_retries():
+    swarm = Swarm(config(target_group_size=4, min_group_size=2))
+    for i in range(3):
+        swarm.add(pid(i), deadline=30.0)
+    swarm.run(until=0.0)
+    assert swarm.cores[pid(1)].phase == Phase.FOLLOWING
+    swarm.freeze(pid(0))  # accepted us, then never speaks again
+    results = swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(1), pid(2)}
+    # they waited for their own expiration plus request_timeout, then gave up on pid(0)
+    cancels = swarm.sent(CancelJoinRequest)
+    assert {(a.leader) for a in cancels} == {pid(0)}
+    assert 7.0 <= swarm.now < 30.0
+    assert set(results) == {pid(1), pid(2)}
+
+
+def test_unresponsive_leader_request_times_out():
+    swarm = Swarm(config(target_group_size=2, min_group_size=2))
+    swarm.add(pid(0), deadline=30.0)
+    swarm.freeze(pid(0))  # declared, then never answers
+    swarm.dispatch(pid(0), swarm.cores[pid(0)].start(0.0))
+    swarm.pending_starts.clear()
+    swarm.add(pid(1), start=0.5, deadline=30.0)
+    swarm.add(pid(2), start=0.5, deadline=30.0)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(1), pid(2)}
+    assert swarm.sent(CancelJoinRequest, pid(1))[0] == CancelJoinRequest(pid(0))
+
+
+def test_deterministic_leader_choice():
+    decls = [
+        Declaration(pid(5), 10.0, schema_hash=SCHEMA),
+        Declaration(pid(3), 10.0, schema_hash=SCHEMA),
+        Declaration(pid(9), 8.0, schema_hash=SCHEMA),
+        Declaration(pid(1), 12.0, schema_hash=SCHEMA),  # expires after us: would follow us
+        Declaration(pid(2), 9.0, schema_hash=b"other"),  # another schema
+        Declaration(pid(4), 9.5, schema_hash=SCHEMA, looking_for_group=False),
+        Declaration(pid(6), 9.5, schema_hash=SCHEMA, mode=CLIENT),
+        Declaration(pid(7), 0.5, schema_hash=SCHEMA),  # expired
+        Declaration(pid(8), 10.0, schema_hash=SCHEMA),  # same expiration, higher id than us
+    ]
+    for order in (decls, decls[::-1]):
+        found = leader_candidates(order, pid(6), 10.0, SCHEMA, now=1.0)
+        assert [d.peer_id for d in found] == [pid(9), pid(3), pid(5)]
+    found = leader_candidates(decls, pid(6), 10.0, SCHEMA, 1.0, exclude={(pid(9), 8.0)})
+    assert found[0].peer_id == pid(3)
+    # a client never leads, so the peer-id tie break does not apply to it
+    found = leader_candidates(decls, pid(0), 10.0, SCHEMA, 1.0, mode=CLIENT)
+    assert [d.peer_id for d in found] == [pid(9), pid(3), pid(5), pid(8)]
+    assert may_lead(pid(3), 10.0, pid(5), 10.0) and not may_lead(pid(5), 10.0, pid(3), 10.0)
+    assert may_lead(pid(5), 10.0, pid(3), 10.0, CLIENT)
+    assert not may_lead(pid(3), 10.5, pid(5), 10.0, CLIENT)
+
+
+def test_group_ids_equal_on_all_members_and_unique():
+    swarm = Swarm(config(target_group_size=2))
+    for i in range(6):
+        swarm.add(pid(i))
+    swarm.run()
+    groups = swarm.check_consistent()
+    assert len(groups) == 3 and len({g.group_id for g in groups}) == 3
+    for group in groups:
+        ids = {swarm.results[p].group.group_id for p in group.peer_ids}
+        assert ids == {group.group_id} and len(group.group_id) == 32
+
+
+def test_redirect_to_the_leaders_leader():
+    # pid(1) and pid(2) start first (expiration 5); pid(0) comes later with a shorter window
+    # (expiration 3): pid(1) follows it and redirects its own follower pid(2) there.
+    swarm = Swarm(config(target_group_size=3, min_group_size=2))
+    swarm.add(pid(1))
+    swarm.add(pid(2))
+    swarm.add(pid(0), start=1.0, config=config(target_group_size=3, min_matchmaking_time=2.0))
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert group.leader == pid(0) and group.size == 3
+    disbanded = [a for a in swarm.sent(SendToFollower, pid(1)) if a.final]
+    assert disbanded == [SendToFollower(pid(2), Disbanded(suggested_leader=pid(0)))]
+
+
+def test_not_a_leader_redirects_a_joiner():
+    swarm = Swarm(config(target_group_size=3, min_group_size=2))
+    swarm.add(pid(0))
+    swarm.add(pid(1))
+    swarm.add(pid(2), start=1.0)
+    swarm.hide[pid(2)] = {pid(0)}  # pid(2) only sees pid(1), which follows pid(0)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(0), pid(1), pid(2)}
+    rejects = [a for a in swarm.sent(SendToFollower, pid(1)) if isinstance(a.message, Rejected)]
+    assert rejects == [SendToFollower(pid(2), Rejected(RejectReason.NOT_A_LEADER, pid(0)))]
+
+
+def test_clients_follow_but_never_lead():
+    swarm = Swarm(config(target_group_size=4, min_group_size=2))
+    swarm.add(pid(0), mode=CLIENT, deadline=8.0)
+    swarm.add(pid(1), mode=CLIENT, deadline=8.0)
+    results = swarm.run()
+    assert not any(isinstance(a, Declare) for _, _, a in swarm.log)
+    assert all(r.reason == FailureReason.TOO_FEW_PEERS for r in results.values())
+
+    swarm = Swarm(config(target_group_size=4, min_group_size=2))
+    swarm.add(pid(0), mode=CLIENT)
+    swarm.add(pid(1), mode=AUX)
+    swarm.add(pid(2), mode=NODE)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert group.modes[group.index_of(pid(0))] == CLIENT
+    assert group.leader in (pid(1), pid(2))
+
+
+def test_aux_only_group_is_not_assembled():
+    swarm = Swarm(config(target_group_size=2, min_group_size=2))
+    swarm.add(pid(0), mode=AUX, deadline=8.0)
+    swarm.add(pid(1), mode=AUX, deadline=8.0)
+    results = swarm.run()
+    assert all(isinstance(r, MatchmakingFailed) for r in results.values())
+
+
+def test_cancel_disbands_and_withdraws():
+    swarm = Swarm(config(target_group_size=4))
+    swarm.add(pid(0))
+    swarm.add(pid(1))
+    swarm.run(until=0.0)
+    leader = swarm.cores[pid(0)]
+    assert leader.followers == (pid(1),)
+    actions = leader.cancel(1.0)
+    assert actions[0] == SendToFollower(pid(1), Disbanded())
+    withdraw = actions[1]
+    assert isinstance(withdraw, Declare) and not withdraw.declaration.looking_for_group
+    assert withdraw.declaration.expiration > leader.expiration
+    assert actions[2] == MatchmakingFailed(FailureReason.CANCELLED, "matchmaking was cancelled")
+    assert leader.cancel(2.0) == [] and leader.tick(3.0) == []
+
+
+# ---------------------------------------------------------------------------------- leader rules
+
+
+def make_leader(**kwargs) -> MatchmakingCore:
+    core = MatchmakingCore(config(**kwargs), pid(0), SCHEMA, deadline=30.0)
+    core.start(0.0)
+    return core
+
+
+def request(expiration=10.0, **kwargs) -> JoinRequest:
+    kwargs.setdefault("group_key", "test.0b")
+    kwargs.setdefault("schema_hash", SCHEMA)
+    return JoinRequest(expiration=expiration, **kwargs)
+
+
+def reject_reason(actions):
+    (action,) = actions
+    return action.message.reason if isinstance(action.message, Rejected) else None
+
+
+def test_reject_reasons():
+    leader = make_leader(target_group_size=4)  # expiration 5.0
+    assert reject_reason(leader.handle_join_request(pid(1), request(4.0), 0.1)) == (
+        RejectReason.BAD_EXPIRATION
+    )
+    # equal expiration: the lower peer id has priority
+    assert leader.handle_join_request(pid(1), request(5.0), 0.1)[0].message == Accepted()
+    assert reject_reason(leader.handle_join_request(pid(1), request(), 0.1)) == (
+        RejectReason.DUPLICATE
+    )
+    assert reject_reason(leader.handle_join_request(pid(0), request(), 0.1)) == (
+        RejectReason.DUPLICATE
+    )
+    bad_key = request(group_key="test.0b1")
+    assert reject_reason(leader.handle_join_request(pid(2), bad_key, 0.1)) == (
+        RejectReason.BAD_GROUP_KEY
+    )
+    bad_schema = request(schema_hash=b"x")
+    assert reject_reason(leader.handle_join_request(pid(2), bad_schema, 0.1)) == (
+        RejectReason.BAD_SCHEMA_HASH
+    )
+    assert leader.handle_join_request(pid(2), request(), 0.1)[0].message == Accepted()
+    # the fourth member fills the group of 4: it assembles at once
+    actions = leader.handle_join_request(pid(3), request(), 0.2)
+    assert actions[0] == SendToFollower(pid(3), Accepted())
+    assert isinstance(actions[-1], GroupAssembled) and leader.done
+    assert reject_reason(leader.handle_join_request(pid(4), request(), 0.3)) == (
+        RejectReason.NOT_LOOKING
+    )
+    assert leader.reject_malformed_request(pid(5))[0].message.reason == (
+        RejectReason.PROTOCOL_VIOLATION
+    )
+    stats = leader.statistics()
+    assert stats.rejections_sent[RejectReason.DUPLICATE] == 2
+    assert stats.phase == Phase.ASSEMBLED
+
+
+def test_group_full_and_not_declared():
+    leader = make_leader(target_group_size=2, min_group_size=1)
+    leader.handle_join_request(pid(1), request(mode=AUX), 0.1)
+    assert leader.done  # a NODE leader and an AUX follower: a full, viable group
+    client = MatchmakingCore(config(), pid(7), SCHEMA, deadline=30.0, mode=CLIENT)
+    client.start(0.0)
+    assert reject_reason(client.handle_join_request(pid(8), request(), 0.1)) == (
+        RejectReason.NOT_DECLARED
+    )
+    full = make_leader(target_group_size=2, min_group_size=2, request_timeout=1.0)
+    full.handle_join_request(pid(3), request(mode=AUX), 0.1)
+    assert full.done
+    aux_leader = MatchmakingCore(
+        config(target_group_size=2), pid(0), SCHEMA, deadline=30.0, mode=AUX
+    )
+    aux_leader.start(0.0)
+    aux_leader.handle_join_request(pid(3), request(mode=AUX), 0.1)
+    assert not aux_leader.done  # two AUX peers: nobody sends, so no group
+    assert reject_reason(aux_leader.handle_join_request(pid(4), request(), 0.1)) == (
+        RejectReason.GROUP_FULL
+    )
+    # past its expiration (before tick ran) a leader no longer leads
+    assert reject_reason(aux_leader.handle_join_request(pid(4), request(), 5.0)) == (
+        RejectReason.NOT_DECLARED
+    )
+
+
+def test_invalid_inputs_raise():
+    with pytest.raises(ValueError):
+        MatchmakingConfig(prefix="a.b")
+    with pytest.raises(ValueError):
+        MatchmakingConfig(prefix="p", target_group_size=2, min_group_size=3)
+    with pytest.raises(ValueError):
+        MatchmakingConfig(prefix="p", request_timeout=0)
+    with pytest.raises(ValueError):
+        JoinRequest("p.0b", b"", 1.0)
+    with pytest.raises(ValueError):
+        JoinRequest("p.0b", SCHEMA, math.inf)
+    with pytest.raises(ValueError):
+        JoinRequest("p.0b", SCHEMA, 1.0, bandwidth=-1.0)
+    with pytest.raises(ValueError):
+        MatchmakingGroup(b"g", "p.0b", pid(0), (GroupMember(pid(1)),))
+    with pytest.raises(ValueError):
+        make_group_key("p", "012")
+    assert is_valid_group_key("p.0b0110") and not is_valid_group_key("p.0b2")
+    core = make_leader()
+    with pytest.raises(RuntimeError):
+        core.start(1.0)
+
+
+def test_follower_ignores_stale_and_invalid_messages():
+    core = MatchmakingCore(config(), pid(5), SCHEMA, deadline=30.0)
+    core.start(0.0)
+    actions = core.receive_declarations([Declaration(pid(1), 3.0, schema_hash=SCHEMA)], 0.0)
+    assert actions == [SendJoinRequest(pid(1), request(5.0, gather=b""))]
+    assert core.handle_leader_message(pid(2), Accepted(), 0.1) == []  # not our leader
+    assert core.handle_leader_message(pid(1), Accepted(), 0.1) == []
+    assert core.phase == Phase.FOLLOWING
+    # a group that does not contain us: drop the leader, search again
+    stranger = MatchmakingGroup(b"g", "test.0b", pid(1), (GroupMember(pid(1)),))
+    actions = core.handle_leader_message(pid(1), BeginAllReduce(stranger), 0.2)
+    assert core.phase == Phase.SEARCHING and not core.done
+    assert actions == []  # nobody left to ask; the next read of the key is due at 1.0
+    assert core.next_deadline() == 1.0
+    assert core.tick(1.0) == [FetchDeclarations("test.0b")]
+
+
+def test_next_deadline_and_tick_are_idle_safe():
+    core = make_leader()
+    deadline = core.next_deadline()
+    assert deadline <= 5.0
+    assert core.tick(deadline - 0.5) == []  # nothing due: no actions, no state change
+    assert core.phase == Phase.SEARCHING
+
+
+# ---------------------------------------------------------------------------------- pure helpers
+
+
+def test_group_id_and_order_are_deterministic():
+    members = [GroupMember(pid(i)) for i in range(5)]
+    gid = derive_group_id("p.0b1", pid(0), 5.0, [m.peer_id for m in members])
+    assert gid == derive_group_id("p.0b1", pid(0), 5.0, [m.peer_id for m in members[::-1]])
+    assert gid != derive_group_id("p.0b1", pid(0), 5.5, [m.peer_id for m in members])
+    assert gid != derive_group_id("p.0b1", pid(0), 5.0, [m.peer_id for m in members], b"n")
+    assert order_members(gid, members) == order_members(gid, members[::-1])
+    orders = {tuple(m.peer_id for m in order_members(bytes([k]), members)) for k in range(20)}
+    assert len(orders) > 10  # the order depends on the id, not on who joined first
+
+
+def test_next_group_bits_sends_members_to_distinct_buckets():
+    for size, target, bits in ((4, 4, "10"), (2, 2, "01"), (3, 4, "110"), (2, None, "1")):
+        results = [next_group_bits(bits, b"gid", i, size, target) for i in range(size)]
+        assert len(set(results)) == size
+        assert all(len(r) == len(bits) for r in results)
+    # the old last bits become the first ones
+    assert next_group_bits("01", b"gid", 0, 2, 2)[0] == "1"
+    assert next_group_bits("", b"gid", 0, 4, 4) == ""
+    assert next_group_bits("0110", b"g", 0, 1, 1) == "0110"
+    with pytest.raises(ValueError):
+        next_group_bits("01", b"gid", 2, 2, 2)
+    with pytest.raises(ValueError):
+        next_group_bits("01", b"gid", 0, 5, 4)
+
+
+# ---------------------------------------------------------------------------------- moshpit
+
+
+def moshpit(num_peers: int, nbits: int, target: int, rounds: int, seed: int = 0):
+    """Run ``rounds`` rounds of matchmaking + in-group averaging; return the variances."""
+    rng = random.Random(seed)
+    values = {pid(i): rng.gauss(0.0, 10.0) for i in range(num_peers)}
+    bits = {pid(i): format(i % (1 << nbits), f"0{nbits}b") for i in range(num_peers)}
+    mean = statistics.fmean(values.values())
+    variances = [statistics.pvariance(values.values())]
+    cfg = config(target_group_size=target, min_group_size=target)
+    for r in range(rounds):
+        swarm = Swarm(cfg)
+        for peer in values:
+            swarm.add(peer, group_bits=bits[peer], deadline=20.0, nonce=bytes([r]))
+        results = swarm.run()
+        assert all(isinstance(results[p], GroupAssembled) for p in values), results
+        for group in swarm.check_consistent():
+            assert group.size == target
+            assert len({bits[p] for p in group.peer_ids}) == 1  # a group shares one key
+            avg = statistics.fmean(values[p] for p in group.peer_ids)
+            for index, peer in enumerate(group.peer_ids):
+                values[peer] = avg
+                bits[peer] = next_group_bits(bits[peer], group.group_id, index, group.size, target)
+        assert statistics.fmean(values.values()) == pytest.approx(mean, abs=1e-9)
+        buckets = collections.Counter(bits.values())
+        assert set(buckets.values()) == {num_peers >> nbits}  # the rotation keeps buckets even
+        variances.append(statistics.pvariance(values.values()))
+    return variances
+
+
+def test_moshpit_16_peers_2_bits_groups_of_4_average_in_2_rounds():
+    variances = moshpit(16, nbits=2, target=4, rounds=3)
+    assert variances[0] > 1.0
+    assert variances[1] > 1e-6  # one round only averages within each bucket
+    assert variances[2] == pytest.approx(0.0, abs=1e-18)
+
+
+def test_moshpit_8_peers_2_bits_groups_of_2_average_in_3_rounds():
+    variances = moshpit(8, nbits=2, target=2, rounds=4, seed=1)
+    assert variances[0] > 1.0
+    assert variances[1] < variances[0] and variances[2] < variances[1]
+    assert variances[3] == pytest.approx(0.0, abs=1e-18)
