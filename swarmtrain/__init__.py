@@ -14,6 +14,8 @@ from swarmtrain.compression import ScaledFloat16Compression as ScaledFloat16Comp
 from swarmtrain.compression import SizeAdaptiveCompression as SizeAdaptiveCompression
 from swarmtrain.compression import TensorRole as TensorRole
 from swarmtrain.compression import Uniform8BitQuantization as Uniform8BitQuantization
+from swarmtrain.dht import DHT as DHT
+from swarmtrain.dht import get_dht_time as get_dht_time
 from swarmtrain.p2p import P2P as P2P
 
 __version__ = "0.1.0.dev0"

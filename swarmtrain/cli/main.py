@@ -12,7 +12,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmtrain", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo.add_arguments(commands.add_parser("demo", help=demo.HELP, description=demo.HELP))
-    node.add_arguments(commands.add_parser("node", help=node.HELP, description=node.HELP))
+    node.add_arguments(
+        commands.add_parser("node", aliases=["dht"], help=node.HELP, description=node.HELP)
+    )
     return parser
 
 

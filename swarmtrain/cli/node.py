@@ -1,4 +1,5 @@
-"""``swarmtrain node``: a long-running bootstrap peer that others pass as ``initial_peers``."""
+"""``swarmtrain node`` (alias ``swarmtrain dht``): a long-running DHT bootstrap and relay peer
+that others pass as ``initial_peers``."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import signal
 
 import trio
 
-from swarmtrain.p2p import P2P
+from swarmtrain.dht import DHT
 
-HELP = "run a long-lived bootstrap peer and print the multiaddrs others should join with"
+HELP = "run a long-lived DHT bootstrap/relay peer and print the multiaddrs others join with"
 
 
 def add_arguments(parser) -> None:
@@ -25,17 +26,19 @@ def add_arguments(parser) -> None:
 
 
 async def serve(args) -> None:
-    async with P2P.create(
-        initial_peers=args.initial_peers,
-        host_maddrs=args.host_maddrs,
-        announce_maddrs=args.announce_maddrs,
-        identity_path=args.identity_path,
-    ) as p2p:
-        print(f"peer id: {p2p.peer_id}", flush=True)
-        print("others can join with --initial_peers:", flush=True)
-        for addr in p2p.get_visible_maddrs():
-            print(f"  {addr}", flush=True)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # The signal handler is installed before we print, so Ctrl-C right after the addresses
+    # appear still shuts down cleanly.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with DHT.create(
+            initial_peers=args.initial_peers,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs,
+            identity_path=args.identity_path,
+        ) as dht:
+            print(f"peer id: {dht.p2p.peer_id}", flush=True)
+            print("others can join with --initial_peers:", flush=True)
+            for addr in dht.get_visible_maddrs():
+                print(f"  {addr}", flush=True)
             async for signum in signals:
                 print(f"received {signal.Signals(signum).name}, shutting down", flush=True)
                 break

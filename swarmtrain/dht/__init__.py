@@ -5,7 +5,16 @@ The modules below are pure (no I/O); the networked node builds on them.
 
 from .blacklist import Blacklist as Blacklist
 from .blacklist import BlacklistStatistics as BlacklistStatistics
+from .dht import DHT as DHT
+from .dht import AsyncDHT as AsyncDHT
+from .dht import AsyncioDHT as AsyncioDHT
 from .identifiers import DHTID as DHTID
+from .node import DHTNode as DHTNode
+from .node import DHTNodeConfig as DHTNodeConfig
+from .node import DHTNodeStatistics as DHTNodeStatistics
+from .protocol import DHTProtocol as DHTProtocol
+from .protocol import DHTProtocolLimits as DHTProtocolLimits
+from .protocol import MalformedRequestError as MalformedRequestError
 from .routing import KBucket as KBucket
 from .routing import PingRequest as PingRequest
 from .routing import RoutingTable as RoutingTable

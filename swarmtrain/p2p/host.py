@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 from libp2p import new_host
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.network.config import ConnectionConfig
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
@@ -60,6 +61,9 @@ class P2PConfig:
     request_timeout: float | None = 30.0
     max_message_size: int = rpc.DEFAULT_MAX_MESSAGE_SIZE
     quiet_logging: bool = True
+    # Let py-libp2p keep >= 50 connections by dialling known peers (off: swarmtrain connects
+    # to the peers it talks to).
+    auto_connect: bool = False
     # NAT traversal (swarmtrain.p2p.relay): dial and accept relayed connections; serve as a relay
     # when listening; reserve relay slots (always in client_mode, or with use_auto_relay);
     # upgrade relayed connections by hole punching.
@@ -138,6 +142,10 @@ def _build_host(key_pair: KeyPair, config: P2PConfig):
     transport_kinds = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
     if use_websocket:
         transport_kinds.append(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0/ws"))
+    if not config.auto_connect:
+        # py-libp2p's auto-connector dials peers from the peerstore until a host holds 50
+        # connections; the DHT fills the peerstore, so that would dial half the swarm.
+        kwargs["connection_config"] = ConnectionConfig(min_connections=0, low_watermark=0)
     return new_host(
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},  # never plaintext, which py-libp2p offers by default

@@ -1,0 +1,231 @@
+"""``DHT``: a P2P host and a DHT node behind hivemind's names, for trio, asyncio and plain code.
+
+One implementation (``AsyncDHT``, trio), three ways in:
+
+- trio: ``async with DHT.create(initial_peers=[...]) as dht: await dht.store(...)``;
+- plain (blocking) code: ``dht = DHT(initial_peers=[...]); dht.store(...); dht.shutdown()``,
+  running on swarmtrain's one background trio loop (``swarmtrain.utils.background``);
+- asyncio: the same blocking object's ``await dht.aio.store(...)``, which never blocks the asyncio
+  loop (cancelling the asyncio task cancels the DHT call).
+
+Resource handling: ``DHT.create`` owns its host and node and closes both on exit. A blocking
+``DHT`` holds one reference to the background loop from ``run_in_background`` (done by the
+constructor unless ``start=False``) until ``shutdown()``; the loop thread ends with the last
+reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from swarmtrain.p2p import P2P, PeerID
+from swarmtrain.utils.background import BackgroundRuntime
+
+from .node import DHTNode, DHTNodeConfig
+from .storage import DHTExpiration, ValueWithExpiration
+
+__all__ = ["DHT", "AsyncDHT", "AsyncioDHT"]
+
+T = TypeVar("T")
+_NODE_FIELDS = frozenset(f.name for f in dataclasses.fields(DHTNodeConfig))
+
+
+class AsyncDHT:
+    """The trio DHT: a running ``P2P`` host (``.p2p``) and ``DHTNode`` (``.node``)."""
+
+    def __init__(self, p2p: P2P, node: DHTNode):
+        self.p2p, self.node = p2p, node
+        self.peer_id: PeerID = p2p.peer_id
+
+    @property
+    def client_mode(self) -> bool:
+        return self.node.config.client_mode
+
+    def get_visible_maddrs(self) -> list[str]:
+        """Multiaddrs other peers can pass as ``initial_peers`` (empty in client mode)."""
+        return self.p2p.get_visible_maddrs()
+
+    async def store(
+        self, key: Any, value: Any, expiration_time: DHTExpiration, subkey: Any = None
+    ) -> bool:
+        """See :meth:`DHTNode.store`."""
+        return await self.node.store(key, value, expiration_time, subkey=subkey)
+
+    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration[Any] | None:
+        """See :meth:`DHTNode.get`."""
+        return await self.node.get(key, latest=latest)
+
+    async def run_coroutine(self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]]) -> T:
+        """``await coro_fn(self, node)``."""
+        return await coro_fn(self, self.node)
+
+
+class DHT:
+    """hivemind's ``DHT`` on the background trio loop (see the module docstring).
+
+    Keywords: those of ``P2P.create`` (``client_mode``, ``host_maddrs``, ``announce_maddrs``,
+    ``identity_path``, ...), ``record_validators``, and :class:`DHTNodeConfig` fields
+    (``num_replicas``, ``bucket_size``, ``wait_timeout``, ...). ``client_mode`` applies to both.
+    """
+
+    def __init__(self, initial_peers: Sequence[str] = (), *, start: bool = True, **kwargs: Any):
+        if isinstance(initial_peers, str):
+            raise TypeError("initial_peers must be a list of multiaddr strings, not one string")
+        self._initial_peers = list(initial_peers)
+        self._kwargs = kwargs
+        self._runtime: BackgroundRuntime | None = None
+        self._dht: AsyncDHT | None = None
+        self._stop: Callable[[], None] | None = None
+        self._shut_down = False
+        self.aio = AsyncioDHT(self)
+        if start:
+            self.run_in_background()
+
+    @classmethod
+    @asynccontextmanager
+    async def create(
+        cls,
+        initial_peers: Sequence[str] = (),
+        *,
+        record_validators: Sequence[Any] = (),
+        client_mode: bool = False,
+        **kwargs: Any,
+    ) -> AsyncIterator[AsyncDHT]:
+        """trio: start a host and a node, yield an :class:`AsyncDHT`; close both on exit."""
+        node_kwargs = {k: v for k, v in kwargs.items() if k in _NODE_FIELDS}
+        p2p_kwargs = {k: v for k, v in kwargs.items() if k not in _NODE_FIELDS}
+        async with P2P.create(initial_peers, client_mode=client_mode, **p2p_kwargs) as p2p:
+            async with DHTNode.create(
+                p2p,
+                initial_peers,
+                record_validators=record_validators,
+                client_mode=client_mode,
+                **node_kwargs,
+            ) as node:
+                yield AsyncDHT(p2p, node)
+
+    # ---------------------------------------------------------------- lifetime
+
+    def run_in_background(self) -> None:
+        """Start the host and node on the background loop (the constructor does this unless
+        ``start=False``); returns when the node has bootstrapped."""
+        if self._runtime is not None or self._shut_down:
+            raise RuntimeError("this DHT was already started")
+        runtime = BackgroundRuntime.acquire()
+        try:
+            self._dht, self._stop = runtime.start_service(
+                lambda: DHT.create(self._initial_peers, **self._kwargs)
+            )
+        except BaseException:
+            runtime.release()
+            raise
+        self._runtime = runtime
+
+    def is_alive(self) -> bool:
+        return self._runtime is not None and not self._shut_down
+
+    def shutdown(self) -> None:
+        """Close the node and host; the background loop stops when nothing else uses it."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self._runtime is None:
+            return
+        try:
+            assert self._stop is not None
+            self._stop()
+        finally:
+            self._runtime.release()
+
+    def __enter__(self) -> DHT:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def _running(self) -> tuple[BackgroundRuntime, AsyncDHT]:
+        if self._runtime is None or self._dht is None:
+            raise RuntimeError("the DHT is not running: call run_in_background() first")
+        if self._shut_down:
+            raise RuntimeError("the DHT was shut down")
+        return self._runtime, self._dht
+
+    def _run(self, fn: Callable[[], Awaitable[T]], return_future: bool) -> T | Future:
+        runtime, _ = self._running()
+        if return_future:
+            return runtime.portal.start_task_soon(fn)
+        return runtime.call(fn)
+
+    # ------------------------------------------------------------------ calls
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._running()[1].peer_id
+
+    @property
+    def client_mode(self) -> bool:
+        return self._running()[1].client_mode
+
+    def get_visible_maddrs(self) -> list[str]:
+        runtime, dht = self._running()
+        return runtime.call_sync(dht.get_visible_maddrs)
+
+    def store(
+        self,
+        key: Any,
+        value: Any,
+        expiration_time: DHTExpiration,
+        subkey: Any = None,
+        return_future: bool = False,
+    ) -> bool | Future:
+        """Blocking :meth:`DHTNode.store` (a ``concurrent.futures.Future`` if ``return_future``)."""
+        dht = self._running()[1]
+        return self._run(
+            functools.partial(dht.store, key, value, expiration_time, subkey), return_future
+        )
+
+    def get(
+        self, key: Any, latest: bool = False, return_future: bool = False
+    ) -> ValueWithExpiration[Any] | Future | None:
+        """Blocking :meth:`DHTNode.get` (a ``concurrent.futures.Future`` if ``return_future``)."""
+        dht = self._running()[1]
+        return self._run(functools.partial(dht.get, key, latest), return_future)
+
+    def run_coroutine(
+        self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]], return_future: bool = False
+    ) -> T | Future:
+        """Run ``await coro_fn(dht, node)`` on the background trio loop and return its result.
+
+        ``dht`` is the trio-side :class:`AsyncDHT` (await its methods there; the blocking ones of
+        this object would deadlock the loop).
+        """
+        dht = self._running()[1]
+        return self._run(functools.partial(dht.run_coroutine, coro_fn), return_future)
+
+
+class AsyncioDHT:
+    """asyncio awaitables over a blocking :class:`DHT` (reach it as ``dht.aio``)."""
+
+    def __init__(self, owner: DHT):
+        self._owner = owner
+
+    async def store(
+        self, key: Any, value: Any, expiration_time: DHTExpiration, subkey: Any = None
+    ) -> bool:
+        runtime, dht = self._owner._running()
+        return await runtime.call_asyncio(
+            functools.partial(dht.store, key, value, expiration_time, subkey)
+        )
+
+    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration[Any] | None:
+        runtime, dht = self._owner._running()
+        return await runtime.call_asyncio(functools.partial(dht.get, key, latest))
+
+    async def run_coroutine(self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]]) -> T:
+        runtime, dht = self._owner._running()
+        return await runtime.call_asyncio(functools.partial(dht.run_coroutine, coro_fn))

@@ -1,0 +1,450 @@
+"""``DHTNode``: a Kademlia node on a running ``P2P`` host (trio). Lifetime::
+
+    async with P2P.create(initial_peers=[...]) as p2p:
+        async with DHTNode.create(p2p, num_replicas=5) as node:
+            await node.store("key", "value", get_dht_time() + 60)
+            found = await node.get("key")  # ValueWithExpiration(value='value', ...) or None
+
+Searches use :func:`~swarmtrain.dht.traverse.traverse_dht` with ``rpc_find`` as the
+``get_neighbors`` coroutine; the routing table, storage and RPCs live in
+:class:`~swarmtrain.dht.protocol.DHTProtocol`.
+
+Resource handling: ``create`` opens a task group owned by the node (routing-table pings, the
+periodic bucket refresh, caching writes), registers the RPC handlers, bootstraps from
+``initial_peers`` (or the peers the host is already connected to) and yields the node; leaving
+the ``async with`` unregisters the handlers and cancels the task group. The ``P2P`` host
+belongs to the caller and stays open.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from swarmtrain.p2p import P2P, PeerID, PeerUnreachableError
+
+from .blacklist import Blacklist, BlacklistStatistics
+from .identifiers import DHTID
+from .protocol import (
+    DHTProtocol,
+    DHTProtocolLimits,
+    FoundValue,
+    MalformedRequestError,
+    StoreItem,
+    merge_found_values,
+)
+from .routing import RoutingTableStatistics
+from .serialization import deserialize, serialize
+from .storage import DHTExpiration, DictionaryDHTValue, ValueWithExpiration, get_dht_time
+from .traverse import traverse_dht
+from .validation import NO_SUBKEY, CompositeValidator, DHTRecord, RecordValidatorBase
+
+__all__ = ["DHTNode", "DHTNodeConfig", "DHTNodeStatistics"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DHTNodeConfig:
+    """Validated settings of a :class:`DHTNode` (hivemind's keyword names).
+
+    :param num_replicas: store each value on this many nodes nearest to its key
+    :param bucket_size: Kademlia k; also how many nearest nodes a find answer lists
+    :param depth_modulo: split buckets not covering our id only at depths not divisible by it
+    :param beam_size: nodes kept per search (default: ``bucket_size``); >= ``num_replicas``
+    :param num_workers: concurrent RPCs per search
+    :param client_mode: call others but serve nothing and stay out of their routing tables
+    :param wait_timeout: seconds to wait for one RPC before counting the peer as unresponsive
+    :param refresh_timeout: look up a random id in every bucket unused for this long (None: off)
+    :param cache_locally: keep values found by ``get`` in the local cache
+    :param cache_nearest: also store them in the cache of this many nearest nodes that lacked them
+    :param blacklist_time: first ban (seconds) of an unresponsive peer; doubles per failure
+    """
+
+    num_replicas: int = 5
+    bucket_size: int = 20
+    depth_modulo: int = 5
+    beam_size: int | None = None
+    num_workers: int = 4
+    client_mode: bool = False
+    wait_timeout: float = 3.0
+    refresh_timeout: float | None = 600.0
+    cache_locally: bool = True
+    cache_nearest: int = 1
+    cache_size: int | None = None
+    storage_size: int | None = None
+    max_subkeys: int | None = None
+    blacklist_time: float = 5.0
+    backoff_rate: float = 2.0
+    prefix: str = "swarmtrain"
+    limits: DHTProtocolLimits = field(default_factory=DHTProtocolLimits)
+
+    def __post_init__(self) -> None:
+        for name in ("num_replicas", "bucket_size", "depth_modulo", "num_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.beam_size is None:
+            object.__setattr__(self, "beam_size", max(self.bucket_size, self.num_replicas))
+        if self.beam_size < self.num_replicas:
+            raise ValueError(
+                f"beam_size ({self.beam_size}) must be at least num_replicas ({self.num_replicas})"
+            )
+        if self.cache_nearest < 0:
+            raise ValueError("cache_nearest must be non-negative")
+        if not self.wait_timeout > 0:
+            raise ValueError("wait_timeout must be positive")
+        if self.refresh_timeout is not None and not self.refresh_timeout > 0:
+            raise ValueError("refresh_timeout must be positive or None")
+        if not self.prefix or "::" in self.prefix:
+            raise ValueError(f"prefix must be a non-empty string without '::', got {self.prefix!r}")
+
+
+@dataclass(frozen=True)
+class DHTNodeStatistics:
+    """A snapshot of a :class:`DHTNode`."""
+
+    routing_table: RoutingTableStatistics
+    blacklist: BlacklistStatistics
+    num_stored_keys: int
+    num_cached_keys: int
+    num_bucket_refreshes: int
+
+
+class DHTNode:
+    """A running DHT node. Build it with ``async with DHTNode.create(p2p, ...) as node``."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        node_id: DHTID,
+        config: DHTNodeConfig,
+        record_validator: RecordValidatorBase,
+        nursery: trio.Nursery,
+    ):
+        self.p2p, self.node_id, self.config = p2p, node_id, config
+        self.record_validator = record_validator
+        self._nursery = nursery
+        self.protocol = DHTProtocol(
+            p2p,
+            node_id,
+            record_validator=record_validator,
+            nursery=nursery,
+            bucket_size=config.bucket_size,
+            depth_modulo=config.depth_modulo,
+            client_mode=config.client_mode,
+            prefix=config.prefix,
+            wait_timeout=config.wait_timeout,
+            limits=config.limits,
+            blacklist=Blacklist(config.blacklist_time, config.backoff_rate),
+            storage_size=config.storage_size,
+            cache_size=config.cache_size,
+            max_subkeys=config.max_subkeys,
+        )
+        self._num_refreshes = 0
+
+    # ---------------------------------------------------------------- lifetime
+
+    @classmethod
+    @asynccontextmanager
+    async def create(
+        cls,
+        p2p: P2P,
+        initial_peers: Sequence[str] = (),
+        *,
+        node_id: DHTID | None = None,
+        record_validators: Iterable[RecordValidatorBase] = (),
+        **kwargs: Any,
+    ) -> AsyncIterator[DHTNode]:
+        """Start a node on ``p2p``, bootstrap it, yield it; stop it on exit (see module doc).
+
+        ``initial_peers`` are multiaddrs of DHT nodes; without them the node bootstraps from the
+        peers ``p2p`` is connected to. ``client_mode`` defaults to the host's. Other keywords
+        are :class:`DHTNodeConfig` fields.
+        """
+        kwargs.setdefault("client_mode", p2p.config.client_mode)
+        config = DHTNodeConfig(**kwargs)
+        if isinstance(initial_peers, str):
+            raise TypeError("initial_peers must be a list of multiaddr strings, not one string")
+        validator = CompositeValidator(record_validators)
+        async with trio.open_nursery() as nursery:
+            self = cls(p2p, node_id or DHTID.generate(), config, validator, nursery)
+            try:
+                self.protocol.serve()
+                await self._bootstrap(initial_peers)
+                if config.refresh_timeout is not None:
+                    nursery.start_soon(self._refresh_buckets)
+                yield self
+            finally:
+                self.protocol.close()
+                nursery.cancel_scope.cancel()
+
+    async def _bootstrap(self, initial_peers: Sequence[str]) -> None:
+        peers: set[PeerID] = set()
+
+        async def connect(maddr: str) -> None:
+            try:
+                peers.add(await self.p2p.connect(maddr))
+            except (PeerUnreachableError, ValueError) as e:
+                logger.warning("initial DHT peer %s unreachable: %s", maddr, e)
+
+        async with trio.open_nursery() as nursery:
+            for maddr in initial_peers:
+                nursery.start_soon(connect, maddr)
+        if not initial_peers:
+            peers.update(self.p2p.get_connected_peers())
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(self.protocol.call_ping, peer)
+        if initial_peers and len(self.protocol.routing_table) == 0:
+            logger.warning("none of the initial DHT peers answered; starting a new DHT")
+        if len(self.protocol.routing_table) > 0:
+            await self.find_nearest_nodes([self.node_id])
+
+    async def _refresh_buckets(self) -> None:
+        timeout = self.config.refresh_timeout
+        assert timeout is not None
+        while True:
+            await trio.sleep(timeout / 2 * random.uniform(0.9, 1.1))
+            refresh_ids = self.protocol.routing_table.get_refresh_ids(get_dht_time(), timeout)
+            if refresh_ids and len(self.protocol.routing_table) > 0:
+                await self.find_nearest_nodes(refresh_ids)
+            self._num_refreshes += 1
+
+    # ----------------------------------------------------------------- search
+
+    @property
+    def routing_table(self):
+        return self.protocol.routing_table
+
+    async def find_nearest_nodes(
+        self, queries: Collection[DHTID], k: int | None = None, exclude_self: bool = False
+    ) -> dict[DHTID, dict[DHTID, PeerID]]:
+        """For each query id, up to ``k`` (default ``beam_size``) live nodes nearest to it.
+
+        :returns: {query: {node_id: peer_id}, nearest first}; includes this node unless it is
+          a client or ``exclude_self``
+        """
+        k = k if k is not None else self.config.beam_size
+        queries = list(dict.fromkeys(queries))
+        found, _ = await self._search(queries, k)
+        result = {}
+        for query in queries:
+            nearest = dict(found[query])
+            if not (exclude_self or self.config.client_mode):
+                nearest[self.node_id] = self.p2p.peer_id
+            ordered = sorted(nearest, key=lambda node_id: node_id ^ query)[:k]
+            result[query] = {node_id: nearest[node_id] for node_id in ordered}
+        return result
+
+    async def _search(
+        self, queries: list[DHTID], beam_size: int, on_result=None
+    ) -> tuple[dict[DHTID, dict[DHTID, PeerID]], dict[DHTID, set[DHTID]]]:
+        """Beam search; ``on_result(query, node_id, FindResult) -> should_stop`` sees answers."""
+        peers: dict[DHTID, PeerID] = {}
+        initial: list[DHTID] = []
+        for query in queries:
+            for node_id, peer_id in self.routing_table.get_nearest_neighbors(query, beam_size):
+                peers[node_id] = peer_id
+                initial.append(node_id)
+
+        async def get_neighbors(node_id: DHTID, batch: list[DHTID]):
+            response = await self.protocol.call_find(peers[node_id], batch)
+            if response is None:
+                return None
+            answer = {}
+            for query in batch:
+                result = response[query]
+                for neighbor, peer_id in result.nearest.items():
+                    peers.setdefault(neighbor, peer_id)
+                should_stop = on_result(query, node_id, result) if on_result else False
+                answer[query] = (list(result.nearest), should_stop)
+            return answer
+
+        nearest, visited = await traverse_dht(
+            queries,
+            initial,
+            beam_size=beam_size,
+            num_workers=self.config.num_workers,
+            queries_per_call=min(len(queries), 8) or 1,
+            get_neighbors=get_neighbors,
+            visited_nodes={query: {self.node_id} for query in queries},
+        )
+        found = {q: {node_id: peers[node_id] for node_id in nearest[q]} for q in queries}
+        return found, visited
+
+    # ------------------------------------------------------------------ store
+
+    async def store(
+        self,
+        key: Any,
+        value: Any,
+        expiration_time: DHTExpiration,
+        subkey: Any = None,
+    ) -> bool:
+        """Store ``value`` (or ``subkey`` of a dictionary value) under ``key`` until
+        ``expiration_time`` on the ``num_replicas`` nodes nearest to the key.
+
+        :returns: whether at least one node (possibly this one) accepted it
+        :raises DHTValueError: key, subkey or value cannot be serialized or is too large
+        """
+        serialized_key = serialize(key, max_size=self.config.limits.max_key_size)
+        serialized_subkey = (
+            serialize(subkey, max_size=self.config.limits.max_subkey_size)
+            if subkey is not None
+            else None
+        )
+        serialized_value = serialize(value, max_size=self.config.limits.max_value_size)
+        expiration_time = float(expiration_time)
+        if not math.isfinite(expiration_time) or expiration_time <= get_dht_time():
+            return False
+        record = DHTRecord(
+            serialized_key, serialized_subkey or NO_SUBKEY, serialized_value, expiration_time
+        )
+        item = StoreItem(
+            serialized_key,
+            serialized_subkey,
+            self.record_validator.sign_value(record),
+            expiration_time,
+        )
+        key_id = item.key_id
+        nearest = (await self.find_nearest_nodes([key_id], k=self.config.num_replicas))[key_id]
+        results: list[bool] = []
+
+        async def store_on(node_id: DHTID, peer_id: PeerID) -> None:
+            if node_id == self.node_id:
+                try:
+                    results.extend(self.protocol.store_locally([item]))
+                except MalformedRequestError:
+                    results.append(False)
+            else:
+                results.extend(await self.protocol.call_store(peer_id, [item]) or [False])
+
+        async with trio.open_nursery() as nursery:
+            for node_id, peer_id in nearest.items():
+                nursery.start_soon(store_on, node_id, peer_id)
+        return any(results)
+
+    # -------------------------------------------------------------------- get
+
+    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration[Any] | None:
+        """The value under ``key``, or None if no live, valid value was found.
+
+        Without ``latest``, the search stops at the first valid value (the local storage and
+        cache count); with ``latest``, it asks all ``beam_size`` nodes nearest to the key and
+        returns the value with the latest expiration. Dictionary values are merged across all
+        answers received; they come back as ``{subkey: ValueWithExpiration(value, expiration)}``.
+        """
+        serialized_key = serialize(key, max_size=self.config.limits.max_key_size)
+        key_id = DHTID.from_serialized_key(serialized_key)
+        now = get_dht_time()
+        best = self._validated(serialized_key, self.protocol.lookup_locally(key_id, now))
+        lacking: list[DHTID] = []
+        if best is None or latest:
+
+            def on_result(query: DHTID, node_id: DHTID, result) -> bool:
+                nonlocal best
+                found = self._validated(serialized_key, result.value)
+                if found is None:
+                    lacking.append(node_id)
+                best = merge_found_values(best, found, get_dht_time())
+                return best is not None and not latest
+
+            found_nodes, _ = await self._search([key_id], self.config.beam_size, on_result)
+            if best is not None:
+                self._cache(serialized_key, best, found_nodes[key_id], lacking)
+        return self._decode(serialized_key, best)
+
+    def _validated(self, serialized_key: bytes, found: FoundValue | None) -> FoundValue | None:
+        """``found`` without the records the validators reject (None if nothing is left)."""
+        if found is None:
+            return None
+        if isinstance(found.value, DictionaryDHTValue):
+            now = get_dht_time()
+            valid = DictionaryDHTValue()
+            for subkey, item in found.value.items(now):
+                if self._is_valid(
+                    StoreItem(serialized_key, subkey, item.value, item.expiration_time)
+                ):
+                    valid.store(subkey, item.value, item.expiration_time, now)
+            if len(valid) == 0:
+                return None
+            return ValueWithExpiration(valid, valid.latest_expiration_time)
+        if self._is_valid(StoreItem(serialized_key, None, found.value, found.expiration_time)):
+            return found
+        return None
+
+    def _is_valid(self, item: StoreItem) -> bool:
+        try:
+            return self.protocol.validate_record(item)
+        except MalformedRequestError:
+            return False
+
+    def _cache(
+        self,
+        serialized_key: bytes,
+        found: FoundValue,
+        nearest: dict[DHTID, PeerID],
+        lacking: list[DHTID],
+    ) -> None:
+        if isinstance(found.value, DictionaryDHTValue):
+            now = get_dht_time()
+            items = [
+                StoreItem(serialized_key, subkey, item.value, item.expiration_time)
+                for subkey, item in found.value.items(now)
+            ]
+        else:
+            items = [StoreItem(serialized_key, None, found.value, found.expiration_time)]
+        if self.config.cache_locally:
+            self.protocol.store_locally(items, in_cache=True)
+        targets = [node_id for node_id in nearest if node_id in lacking]
+        for node_id in targets[: self.config.cache_nearest]:
+            self._nursery.start_soon(
+                self.protocol.call_store,
+                nearest[node_id],
+                items[: self.config.limits.max_items],
+                True,
+            )
+
+    def _decode(
+        self, serialized_key: bytes, found: FoundValue | None
+    ) -> ValueWithExpiration | None:
+        if found is None:
+            return None
+        if isinstance(found.value, DictionaryDHTValue):
+            now = get_dht_time()
+            return ValueWithExpiration(
+                {
+                    deserialize(subkey): ValueWithExpiration(
+                        self._unsigned(serialized_key, subkey, item), item.expiration_time
+                    )
+                    for subkey, item in found.value.items(now)
+                },
+                found.expiration_time,
+            )
+        return ValueWithExpiration(
+            self._unsigned(serialized_key, NO_SUBKEY, found), found.expiration_time
+        )
+
+    def _unsigned(self, key: bytes, subkey: bytes, item: ValueWithExpiration[bytes]) -> Any:
+        record = DHTRecord(key, subkey, item.value, item.expiration_time)
+        return deserialize(self.record_validator.strip_value(record), max_size=None)
+
+    def statistics(self) -> DHTNodeStatistics:
+        now = get_dht_time()
+        self.protocol.storage.purge(now)
+        self.protocol.cache.purge(now)
+        return DHTNodeStatistics(
+            routing_table=self.routing_table.statistics(),
+            blacklist=self.protocol.blacklist.statistics(now),
+            num_stored_keys=len(self.protocol.storage),
+            num_cached_keys=len(self.protocol.cache),
+            num_bucket_refreshes=self._num_refreshes,
+        )

@@ -1,0 +1,524 @@
+"""DHT RPCs over ``swarmtrain.p2p``: the ping / store / find handlers and the calls to them.
+
+``DHTProtocol`` owns a node's routing table, storage and cache. Server side, it registers
+``{prefix}::DHTProtocol.rpc_ping``, ``.rpc_store`` and ``.rpc_find`` (not in client mode) and
+checks every request against :class:`DHTProtocolLimits` and every record against the record
+validator before it touches any state: a malformed request fails as a whole with
+:class:`MalformedRequestError` (the caller sees a ``RemoteError`` naming it), a record that a
+validator rejects is answered with ``store_ok=False``. Client side, ``call_*`` return None when
+the peer does not answer in ``wait_timeout`` seconds (the peer is then blacklisted for a while
+and dropped from the routing table) and never raise for network failures.
+
+Peers that call us with a node id (non-client nodes) and peers that answer us are added to the
+routing table; when a bucket is full, the protocol pings its stalest node in the owner's task
+group (``nursery``) and keeps whichever answers.
+
+Resource handling: :meth:`serve` registers the handlers and :meth:`close` removes them; the
+owner (``DHTNode``) calls both and owns the task group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import multiaddr
+import trio
+
+from swarmtrain.p2p import P2P, P2PError, PeerID, RemoteError
+from swarmtrain.proto import dht_pb2
+
+from .blacklist import Blacklist
+from .identifiers import DHTID
+from .routing import PingRequest, RoutingTable
+from .serialization import MAX_VALUE_SIZE, DHTValueError, deserialize
+from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration, get_dht_time
+from .validation import NO_SUBKEY, DHTRecord, RecordValidatorBase
+
+__all__ = [
+    "DHTProtocol",
+    "DHTProtocolLimits",
+    "FindResult",
+    "MalformedRequestError",
+    "StoreItem",
+    "merge_found_values",
+]
+
+logger = logging.getLogger(__name__)
+
+FoundValue = ValueWithExpiration[bytes | DictionaryDHTValue]
+
+
+class MalformedRequestError(ValueError):
+    """A DHT request broke a size limit or carried undecodable data; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class DHTProtocolLimits:
+    """Size limits on what a node accepts (and sends); every field must be positive."""
+
+    max_items: int = 256  #: keys per store or find request
+    max_key_size: int = 4096  #: bytes of one serialized key
+    max_subkey_size: int = 4096  #: bytes of one serialized subkey
+    max_value_size: int = MAX_VALUE_SIZE  #: bytes of one serialized value, signatures excluded
+    max_signature_size: int = 1024  #: bytes validators may append to a value
+    max_maddrs: int = 16  #: addresses per peer
+    max_maddr_length: int = 512  #: characters of one address
+    max_nearest_peers: int = 64  #: nearest peers per key in a find response
+    max_message_size: int = 8 * 1024 * 1024  #: bytes of one request or response
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DHTProtocolLimits.{name} must be a positive integer: {value!r}")
+
+    @property
+    def max_signed_value_size(self) -> int:
+        return self.max_value_size + self.max_signature_size
+
+
+@dataclass(frozen=True)
+class StoreItem:
+    """One record to store: serialized key, subkey (or None) and signed value."""
+
+    key: bytes
+    subkey: bytes | None
+    value: bytes
+    expiration_time: float
+
+    @property
+    def key_id(self) -> DHTID:
+        return DHTID.from_serialized_key(self.key)
+
+
+@dataclass(frozen=True)
+class FindResult:
+    """A peer's answer about one key: what it holds (not yet validated) and nearer peers."""
+
+    value: FoundValue | None
+    nearest: dict[DHTID, PeerID]  # nearest first
+
+
+def merge_found_values(a: FoundValue | None, b: FoundValue | None, now: float) -> FoundValue | None:
+    """Combine two answers: dictionaries are merged per subkey, otherwise the later one wins.
+
+    Neither argument is modified.
+    """
+    if a is None or b is None:
+        return a if b is None else b
+    if isinstance(a.value, DictionaryDHTValue) and isinstance(b.value, DictionaryDHTValue):
+        merged = a.value.copy()
+        for subkey, item in b.value.items(now):
+            merged.store(subkey, item.value, item.expiration_time, now)
+        merged.latest_expiration_time = max(
+            merged.latest_expiration_time, b.value.latest_expiration_time
+        )
+        return ValueWithExpiration(merged, max(a.expiration_time, b.expiration_time))
+    return b if b.expiration_time > a.expiration_time else a
+
+
+class DHTProtocol:
+    """RPC handlers and calls of one DHT node (see the module docstring)."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        node_id: DHTID,
+        *,
+        record_validator: RecordValidatorBase,
+        nursery: trio.Nursery,
+        bucket_size: int = 20,
+        depth_modulo: int = 5,
+        client_mode: bool = False,
+        prefix: str = "swarmtrain",
+        wait_timeout: float = 3.0,
+        limits: DHTProtocolLimits | None = None,
+        blacklist: Blacklist[PeerID] | None = None,
+        storage_size: int | None = None,
+        cache_size: int | None = None,
+        max_subkeys: int | None = None,
+    ):
+        self.p2p, self.node_id, self.client_mode = p2p, node_id, client_mode
+        self.record_validator = record_validator
+        self.bucket_size, self.prefix, self.wait_timeout = bucket_size, prefix, wait_timeout
+        self.limits = limits if limits is not None else DHTProtocolLimits()
+        self.blacklist: Blacklist[PeerID] = blacklist if blacklist is not None else Blacklist()
+        self.routing_table: RoutingTable[PeerID] = RoutingTable(node_id, bucket_size, depth_modulo)
+        self.storage = DHTLocalStorage(storage_size, max_subkeys)
+        self.cache = DHTLocalStorage(cache_size, max_subkeys)
+        self._nursery = nursery
+        self._serving = False
+        self._closed = False
+
+    # --------------------------------------------------------------- lifetime
+
+    def method_name(self, method: str) -> str:
+        return f"{self.prefix}::DHTProtocol.{method}"
+
+    def serve(self) -> None:
+        """Register the RPC handlers (a client-mode node serves nothing)."""
+        if self.client_mode:
+            return
+        size = self.limits.max_message_size
+        for method, handler, request_type in (
+            ("rpc_ping", self.rpc_ping, dht_pb2.DHTPingRequest),
+            ("rpc_store", self.rpc_store, dht_pb2.DHTStoreRequest),
+            ("rpc_find", self.rpc_find, dht_pb2.DHTFindRequest),
+        ):
+            self.p2p.add_protobuf_handler(
+                self.method_name(method), handler, request_type, max_message_size=size
+            )
+        self._serving = True
+
+    def close(self) -> None:
+        """Stop serving; later routing-table pings are not started."""
+        self._closed = True
+        if self._serving:
+            self._serving = False
+            for method in ("rpc_ping", "rpc_store", "rpc_find"):
+                try:
+                    self.p2p.remove_protobuf_handler(self.method_name(method))
+                except Exception:
+                    logger.debug("could not remove handler %s", method, exc_info=True)
+
+    # ---------------------------------------------------------- routing table
+
+    def _node_info(self) -> dht_pb2.DHTNodeInfo:
+        if self.client_mode:
+            return dht_pb2.DHTNodeInfo()
+        maddrs = self.p2p.get_visible_maddrs()[: self.limits.max_maddrs]
+        return dht_pb2.DHTNodeInfo(node_id=self.node_id.to_bytes(), maddrs=maddrs)
+
+    def _parse_node_info(
+        self, remote_id: PeerID, info: dht_pb2.DHTNodeInfo
+    ) -> tuple[DHTID | None, list[str]]:
+        """(node id or None for a client, addresses without /p2p/...); raises if malformed."""
+        if not info.node_id:
+            return None, []
+        node_id = _parse_dht_id(info.node_id, "peer.node_id")
+        if len(info.maddrs) > self.limits.max_maddrs:
+            raise MalformedRequestError(
+                f"peer.maddrs has {len(info.maddrs)} addresses, more than {self.limits.max_maddrs}"
+            )
+        suffix = f"/p2p/{remote_id.to_base58()}"
+        addrs = []
+        for maddr in info.maddrs:
+            if len(maddr) > self.limits.max_maddr_length or not maddr.endswith(suffix):
+                raise MalformedRequestError(
+                    f"peer.maddrs: {maddr[:80]!r} is too long or does not end with {suffix}"
+                )
+            base = maddr[: -len(suffix)]
+            try:
+                multiaddr.Multiaddr(base)
+            except Exception as e:
+                raise MalformedRequestError(f"peer.maddrs: {maddr[:80]!r} is invalid: {e}") from e
+            addrs.append(base)
+        return node_id, addrs
+
+    def update_routing_table(self, node_id: DHTID, peer_id: PeerID) -> None:
+        """Note that ``node_id`` (at ``peer_id``) is alive; a full bucket pings its stalest node."""
+        if node_id == self.node_id or peer_id == self.p2p.peer_id:
+            return
+        request = self.routing_table.add_or_update_node(node_id, peer_id, now=get_dht_time())
+        if request is not None and not self._closed:
+            try:
+                self._nursery.start_soon(self._check_stale_node, request)
+            except RuntimeError:  # the node is shutting down
+                pass
+
+    async def _check_stale_node(self, request: PingRequest[PeerID]) -> None:
+        if await self.call_ping(request.peer_id) != request.node_id:
+            self.routing_table.remove(request.node_id)
+
+    def _on_failure(self, peer_id: PeerID) -> None:
+        self.blacklist.register_failure(peer_id, get_dht_time())
+        node_id = self.routing_table.get_node_id(peer_id)
+        if node_id is not None:
+            self.routing_table.remove(node_id)
+
+    # ---------------------------------------------------------------- server
+
+    def _accept_caller(self, remote_id: PeerID, node_id: DHTID | None, addrs: list[str]) -> None:
+        if node_id is None:
+            return  # a client: never routed to
+        if addrs:
+            self.p2p.add_addrs(remote_id, addrs)
+        self.update_routing_table(node_id, remote_id)
+
+    async def rpc_ping(self, request: dht_pb2.DHTPingRequest, context) -> dht_pb2.DHTPingResponse:
+        """Answer with our node info; add the caller to the routing table unless it is a client."""
+        self._accept_caller(
+            context.remote_id, *self._parse_node_info(context.remote_id, request.peer)
+        )
+        return dht_pb2.DHTPingResponse(peer=self._node_info(), dht_time=get_dht_time())
+
+    async def rpc_store(
+        self, request: dht_pb2.DHTStoreRequest, context
+    ) -> dht_pb2.DHTStoreResponse:
+        """Validate every item, then store the valid ones (in the cache if ``in_cache``)."""
+        caller = self._parse_node_info(context.remote_id, request.peer)
+        items = self._parse_store_request(request)
+        valid = [self.validate_record(item) for item in items]  # raises before any change
+        self._accept_caller(context.remote_id, *caller)
+        store_ok = self._store_valid(items, valid, in_cache=request.in_cache)
+        return dht_pb2.DHTStoreResponse(store_ok=store_ok, peer=self._node_info())
+
+    def _parse_store_request(self, request: dht_pb2.DHTStoreRequest) -> list[StoreItem]:
+        lengths = {
+            len(request.keys),
+            len(request.subkeys),
+            len(request.values),
+            len(request.expiration_time),
+        }
+        if len(lengths) != 1:
+            raise MalformedRequestError(
+                "keys, subkeys, values and expiration_time must have the same length"
+            )
+        if len(request.keys) > self.limits.max_items:
+            raise MalformedRequestError(
+                f"{len(request.keys)} items in one request, more than {self.limits.max_items}"
+            )
+        items = []
+        for index, (key, subkey, value, expiration_time) in enumerate(
+            zip(
+                request.keys,
+                request.subkeys,
+                request.values,
+                request.expiration_time,
+                strict=True,
+            )
+        ):
+            self._check_serialized(key, self.limits.max_key_size, f"keys[{index}]")
+            if subkey != NO_SUBKEY:
+                self._check_serialized(subkey, self.limits.max_subkey_size, f"subkeys[{index}]")
+            if len(value) > self.limits.max_signed_value_size:
+                raise MalformedRequestError(
+                    f"values[{index}] is {len(value)} bytes, larger than the limit "
+                    f"{self.limits.max_signed_value_size}"
+                )
+            if not math.isfinite(expiration_time):
+                raise MalformedRequestError(f"expiration_time[{index}] is not finite")
+            items.append(StoreItem(key, subkey or None, value, expiration_time))
+        return items
+
+    @staticmethod
+    def _check_serialized(data: bytes, max_size: int, what: str) -> None:
+        try:
+            deserialize(data, max_size)
+        except DHTValueError as e:
+            raise MalformedRequestError(f"{what}: {e}") from None
+
+    def validate_record(self, item: StoreItem) -> bool:
+        """Whether the validators accept ``item`` and its unsigned value is a valid DHT value.
+
+        :raises MalformedRequestError: the validators accept it, but its value is malformed
+        """
+        record = DHTRecord(
+            item.key, item.subkey or NO_SUBKEY, item.value, float(item.expiration_time)
+        )
+        if not self.record_validator.validate(record):
+            return False
+        self._check_serialized(
+            self.record_validator.strip_value(record), self.limits.max_value_size, "value"
+        )
+        return True
+
+    def store_locally(self, items: Sequence[StoreItem], in_cache: bool = False) -> list[bool]:
+        """Validate all items (raising before any change if one is malformed), then store."""
+        return self._store_valid(items, [self.validate_record(item) for item in items], in_cache)
+
+    def _store_valid(
+        self, items: Sequence[StoreItem], valid: Sequence[bool], in_cache: bool
+    ) -> list[bool]:
+        target = self.cache if in_cache else self.storage
+        now = get_dht_time()
+        return [
+            ok and target.store(item.key_id, item.value, item.expiration_time, now, item.subkey)
+            for ok, item in zip(valid, items, strict=True)
+        ]
+
+    def lookup_locally(self, key_id: DHTID, now: float) -> FoundValue | None:
+        """What storage and cache hold under ``key_id`` (merged; a snapshot, safe across awaits)."""
+        return merge_found_values(
+            self.storage.get_copy(key_id, now), self.cache.get_copy(key_id, now), now
+        )
+
+    async def rpc_find(self, request: dht_pb2.DHTFindRequest, context) -> dht_pb2.DHTFindResponse:
+        """For each key id: the value we hold (if any) and the nodes we know nearest to it."""
+        caller_id, addrs = self._parse_node_info(context.remote_id, request.peer)
+        if len(request.keys) > self.limits.max_items:
+            raise MalformedRequestError(
+                f"{len(request.keys)} keys in one request, more than {self.limits.max_items}"
+            )
+        key_ids = [_parse_dht_id(key, f"keys[{i}]") for i, key in enumerate(request.keys)]
+        self._accept_caller(context.remote_id, caller_id, addrs)
+        now = get_dht_time()
+        response = dht_pb2.DHTFindResponse(peer=self._node_info())
+        k = min(self.bucket_size, self.limits.max_nearest_peers)
+        for key_id in key_ids:
+            result = response.results.add()
+            found = self.lookup_locally(key_id, now)
+            if isinstance(found, ValueWithExpiration) and isinstance(
+                found.value, DictionaryDHTValue
+            ):
+                result.type = dht_pb2.DHTFindResult.FOUND_DICTIONARY
+                result.value = found.value.packb(now)
+                result.expiration_time = found.expiration_time
+            elif found is not None:
+                result.type = dht_pb2.DHTFindResult.FOUND_REGULAR
+                result.value = found.value
+                result.expiration_time = found.expiration_time
+            for node_id, peer_id in self.routing_table.get_nearest_neighbors(
+                key_id, k, exclude=caller_id
+            ):
+                result.nearest_peers.add(
+                    node_id=node_id.to_bytes(),
+                    peer_id=peer_id.to_bytes(),
+                    maddrs=self._maddrs_of(peer_id),
+                )
+        return response
+
+    def _maddrs_of(self, peer_id: PeerID) -> list[str]:
+        suffix = f"/p2p/{peer_id.to_base58()}"
+        addrs = [a if a.endswith(suffix) else a + suffix for a in self.p2p.known_addrs(peer_id)]
+        return [a for a in addrs if len(a) <= self.limits.max_maddr_length][
+            : self.limits.max_maddrs
+        ]
+
+    # ---------------------------------------------------------------- client
+
+    async def _call(self, peer_id: PeerID, method: str, request, response_type):
+        if self.blacklist.is_banned(peer_id, get_dht_time()):
+            return None
+        try:
+            response = await self.p2p.call_protobuf_handler(
+                peer_id,
+                self.method_name(method),
+                request,
+                response_type,
+                timeout=self.wait_timeout,
+                max_message_size=self.limits.max_message_size,
+            )
+        except RemoteError as e:
+            logger.warning("%s rejected our %s: %s", peer_id, method, e)
+            return None
+        except P2PError as e:
+            logger.debug("%s to %s failed: %s", method, peer_id, e)
+            self._on_failure(peer_id)
+            return None
+        self.blacklist.register_success(peer_id)
+        try:
+            node_id, _ = self._parse_node_info(peer_id, response.peer)
+        except MalformedRequestError as e:
+            logger.warning("malformed %s response from %s: %s", method, peer_id, e)
+            return None
+        if node_id is not None:
+            self.update_routing_table(node_id, peer_id)
+        return response
+
+    async def call_ping(self, peer_id: PeerID) -> DHTID | None:
+        """The node id of ``peer_id``, or None if it did not answer as a DHT server."""
+        response = await self._call(
+            peer_id,
+            "rpc_ping",
+            dht_pb2.DHTPingRequest(peer=self._node_info()),
+            dht_pb2.DHTPingResponse,
+        )
+        if response is None or not response.peer.node_id:
+            return None
+        return DHTID.from_bytes(response.peer.node_id)
+
+    async def call_store(
+        self, peer_id: PeerID, items: Sequence[StoreItem], in_cache: bool = False
+    ) -> list[bool] | None:
+        """Ask ``peer_id`` to store ``items``: whether each was stored, or None if no answer."""
+        request = dht_pb2.DHTStoreRequest(
+            keys=[item.key for item in items],
+            subkeys=[item.subkey or NO_SUBKEY for item in items],
+            values=[item.value for item in items],
+            expiration_time=[item.expiration_time for item in items],
+            in_cache=in_cache,
+            peer=self._node_info(),
+        )
+        response = await self._call(peer_id, "rpc_store", request, dht_pb2.DHTStoreResponse)
+        if response is None:
+            return None
+        if len(response.store_ok) != len(items):
+            logger.warning("%s answered rpc_store with a wrong number of results", peer_id)
+            return None
+        return list(response.store_ok)
+
+    async def call_find(
+        self, peer_id: PeerID, key_ids: Sequence[DHTID]
+    ) -> dict[DHTID, FindResult] | None:
+        """Ask ``peer_id`` about ``key_ids``; values in the answer are not validated yet."""
+        request = dht_pb2.DHTFindRequest(
+            keys=[key_id.to_bytes() for key_id in key_ids], peer=self._node_info()
+        )
+        response = await self._call(peer_id, "rpc_find", request, dht_pb2.DHTFindResponse)
+        if response is None:
+            return None
+        if len(response.results) != len(key_ids):
+            logger.warning("%s answered rpc_find with a wrong number of results", peer_id)
+            return None
+        now = get_dht_time()
+        return {
+            key_id: FindResult(
+                self._parse_found_value(peer_id, result, now), self._parse_nearest(result)
+            )
+            for key_id, result in zip(key_ids, response.results, strict=True)
+        }
+
+    def _parse_found_value(
+        self, peer_id: PeerID, result: dht_pb2.DHTFindResult, now: float
+    ) -> FoundValue | None:
+        if result.type == dht_pb2.DHTFindResult.NOT_FOUND:
+            return None
+        if not math.isfinite(result.expiration_time) or result.expiration_time <= now:
+            return None
+        if result.type == dht_pb2.DHTFindResult.FOUND_REGULAR:
+            if len(result.value) > self.limits.max_signed_value_size:
+                logger.warning("%s sent a value over the size limit; ignored", peer_id)
+                return None
+            return ValueWithExpiration(result.value, result.expiration_time)
+        if result.type == dht_pb2.DHTFindResult.FOUND_DICTIONARY:
+            try:
+                dictionary = DictionaryDHTValue.unpackb(result.value, now)
+            except ValueError as e:
+                logger.warning("%s sent a malformed dictionary value (%s); ignored", peer_id, e)
+                return None
+            return ValueWithExpiration(dictionary, result.expiration_time)
+        return None
+
+    def _parse_nearest(self, result: dht_pb2.DHTFindResult) -> dict[DHTID, PeerID]:
+        nearest: dict[DHTID, PeerID] = {}
+        for info in result.nearest_peers[: self.limits.max_nearest_peers]:
+            if len(info.node_id) != DHTID.HASH_NBYTES or not info.peer_id:
+                continue
+            node_id, peer_id = DHTID.from_bytes(info.node_id), PeerID(info.peer_id)
+            if peer_id == self.p2p.peer_id or node_id == self.node_id:
+                continue
+            suffix = f"/p2p/{peer_id.to_base58()}"
+            addrs = [
+                a[: -len(suffix)]
+                for a in info.maddrs[: self.limits.max_maddrs]
+                if a.endswith(suffix) and len(a) <= self.limits.max_maddr_length
+            ]
+            if addrs:
+                try:
+                    self.p2p.add_addrs(peer_id, addrs)
+                except Exception as e:
+                    logger.debug("ignoring bad addresses of %s: %s", peer_id, e)
+                    continue
+            nearest[node_id] = peer_id
+        return nearest
+
+
+def _parse_dht_id(raw: bytes, what: str) -> DHTID:
+    if len(raw) != DHTID.HASH_NBYTES:
+        raise MalformedRequestError(
+            f"{what} must be {DHTID.HASH_NBYTES} bytes, got {len(raw)} bytes"
+        )
+    return DHTID.from_bytes(raw)

@@ -1,0 +1,427 @@
+"""DHTNode, DHTProtocol and the DHT facade between real py-libp2p hosts on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import pydantic
+import pytest
+import trio
+
+from swarmtrain.dht import (
+    DHT,
+    DHTID,
+    DHTNode,
+    Ed25519SignatureValidator,
+    SchemaValidator,
+    get_dht_time,
+    serialize,
+)
+from swarmtrain.dht.protocol import StoreItem
+from swarmtrain.p2p import P2P, MessageTooLargeError, P2PConfig, RemoteError
+from swarmtrain.proto import dht_pb2
+from swarmtrain.utils.background import BackgroundRuntime
+
+FAST = {"wait_timeout": 2.0, "blacklist_time": 1.0}
+# Relays are useless on loopback and make every host start ~0.3 s slower.
+NO_RELAY = {
+    name: False
+    for name in ("use_relay", "relay_service")
+    if name in {f.name for f in dataclasses.fields(P2PConfig)}
+}
+
+
+class Swarm:
+    """Nodes that each run in their own task, so any of them can be stopped at any time."""
+
+    def __init__(self, nursery: trio.Nursery):
+        self.nursery = nursery
+        self.nodes: list[DHTNode] = []
+        self._events: dict[DHTNode, tuple[trio.Event, trio.Event]] = {}
+
+    async def _run(self, initial_peers, p2p_kwargs, node_kwargs, *, task_status):
+        stop, done = trio.Event(), trio.Event()
+        try:
+            async with P2P.create(initial_peers, **p2p_kwargs) as p2p:
+                async with DHTNode.create(p2p, **node_kwargs) as node:
+                    task_status.started((node, stop, done))
+                    await stop.wait()  # leave normally: cancelling the host can leak sockets
+        finally:
+            done.set()
+
+    async def add(self, *, client_mode=False, num_initial=2, validators=(), **node_kwargs):
+        servers = [n for n in self.nodes if not n.config.client_mode]
+        initial = []
+        for node in random.sample(servers, min(num_initial, len(servers))):
+            initial += node.p2p.get_visible_maddrs()
+        node, stop, done = await self.nursery.start(
+            self._run,
+            initial,
+            {"client_mode": client_mode, **NO_RELAY},
+            {**FAST, **node_kwargs, "record_validators": list(validators)},
+        )
+        self.nodes.append(node)
+        self._events[node] = (stop, done)
+        return node
+
+    async def kill(self, node: DHTNode) -> None:
+        stop, done = self._events.pop(node)
+        stop.set()
+        await done.wait()
+        self.nodes.remove(node)
+
+    async def kill_all(self) -> None:
+        for stop, _ in self._events.values():
+            stop.set()
+        for _, done in self._events.values():
+            await done.wait()
+        self._events.clear()
+        self.nodes.clear()
+
+
+@asynccontextmanager
+async def swarm(num_nodes: int = 0, **node_kwargs):
+    async with trio.open_nursery() as nursery:
+        result = Swarm(nursery)
+        for _ in range(num_nodes):
+            await result.add(**node_kwargs)
+        try:
+            yield result
+        finally:
+            with trio.CancelScope(shield=True):
+                await result.kill_all()
+
+
+def in_routing_table(node: DHTNode, other: DHTNode) -> bool:
+    table = node.routing_table
+    return other.node_id in table or table.get_node_id(other.p2p.peer_id) is not None
+
+
+# ------------------------------------------------------------------ trio tests
+
+
+@pytest.mark.trio
+async def test_two_peers_store_get():
+    async with swarm(2) as s:
+        a, b = s.nodes
+        assert in_routing_table(a, b) and in_routing_table(b, a)
+        assert await a.store("key", {"answer": 42, "list": [1, b"2"]}, get_dht_time() + 30)
+        found = await b.get("key")
+        assert found is not None and found.value == {"answer": 42, "list": [1, b"2"]}
+        _, expiration = found
+        assert expiration > get_dht_time()
+        assert await b.get("missing") is None
+        # a later write replaces the value; an older one is rejected
+        assert await b.store("key", "newer", get_dht_time() + 60)
+        assert not await b.store("key", "older", get_dht_time() + 10)
+        assert (await a.get("key", latest=True)).value == "newer"
+
+
+@pytest.mark.trio
+async def test_32_peers_store_on_one_read_on_all():
+    start = time.perf_counter()
+    async with swarm(32, bucket_size=4, num_replicas=3) as s:
+        assert all(len(node.routing_table) > 0 for node in s.nodes)
+        writers = random.sample(s.nodes, 3)
+        for i, writer in enumerate(writers):
+            assert await writer.store(f"key{i}", i, get_dht_time() + 60)
+
+        results = []
+        for node in s.nodes:
+            for i in range(len(writers)):
+                found = await node.get(f"key{i}")
+                results.append(found is not None and found.value == i)
+        assert results == [True] * (32 * len(writers))
+    assert time.perf_counter() - start < 60  # about 12 s on 2 busy cores
+
+
+@pytest.mark.trio
+async def test_records_expire():
+    async with swarm(3) as s:
+        a, b, c = s.nodes
+        expiration = get_dht_time() + 1.0
+        assert await a.store("short-lived", "soon gone", expiration)
+        assert (await c.get("short-lived")).value == "soon gone"  # c caches it, too
+        await trio.sleep(max(0.0, expiration - get_dht_time()) + 0.05)
+        assert await b.get("short-lived", latest=True) is None
+        assert await c.get("short-lived") is None
+        assert not await a.store("already expired", 1, get_dht_time() - 1)
+
+
+@pytest.mark.trio
+async def test_subkeys_merged_from_several_writers():
+    async with swarm(6, num_replicas=3) as s:
+        writers, reader = s.nodes[:4], s.nodes[5]
+        expiration = get_dht_time() + 60
+        for i, writer in enumerate(writers):
+            assert await writer.store("group", {"rank": i}, expiration + i, subkey=f"peer{i}")
+        found = await reader.get("group")
+        assert found is not None
+        assert {k: v.value for k, v in found.value.items()} == {
+            f"peer{i}": {"rank": i} for i in range(4)
+        }
+        assert found.expiration_time == expiration + 3
+        assert found.value["peer2"].expiration_time == expiration + 2
+        # a regular value that expires later replaces the dictionary
+        assert await writers[0].store("group", "flat", expiration + 100)
+        assert (await s.nodes[4].get("group", latest=True)).value == "flat"
+
+
+@pytest.mark.trio
+async def test_latest_searches_the_whole_beam():
+    async with swarm(8, num_replicas=3) as s:
+        writer = s.nodes[0]
+        assert await writer.store("model", "v1", get_dht_time() + 30)
+        key = serialize("model")
+        key_id = DHTID.from_serialized_key(key)
+        replicas = (await writer.find_nearest_nodes([key_id], k=3, exclude_self=True))[key_id]
+        _, farthest_peer = list(replicas.items())[-1]
+        newer = StoreItem(key, None, serialize("v2"), get_dht_time() + 60)
+        assert await writer.protocol.call_store(farthest_peer, [newer]) == [True]
+
+        reader = await s.add(client_mode=True)
+        assert (await reader.get("model")).value in ("v1", "v2")
+        assert (await reader.get("model", latest=True)).value == "v2"
+
+
+@pytest.mark.trio
+async def test_client_mode_node_stores_and_gets_but_is_not_routed_to():
+    async with swarm(4) as s:
+        client = await s.add(client_mode=True, num_initial=3)
+        assert client.config.client_mode and len(client.routing_table) > 0
+        assert await client.store("from client", [1, 2, 3], get_dht_time() + 30)
+        assert (await s.nodes[0].get("from client")).value == [1, 2, 3]
+        assert await s.nodes[1].store("for client", "hello", get_dht_time() + 30)
+        assert (await client.get("for client")).value == "hello"
+        assert len(client.protocol.storage) == 0  # a client never holds replicas
+        for node in s.nodes:
+            if node is not client:
+                assert not in_routing_table(node, client)
+        assert client.p2p.statistics()["handlers"] == []
+
+
+@pytest.mark.trio
+async def test_third_party_cannot_overwrite_a_signed_record():
+    validators = {}
+
+    async with swarm() as s:
+        for _ in range(5):
+            validator = Ed25519SignatureValidator()
+            node = await s.add(validators=[validator])
+            validators[node] = validator
+        owner, reader, attacker = s.nodes[0], s.nodes[1], s.nodes[2]
+        key = b"owned by " + validators[owner].local_public_key
+        assert await owner.store(key, "original", get_dht_time() + 30)
+        assert not await attacker.store(key, "forged", get_dht_time() + 300)
+        # replaying the owner's signature on another value or expiration fails as well
+        stored = owner.protocol.lookup_locally(DHTID.generate(key), get_dht_time())
+        signed = stored.value if stored is not None else None
+        if signed is None:  # owner is not a replica: take the signed bytes from a replica
+            for node in s.nodes:
+                found = node.protocol.lookup_locally(DHTID.generate(key), get_dht_time())
+                if found is not None:
+                    signed = found.value
+        assert signed is not None and b"[signature:" in signed
+        forged = [
+            StoreItem(serialize(key), None, signed, get_dht_time() + 300),
+            StoreItem(
+                serialize(key), None, serialize("forged") + signed[-100:], get_dht_time() + 300
+            ),
+        ]
+        for node in s.nodes:
+            if node is not attacker:
+                assert await attacker.protocol.call_store(node.p2p.peer_id, forged) == [
+                    False,
+                    False,
+                ]
+        assert (await reader.get(key, latest=True)).value == "original"
+        # subkeys carrying the owner marker are protected the same way
+        subkey = b"rank0" + validators[attacker].local_public_key
+        assert await attacker.store("peers", "mine", get_dht_time() + 30, subkey=subkey)
+        assert not await owner.store("peers", "not mine", get_dht_time() + 60, subkey=subkey)
+        found = await reader.get("peers", latest=True)
+        assert found.value[subkey].value == "mine"
+
+
+class Schema(pydantic.BaseModel):
+    counter: int
+    scores: dict[str, float]
+
+
+@pytest.mark.trio
+async def test_schema_rejects_bad_types():
+    async with swarm() as s:
+        for _ in range(3):
+            await s.add(validators=[SchemaValidator(Schema, allow_extra_keys=False)])
+        a, b, c = s.nodes
+        assert await a.store("counter", 5, get_dht_time() + 30)
+        assert not await a.store("counter", "five", get_dht_time() + 60)
+        assert not await a.store("counter", 5.0, get_dht_time() + 60)
+        assert not await a.store("unknown", 1, get_dht_time() + 30)
+        assert await b.store("scores", 0.5, get_dht_time() + 30, subkey="alice")
+        assert not await b.store("scores", "high", get_dht_time() + 30, subkey="bob")
+        assert (await c.get("counter", latest=True)).value == 5
+        assert set((await c.get("scores", latest=True)).value) == {"alice"}
+        # a peer without the schema cannot push a bad record into nodes that have it
+        bad = StoreItem(serialize("counter"), None, serialize("five"), get_dht_time() + 90)
+        outsider = await s.add()
+        assert await outsider.protocol.call_store(a.p2p.peer_id, [bad]) == [False]
+        assert (await c.get("counter", latest=True)).value == 5
+
+
+@pytest.mark.trio
+async def test_killed_nodes_do_not_lose_replicated_records():
+    async with swarm(10, num_replicas=5) as s:
+        keys = [f"key{i}" for i in range(5)]
+        for i, key in enumerate(keys):
+            assert await s.nodes[i].store(key, i, get_dht_time() + 60)
+        reader = s.nodes[-1]
+        key_id = DHTID.generate(keys[0])
+        nearest = (await reader.find_nearest_nodes([key_id], k=5, exclude_self=True))[key_id]
+        victims = [node for node in s.nodes if node.node_id in list(nearest)[:3]]
+        async with trio.open_nursery() as nursery:
+            for victim in victims:
+                nursery.start_soon(s.kill, victim)
+        for node in s.nodes:
+            for i, key in enumerate(keys):
+                found = await node.get(key, latest=True)
+                assert found is not None and found.value == i
+        banned = reader.protocol.blacklist.statistics(get_dht_time()).num_tracked_peers
+        assert banned >= 1  # the reader met a dead replica and stopped calling it
+        for victim in victims:
+            assert not in_routing_table(reader, victim)
+
+
+@pytest.mark.trio
+async def test_malformed_rpc_payloads_are_rejected_cleanly():
+    async with swarm(1) as s:
+        node = s.nodes[0]
+        store = node.protocol.method_name("rpc_store")
+        find = node.protocol.method_name("rpc_find")
+        async with P2P.create(node.p2p.get_visible_maddrs()) as raw:
+            fake_id = DHTID.generate().to_bytes()
+            me = dht_pb2.DHTNodeInfo(node_id=fake_id, maddrs=raw.get_visible_maddrs())
+            expiration = get_dht_time() + 30
+
+            def store_request(value=b"\x01", key=serialize("k"), subkey=b"", **kwargs):
+                return dht_pb2.DHTStoreRequest(
+                    keys=[key],
+                    subkeys=[subkey],
+                    values=[value],
+                    expiration_time=[kwargs.get("expiration_time", expiration)],
+                    peer=kwargs.get("peer", me),
+                )
+
+            bad_requests = {
+                "not msgpack": store_request(value=b"\xc1"),
+                "truncated msgpack": store_request(value=serialize("abc")[:-1]),
+                "too large": store_request(
+                    value=serialize(b"x" * (2 * 1024 * 1024), max_size=None)
+                ),
+                "bad key": store_request(key=b"\xc1"),
+                "bad subkey": store_request(subkey=b"\x92\x01"),
+                "infinite": store_request(expiration_time=float("inf")),
+                "lengths": dht_pb2.DHTStoreRequest(keys=[serialize("k")], peer=me),
+                "bad node id": store_request(peer=dht_pb2.DHTNodeInfo(node_id=b"short")),
+                "foreign maddr": store_request(
+                    peer=dht_pb2.DHTNodeInfo(
+                        node_id=fake_id, maddrs=[f"/ip4/1.2.3.4/tcp/1/p2p/{node.p2p.peer_id}"]
+                    )
+                ),
+            }
+            for reason, request in bad_requests.items():
+                with pytest.raises(RemoteError) as info:
+                    await raw.call_protobuf_handler(
+                        node.p2p.peer_id, store, request, dht_pb2.DHTStoreResponse
+                    )
+                assert info.value.error_type == "MalformedRequestError", reason
+            with pytest.raises(RemoteError, match="20 bytes"):
+                await raw.call_protobuf_handler(
+                    node.p2p.peer_id,
+                    find,
+                    dht_pb2.DHTFindRequest(keys=[b"short"], peer=me),
+                    dht_pb2.DHTFindResponse,
+                )
+            with pytest.raises(MessageTooLargeError):
+                await raw.call_protobuf_handler(
+                    node.p2p.peer_id,
+                    store,
+                    store_request(value=b"x" * (9 * 1024 * 1024)),
+                    dht_pb2.DHTStoreResponse,
+                )
+            # nothing was stored and the caller was not added to the routing table
+            assert len(node.protocol.storage) == 0 and len(node.routing_table) == 0
+            # a well-formed request from the same peer still works
+            good = store_request(value=serialize("fine"))
+            response = await raw.call_protobuf_handler(
+                node.p2p.peer_id, store, good, dht_pb2.DHTStoreResponse
+            )
+            assert list(response.store_ok) == [True]
+            assert (await node.get("k")).value == "fine"
+            assert DHTID.from_bytes(fake_id) in node.routing_table
+
+
+@pytest.mark.trio
+async def test_bucket_refresh_runs_in_the_background():
+    async with swarm(2, refresh_timeout=0.1) as s:
+        await trio.sleep(0.3)
+        assert all(node.statistics().num_bucket_refreshes >= 1 for node in s.nodes)
+
+
+@pytest.mark.trio
+async def test_trio_dht_create():
+    async with DHT.create(wait_timeout=2.0) as first:
+        async with DHT.create(first.get_visible_maddrs(), client_mode=True) as second:
+            assert await second.store("trio", "path", get_dht_time() + 30)
+            assert (await first.get("trio")).value == "path"
+
+            async def node_id(dht, node):
+                return dht.peer_id, node.node_id
+
+            assert await first.run_coroutine(node_id) == (first.peer_id, first.node.node_id)
+
+
+# ------------------------------------------------------------- blocking facade
+
+
+def background_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+
+
+def test_blocking_dht_facade():
+    threads_before = set(background_threads())
+    first = DHT(wait_timeout=2.0)
+    with DHT(initial_peers=first.get_visible_maddrs(), wait_timeout=2.0) as second:
+        assert second.store("blocking", [1, 2], get_dht_time() + 30)
+        assert first.get("blocking").value == [1, 2]
+        future = first.store("future", "yes", get_dht_time() + 30, return_future=True)
+        assert future.result(timeout=30) is True
+        assert second.get("future", return_future=True).result(timeout=30).value == "yes"
+        assert second.store("d", 1, get_dht_time() + 30, subkey="a")
+        assert set(first.get("d", latest=True).value) == {"a"}
+
+        async def count_nodes(dht, node):
+            await trio.lowlevel.checkpoint()
+            return len(node.routing_table)
+
+        assert first.run_coroutine(count_nodes) == 1
+
+        async def from_asyncio():
+            assert await second.aio.store("aio", "ok", get_dht_time() + 30)
+            return (await first.aio.get("aio")).value
+
+        assert asyncio.run(from_asyncio()) == "ok"
+    first.shutdown()
+    first.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        first.get("blocking")
+    assert BackgroundRuntime.active_references() == 0
+    deadline = time.monotonic() + 5
+    while set(background_threads()) - threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(background_threads()) - threads_before == set()
