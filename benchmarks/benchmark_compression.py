@@ -1,9 +1,10 @@
 """Codec throughput, wire size and error on one large tensor; hivemind's codecs side by side.
 
     python benchmarks/benchmark_compression.py [--numel 16777216] [--runs 5]
-        [--hivemind-python /tmp/hm/bin/python]
+        [--hivemind-python /tmp/hm/bin/python] [--codecs Float16,Quantile8Bit]
 
 MB/s is raw float32 bytes / (encode + decode time), medians over ``--runs`` after one warm-up.
+``--codecs`` keeps the codecs whose name contains one of the given comma-separated parts.
 hivemind's codecs run in this interpreter when it can import hivemind, else in the interpreter
 given by ``--hivemind-python`` (a separate venv: hivemind 1.1.12 needs numpy<2).
 """
@@ -41,7 +42,11 @@ def measure(compress, extract, size_of, tensor, runs: int) -> dict:
     }
 
 
-def swarmtrain_results(tensor, runs: int) -> dict[str, dict]:
+def selected(name: str, parts: list[str] | None) -> bool:
+    return parts is None or any(part in name for part in parts)
+
+
+def swarmtrain_results(tensor, runs: int, parts: list[str] | None = None) -> dict[str, dict]:
     from swarmtrain import compression as c
 
     codecs = {
@@ -58,13 +63,15 @@ def swarmtrain_results(tensor, runs: int) -> dict[str, dict]:
         codecs["BlockwiseQuantization[bnb]"] = c.BlockwiseQuantization(backend="bitsandbytes")
     results = {}
     for name, codec in codecs.items():
+        if not selected(name, parts):
+            continue
         results[name] = measure(
             codec.compress, codec.extract, lambda m: m.nbytes + 16, tensor, runs
         )
     return results
 
 
-def hivemind_results(tensor, runs: int) -> dict[str, dict]:
+def hivemind_results(tensor, runs: int, parts: list[str] | None = None) -> dict[str, dict]:
     import hivemind.compression as h
 
     names = [
@@ -78,6 +85,8 @@ def hivemind_results(tensor, runs: int) -> dict[str, dict]:
     info = h.CompressionInfo.from_tensor(tensor)
     results = {}
     for name in names:
+        if not selected(name, parts):
+            continue
         try:
             codec = getattr(h, name)()
             results[name] = measure(
@@ -98,24 +107,27 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=16 * 2**20)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--hivemind-python", default=None)
+    parser.add_argument("--codecs", default=None, help="comma-separated parts of codec names")
     parser.add_argument("--only-hivemind", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    parts = args.codecs.split(",") if args.codecs else None
 
     import torch
 
     tensor = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
     if args.only_hivemind:
-        print(json.dumps(hivemind_results(tensor, args.runs)))
+        print(json.dumps(hivemind_results(tensor, args.runs, parts)))
         return
 
-    ours = swarmtrain_results(tensor, args.runs)
+    ours = swarmtrain_results(tensor, args.runs, parts)
     theirs: dict[str, dict] = {}
     try:
-        theirs = hivemind_results(tensor, args.runs)
+        theirs = hivemind_results(tensor, args.runs, parts)
     except ImportError:
         if args.hivemind_python:
             command = [args.hivemind_python, __file__, "--only-hivemind"]
             command += ["--numel", str(args.numel), "--runs", str(args.runs)]
+            command += ["--codecs", args.codecs] if args.codecs else []
             output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             theirs = json.loads(output.strip().splitlines()[-1])
 

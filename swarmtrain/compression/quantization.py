@@ -3,37 +3,50 @@
 Payload: int64 codebook size (always 256), 256 float32 codes, then one uint8 index per value.
 Each code is the mean of the values assigned to it (hivemind's ``average_buckets``).  Tensors
 above SAMPLE_SIZE values take their statistics (mean, std, quantiles, bucket means) from a
-fixed-seed sample of SAMPLE_SIZE values, so encoding costs a few passes over the data.
-A tensor holding NaN or +-Inf decodes as all NaN (its statistics are undefined).
+fixed-seed sample of SAMPLE_SIZE values (the quantile grid spans the sample's range; values
+beyond it land in the outer buckets).  Encoding reads the tensor once, in cache-sized chunks
+(see ``_chunks``).  A tensor holding NaN or +-Inf decodes as all NaN (its statistics are
+undefined).
 
 Rounding uses the float32 "magic number" trick: adding 1.5 * 2**23 to a value in [-2**22, 2**22]
-rounds it to an integer held in the low mantissa bits, so one fused multiply-add plus an integer
-narrowing replaces round + clamp + cast passes.
+rounds it to an integer held in the low mantissa bits, so one add plus an integer narrowing
+replaces round + cast passes.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import abstractmethod
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from swarmtrain.compression._buffers import empty_tensor, scratch
-from swarmtrain.compression._lut import decode_8bit, gather
+from swarmtrain.compression._chunks import CHUNK, copy, map_chunks, spans
+from swarmtrain.compression._lut import decode_8bit
 from swarmtrain.compression.base import CompressionInfo, WireCodec, cpu_contiguous
 from swarmtrain.compression.errors import WireFormatError
-from swarmtrain.compression.wire import CompressionType, Message, TensorHeader, make_message
+from swarmtrain.compression.wire import (
+    CompressionType,
+    Message,
+    TensorHeader,
+    TensorMessage,
+    dtype_name,
+)
 
 __all__ = ["Quantile8BitQuantization", "Quantization", "Uniform8BitQuantization"]
 
 MAGIC = 1.5 * 2**23  # float32 values in [2**23, 2**24) have an ulp of exactly 1
+MAGIC_BITS = int(np.float32(MAGIC).view(np.int32))
+FP32_MAX = float(np.finfo(np.float32).max)
 N_BINS = 256
 _HEADER = 8 + 4 * N_BINS
 
 
 class Quantization(WireCodec):
-    """Shared payload layout and decoder of the 8-bit codebook codecs."""
+    """Shared payload layout, encoding pass and decoder of the 8-bit codebook codecs."""
 
     n_bits = 8
     n_bins = N_BINS
@@ -41,39 +54,46 @@ class Quantization(WireCodec):
     def _encode(self, tensor: torch.Tensor, allow_inplace: bool) -> Message:
         source = cpu_contiguous(tensor).reshape(-1)
         numel = source.numel()
-        indices = np.empty(numel, dtype=np.uint8)  # np.zeros would page-fault on first write
-        codebook = np.zeros(N_BINS, dtype=np.float32)
+        buffer = np.empty(_HEADER + numel, dtype=np.uint8)  # the payload, written in place
+        buffer[:8].view("<i8")[0] = N_BINS
+        codebook = buffer[8:_HEADER].view(np.float32)
+        indices = buffer[_HEADER:]
+        codebook.fill(0)
         if numel:
             with scratch(numel if source.dtype != torch.float32 else 0) as converted:
-                values = source
                 if source.dtype != torch.float32:
-                    values = converted.copy_(source)
-                low, high = (float(v) for v in torch.aminmax(values))
-                if math.isfinite(low) and math.isfinite(high):
-                    array = values.numpy()
-                    positions = _sample_positions(numel)
-                    sample = array if positions is None else array[positions]
-                    self._quantize(values, sample, low, high, torch.from_numpy(indices))
-                    sample_indices = indices if positions is None else indices[positions]
-                    codebook = bucket_means(sample, sample_indices)
+                    copy(source, converted)
+                array = (source if source.dtype == torch.float32 else converted).numpy()
+                positions = _sample_positions(numel)
+                sample = array if positions is None else array[positions]
+                finite = bool(np.isfinite(sample).all())
+                if finite:
+                    quantize = self._quantizer(sample)
+                    finite = _quantize_all(quantize, array, indices)
+                if finite:
+                    sample_indices = indices
+                    if positions is not None:  # the same function, so the same buckets
+                        sample_indices = np.empty(len(sample), dtype=np.uint8)
+                        _quantize_all(quantize, sample, sample_indices, check=False)
+                    codebook[:] = bucket_means(sample, sample_indices)
                 else:
-                    codebook[:] = math.nan
+                    codebook.fill(math.nan)
                     indices.fill(0)
-        return make_message(
-            [np.int64(N_BINS).tobytes(), codebook, indices],
-            tensor.shape,
-            tensor.dtype,
+        return TensorMessage(
+            buffer,
+            tuple(tensor.shape),
+            dtype_name(tensor.dtype),
             self.compression_type,
             tensor.requires_grad,
         )
 
     @abstractmethod
-    def _quantize(
-        self, values: torch.Tensor, sample: np.ndarray, low: float, high: float, out: torch.Tensor
-    ) -> None:
-        """Write a uint8 bucket index for each finite float32 value into ``out``.
+    def _quantizer(self, sample: np.ndarray) -> Quantizer:
+        """A function writing the uint8 bucket of each finite float32 value of a chunk.
 
-        ``sample`` is every value for small tensors, else a fixed-seed sample of SAMPLE_SIZE.
+        ``sample`` (finite) is every value for small tensors, else a fixed-seed sample of
+        SAMPLE_SIZE.  The function is called as ``quantize(values, work, out)`` for chunks of at
+        most CHUNK values, ``work`` being 3 * CHUNK float32 values of scratch.
         """
 
     def _decode(
@@ -90,7 +110,7 @@ class Quantization(WireCodec):
         else:
             with scratch(header.numel) as work:
                 decode_8bit(codebook, indices, work.numpy())
-                result.view(-1).copy_(work)
+                copy(work, result)
         return result
 
     def payload_bounds(self, header: TensorHeader) -> tuple[int, int]:
@@ -106,19 +126,26 @@ class Uniform8BitQuantization(Quantization):
     compression_type = CompressionType.UNIFORM_8BIT
     RANGE_IN_SIGMAS = 6
 
-    def _quantize(
-        self, values: torch.Tensor, sample: np.ndarray, low: float, high: float, out: torch.Tensor
-    ) -> None:
+    def _quantizer(self, sample: np.ndarray) -> Quantizer:
         mean = float(np.mean(sample, dtype=np.float64))
         std = float(np.std(sample, dtype=np.float64, ddof=1)) if len(sample) > 1 else 0.0
         step = self.RANGE_IN_SIGMAS * std / N_BINS
         inverse = 1.0 / step if step > 0 else 0.0
-        with scratch(values.numel()) as work:
+        if inverse > FP32_MAX:  # a step below float32's range: every value is the mean
+            inverse = 0.0
+        inverse = np.float32(inverse)
+        center = np.float32(mean)
+
+        def quantize(values: np.ndarray, work: np.ndarray, out: np.ndarray) -> None:
             # bucket = clamp(round((x - mean) / step) + 128, 0, 255), as hivemind's quint8 path
-            offset = torch.tensor(MAGIC + N_BINS // 2 - mean * inverse)
-            torch.add(offset, values, alpha=inverse, out=work)
-            work.clamp_(MAGIC, MAGIC + N_BINS - 1)
-            out.copy_(work.view(torch.int32))
+            scaled = work[: len(values)]
+            np.subtract(values, center, out=scaled)
+            np.multiply(scaled, inverse, out=scaled)
+            np.add(scaled, np.float32(MAGIC + N_BINS // 2), out=scaled)  # rounds: see above
+            np.clip(scaled, np.float32(MAGIC), np.float32(MAGIC + N_BINS - 1), out=scaled)
+            np.copyto(out, scaled.view(np.int32), casting="unsafe")  # the low byte: the bucket
+
+        return quantize
 
 
 class Quantile8BitQuantization(Quantization):
@@ -132,37 +159,71 @@ class Quantile8BitQuantization(Quantization):
     GRID = 1 << 16
     LLOYD_STEPS = 1
 
-    def _quantize(
-        self, values: torch.Tensor, sample: np.ndarray, low: float, high: float, out: torch.Tensor
-    ) -> None:
-        numel = values.numel()
+    def _quantizer(self, sample: np.ndarray) -> Quantizer:
         sample = np.sort(sample)
-        borders = np.quantile(sample, np.linspace(0, 1, N_BINS + 1)[1:-1])
+        borders = _sorted_quantiles(sample, np.linspace(0, 1, N_BINS + 1)[1:-1])
         for _ in range(self.LLOYD_STEPS):
             borders = _lloyd_step(sample, borders)
         borders = borders.astype(np.float32)
         pad = float(borders[-1] - borders[0]) / self.GRID
-        grid_low = max(low, float(borders[0]) - pad)
-        grid_high = min(high, float(borders[-1]) + pad)
+        # the sample's extremes bound the grid: values beyond them land in the outer buckets
+        grid_low = max(float(sample[0]), float(borders[0]) - pad)
+        grid_high = min(float(sample[-1]), float(borders[-1]) + pad)
         scale = (self.GRID - 1) / (grid_high - grid_low) if grid_high > grid_low else 0.0
+        if scale > FP32_MAX:
+            scale = 0.0
         centers = grid_low + np.arange(self.GRID, dtype=np.float64) / (scale or 1.0)
         table = np.searchsorted(borders, centers, side="left").clip(0, N_BINS - 1)
         table = table.astype(np.uint8)
-        with scratch(numel) as work, scratch(numel, torch.int16) as steps:
-            torch.add(torch.tensor(MAGIC - grid_low * scale), values, alpha=scale, out=work)
-            work.clamp_(MAGIC, MAGIC + self.GRID - 1)
-            steps.copy_(work.view(torch.int32))
-            gather(table, steps.numpy().view(np.uint16), out.numpy())
+        low, step_scale = np.float32(grid_low), np.float32(scale)
+
+        def quantize(values: np.ndarray, work: np.ndarray, out: np.ndarray) -> None:
+            scaled = work[: len(values)]
+            steps = work[CHUNK : CHUNK + 2 * len(values)].view(np.intp)
+            np.subtract(values, low, out=scaled)
+            np.multiply(scaled, step_scale, out=scaled)
+            np.add(scaled, np.float32(MAGIC), out=scaled)  # rounds: see the module docstring
+            np.clip(scaled, np.float32(MAGIC), np.float32(MAGIC + self.GRID - 1), out=scaled)
+            np.subtract(scaled.view(np.int32), MAGIC_BITS, out=steps)  # the grid step
+            np.take(table, steps, out=out, mode="clip")  # steps are in range: no buffered out
+
+        return quantize
+
+
+Quantizer = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def _quantize_all(
+    quantize: Quantizer, values: np.ndarray, out: np.ndarray, check: bool = True
+) -> bool:
+    """Run ``quantize`` over cache-sized chunks; False (stopping early) on NaN or +-Inf."""
+
+    def run(span: tuple[int, int], work: np.ndarray) -> bool:
+        start, stop = span
+        chunk = values[start:stop]
+        # a finite sum means finite values; an infinite one may be overflow, so look closer
+        if check and not math.isfinite(np.add.reduce(chunk)):
+            low, high = np.minimum.reduce(chunk), np.maximum.reduce(chunk)
+            if not (math.isfinite(low) and math.isfinite(high)):
+                return False
+        quantize(chunk, work, out[start:stop])
+        return True
+
+    return all(map_chunks(run, spans(len(values)), work_items=3 * CHUNK))
 
 
 SAMPLE_SIZE = 1 << 18
 
 
+@functools.lru_cache(maxsize=16)
 def _sample_positions(numel: int) -> np.ndarray | None:
-    """Fixed-seed positions of SAMPLE_SIZE values, or None when every value is the sample."""
+    """Fixed-seed positions of SAMPLE_SIZE values (ascending, read-only), or None when every
+    value is the sample."""
     if numel <= SAMPLE_SIZE:
         return None
-    return np.random.default_rng(numel).integers(0, numel, SAMPLE_SIZE)
+    positions = np.sort(np.random.default_rng(numel).integers(0, numel, SAMPLE_SIZE))
+    positions.setflags(write=False)
+    return positions
 
 
 def bucket_means(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
@@ -170,6 +231,20 @@ def bucket_means(values: np.ndarray, indices: np.ndarray) -> np.ndarray:
     sums = np.bincount(indices, weights=values, minlength=N_BINS)
     counts = np.bincount(indices, minlength=N_BINS)
     return (sums / np.maximum(counts, 1)).astype(np.float32)
+
+
+def _sorted_quantiles(sorted_sample: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """``np.quantile(sorted_sample, levels)`` (linear method) without re-partitioning."""
+    position = levels * (len(sorted_sample) - 1)
+    below = np.floor(position).astype(np.intp)
+    above = np.minimum(below + 1, len(sorted_sample) - 1)
+    low = sorted_sample[below].astype(np.float64)
+    high = sorted_sample[above].astype(np.float64)
+    fraction = position - below
+    # numpy's lerp: from the nearer end, so that equal ends give exactly that value
+    return np.where(
+        fraction < 0.5, low + (high - low) * fraction, high - (high - low) * (1 - fraction)
+    )
 
 
 def _lloyd_step(sorted_sample: np.ndarray, borders: np.ndarray) -> np.ndarray:
