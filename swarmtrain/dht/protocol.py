@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+ADDRESS_CACHE_SECONDS = 5.0
 
 FoundValue = ValueWithExpiration[bytes | DictionaryDHTValue]
 
@@ -151,6 +152,12 @@ class DHTProtocol:
         self._nursery = nursery
         self._serving = False
         self._closed = False
+        # Address bookkeeping is hot (every find answer carries up to 20 peers' addresses):
+        # remember what each peer last announced so unchanged lists skip parsing and the
+        # peerstore, and reuse our own announcement and the addresses we hand out for a while.
+        self._announced: dict[PeerID, tuple[str, ...]] = {}
+        self._own_info: tuple[float, dht_pb2.DHTNodeInfo] | None = None
+        self._handed_out: dict[PeerID, tuple[float, list[str]]] = {}
 
     # --------------------------------------------------------------- lifetime
 
@@ -188,20 +195,38 @@ class DHTProtocol:
     def _node_info(self) -> dht_pb2.DHTNodeInfo:
         if self.client_mode:
             return dht_pb2.DHTNodeInfo()
-        maddrs = self.p2p.get_visible_maddrs()[: self.limits.max_maddrs]
-        return dht_pb2.DHTNodeInfo(node_id=self.node_id.to_bytes(), maddrs=maddrs)
+        now = get_dht_time()
+        if self._own_info is None or now - self._own_info[0] > ADDRESS_CACHE_SECONDS:
+            maddrs = self.p2p.get_visible_maddrs()[: self.limits.max_maddrs]
+            info = dht_pb2.DHTNodeInfo(node_id=self.node_id.to_bytes(), maddrs=maddrs)
+            self._own_info = (now, info)
+        return self._own_info[1]
+
+    def _remember_addrs(self, peer_id: PeerID, maddrs: tuple[str, ...], addrs: list[str]) -> None:
+        """Put a peer's announced addresses in the peerstore unless it announced them already."""
+        if not addrs or self._announced.get(peer_id) == maddrs:
+            return
+        self.p2p.add_addrs(peer_id, addrs)
+        if len(self._announced) > 4096:
+            self._announced.clear()
+        self._announced[peer_id] = maddrs
+        self._handed_out.pop(peer_id, None)
 
     def _parse_node_info(
         self, remote_id: PeerID, info: dht_pb2.DHTNodeInfo
-    ) -> tuple[DHTID | None, list[str]]:
-        """(node id or None for a client, addresses without /p2p/...); raises if malformed."""
+    ) -> tuple[DHTID | None, list[str], tuple[str, ...]]:
+        """(node id or None for a client, new addresses without /p2p/..., what was announced);
+        raises if malformed. Addresses the peer announced before come back empty."""
         if not info.node_id:
-            return None, []
+            return None, [], ()
         node_id = _parse_dht_id(info.node_id, "peer.node_id")
         if len(info.maddrs) > self.limits.max_maddrs:
             raise MalformedRequestError(
                 f"peer.maddrs has {len(info.maddrs)} addresses, more than {self.limits.max_maddrs}"
             )
+        announced = tuple(info.maddrs)
+        if announced == self._announced.get(remote_id):
+            return node_id, [], announced  # known and unchanged: nothing to parse or store
         suffix = f"/p2p/{remote_id.to_base58()}"
         addrs = []
         for maddr in info.maddrs:
@@ -215,7 +240,7 @@ class DHTProtocol:
             except Exception as e:
                 raise MalformedRequestError(f"peer.maddrs: {maddr[:80]!r} is invalid: {e}") from e
             addrs.append(base)
-        return node_id, addrs
+        return node_id, addrs, announced
 
     def update_routing_table(self, node_id: DHTID, peer_id: PeerID) -> None:
         """Note that ``node_id`` (at ``peer_id``) is alive; a full bucket pings its stalest node."""
@@ -240,11 +265,12 @@ class DHTProtocol:
 
     # ---------------------------------------------------------------- server
 
-    def _accept_caller(self, remote_id: PeerID, node_id: DHTID | None, addrs: list[str]) -> None:
+    def _accept_caller(
+        self, remote_id: PeerID, node_id: DHTID | None, addrs: list[str], maddrs=()
+    ) -> None:
         if node_id is None:
             return  # a client: never routed to
-        if addrs:
-            self.p2p.add_addrs(remote_id, addrs)
+        self._remember_addrs(remote_id, tuple(maddrs), addrs)
         self.update_routing_table(node_id, remote_id)
 
     async def rpc_ping(self, request: dht_pb2.DHTPingRequest, context) -> dht_pb2.DHTPingResponse:
@@ -347,13 +373,13 @@ class DHTProtocol:
 
     async def rpc_find(self, request: dht_pb2.DHTFindRequest, context) -> dht_pb2.DHTFindResponse:
         """For each key id: the value we hold (if any) and the nodes we know nearest to it."""
-        caller_id, addrs = self._parse_node_info(context.remote_id, request.peer)
+        caller_id, addrs, announced = self._parse_node_info(context.remote_id, request.peer)
         if len(request.keys) > self.limits.max_items:
             raise MalformedRequestError(
                 f"{len(request.keys)} keys in one request, more than {self.limits.max_items}"
             )
         key_ids = [_parse_dht_id(key, f"keys[{i}]") for i, key in enumerate(request.keys)]
-        self._accept_caller(context.remote_id, caller_id, addrs)
+        self._accept_caller(context.remote_id, caller_id, addrs, announced)
         now = get_dht_time()
         response = dht_pb2.DHTFindResponse(peer=self._node_info())
         k = min(self.bucket_size, self.limits.max_nearest_peers)
@@ -381,11 +407,19 @@ class DHTProtocol:
         return response
 
     def _maddrs_of(self, peer_id: PeerID) -> list[str]:
+        now = get_dht_time()
+        cached = self._handed_out.get(peer_id)
+        if cached is not None and now - cached[0] <= ADDRESS_CACHE_SECONDS:
+            return cached[1]
         suffix = f"/p2p/{peer_id.to_base58()}"
         addrs = [a if a.endswith(suffix) else a + suffix for a in self.p2p.known_addrs(peer_id)]
-        return [a for a in addrs if len(a) <= self.limits.max_maddr_length][
+        addrs = [a for a in addrs if len(a) <= self.limits.max_maddr_length][
             : self.limits.max_maddrs
         ]
+        if len(self._handed_out) > 4096:
+            self._handed_out.clear()
+        self._handed_out[peer_id] = (now, addrs)
+        return addrs
 
     # ---------------------------------------------------------------- client
 
@@ -410,7 +444,7 @@ class DHTProtocol:
             return None
         self.blacklist.register_success(peer_id)
         try:
-            node_id, _ = self._parse_node_info(peer_id, response.peer)
+            node_id, _, _ = self._parse_node_info(peer_id, response.peer)
         except MalformedRequestError as e:
             logger.warning("malformed %s response from %s: %s", method, peer_id, e)
             return None
@@ -500,15 +534,16 @@ class DHTProtocol:
             node_id, peer_id = DHTID.from_bytes(info.node_id), PeerID(info.peer_id)
             if peer_id == self.p2p.peer_id or node_id == self.node_id:
                 continue
-            suffix = f"/p2p/{peer_id.to_base58()}"
-            addrs = [
-                a[: -len(suffix)]
-                for a in info.maddrs[: self.limits.max_maddrs]
-                if a.endswith(suffix) and len(a) <= self.limits.max_maddr_length
-            ]
-            if addrs:
+            maddrs = tuple(info.maddrs[: self.limits.max_maddrs])
+            if maddrs != self._announced.get(peer_id):
+                suffix = f"/p2p/{peer_id.to_base58()}"
+                addrs = [
+                    a[: -len(suffix)]
+                    for a in maddrs
+                    if a.endswith(suffix) and len(a) <= self.limits.max_maddr_length
+                ]
                 try:
-                    self.p2p.add_addrs(peer_id, addrs)
+                    self._remember_addrs(peer_id, maddrs, addrs)
                 except Exception as e:
                     logger.debug("ignoring bad addresses of %s: %s", peer_id, e)
                     continue

@@ -1,0 +1,659 @@
+"""Sans-IO core of ``ProgressTracker``: per-peer progress records in, global progress out.
+
+Nothing here reads a clock, touches the network or imports anyio: every method that depends on
+time takes ``now`` (DHT time: wall-clock seconds, the clock the records carry). The tracker
+(:mod:`swarmtrain.optim.progress_tracker`) feeds this core with what it fetched from the DHT and
+what it heard over gossip, asks it when to store, gossip and fetch, and does the I/O.
+
+Records. Every peer publishes a :class:`LocalProgress` under its own key (the
+``[owner:<public key>]`` marker it signs with). A record is versioned by its DHT expiration time:
+it replaces what we hold for its owner only if it does not expire earlier. A record whose
+expiration passed is stale and forgotten; a ``None`` record says its owner left the run. Our own
+record is never taken from the network: the local state is always newer.
+
+Global progress (hivemind's semantics):
+
+- the global epoch is the largest epoch among our own and the live records of non-client peers;
+- ``samples_accumulated`` sums the samples that peers at the global epoch reported;
+- the ETA extrapolates each such peer's samples from its report time at its samples/s, and
+  divides what remains of ``target_batch_size`` by the samples/s of all peers (peers behind
+  are counted for speed: they will catch up and contribute);
+- the next DHT fetch comes after ``default_refresh_period`` when we see no other peer, else
+  after ``eta * n / max(n + expected_drift_peers, n * (1 + expected_drift_rate))`` clipped to
+  ``[min_refresh_period, max_refresh_period]``: the more peers may join before the epoch ends,
+  the sooner we look again. Gossip and local reports can only bring the next fetch earlier
+  (never before the last fetch plus the period computed now), so a steady flow of gossip
+  never postpones the DHT fallback.
+
+A peer publishes only while it is active: it reported samples during the global epoch or the
+one before (hivemind's rule, so auxiliary peers that never accumulate samples stay out of the
+counts). ``ready_to_update_epoch`` holds when the swarm is ahead of us, the target was reached,
+or the ETA passed.
+
+Warnings are decisions, returned once each by :meth:`ProgressCore.warnings`:
+:class:`ClockSkewDetected` (a record's report time is far in our future, or a gossiped one,
+which travels in milliseconds, far in our past), :class:`LonePeer` (no other peer for
+``lone_peer_timeout`` seconds), :class:`TargetNotReached` (an epoch lasted ``stall_factor``
+times the duration its first ETA promised, without reaching the target).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = [
+    "ClockSkewDetected",
+    "GlobalProgress",
+    "LocalProgress",
+    "LonePeer",
+    "PerformanceEMA",
+    "ProgressConfig",
+    "ProgressCore",
+    "ProgressWarning",
+    "TargetNotReached",
+]
+
+EPS = 1e-20  #: samples/s of a peer that has not measured its speed yet (never zero: we divide)
+_MIN_KNOWN_RATE = 1e-9  # total samples/s below this means "speed unknown" (no ETA to judge)
+
+
+def _check_positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+
+
+def _check_non_negative(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be non-negative and finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ProgressConfig:
+    """Validated settings of a progress tracker (hivemind's names and defaults).
+
+    :param target_batch_size: samples the swarm accumulates per epoch
+    :param min_refresh_period: fetch the swarm's progress from the DHT at most this often (s)
+    :param max_refresh_period: ... and at least this often, while other peers are seen (s)
+    :param default_refresh_period: fetch this often while no other peer is seen (s)
+    :param expected_drift_peers: assume this many peers may join before the epoch ends
+    :param expected_drift_rate: ... or this fraction of the swarm, whichever is more
+    :param performance_ema_alpha: smoothing of this peer's samples/s (1: only the last report)
+    :param metadata_expiration: a progress record lives this long in the DHT (s); it is
+      re-published every half of it
+    :param gossip_period: publish progress over gossip at most this often (s); epoch changes
+      and departures are published at once
+    :param max_clock_skew: report peers whose clock seems off by more than this (s)
+    :param stall_factor: report an epoch that lasts this many times its first ETA
+    :param lone_peer_timeout: report having seen no other peer for this long (s)
+    """
+
+    target_batch_size: int
+    min_refresh_period: float = 0.5
+    max_refresh_period: float = 10.0
+    default_refresh_period: float = 3.0
+    expected_drift_peers: float = 3.0
+    expected_drift_rate: float = 0.2
+    performance_ema_alpha: float = 0.1
+    metadata_expiration: float = 60.0
+    gossip_period: float = 0.5
+    max_clock_skew: float = 10.0
+    stall_factor: float = 3.0
+    lone_peer_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.target_batch_size, bool)
+            or not isinstance(self.target_batch_size, int)
+            or self.target_batch_size < 1
+        ):
+            raise ValueError(
+                f"target_batch_size must be a positive integer, got {self.target_batch_size!r}"
+            )
+        for name in (
+            "min_refresh_period",
+            "max_refresh_period",
+            "default_refresh_period",
+            "metadata_expiration",
+            "max_clock_skew",
+            "lone_peer_timeout",
+        ):
+            _check_positive(name, getattr(self, name))
+        for name in ("expected_drift_peers", "expected_drift_rate", "gossip_period"):
+            _check_non_negative(name, getattr(self, name))
+        if self.min_refresh_period > self.max_refresh_period:
+            raise ValueError(
+                f"min_refresh_period ({self.min_refresh_period}) must not exceed "
+                f"max_refresh_period ({self.max_refresh_period})"
+            )
+        _check_positive("performance_ema_alpha", self.performance_ema_alpha)
+        if self.performance_ema_alpha > 1:
+            raise ValueError("performance_ema_alpha must be in (0, 1]")
+        _check_positive("stall_factor", self.stall_factor)
+        if self.stall_factor < 1:
+            raise ValueError("stall_factor must be at least 1")
+
+
+class PerformanceEMA:
+    """Samples per second, as a bias-corrected exponential moving average of seconds per sample.
+
+    ``now`` is any clock in seconds. While paused (e.g. while averaging), time does not count:
+    ``resume`` continues the interval that was running when ``pause`` was called.
+    """
+
+    def __init__(self, alpha: float = 0.1, *, now: float, eps: float = EPS):
+        _check_positive("alpha", alpha)
+        if alpha > 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha, self.eps = alpha, eps
+        self.num_updates = 0
+        self.samples_per_second = eps
+        self._seconds_per_sample = 0.0
+        self._timestamp = now
+        self._paused_elapsed: float | None = None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_elapsed is not None
+
+    def update(self, task_size: float, now: float) -> float:
+        """Count ``task_size`` samples done since the previous update (or timer reset)."""
+        if not task_size > 0:
+            raise ValueError(f"task_size must be positive, got {task_size!r}")
+        if self._paused_elapsed is not None:
+            interval, self._paused_elapsed = self._paused_elapsed, 0.0
+        else:
+            interval = max(0.0, now - self._timestamp)
+        self._timestamp = now
+        alpha = self.alpha
+        self._seconds_per_sample = (
+            alpha * interval / task_size + (1 - alpha) * self._seconds_per_sample
+        )
+        self.num_updates += 1
+        unbiased = self._seconds_per_sample / (1 - (1 - alpha) ** self.num_updates)
+        self.samples_per_second = 1 / max(unbiased, self.eps)
+        return self.samples_per_second
+
+    def reset_timer(self, now: float) -> None:
+        """Start the next interval now (the work since the last update is not counted)."""
+        self._timestamp = now
+        if self._paused_elapsed is not None:
+            self._paused_elapsed = 0.0
+
+    def pause(self, now: float) -> None:
+        if self._paused_elapsed is None:
+            self._paused_elapsed = max(0.0, now - self._timestamp)
+
+    def resume(self, now: float) -> None:
+        if self._paused_elapsed is not None:
+            self._timestamp = now - self._paused_elapsed
+            self._paused_elapsed = None
+
+
+@dataclass(frozen=True)
+class LocalProgress:
+    """One peer's progress, as published (hivemind's ``LocalTrainingProgress``)."""
+
+    peer_id: bytes
+    epoch: int
+    samples_accumulated: int
+    samples_per_second: float
+    time: float  #: DHT time of the report the samples were counted at
+    client_mode: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer_id, bytes):
+            raise TypeError("peer_id must be bytes")
+        for name in ("epoch", "samples_accumulated"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        _check_non_negative("samples_per_second", self.samples_per_second)
+        if isinstance(self.time, bool) or not isinstance(self.time, (int, float)):
+            raise TypeError("time must be a number")
+        if not math.isfinite(self.time):
+            raise ValueError("time must be finite")
+        if not isinstance(self.client_mode, bool):
+            raise TypeError("client_mode must be a bool")
+
+    def to_dict(self) -> dict[str, object]:
+        """The DHT value (floats stay floats, so strict schemas accept them)."""
+        return {
+            "peer_id": self.peer_id,
+            "epoch": self.epoch,
+            "samples_accumulated": self.samples_accumulated,
+            "samples_per_second": float(self.samples_per_second),
+            "time": float(self.time),
+            "client_mode": self.client_mode,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> LocalProgress:
+        """Inverse of :meth:`to_dict`; raises ``TypeError``/``ValueError``/``KeyError``."""
+        return cls(
+            peer_id=data["peer_id"],  # type: ignore[arg-type]
+            epoch=data["epoch"],  # type: ignore[arg-type]
+            samples_accumulated=data["samples_accumulated"],  # type: ignore[arg-type]
+            samples_per_second=data["samples_per_second"],  # type: ignore[arg-type]
+            time=data["time"],  # type: ignore[arg-type]
+            client_mode=data["client_mode"],  # type: ignore[arg-type]
+        )
+
+
+@dataclass(frozen=True)
+class GlobalProgress:
+    """The swarm's progress toward its next epoch, as this peer sees it (a snapshot)."""
+
+    epoch: int
+    samples_accumulated: int
+    target_batch_size: int
+    num_peers: int  #: active peers seen, this one included when it is active
+    num_clients: int  #: of which in client mode
+    eta_next_epoch: float  #: DHT time at which the swarm should reach the target
+    next_fetch_time: float  #: DHT time of the next DHT fetch
+
+
+@dataclass(frozen=True)
+class ClockSkewDetected:
+    """A peer's records carry times ``offset`` seconds off our clock (positive: ahead)."""
+
+    peer_id: bytes
+    offset: float
+
+    def __str__(self) -> str:
+        side = "ahead of" if self.offset > 0 else "behind"
+        return (
+            f"peer {self.peer_id.hex()[:16]}'s clock seems {abs(self.offset):.1f} s {side} ours: "
+            "progress and ETA estimates will be off (synchronize clocks with NTP)"
+        )
+
+
+@dataclass(frozen=True)
+class LonePeer:
+    """No other peer was seen for ``alone_for`` seconds."""
+
+    epoch: int
+    alone_for: float
+
+    def __str__(self) -> str:
+        return (
+            f"no other peers found for {self.alone_for:.0f} s (epoch {self.epoch}): training "
+            "alone; check initial_peers and the run id if you expected company"
+        )
+
+
+@dataclass(frozen=True)
+class TargetNotReached:
+    """Epoch ``epoch`` lasted ``waited`` s without reaching the target; its first ETA said
+    ``expected`` s."""
+
+    epoch: int
+    samples_accumulated: int
+    target_batch_size: int
+    waited: float
+    expected: float
+
+    def __str__(self) -> str:
+        return (
+            f"epoch {self.epoch} has accumulated {self.samples_accumulated} of "
+            f"{self.target_batch_size} samples in {self.waited:.1f} s; the first estimate was "
+            f"{self.expected:.1f} s (peers out of sync, or reporting progress to another run?)"
+        )
+
+
+ProgressWarning = Union[ClockSkewDetected, LonePeer, TargetNotReached]
+
+
+@dataclass(frozen=True)
+class _Record:
+    progress: LocalProgress | None  # None: the peer left
+    expiration_time: float
+
+
+class ProgressCore:
+    """The progress state machine (see the module docstring).
+
+    :param local_key: this peer's record key (its owner marker); records under it are ignored
+    :param peer_id: this peer's id, as bytes, put into its records
+    :param now: DHT time of creation; the first fetch is due at once
+    """
+
+    def __init__(
+        self,
+        config: ProgressConfig,
+        *,
+        local_key: bytes,
+        peer_id: bytes,
+        client_mode: bool,
+        now: float,
+    ):
+        self.config = config
+        self.local_key = local_key
+        self._ema = PerformanceEMA(config.performance_ema_alpha, now=now)
+        self._local = LocalProgress(peer_id, 0, 0, self._ema.samples_per_second, now, client_mode)
+        self._records: dict[bytes, _Record] = {}
+        self._last_active_epoch = -math.inf
+        self._last_fetch_time: float | None = None
+        self._fetched_this_epoch = False
+        self._num_fetches = self._num_merged = 0
+        # publishing
+        self._store_pending = self._gossip_pending = self._epoch_changed = False
+        self._last_store_time = self._last_gossip_time = -math.inf
+        self._has_published = False
+        # warnings
+        self._pending_warnings: list[ProgressWarning] = []
+        self._skew_warned: set[bytes] = set()
+        self._alone_since: float | None = None
+        self._lone_warned = False
+        self._epoch_started_at = now
+        self._expected_epoch_duration: float | None = None
+        self._stall_warned_epoch = -1
+        self._global = GlobalProgress(0, 0, config.target_batch_size, 0, 0, math.inf, now)
+        self._recompute(now, next_fetch_time=now)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def local_progress(self) -> LocalProgress:
+        return self._local
+
+    @property
+    def global_progress(self) -> GlobalProgress:
+        return self._global
+
+    @property
+    def fetched_this_epoch(self) -> bool:
+        """Whether the DHT was fetched since the last :meth:`update_epoch`."""
+        return self._fetched_this_epoch
+
+    @property
+    def is_active(self) -> bool:
+        """Whether this peer publishes its progress (see the module docstring)."""
+        return self._last_active_epoch >= self._global.epoch - 1
+
+    @property
+    def has_published(self) -> bool:
+        """Whether a record of ours was handed out for storing or gossip (then say goodbye)."""
+        return self._has_published
+
+    @property
+    def num_fetches(self) -> int:
+        return self._num_fetches
+
+    @property
+    def num_merged(self) -> int:
+        """Records of other peers that replaced an older one we held (gossip and DHT)."""
+        return self._num_merged
+
+    def peers(self, now: float) -> dict[bytes, LocalProgress]:
+        """Live records of the other peers, by key."""
+        return {
+            key: record.progress
+            for key, record in self._records.items()
+            if record.progress is not None and record.expiration_time > now
+        }
+
+    def ready_to_update_epoch(self, now: float) -> bool:
+        """The swarm is ahead of us, reached the target, or its ETA passed."""
+        progress = self._global
+        return (
+            progress.epoch > self._local.epoch
+            or progress.samples_accumulated >= self.config.target_batch_size
+            or now >= progress.eta_next_epoch
+        )
+
+    def estimated_next_update_time(self, now: float) -> float:
+        """DHT time at which this peer should move to the next epoch (``now`` if ready)."""
+        return now if self.ready_to_update_epoch(now) else self._global.eta_next_epoch
+
+    # ----------------------------------------------------------- local events
+
+    def report_local_progress(
+        self, epoch: int, samples_accumulated: int, now: float
+    ) -> LocalProgress:
+        """This peer is at ``epoch`` with ``samples_accumulated`` samples toward its target."""
+        previous = self._local
+        extra = samples_accumulated - (
+            previous.samples_accumulated if epoch == previous.epoch else 0
+        )
+        if extra > 0:
+            self._ema.update(extra, now)
+        else:
+            self._ema.reset_timer(now)  # progress was reset: the next interval starts now
+        self._local = LocalProgress(
+            previous.peer_id,
+            epoch,
+            samples_accumulated,
+            self._ema.samples_per_second,
+            now,
+            previous.client_mode,
+        )  # validates epoch and samples
+        if samples_accumulated > 0:
+            self._last_active_epoch = max(self._global.epoch, epoch)
+        if epoch != previous.epoch:
+            self._epoch_changed = True
+        self._store_pending = self._gossip_pending = True
+        self._recompute(now)
+        return self._local
+
+    def update_epoch(self, new_epoch: int | None, now: float) -> int:
+        """Move to ``new_epoch`` (default: the next one) with no samples; returns it."""
+        if new_epoch is None:
+            new_epoch = self._local.epoch + 1
+        self.report_local_progress(new_epoch, 0, now)
+        self._fetched_this_epoch = False
+        return new_epoch
+
+    def pause(self, now: float) -> None:
+        """Stop counting time for this peer's samples/s (while it averages, for example)."""
+        self._ema.pause(now)
+
+    def resume(self, now: float) -> None:
+        self._ema.resume(now)
+
+    # -------------------------------------------------------- network events
+
+    def on_fetch(
+        self, entries: Mapping[bytes, tuple[LocalProgress | None, float]], now: float
+    ) -> GlobalProgress:
+        """A DHT fetch returned ``{key: (record or None, expiration_time)}``."""
+        for key, (progress, expiration_time) in entries.items():
+            self._merge(key, progress, expiration_time, now, gossiped=False)
+        self._last_fetch_time = now
+        self._fetched_this_epoch = True
+        self._num_fetches += 1
+        self._recompute(now, fetched=True)
+        if self.peers(now):
+            self._alone_since, self._lone_warned = None, False
+        elif self._alone_since is None:
+            self._alone_since = now
+        return self._global
+
+    def on_fetch_failed(self, now: float) -> GlobalProgress:
+        """A DHT fetch failed: try again after ``default_refresh_period``."""
+        self._last_fetch_time = now  # an attempt: gossip must not bring the retry forward
+        self._recompute(now, next_fetch_time=now + self.config.default_refresh_period)
+        return self._global
+
+    def on_gossip(
+        self, key: bytes, progress: LocalProgress | None, expiration_time: float, now: float
+    ) -> bool:
+        """A (validated) record arrived over gossip; returns whether it changed anything."""
+        if not self._merge(key, progress, expiration_time, now, gossiped=True):
+            return False
+        self._recompute(now)
+        if self.peers(now):
+            self._alone_since, self._lone_warned = None, False
+        return True
+
+    def _merge(
+        self,
+        key: bytes,
+        progress: LocalProgress | None,
+        expiration_time: float,
+        now: float,
+        *,
+        gossiped: bool,
+    ) -> bool:
+        if key == self.local_key or not math.isfinite(expiration_time):
+            return False
+        if expiration_time <= now:
+            return False  # stale
+        held = self._records.get(key)
+        if held is not None and held.expiration_time > expiration_time:
+            return False  # older than what we hold
+        if held is not None and held == _Record(progress, expiration_time):
+            return False
+        if progress is not None:
+            self._check_clock(progress, now, gossiped)
+        self._records[key] = _Record(progress, expiration_time)
+        self._num_merged += 1
+        return True
+
+    def _check_clock(self, progress: LocalProgress, now: float, gossiped: bool) -> None:
+        offset = progress.time - now
+        # a gossiped record left its owner at most gossip_period after its report time
+        if gossiped and offset < 0:
+            offset = min(0.0, offset + self.config.gossip_period)
+        elif offset < 0:
+            return  # a record from the DHT may be old: its age says nothing about clocks
+        if abs(offset) <= self.config.max_clock_skew:
+            return
+        if progress.peer_id not in self._skew_warned:
+            self._skew_warned.add(progress.peer_id)
+            self._pending_warnings.append(ClockSkewDetected(progress.peer_id, offset))
+
+    # ------------------------------------------------------------ publishing
+
+    def next_store_time(self, now: float) -> float:
+        """DHT time at which to call :meth:`take_store` (at once after a report)."""
+        if self._store_pending:
+            return now
+        return self._last_store_time + self.config.metadata_expiration / 2
+
+    def take_store(self, now: float) -> LocalProgress | None:
+        """The record to store in the DHT now (None: this peer is not active)."""
+        self._store_pending = False
+        self._last_store_time = now
+        if not self.is_active:
+            return None
+        self._has_published = True
+        return self._local
+
+    def next_gossip_time(self, now: float) -> float | None:
+        """DHT time at which to call :meth:`take_gossip`; None if there is nothing to say."""
+        if not self._gossip_pending:
+            return None
+        if self._epoch_changed:
+            return now
+        return max(now, self._last_gossip_time + self.config.gossip_period)
+
+    def take_gossip(self, now: float) -> LocalProgress | None:
+        """The record to gossip now (None: nothing new, or this peer is not active)."""
+        pending = self._gossip_pending
+        self._gossip_pending = self._epoch_changed = False
+        self._last_gossip_time = now
+        if not (pending and self.is_active):
+            return None
+        self._has_published = True
+        return self._local
+
+    # --------------------------------------------------------------- warnings
+
+    def warnings(self, now: float) -> list[ProgressWarning]:
+        """Warnings not returned before (each condition is reported once)."""
+        found, self._pending_warnings = self._pending_warnings, []
+        alone_since = self._alone_since
+        if (
+            alone_since is not None
+            and not self._lone_warned
+            and now - alone_since >= self.config.lone_peer_timeout
+        ):
+            self._lone_warned = True
+            found.append(LonePeer(self._global.epoch, now - alone_since))
+        progress, expected = self._global, self._expected_epoch_duration
+        waited = now - self._epoch_started_at
+        if (
+            expected is not None
+            and self._stall_warned_epoch != progress.epoch
+            and progress.samples_accumulated < progress.target_batch_size
+            and waited > self.config.stall_factor * max(expected, self.config.min_refresh_period)
+        ):
+            self._stall_warned_epoch = progress.epoch
+            found.append(
+                TargetNotReached(
+                    progress.epoch,
+                    progress.samples_accumulated,
+                    progress.target_batch_size,
+                    waited,
+                    expected,
+                )
+            )
+        return found
+
+    # ------------------------------------------------------------------ math
+
+    def _recompute(
+        self, now: float, *, fetched: bool = False, next_fetch_time: float | None = None
+    ) -> None:
+        config = self.config
+        self._records = {
+            key: record for key, record in self._records.items() if record.expiration_time > now
+        }
+        others = [r.progress for r in self._records.values() if r.progress is not None]
+        epoch = self._local.epoch
+        for peer in others:
+            if not peer.client_mode:
+                epoch = max(epoch, peer.epoch)
+        active_self = self._last_active_epoch >= epoch - 1
+        participants = [*others, self._local] if active_self else others
+
+        samples, estimated, rate = 0, 0.0, 0.0
+        for peer in participants:
+            rate += peer.samples_per_second
+            if peer.epoch == epoch:
+                samples += peer.samples_accumulated
+                elapsed = max(0.0, now - peer.time)
+                estimated += peer.samples_accumulated + elapsed * peer.samples_per_second
+        eta = max(0.0, config.target_batch_size - estimated) / (rate + EPS)
+
+        num_peers = len(participants)
+        if not others:
+            period = config.default_refresh_period
+        else:
+            expected_max = max(
+                num_peers + config.expected_drift_peers,
+                num_peers * (1 + config.expected_drift_rate),
+            )
+            period = min(
+                max(eta * num_peers / expected_max, config.min_refresh_period),
+                config.max_refresh_period,
+            )
+        if next_fetch_time is None:
+            if fetched:
+                next_fetch_time = now + period
+            elif self._last_fetch_time is None:
+                next_fetch_time = self._global.next_fetch_time
+            else:  # only ever earlier, and never before the last fetch plus the period
+                next_fetch_time = min(self._global.next_fetch_time, self._last_fetch_time + period)
+
+        if epoch != self._global.epoch:
+            self._epoch_started_at, self._expected_epoch_duration = now, None
+        if self._expected_epoch_duration is None and rate >= _MIN_KNOWN_RATE:
+            self._expected_epoch_duration = now + eta - self._epoch_started_at
+
+        self._global = GlobalProgress(
+            epoch=epoch,
+            samples_accumulated=samples,
+            target_batch_size=config.target_batch_size,
+            num_peers=num_peers,
+            num_clients=sum(peer.client_mode for peer in participants),
+            eta_next_epoch=now + eta,
+            next_fetch_time=next_fetch_time,
+        )

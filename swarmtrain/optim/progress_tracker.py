@@ -1,0 +1,645 @@
+"""``ProgressTracker``: the swarm's training progress, measured in epochs (DHT + gossip).
+
+An epoch ends when the swarm has accumulated ``target_batch_size`` samples. Each peer reports
+how many samples it accumulated; the tracker publishes that and keeps a view of everyone's
+progress (the math is in :mod:`swarmtrain.optim.progress_core`)::
+
+    async with DHT.create(initial_peers=[...]) as dht:
+        async with ProgressTracker.create(dht, "my_run", target_batch_size=4096) as tracker:
+            while True:
+                samples += train_step()
+                tracker.report_local_progress(epoch, samples)
+                if tracker.ready_to_update_epoch:
+                    with tracker.pause_updates():
+                        ...  # average gradients, step the optimizer
+                    epoch, samples = tracker.update_epoch(epoch + 1), 0
+
+Plain (blocking) code uses ``ProgressTracker(dht, "my_run", 4096)`` over a blocking
+:class:`~swarmtrain.dht.DHT`; it runs the same object on swarmtrain's background trio loop.
+
+Two channels (see ``proto/progress.proto``):
+
+- DHT (the record): each peer stores its progress under ``{prefix}_progress`` with subkey = its
+  ``[owner:...]`` marker, signed (:class:`~swarmtrain.dht.Ed25519SignatureValidator`: only the
+  owner can write its subkey) and checked against a pydantic schema; it re-stores it after every
+  report (coalesced) and every ``metadata_expiration / 2``. The tracker fetches all records on
+  hivemind's adaptive schedule (``min/max/default_refresh_period``, ``expected_drift_*``).
+- gossipsub (the push): the same signed record, on topic ``{prefix}_progress``, at most every
+  ``gossip_period`` for progress and at once for a new epoch, so other peers see an epoch end
+  in milliseconds. Receivers check it with the DHT's validators. A lost message costs only
+  latency: the next DHT fetch brings the record.
+
+Resource handling: ``create`` adds the progress validators to the DHT node (they stay
+registered: validators cannot be removed), opens a ``PubSub`` on the DHT's host unless one is
+passed in (or ``use_pubsub=False``), fetches the swarm's progress once, then runs four tasks in a
+task group owned by the tracker (DHT reporter, gossip publisher, DHT fetcher, gossip receiver)
+and yields. Leaving the ``async with`` publishes a departure record (``None``) when this peer has
+published anything, bounded by ``shutdown_timeout`` even when cancelled, then stops the tasks
+and closes the ``PubSub`` it opened. The DHT, and a ``PubSub`` passed in, stay open.
+
+Error handling: a failed DHT store or fetch is logged and retried on schedule; invalid gossip is
+dropped and counted (``statistics().gossip_rejected``); warnings (clock skew, a lone peer, an
+epoch that never reaches its target) are logged once each.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from typing import Annotated, Any, TypeVar
+
+import pydantic
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from swarmtrain.dht import (
+    DHT,
+    NO_SUBKEY,
+    AsyncDHT,
+    CompositeValidator,
+    DHTRecord,
+    DHTValueError,
+    Ed25519SignatureValidator,
+    RecordValidatorBase,
+    SchemaValidator,
+    ValueWithExpiration,
+    deserialize,
+    get_dht_time,
+    serialize,
+)
+from swarmtrain.dht.node import DHTNode
+from swarmtrain.p2p.pubsub import PubSub
+from swarmtrain.proto.progress_pb2 import ProgressRecord
+from swarmtrain.utils.background import BackgroundRuntime
+
+from .progress_core import (
+    GlobalProgress,
+    LocalProgress,
+    ProgressConfig,
+    ProgressCore,
+    ProgressWarning,
+)
+from .progress_records import (
+    _INVALID,
+    LocalProgressSchema,
+    ProgressTrackerStatistics,
+    TrainingProgressSchema,
+    _parse_progress,
+    _SubkeysOnly,
+)
+
+__all__ = [
+    "AsyncProgressTracker",
+    "LocalProgressSchema",
+    "ProgressTracker",
+    "ProgressTrackerStatistics",
+    "TrainingProgressSchema",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_NonNegativeInt = Annotated[int, pydantic.Field(ge=0)]
+
+
+class AsyncProgressTracker:
+    """The trio tracker; build it with ``async with ProgressTracker.create(dht, ...)``.
+
+    Methods that cannot block are plain functions; ``wait_*`` and :meth:`refresh` are async.
+    """
+
+    def __init__(
+        self,
+        dht: AsyncDHT,
+        prefix: str,
+        core: ProgressCore,
+        validator: RecordValidatorBase,
+        pubsub: PubSub | None,
+        *,
+        status_loglevel: int,
+        shutdown_timeout: float,
+    ):
+        self.dht, self.prefix, self._core = dht, prefix, core
+        self.config = core.config
+        self.client_mode = core.local_progress.client_mode
+        self.training_progress_key = f"{prefix}_progress"
+        self._key_bytes = serialize(self.training_progress_key)
+        self._subkey = core.local_key
+        self._subkey_bytes = serialize(self._subkey)
+        self._validator = validator
+        self._pubsub = pubsub
+        self._status_loglevel = status_loglevel
+        self._shutdown_timeout = shutdown_timeout
+        self._changed = trio.Event()
+        self._fetch_failures = self._stores = self._store_failures = 0
+        self._gossip_sent = self._gossip_received = self._gossip_rejected = 0
+
+    # ---------------------------------------------------------------- lifetime
+
+    @classmethod
+    @asynccontextmanager
+    async def create(
+        cls,
+        dht: AsyncDHT,
+        prefix: str,
+        target_batch_size: int,
+        *,
+        client_mode: bool | None = None,
+        min_refresh_period: float = 0.5,
+        max_refresh_period: float = 10.0,
+        default_refresh_period: float = 3.0,
+        expected_drift_peers: float = 3.0,
+        expected_drift_rate: float = 0.2,
+        performance_ema_alpha: float = 0.1,
+        metadata_expiration: float = 60.0,
+        gossip_period: float = 0.5,
+        max_clock_skew: float = 10.0,
+        stall_factor: float = 3.0,
+        lone_peer_timeout: float = 30.0,
+        status_loglevel: int = logging.DEBUG,
+        private_key: Ed25519PrivateKey | None = None,
+        pubsub: PubSub | None = None,
+        use_pubsub: bool = True,
+        shutdown_timeout: float = 3.0,
+    ) -> AsyncIterator[AsyncProgressTracker]:
+        """Start tracking ``prefix``'s progress on ``dht`` (see the module docstring).
+
+        The settings are those of :class:`~swarmtrain.optim.progress_core.ProgressConfig`.
+        ``client_mode`` defaults to the DHT's. ``private_key`` signs this peer's records unless
+        the DHT already has a signature validator (then that validator's key is used).
+        ``pubsub``: share the host's ``PubSub`` (a host runs at most one); without it the
+        tracker opens its own, unless ``use_pubsub=False`` (then the DHT alone carries progress).
+        """
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError("prefix must be a non-empty string")
+        if not shutdown_timeout > 0:
+            raise ValueError("shutdown_timeout must be positive")
+        config = ProgressConfig(
+            target_batch_size=target_batch_size,
+            min_refresh_period=min_refresh_period,
+            max_refresh_period=max_refresh_period,
+            default_refresh_period=default_refresh_period,
+            expected_drift_peers=expected_drift_peers,
+            expected_drift_rate=expected_drift_rate,
+            performance_ema_alpha=performance_ema_alpha,
+            metadata_expiration=metadata_expiration,
+            gossip_period=gossip_period,
+            max_clock_skew=max_clock_skew,
+            stall_factor=stall_factor,
+            lone_peer_timeout=lone_peer_timeout,
+        )
+        validator = dht.node.record_validator
+        if not isinstance(validator, CompositeValidator):
+            raise TypeError("the DHT node's record_validator must be a CompositeValidator")
+        key = f"{prefix}_progress"
+        validator.extend(
+            [
+                SchemaValidator(TrainingProgressSchema, prefix=prefix),
+                Ed25519SignatureValidator(private_key),
+                _SubkeysOnly(serialize(key)),
+            ]
+        )
+        signer = next(v for v in validator.validators if isinstance(v, Ed25519SignatureValidator))
+        core = ProgressCore(
+            config,
+            local_key=signer.local_public_key,
+            peer_id=dht.peer_id.to_bytes(),
+            client_mode=dht.client_mode if client_mode is None else bool(client_mode),
+            now=get_dht_time(),
+        )
+        async with AsyncExitStack() as stack:
+            if pubsub is None and use_pubsub:
+                pubsub = await stack.enter_async_context(PubSub.create(dht.p2p))
+            self = cls(
+                dht,
+                prefix,
+                core,
+                validator,
+                pubsub if use_pubsub else None,
+                status_loglevel=status_loglevel,
+                shutdown_timeout=shutdown_timeout,
+            )
+            subscription = None
+            if self._pubsub is not None:
+                subscription = await self._pubsub.subscribe(key, protobuf_type=ProgressRecord)
+                stack.push_async_callback(subscription.aclose)
+            await self._fetch()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._store_loop)
+                nursery.start_soon(self._fetch_loop)
+                if subscription is not None:
+                    nursery.start_soon(self._gossip_loop)
+                    nursery.start_soon(self._receive_loop, subscription)
+                try:
+                    yield self
+                finally:
+                    with trio.CancelScope(shield=True):
+                        with trio.move_on_after(self._shutdown_timeout):
+                            await self._say_goodbye()
+                    nursery.cancel_scope.cancel()
+
+    async def _say_goodbye(self) -> None:
+        """Tell the swarm this peer left (hivemind stores None under its subkey)."""
+        if not self._core.has_published:
+            return
+        expiration = get_dht_time() + self.config.metadata_expiration
+        if self._pubsub is not None:
+            await self._publish(None, expiration)
+        try:
+            await self.dht.store(self.training_progress_key, None, expiration, subkey=self._subkey)
+        except Exception:
+            logger.warning("could not store the departure of %s", self.prefix, exc_info=True)
+
+    # ----------------------------------------------------------------- state
+
+    @property
+    def local_public_key(self) -> bytes:
+        """This peer's ``[owner:...]`` marker: the subkey of its progress record."""
+        return self._subkey
+
+    @property
+    def pubsub(self) -> PubSub | None:
+        """The ``PubSub`` progress is gossiped on (None with ``use_pubsub=False``)."""
+        return self._pubsub
+
+    @property
+    def local_progress(self) -> LocalProgress:
+        return self._core.local_progress
+
+    @property
+    def global_progress(self) -> GlobalProgress:
+        """The swarm's progress as last computed (a frozen snapshot)."""
+        return self._core.global_progress
+
+    @property
+    def global_epoch(self) -> int:
+        return self._core.global_progress.epoch
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        """The swarm is ahead of us, reached ``target_batch_size``, or its ETA passed."""
+        return self._core.ready_to_update_epoch(get_dht_time())
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        """DHT time at which this peer should move to the next epoch (now if ready)."""
+        return self._core.estimated_next_update_time(get_dht_time())
+
+    @property
+    def fetched_global_progress_this_epoch(self) -> bool:
+        """Whether the DHT was fetched since the last :meth:`update_epoch`."""
+        return self._core.fetched_this_epoch
+
+    def peers(self) -> dict[bytes, LocalProgress]:
+        """Live progress records of the other peers, by owner marker."""
+        return self._core.peers(get_dht_time())
+
+    def statistics(self) -> ProgressTrackerStatistics:
+        core = self._core
+        return ProgressTrackerStatistics(
+            global_progress=core.global_progress,
+            local_progress=core.local_progress,
+            num_peers_seen=len(core.peers(get_dht_time())),
+            fetches=core.num_fetches,
+            fetch_failures=self._fetch_failures,
+            stores=self._stores,
+            store_failures=self._store_failures,
+            gossip_sent=self._gossip_sent,
+            gossip_received=self._gossip_received,
+            gossip_rejected=self._gossip_rejected,
+        )
+
+    # --------------------------------------------------------- local events
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
+        """This peer is at ``local_epoch`` with ``samples_accumulated`` samples toward the
+        target; published in the background."""
+        self._core.report_local_progress(local_epoch, samples_accumulated, get_dht_time())
+        self._notify()
+
+    def update_epoch(self, new_epoch: int | None = None) -> int:
+        """Move to ``new_epoch`` (default: the next one) with no samples; return it. The new
+        epoch is gossiped at once."""
+        epoch = self._core.update_epoch(new_epoch, get_dht_time())
+        self._notify()
+        return epoch
+
+    @contextmanager
+    def pause_updates(self) -> Iterator[None]:
+        """Do not count the time spent inside (averaging, an optimizer step) against this
+        peer's samples/s."""
+        self._core.pause(get_dht_time())
+        try:
+            yield
+        finally:
+            self._core.resume(get_dht_time())
+
+    # ---------------------------------------------------------------- waits
+
+    async def wait_global_epoch(self, epoch: int) -> GlobalProgress:
+        """Wait until the swarm's epoch is at least ``epoch``; return the progress then."""
+        while self.global_epoch < epoch:
+            await self._wait_changed()
+        await trio.lowlevel.checkpoint()
+        return self.global_progress
+
+    async def wait_ready_to_update_epoch(self) -> GlobalProgress:
+        """Wait until :attr:`ready_to_update_epoch` (the swarm is ahead, reached the target,
+        or the ETA passed); return the progress then."""
+        while not self.ready_to_update_epoch:
+            delay = max(0.0, self.global_progress.eta_next_epoch - get_dht_time())
+            with trio.move_on_after(delay if math.isfinite(delay) else math.inf):
+                await self._wait_changed()
+        await trio.lowlevel.checkpoint()
+        return self.global_progress
+
+    async def refresh(self) -> GlobalProgress:
+        """Fetch the swarm's progress from the DHT now; return the result."""
+        await self._fetch()
+        return self.global_progress
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _wait_changed(self) -> None:
+        await self._changed.wait()
+
+    # ------------------------------------------------------------ DHT tasks
+
+    async def _store_loop(self) -> None:
+        while True:
+            now = get_dht_time()
+            due = self._core.next_store_time(now)
+            if due > now:
+                with trio.move_on_after(due - now):
+                    await self._wait_changed()
+                continue
+            record = self._core.take_store(now)
+            if record is None:
+                continue
+            expiration = now + self.config.metadata_expiration
+            stored = False
+            try:
+                with trio.move_on_after(self.config.metadata_expiration):
+                    stored = await self.dht.store(
+                        self.training_progress_key,
+                        record.to_dict(),
+                        expiration,
+                        subkey=self._subkey,
+                    )
+            except Exception:
+                logger.warning("could not store progress of %s", self.prefix, exc_info=True)
+            if stored:
+                self._stores += 1
+            else:
+                self._store_failures += 1
+                logger.debug("progress of %s was not stored", self.prefix)
+
+    async def _fetch_loop(self) -> None:
+        while True:
+            now = get_dht_time()
+            next_fetch = self._core.global_progress.next_fetch_time
+            if now >= next_fetch:
+                await self._fetch()
+                continue
+            with trio.move_on_after(next_fetch - now):
+                await self._wait_changed()  # gossip and reports may bring the fetch earlier
+
+    async def _fetch(self) -> None:
+        try:
+            found = await self.dht.get(self.training_progress_key, latest=True)
+        except Exception:
+            self._fetch_failures += 1
+            logger.warning("could not fetch progress of %s", self.prefix, exc_info=True)
+            self._core.on_fetch_failed(get_dht_time())
+            self._notify()
+            return
+        entries: dict[bytes, tuple[LocalProgress | None, float]] = {}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                if not (isinstance(subkey, bytes) and isinstance(item, ValueWithExpiration)):
+                    continue  # a plain value: not ours (validators reject them)
+                parsed = _parse_progress(item.value)
+                if parsed is not _INVALID:
+                    entries[subkey] = (parsed, item.expiration_time)  # type: ignore[assignment]
+        now = get_dht_time()
+        progress = self._core.on_fetch(entries, now)
+        logger.log(
+            self._status_loglevel,
+            "%s: %d samples of %d for epoch #%d from %d peers; ETA %.2f s (next fetch in %.2f s)",
+            self.prefix,
+            progress.samples_accumulated,
+            progress.target_batch_size,
+            progress.epoch,
+            progress.num_peers,
+            progress.eta_next_epoch - now,
+            progress.next_fetch_time - now,
+        )
+        self._log_warnings(now)
+        self._notify()
+
+    # --------------------------------------------------------- gossip tasks
+
+    async def _gossip_loop(self) -> None:
+        while True:
+            now = get_dht_time()
+            due = self._core.next_gossip_time(now)
+            if due is None or due > now:
+                with trio.move_on_after(math.inf if due is None else due - now):
+                    await self._wait_changed()
+                continue
+            record = self._core.take_gossip(now)
+            if record is not None:
+                await self._publish(record, now + self.config.metadata_expiration)
+
+    async def _publish(self, record: LocalProgress | None, expiration: float) -> None:
+        assert self._pubsub is not None
+        value = serialize(None if record is None else record.to_dict())
+        signed = self._validator.sign_value(
+            DHTRecord(self._key_bytes, self._subkey_bytes, value, expiration)
+        )
+        message = ProgressRecord(
+            subkey=self._subkey_bytes, value=signed, expiration_time=expiration
+        )
+        try:
+            await self._pubsub.publish_protobuf(self.training_progress_key, message)
+        except Exception:
+            logger.warning("could not gossip progress of %s", self.prefix, exc_info=True)
+            return
+        self._gossip_sent += 1
+
+    async def _receive_loop(self, subscription: Any) -> None:
+        async for message in subscription:
+            self._on_gossip(message.message)
+
+    def _on_gossip(self, message: ProgressRecord) -> None:
+        now = get_dht_time()
+        expiration = message.expiration_time
+        if message.subkey == NO_SUBKEY or not math.isfinite(expiration) or expiration <= now:
+            self._gossip_rejected += 1
+            return
+        record = DHTRecord(self._key_bytes, message.subkey, message.value, expiration)
+        try:
+            if not self._validator.validate(record):
+                raise ValueError("rejected by the record validators")
+            subkey = deserialize(message.subkey)
+            value = deserialize(self._validator.strip_value(record), max_size=None)
+        except (DHTValueError, ValueError, TypeError):
+            self._gossip_rejected += 1
+            logger.debug("invalid progress gossip on %s", self.prefix, exc_info=True)
+            return
+        parsed = _parse_progress(value)
+        if parsed is _INVALID or not isinstance(subkey, bytes):
+            self._gossip_rejected += 1
+            return
+        if self._core.on_gossip(subkey, parsed, expiration, now):  # type: ignore[arg-type]
+            self._gossip_received += 1
+            self._log_warnings(now)
+            self._notify()
+
+    def _log_warnings(self, now: float) -> None:
+        warnings: list[ProgressWarning] = self._core.warnings(now)
+        for warning in warnings:
+            logger.warning("%s: %s", self.prefix, warning)
+
+
+class ProgressTracker:
+    """hivemind's ``ProgressTracker`` for plain (blocking) code, over a blocking ``DHT``.
+
+    It runs an :class:`AsyncProgressTracker` on swarmtrain's background trio loop; keywords
+    are those of :meth:`create`. Call :meth:`shutdown` (or use ``with``) when done.
+    """
+
+    def __init__(
+        self,
+        dht: DHT,
+        prefix: str,
+        target_batch_size: int,
+        *,
+        start: bool = True,
+        **kwargs: Any,
+    ):
+        self.dht, self.prefix = dht, prefix
+        self._target_batch_size, self._kwargs = target_batch_size, kwargs
+        self._runtime: BackgroundRuntime | None = None
+        self._tracker: AsyncProgressTracker | None = None
+        self._stop: Callable[[], None] | None = None
+        self._shut_down = False
+        if start:
+            self.start()
+
+    create = AsyncProgressTracker.create  #: the trio way in
+
+    def start(self) -> None:
+        if self._runtime is not None or self._shut_down:
+            raise RuntimeError("this ProgressTracker was already started")
+
+        async def get_async_dht(async_dht: AsyncDHT, node: DHTNode) -> AsyncDHT:
+            return async_dht
+
+        async_dht = self.dht.run_coroutine(get_async_dht)
+        runtime = BackgroundRuntime.acquire()
+        try:
+            self._tracker, self._stop = runtime.start_service(
+                lambda: AsyncProgressTracker.create(
+                    async_dht, self.prefix, self._target_batch_size, **self._kwargs
+                )
+            )
+        except BaseException:
+            runtime.release()
+            raise
+        self._runtime = runtime
+
+    def shutdown(self) -> None:
+        """Publish a departure record, stop the background tasks."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self._runtime is None:
+            return
+        try:
+            assert self._stop is not None
+            self._stop()
+        finally:
+            self._runtime.release()
+
+    def __enter__(self) -> ProgressTracker:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._runtime is None or self._tracker is None or self._shut_down:
+            raise RuntimeError("this ProgressTracker is not running")
+        return self._runtime.call_sync(fn, *args)
+
+    def _running(self) -> AsyncProgressTracker:
+        if self._tracker is None or self._shut_down:
+            raise RuntimeError("this ProgressTracker is not running")
+        return self._tracker
+
+    @property
+    def global_progress(self) -> GlobalProgress:
+        return self._call(lambda: self._running().global_progress)
+
+    @property
+    def local_progress(self) -> LocalProgress:
+        return self._call(lambda: self._running().local_progress)
+
+    @property
+    def global_epoch(self) -> int:
+        return self.global_progress.epoch
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        return self._call(lambda: self._running().ready_to_update_epoch)
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        return self._call(lambda: self._running().estimated_next_update_time)
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
+        self._call(self._running().report_local_progress, local_epoch, samples_accumulated)
+
+    def update_epoch(self, new_epoch: int | None = None) -> int:
+        return self._call(self._running().update_epoch, new_epoch)
+
+    @contextmanager
+    def pause_updates(self) -> Iterator[None]:
+        core = self._running()._core
+        self._call(lambda: core.pause(get_dht_time()))
+        try:
+            yield
+        finally:
+            self._call(lambda: core.resume(get_dht_time()))
+
+    def wait_global_epoch(self, epoch: int, timeout: float | None = None) -> GlobalProgress:
+        """Block until the swarm's epoch is at least ``epoch``; ``TimeoutError`` after
+        ``timeout`` seconds."""
+        return self._wait(lambda: self._running().wait_global_epoch(epoch), timeout)
+
+    def wait_ready_to_update_epoch(self, timeout: float | None = None) -> GlobalProgress:
+        return self._wait(self._running().wait_ready_to_update_epoch, timeout)
+
+    def refresh(self) -> GlobalProgress:
+        return self._wait(self._running().refresh, None)
+
+    def _wait(self, fn: Callable[[], Any], timeout: float | None) -> Any:
+        tracker = self._running()
+        assert self._runtime is not None and tracker is not None
+
+        async def bounded() -> Any:
+            try:
+                with trio.fail_after(math.inf if timeout is None else timeout):
+                    return await fn()
+            except trio.TooSlowError:
+                raise TimeoutError(f"not done within {timeout} s") from None
+
+        return self._runtime.call(bounded)
+
+    def statistics(self) -> ProgressTrackerStatistics:
+        return self._call(lambda: self._running().statistics())

@@ -1,0 +1,340 @@
+"""The pure progress core: epoch/ETA math, adaptive refresh, staleness, publishing, warnings.
+
+No network and no clock: every event carries its own ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from swarmtrain.optim import (
+    ClockSkewDetected,
+    GlobalProgress,
+    LocalProgress,
+    LonePeer,
+    PerformanceEMA,
+    ProgressConfig,
+    ProgressCore,
+    TargetNotReached,
+)
+
+T0 = 1_000_000.0
+
+
+def make_core(target=100, now=T0, client_mode=False, **settings) -> ProgressCore:
+    config = ProgressConfig(target_batch_size=target, **settings)
+    return ProgressCore(
+        config, local_key=b"[owner:me]", peer_id=b"me", client_mode=client_mode, now=now
+    )
+
+
+def record(peer, epoch, samples, sps=10.0, time=T0, client_mode=False) -> LocalProgress:
+    return LocalProgress(peer, epoch, samples, sps, time, client_mode)
+
+
+def fetch(core, now, *records, expiration=None):
+    """A DHT fetch that returns ``records`` (owner key ``[owner:<peer id>]``)."""
+    entries = {b"[owner:" + r.peer_id + b"]": (r, expiration or now + 60) for r in records}
+    return core.on_fetch(entries, now)
+
+
+# ------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"target_batch_size": 0},
+        {"target_batch_size": True},
+        {"target_batch_size": 1.5},
+        {"min_refresh_period": 0},
+        {"min_refresh_period": 20.0, "max_refresh_period": 10.0},
+        {"default_refresh_period": math.inf},
+        {"expected_drift_rate": -0.1},
+        {"performance_ema_alpha": 0.0},
+        {"performance_ema_alpha": 1.5},
+        {"metadata_expiration": -1},
+        {"stall_factor": 0.5},
+        {"gossip_period": math.nan},
+    ],
+)
+def test_config_rejects_bad_values(settings):
+    settings = {"target_batch_size": 10, **settings}
+    with pytest.raises((ValueError, TypeError)):
+        ProgressConfig(**settings)
+
+
+def test_local_progress_validates_and_round_trips():
+    progress = record(b"p", 3, 7, sps=2, time=5)
+    as_dict = progress.to_dict()
+    assert isinstance(as_dict["samples_per_second"], float) and isinstance(as_dict["time"], float)
+    assert LocalProgress.from_dict(as_dict) == progress
+    with pytest.raises(ValueError):
+        record(b"p", -1, 0)
+    with pytest.raises(ValueError):
+        record(b"p", 0, 0, sps=math.nan)
+    with pytest.raises(TypeError):
+        LocalProgress(b"p", 0, 0, 1.0, 0.0, client_mode=1)
+
+
+# --------------------------------------------------------------------- EMA
+
+
+def test_performance_ema_first_update_is_exact_then_smooths():
+    ema = PerformanceEMA(alpha=0.5, now=0.0)
+    assert ema.samples_per_second == pytest.approx(0, abs=1e-9)
+    assert ema.update(10, now=1.0) == pytest.approx(10.0)  # bias-corrected: exact at once
+    # 10 samples in 4 s: seconds/sample 0.4; EMA (0.5*0.4 + 0.25*0.1) / (1 - 0.25) = 0.3
+    assert ema.update(10, now=5.0) == pytest.approx(1 / 0.3)
+    with pytest.raises(ValueError):
+        ema.update(0, now=6.0)
+
+
+def test_performance_ema_pause_and_reset():
+    ema = PerformanceEMA(alpha=1.0, now=0.0)
+    ema.pause(now=2.0)  # 2 s of work before the pause
+    ema.resume(now=100.0)  # 98 s of averaging do not count
+    assert ema.update(6, now=101.0) == pytest.approx(2.0)  # 6 samples in 3 s
+    ema.pause(now=102.0)
+    assert ema.paused
+    assert ema.update(2, now=150.0) == pytest.approx(2.0)  # counted while paused: 1 s
+    ema.resume(now=150.0)
+    ema.reset_timer(now=200.0)
+    assert ema.update(4, now=202.0) == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------- global progress
+
+
+def test_lone_peer_counts_its_own_samples_and_eta():
+    core = make_core(target=100)
+    assert core.global_progress.next_fetch_time == T0  # first fetch at once
+    assert not core.is_active
+    core.report_local_progress(0, 10, now=T0 + 1)  # 10 samples/s
+    progress = core.global_progress
+    assert (progress.epoch, progress.samples_accumulated, progress.num_peers) == (0, 10, 1)
+    assert progress.eta_next_epoch == pytest.approx(T0 + 1 + 9.0)
+    assert core.is_active
+    fetch(core, T0 + 1)  # nobody else: refresh after default_refresh_period
+    assert core.global_progress.next_fetch_time == pytest.approx(T0 + 1 + 3.0)
+
+
+def test_global_epoch_samples_and_eta_from_peers():
+    core = make_core(target=100)
+    core.report_local_progress(0, 10, now=T0 + 1)  # local rate 10/s
+    progress = fetch(
+        core,
+        T0 + 1,
+        record(b"a", 1, 20, sps=10, time=T0 + 1),
+        record(b"b", 1, 30, sps=20, time=T0),  # 1 s old: +20 estimated samples
+        record(b"c", 0, 50, sps=10, time=T0 + 1),  # behind: speed counts, samples do not
+        record(b"d", 5, 90, sps=10, time=T0 + 1, client_mode=True),  # clients set no epoch
+    )
+    assert progress.epoch == 1
+    assert progress.samples_accumulated == 50
+    assert (progress.num_peers, progress.num_clients) == (5, 1)
+    # estimated 20 + 30 + 20 = 70; 30 remaining at 10+10+20+10+10 = 60 samples/s
+    assert progress.eta_next_epoch == pytest.approx(T0 + 1 + 0.5)
+    assert core.ready_to_update_epoch(T0 + 1)  # the swarm is ahead of us
+    assert core.estimated_next_update_time(T0 + 1) == T0 + 1
+
+
+def test_ready_when_target_reached_or_eta_passed():
+    core = make_core(target=100)
+    core.report_local_progress(0, 10, now=T0 + 1)
+    fetch(core, T0 + 1, record(b"a", 0, 40, sps=10, time=T0 + 1))
+    assert not core.ready_to_update_epoch(T0 + 1)
+    eta = core.global_progress.eta_next_epoch
+    assert eta == pytest.approx(T0 + 1 + 50 / 20)
+    assert core.estimated_next_update_time(T0 + 1) == eta
+    assert core.ready_to_update_epoch(eta)  # the deadline passed
+    fetch(core, T0 + 2, record(b"a", 0, 90, sps=10, time=T0 + 2))
+    assert core.global_progress.samples_accumulated == 100
+    assert core.ready_to_update_epoch(T0 + 2)
+
+
+def test_update_epoch_moves_global_epoch_and_resets_samples():
+    core = make_core(target=100)
+    core.report_local_progress(0, 60, now=T0 + 1)
+    fetch(core, T0 + 1, record(b"a", 0, 40, time=T0 + 1))
+    assert core.fetched_this_epoch
+    assert core.update_epoch(None, now=T0 + 2) == 1
+    progress = core.global_progress
+    assert (progress.epoch, progress.samples_accumulated) == (1, 0)
+    assert not core.fetched_this_epoch
+    assert not core.ready_to_update_epoch(T0 + 2)  # a fresh ETA, not the old one
+    local = core.local_progress
+    assert (local.epoch, local.samples_accumulated, local.time) == (1, 0, T0 + 2)
+    assert local.samples_per_second == pytest.approx(60.0)
+    assert core.update_epoch(7, now=T0 + 3) == 7
+
+
+def test_adaptive_refresh_period():
+    # 2 peers, 70 samples to go at 10/s: ETA 7 s, refresh in 7 * 2 / max(2 + 3, 2 * 1.2) s
+    core = make_core(target=100)
+    core.report_local_progress(0, 10, now=T0 + 1)
+    fetch(core, T0 + 1, record(b"a", 0, 20, sps=0.0, time=T0 + 1))
+    assert core.global_progress.eta_next_epoch == pytest.approx(T0 + 1 + 7.0)
+    assert core.global_progress.next_fetch_time == pytest.approx(T0 + 1 + 7.0 * 2 / 5)
+    # clipped to [min, max]
+    fetch(core, T0 + 2, record(b"a", 0, 99, sps=0.0, time=T0 + 2))
+    assert core.global_progress.next_fetch_time == pytest.approx(T0 + 2 + 0.5)
+    slow = make_core(target=10**9)
+    slow.report_local_progress(0, 1, now=T0 + 1)
+    fetch(slow, T0 + 1, record(b"a", 0, 0, sps=0.0, time=T0 + 1))
+    assert slow.global_progress.next_fetch_time == pytest.approx(T0 + 1 + 10.0)
+
+
+def test_gossip_only_brings_the_next_fetch_earlier():
+    core = make_core(target=1000)
+    core.report_local_progress(0, 1, now=T0 + 1)
+    fetch(core, T0 + 1, record(b"a", 0, 0, sps=1.0, time=T0 + 1))
+    assert core.global_progress.next_fetch_time == pytest.approx(T0 + 11)  # max period
+    for i in range(20):  # a steady flow of gossip never postpones the fetch
+        now = T0 + 1 + i * 0.1
+        core.on_gossip(b"[owner:a]", record(b"a", 0, i, sps=1.0, time=now), now + 60, now)
+    assert core.global_progress.next_fetch_time == pytest.approx(T0 + 11)
+    # news that the epoch nearly ended brings it to the last fetch + the min period
+    core.on_gossip(b"[owner:a]", record(b"a", 0, 999, sps=1.0, time=T0 + 4), T0 + 70, now=T0 + 4)
+    assert core.global_progress.next_fetch_time == pytest.approx(T0 + 1 + 0.5)
+
+
+def test_fetch_failure_retries_after_default_period():
+    core = make_core()
+    core.on_fetch_failed(T0)
+    assert core.global_progress.next_fetch_time == T0 + 3.0
+    assert core.num_fetches == 0
+
+
+# --------------------------------------------------------------- staleness
+
+
+def test_stale_departed_and_older_records():
+    core = make_core(target=100)
+    fetch(core, T0, record(b"a", 2, 10), record(b"b", 0, 10), expiration=T0 + 10)
+    assert core.global_progress.epoch == 2
+    assert set(core.peers(T0)) == {b"[owner:a]", b"[owner:b]"}
+    # an older record does not replace a newer one, from gossip or from the DHT
+    assert not core.on_gossip(b"[owner:a]", record(b"a", 9, 10), T0 + 5, now=T0)
+    assert core.global_progress.epoch == 2
+    assert core.on_gossip(b"[owner:a]", record(b"a", 3, 10), T0 + 20, now=T0)
+    fetch(core, T0 + 1, record(b"a", 2, 10), expiration=T0 + 10)
+    assert core.global_progress.epoch == 3
+    # a stale record is dropped on arrival, a held one when it expires
+    assert not core.on_gossip(b"[owner:c]", record(b"c", 9, 10), T0 + 1, now=T0 + 1)
+    assert not core.on_gossip(b"[owner:me]", record(b"me", 9, 10), T0 + 60, now=T0 + 1)
+    fetch(core, T0 + 11)
+    assert set(core.peers(T0 + 11)) == {b"[owner:a]"}
+    # a departure record (None) removes the peer
+    assert core.on_gossip(b"[owner:a]", None, T0 + 30, now=T0 + 12)
+    assert core.peers(T0 + 12) == {}
+    progress = core.global_progress
+    assert (progress.epoch, progress.num_peers) == (0, 0)
+
+
+def test_dht_records_of_the_same_version_merge_once():
+    core = make_core()
+    fetch(core, T0, record(b"a", 0, 10), expiration=T0 + 60)
+    merged = core.num_merged
+    fetch(core, T0 + 1, record(b"a", 0, 10), expiration=T0 + 60)
+    assert core.num_merged == merged
+
+
+# -------------------------------------------------------------- publishing
+
+
+def test_store_and_gossip_schedule():
+    core = make_core(gossip_period=0.5, metadata_expiration=60)
+    assert core.take_store(T0) is None and core.take_gossip(T0) is None  # not active
+    assert core.next_store_time(T0) == T0 + 30
+    assert core.next_gossip_time(T0) is None
+    assert not core.has_published
+    core.report_local_progress(0, 5, now=T0 + 1)
+    assert core.next_store_time(T0 + 1) == T0 + 1
+    assert core.next_gossip_time(T0 + 1) == T0 + 1
+    assert core.take_gossip(T0 + 1).samples_accumulated == 5
+    assert core.take_store(T0 + 1).samples_accumulated == 5
+    assert core.has_published
+    core.report_local_progress(0, 6, now=T0 + 1.1)
+    assert core.next_gossip_time(T0 + 1.1) == pytest.approx(T0 + 1.5)  # throttled
+    core.update_epoch(None, now=T0 + 1.2)
+    assert core.next_gossip_time(T0 + 1.2) == T0 + 1.2  # a new epoch goes out at once
+    assert core.take_gossip(T0 + 1.2).epoch == 1
+    assert core.next_gossip_time(T0 + 1.2) is None
+    assert core.next_store_time(T0 + 1.2) == T0 + 1.2
+
+
+def test_auxiliary_peer_never_publishes_and_lagging_peer_stops():
+    core = make_core()
+    core.report_local_progress(0, 0, now=T0 + 1)
+    assert core.take_gossip(T0 + 1) is None and core.take_store(T0 + 1) is None
+    assert core.global_progress.num_peers == 0
+    core.report_local_progress(0, 5, now=T0 + 2)
+    assert core.take_store(T0 + 2) is not None
+    fetch(core, T0 + 3, record(b"a", 3, 0))  # two epochs ahead, and we stopped reporting
+    assert not core.is_active and core.take_store(T0 + 3) is None
+
+
+# ---------------------------------------------------------------- warnings
+
+
+def test_clock_skew_from_future_records_and_late_gossip():
+    core = make_core(max_clock_skew=5.0, gossip_period=0.5)
+    fetch(core, T0, record(b"a", 0, 1, time=T0 + 30), record(b"b", 0, 1, time=T0 - 40))
+    warnings = core.warnings(T0)
+    assert warnings == [ClockSkewDetected(b"a", pytest.approx(30.0))]
+    assert "ahead" in str(warnings[0])
+    # gossip travels in milliseconds: a report 20 s old means a clock 20 s behind ours
+    core.on_gossip(b"[owner:c]", record(b"c", 0, 1, time=T0 - 20), T0 + 40, now=T0)
+    core.on_gossip(b"[owner:d]", record(b"d", 0, 1, time=T0 - 3), T0 + 57, now=T0)
+    (warning,) = core.warnings(T0)
+    assert warning.peer_id == b"c" and warning.offset == pytest.approx(-19.5)
+    assert "behind" in str(warning)
+    fetch(core, T0 + 1, record(b"a", 0, 2, time=T0 + 31))
+    assert core.warnings(T0 + 1) == []  # once per peer
+
+
+def test_lone_peer_warning_after_timeout_and_rearmed():
+    core = make_core(lone_peer_timeout=30)
+    fetch(core, T0)
+    assert core.warnings(T0 + 29) == []
+    fetch(core, T0 + 20)
+    (warning,) = core.warnings(T0 + 31)
+    assert warning == LonePeer(0, pytest.approx(31.0))
+    assert core.warnings(T0 + 100) == []
+    fetch(core, T0 + 101, record(b"a", 0, 1, time=T0 + 101))
+    fetch(core, T0 + 200)  # alone again (a's record expired)
+    assert core.warnings(T0 + 229) == []
+    assert len(core.warnings(T0 + 231)) == 1
+
+
+def test_target_not_reached_after_stall_factor_times_eta():
+    core = make_core(target=100, stall_factor=3, lone_peer_timeout=1000)
+    core.report_local_progress(0, 10, now=T0 + 1)  # 10/s: ETA 9 s, the epoch should take 10
+    fetch(core, T0 + 1)
+    assert core.warnings(T0 + 29) == []
+    (warning,) = core.warnings(T0 + 31)
+    assert isinstance(warning, TargetNotReached)
+    assert (warning.epoch, warning.samples_accumulated) == (0, 10)
+    assert warning.expected == pytest.approx(10.0)
+    assert core.warnings(T0 + 100) == []  # once per epoch
+    core.update_epoch(None, now=T0 + 101)
+    assert core.warnings(T0 + 102) == []
+
+
+def test_no_stall_warning_when_speed_is_unknown_or_target_reached():
+    core = make_core(target=100)
+    fetch(core, T0)
+    assert core.warnings(T0 + 1000) == [LonePeer(0, pytest.approx(1000.0))]
+    done = make_core(target=10)
+    done.report_local_progress(0, 10, now=T0 + 1)
+    assert done.warnings(T0 + 1000) == []
+
+
+def test_global_progress_is_frozen():
+    core = make_core()
+    with pytest.raises(AttributeError):
+        core.global_progress.epoch = 3  # type: ignore[misc]
+    assert isinstance(core.global_progress, GlobalProgress)
