@@ -336,7 +336,8 @@ class RPCServer:
                 payload = serialize_checked(
                     response, spec.max_message_size, f"the response of {spec.name}"
                 )
-                await stream.send_message(payload)
+                await stream.send_message(payload, end=True)
+                return True
         except (RPCCancelledError, RPCTimeoutError):
             raise  # the caller is gone or too slow: nobody to answer
         except RPCProtocolError:

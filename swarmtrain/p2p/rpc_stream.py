@@ -100,16 +100,19 @@ class RPCStream:
                 raise RPCCancelledError(f"the stream failed: {e!r}") from None
         self.bytes_sent += len(data)
 
-    async def send_message(self, payload: bytes) -> None:
+    async def send_message(self, payload: bytes, *, end: bool = False) -> None:
+        """Send one message (and END right after it, in the same write when small)."""
         header = message_header(len(payload))
         if len(payload) <= 64 * 1024:
-            await self._write(header + payload)
+            await self._write(header + payload + (_END_FRAME if end else b""))
             return
         await self._write(header)
         view = memoryview(payload)
         for start in range(0, len(view), WRITE_PIECE_SIZE):
             await trio.lowlevel.checkpoint_if_cancelled()
             await self._write(view[start : start + WRITE_PIECE_SIZE])
+        if end:
+            await self._write(_END_FRAME)
 
     async def send_control(self, header: p2p_pb2.RPCFrameHeader) -> None:
         await self._write(encode_header(header))
