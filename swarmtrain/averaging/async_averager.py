@@ -1,0 +1,420 @@
+"""``AsyncDecentralizedAverager``: the trio implementation behind ``DecentralizedAverager``.
+
+See ``swarmtrain.averaging.averager`` for the whole story (steps, Moshpit buckets, the lock
+around the tensors, resource handling); this module holds the trio class, and ``averager.py``
+the blocking facade that runs it on the background loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import torch
+import trio
+
+from swarmtrain.averaging.allreduce import AllReduceRunner, AllReduceService
+from swarmtrain.averaging.allreduce_core import AllReduceGroup, AveragingMode
+from swarmtrain.averaging.averager_config import (
+    AveragerConfig,
+    check_averaged_tensors,
+    compute_schema_hash,
+)
+from swarmtrain.averaging.control import AveragingStage, StepControl
+from swarmtrain.averaging.errors import AllReduceError, AveragingError, MatchmakingError
+from swarmtrain.averaging.load_balancing import load_balance_peers
+from swarmtrain.averaging.matchmaking import Matchmaking
+from swarmtrain.averaging.matchmaking_rules import next_group_bits
+from swarmtrain.averaging.matchmaking_types import (
+    FailureReason,
+    GroupAssembled,
+    MatchmakingGroup,
+)
+from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from swarmtrain.averaging.state_sharing import State, StateSharing
+from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
+from swarmtrain.p2p import PeerID
+
+__all__ = ["AsyncDecentralizedAverager", "GatheredData"]
+
+logger = logging.getLogger(__name__)
+GatheredData = dict  # {PeerID: what that peer passed as ``gather``}
+
+
+def _check_group_bits(bits: str) -> str:
+    if not isinstance(bits, str) or any(bit not in "01" for bit in bits):
+        raise ValueError(f"group bits must be a string of 0 and 1, got {bits!r}")
+    return bits
+
+
+def _trio_deadline(dht_deadline: float) -> float:
+    if math.isinf(dht_deadline):
+        return math.inf
+    return trio.current_time() + (dht_deadline - get_dht_time())
+
+
+def _load_gathered(data: bytes) -> Any:
+    try:
+        return deserialize(data)
+    except DHTValueError:
+        return None
+
+
+def _add_deltas(tensors: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for tensor, delta in zip(tensors, deltas, strict=True):
+            tensor.add_(delta.to(device=tensor.device, dtype=tensor.dtype))
+
+
+def _normalize_state(state: Any) -> State:
+    if not isinstance(state, (tuple, list)) or len(state) not in (2, 3):
+        raise TypeError("get_current_state() must return (metadata, tensors[, infos])")
+    metadata, tensors, *rest = state
+    infos = rest[0] if rest else None
+    tensors = list(tensors)
+    if infos is not None and len(infos) != len(tensors):
+        raise ValueError("get_current_state() returned a different number of infos and tensors")
+    return metadata, tensors, infos
+
+
+class AsyncDecentralizedAverager:
+    """The trio averager. Build it with ``async with DecentralizedAverager.create(...)`` (or
+    this class's ``create``, e.g. from a subclass that overrides ``get_current_state``)."""
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        config: AveragerConfig,
+        *,
+        tensor_lock: threading.Lock | None = None,
+        state_provider: Callable[[], Any] | None = None,
+    ):
+        self._averaged_tensors = check_averaged_tensors(averaged_tensors)
+        self.dht = dht
+        self.config = config
+        self.prefix = config.prefix
+        self.mode = config.mode
+        self.client_mode = config.client_mode
+        self.peer_id: PeerID = dht.p2p.peer_id
+        self.lock_averaged_tensors = tensor_lock or threading.Lock()
+        self.total_size = sum(t.numel() for t in self._averaged_tensors)
+        self.schema_hash = compute_schema_hash(self._averaged_tensors, config.part_size_bytes)
+        self._group_bits = config.initial_group_bits
+        self._state_provider = state_provider
+        self._nursery: trio.Nursery | None = None
+        self._allreduce: AllReduceService | None = None
+        self._matchmaking: Matchmaking | None = None
+        self._state_sharing: StateSharing | None = None
+        self.steps_started = 0
+
+    @classmethod
+    @asynccontextmanager
+    async def create(
+        cls,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        prefix: str,
+        client_mode: bool | None = None,
+        tensor_lock: threading.Lock | None = None,
+        state_provider: Callable[[], Any] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[AsyncDecentralizedAverager]:
+        """Start an averager on a running ``AsyncDHT``; keywords are :class:`AveragerConfig`
+        fields (``client_mode`` defaults to the DHT's)."""
+        if client_mode is None:
+            client_mode = dht.client_mode
+        config = AveragerConfig(prefix=prefix, client_mode=client_mode, **kwargs)
+        self = cls(
+            averaged_tensors,
+            dht,
+            config,
+            tensor_lock=tensor_lock,
+            state_provider=state_provider,
+        )
+        allreduce = config.allreduce_config()
+        max_message_size = max(4 * DEFAULT_PART_SIZE_BYTES, 2 * config.part_size_bytes) + (1 << 17)
+        async with (
+            AllReduceService.create(
+                dht.p2p,
+                prefix,
+                group_wait_timeout=allreduce.sender_timeout,
+                max_message_size=max_message_size,
+            ) as self._allreduce,
+            Matchmaking.create(
+                dht,
+                config.matchmaking_config(),
+                self.schema_hash,
+                mode=self.mode,
+                bandwidth=config.bandwidth,
+            ) as self._matchmaking,
+            StateSharing.create(
+                dht,
+                prefix,
+                get_state=self._current_state,
+                state_compression=config.state_compression,
+                allow_state_sharing=bool(config.allow_state_sharing),
+                declare_state_period=config.declare_state_period,
+                serve=not config.client_mode,
+                message_timeout=config.download_timeout,
+                dht_timeout=max(config.min_matchmaking_time, 5.0),
+            ) as self._state_sharing,
+            trio.open_nursery() as nursery,
+        ):
+            self._nursery = nursery
+            try:
+                yield self
+            finally:
+                nursery.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ tensors and state
+
+    @contextmanager
+    def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
+        """The averaged tensors, locked: no step modifies them inside this block (on the trio
+        loop this may block it briefly, while a step adds its deltas in a worker thread)."""
+        with self.lock_averaged_tensors:
+            yield self._averaged_tensors
+
+    @asynccontextmanager
+    async def _locked_tensors(self) -> AsyncIterator[Sequence[torch.Tensor]]:
+        lock = self.lock_averaged_tensors
+        if not lock.acquire(blocking=False):
+            # A worker thread waits in short slices, so cancellation is seen within 50 ms.
+            while not await trio.to_thread.run_sync(lock.acquire, True, 0.05):
+                pass
+        try:
+            yield self._averaged_tensors
+        finally:
+            lock.release()
+
+    def get_current_state(self) -> Any:
+        """What newcomers download: ``(metadata, tensors)`` or ``(metadata, tensors, infos)``.
+        Runs in a worker thread; override it to share more (optimizer state, step counters)."""
+        with self.get_tensors() as tensors:
+            return {"group_bits": self._group_bits}, [t.detach().cpu().clone() for t in tensors]
+
+    async def _current_state(self) -> State:
+        provider = self._state_provider or self.get_current_state
+        return _normalize_state(await trio.to_thread.run_sync(provider))
+
+    async def load_state_from_peers(
+        self,
+        timeout: float | None = None,  # noqa: ASYNC109 (hivemind's keyword)
+    ) -> tuple[Any, list[torch.Tensor]] | None:
+        """Download ``(metadata, tensors)`` from the best state donors (None if none could
+        provide it within ``timeout``); see ``swarmtrain.averaging.state_sharing``."""
+        assert self._state_sharing is not None
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            return await self._state_sharing.load_state_from_peers()
+        logger.warning("load_state_from_peers timed out after %s s", timeout)
+        return None
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        return self._sharing().allow_state_sharing
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        self._sharing().allow_state_sharing = value
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return self._sharing().state_sharing_priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        self._sharing().state_sharing_priority = value
+
+    def _sharing(self) -> StateSharing:
+        if self._state_sharing is None:
+            raise RuntimeError("the averager is not running")
+        return self._state_sharing
+
+    def get_group_bits(self) -> str:
+        return self._group_bits
+
+    def set_group_bits(self, group_bits: str) -> None:
+        """Move to another Moshpit bucket (from the next matchmaking round on)."""
+        self._group_bits = _check_group_bits(group_bits)
+
+    # ------------------------------------------------------------------ steps
+
+    def start_step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+    ) -> StepControl:
+        """Start a step in the background and return its :class:`StepControl` (call on the
+        averager's loop). Arguments as in :meth:`step`."""
+        if self._nursery is None:
+            raise RuntimeError("the averager is not running")
+        if weight is None:
+            weight = 0.0 if self.mode == AveragingMode.AUX else 1.0
+        elif self.mode == AveragingMode.AUX:
+            logger.warning("an auxiliary averager sends no tensors: weight is ignored")
+        now = get_dht_time()
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be positive or None, got {timeout}")
+        deadline = math.inf if timeout is None else now + timeout
+        if scheduled_time is None:
+            scheduled_time = min(now + self.config.min_matchmaking_time, deadline)
+        elif scheduled_time >= deadline:
+            raise ValueError("scheduled_time is past the step's deadline (now + timeout)")
+        control = StepControl(
+            scheduled_time=scheduled_time,
+            deadline=deadline,
+            allow_retries=allow_retries,
+            weight=weight,
+            gather=serialize(gather),  # raises early for values that cannot travel
+            require_trigger=require_trigger,
+        )
+        self.steps_started += 1
+        self._nursery.start_soon(self._run_step, control)
+        return control
+
+    async def step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (hivemind's: the matchmaking deadline)
+        allow_retries: bool = True,
+    ) -> GatheredData:
+        """Find a group and average with it; return ``{peer_id: gather}`` of the group.
+
+        :param gather: small data (DHT-serializable) to share with the group
+        :param scheduled_time: DHT time at which to begin all-reduce (default: now +
+          ``min_matchmaking_time``)
+        :param weight: our weight in the average (default 1; 0 for auxiliary peers)
+        :param timeout: give up matchmaking after this many seconds (None: keep looking)
+        :param allow_retries: look again after a failed attempt, until ``timeout``
+        :raises MatchmakingError: no group; ``reason`` says why
+        """
+        control = self.start_step(gather, scheduled_time, weight, timeout, allow_retries)
+        try:
+            return await control.wait_result()
+        except BaseException:
+            control.cancel()
+            raise
+
+    async def _run_step(self, control: StepControl) -> None:
+        result: Any = None
+        error: BaseException | None = AveragingError("the step was cancelled")
+        try:
+            with control._cancel_scope:
+                result, error = await self._attempt_until_done(control), None
+        except AveragingError as e:
+            error = e
+        except trio.Cancelled:
+            error = AveragingError("the averager was shut down")
+            raise
+        except Exception as e:
+            logger.exception("averaging step failed unexpectedly")
+            error = e
+        finally:
+            control._finish(result, error)
+
+    async def _attempt_until_done(self, control: StepControl) -> GatheredData:
+        assert self._matchmaking is not None
+        while True:
+            control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
+            bits = self._group_bits
+            control._on_scheduled_time = self._matchmaking.set_scheduled_time
+            try:
+                assembled = await self._matchmaking.look_for_group(
+                    bits,
+                    deadline=control.deadline,
+                    scheduled_time=control.scheduled_time,
+                    gather=control.data_for_gather,
+                )
+            except MatchmakingError as e:
+                retry = control.allow_retries and e.reason != FailureReason.CANCELLED
+                if not retry or get_dht_time() >= control.deadline:
+                    raise
+                logger.info("matchmaking failed (%s), retrying", e)
+                continue
+            finally:
+                control._on_scheduled_time = None
+            self._rotate_group_bits(bits, assembled)
+            if not control.triggered:
+                control._set_stage(AveragingStage.AWAITING_TRIGGER)
+                with trio.move_on_at(_trio_deadline(control.deadline)):
+                    await control._wait_for_trigger()
+                if not control.triggered:
+                    raise MatchmakingError(
+                        FailureReason.DEADLINE,
+                        "allow_allreduce() was not called before the deadline",
+                    )
+            weight = control._begin_allreduce()
+            try:
+                return await self._run_allreduce(assembled.group, weight)
+            except AllReduceError as e:
+                if not control.allow_retries or get_dht_time() >= control.deadline:
+                    raise
+                logger.info("%s; retrying", e)
+                control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
+
+    def _rotate_group_bits(self, bits: str, assembled: GroupAssembled) -> None:
+        group = assembled.group
+        index = group.index_of(self.peer_id.to_bytes())
+        if index is None or self._group_bits != bits:  # set_group_bits() was called meanwhile
+            return
+        self._group_bits = next_group_bits(
+            bits, group.group_id, index, group.size, self.config.target_group_size
+        )
+
+    async def _run_allreduce(self, group: MatchmakingGroup, weight: float) -> GatheredData:
+        assert self._allreduce is not None
+        modes = group.modes
+        bandwidths = [
+            0.0 if m == AveragingMode.CLIENT else b
+            for m, b in zip(modes, group.bandwidths, strict=True)
+        ]
+        counts = load_balance_peers(
+            self.total_size, bandwidths, senders=[m != AveragingMode.AUX for m in modes]
+        )
+        allreduce_group = AllReduceGroup(
+            group.group_id, tuple(PeerID(p) for p in group.peer_ids), counts, modes
+        )
+        async with self._locked_tensors() as tensors:
+            snapshot = await trio.to_thread.run_sync(
+                lambda: [t.detach().cpu().clone() for t in tensors]
+            )
+        runner = AllReduceRunner(
+            self._allreduce,
+            allreduce_group,
+            snapshot,
+            weight=weight,
+            config=self.config.allreduce_config(),
+        )
+        result = await runner.run()
+        failed = {*result.banned_senders, *result.failed_reducers}
+        others = {p for p in allreduce_group.peer_ids if p != self.peer_id}
+        if others and others <= failed:
+            raise AllReduceError(
+                f"no other member of the group of {group.size} took part in all-reduce "
+                f"(failed reducers: {sorted(v.value for v in result.failed_reducers.values())}, "
+                f"banned senders: {sorted(v.value for v in result.banned_senders.values())})"
+            )
+        if not result.complete:
+            logger.warning(
+                "all-reduce in a group of %d was partial: banned senders %s, failed reducers %s%s",
+                group.size,
+                {str(k): v.value for k, v in result.banned_senders.items()},
+                {str(k): v.value for k, v in result.failed_reducers.items()},
+                ", timed out" if result.timed_out else "",
+            )
+        if result.deltas is not None:
+            async with self._locked_tensors() as tensors:
+                await trio.to_thread.run_sync(_add_deltas, tensors, result.deltas)
+        return {PeerID(m.peer_id): _load_gathered(m.gather) for m in group.members}

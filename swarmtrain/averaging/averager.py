@@ -1,0 +1,250 @@
+"""``DecentralizedAverager``: average tensors with peers found through the DHT (hivemind's API).
+
+One implementation (``AsyncDecentralizedAverager``, trio), two ways in:
+
+- trio::
+
+      async with DHT.create(initial_peers=[...]) as dht:
+          async with DecentralizedAverager.create(tensors, dht=dht, prefix="run") as averager:
+              gathered = await averager.step(gather={"batch_size": 32})
+
+- plain (blocking) code, on the DHT's background trio loop::
+
+      dht = DHT(initial_peers=[...])
+      averager = DecentralizedAverager(tensors, dht=dht, prefix="run", start=True)
+      gathered = averager.step()              # or control = averager.step(wait=False)
+      with averager.get_tensors() as tensors:  # averaged in place
+          ...
+      averager.shutdown(); dht.shutdown()
+
+A step: matchmaking (``swarmtrain.averaging.matchmaking``) finds a group under the current
+Moshpit bucket ``{prefix}.0b{group_bits}``; the group is load-balanced by bandwidth and
+averaged with butterfly all-reduce on a *copy* of the tensors; the resulting deltas
+(average - copy) are added to the tensors under ``get_tensors()``'s lock, so updates the trainer
+made meanwhile are kept. The bucket then rotates (``next_group_bits``). Failures raise
+``MatchmakingError`` with a reason (too few peers, schema mismatch, deadline); an all-reduce in
+which some peers failed still applies what was averaged (see ``AllReduceResult``).
+
+Resource handling: ``create`` owns the all-reduce service, matchmaking, state sharing and a task
+group for background steps; leaving it cancels running steps (their ``StepControl`` raises
+``AveragingError``) and removes the RPC handlers. The DHT belongs to the caller. The blocking
+``DecentralizedAverager`` holds a reference to the background loop until ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from swarmtrain.averaging.async_averager import (
+    AsyncDecentralizedAverager,
+    GatheredData,
+    _check_group_bits,
+)
+from swarmtrain.averaging.averager_config import (
+    AveragerConfig,
+    check_averaged_tensors,
+    compute_schema_hash,
+)
+from swarmtrain.averaging.control import StepControl
+from swarmtrain.p2p import PeerID
+from swarmtrain.utils.background import BackgroundRuntime
+
+__all__ = ["AsyncDecentralizedAverager", "DecentralizedAverager", "GatheredData"]
+
+
+class DecentralizedAverager:
+    """hivemind's ``DecentralizedAverager`` for plain (blocking) code, on the blocking ``DHT``'s
+    background trio loop (see the module docstring). Keywords: :class:`AveragerConfig`.
+
+    ``DecentralizedAverager.create(tensors, dht=async_dht, prefix=...)`` is the trio way in.
+    """
+
+    create = AsyncDecentralizedAverager.create
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        start: bool = True,
+        prefix: str,
+        client_mode: bool | None = None,
+        **kwargs: Any,
+    ):
+        if client_mode is None:
+            client_mode = dht.client_mode
+        self.config = AveragerConfig(prefix=prefix, client_mode=client_mode, **kwargs)
+        self._averaged_tensors = check_averaged_tensors(averaged_tensors)
+        self.lock_averaged_tensors = threading.Lock()
+        self.dht = dht
+        self.prefix, self.mode, self.client_mode = prefix, self.config.mode, client_mode
+        self._runtime: BackgroundRuntime | None = None
+        self._core: AsyncDecentralizedAverager | None = None
+        self._stop: Callable[[], None] | None = None
+        self._shut_down = False
+        if start:
+            self.run_in_background()
+
+    # ------------------------------------------------------------------ lifetime
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """Start the averager on the DHT's background loop (the constructor does this unless
+        ``start=False``). ``await_ready`` and ``timeout`` are accepted for compatibility: this
+        always returns once the averager serves requests."""
+        if self._runtime is not None or self._shut_down:
+            raise RuntimeError("this averager was already started")
+        dht_runtime, async_dht = self.dht._running()
+        runtime = BackgroundRuntime.acquire()
+        try:
+            if runtime is not dht_runtime:
+                raise RuntimeError("the DHT runs on another background loop (made before a fork?)")
+            fields = {
+                k: v for k, v in vars(self.config).items() if k not in ("prefix", "client_mode")
+            }
+            self._core, self._stop = runtime.start_service(
+                lambda: AsyncDecentralizedAverager.create(
+                    self._averaged_tensors,
+                    async_dht,
+                    prefix=self.prefix,
+                    client_mode=self.client_mode,
+                    tensor_lock=self.lock_averaged_tensors,
+                    state_provider=self.get_current_state,
+                    **fields,
+                )
+            )
+        except BaseException:
+            runtime.release()
+            raise
+        self._runtime = runtime
+
+    def is_alive(self) -> bool:
+        return self._runtime is not None and not self._shut_down
+
+    def shutdown(self) -> None:
+        """Stop the averager (running steps fail with ``AveragingError``); the DHT stays up."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self._runtime is None:
+            return
+        try:
+            assert self._stop is not None
+            self._stop()
+        finally:
+            self._runtime.release()
+
+    def __enter__(self) -> DecentralizedAverager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def _running(self) -> tuple[BackgroundRuntime, AsyncDecentralizedAverager]:
+        if self._runtime is None or self._core is None:
+            raise RuntimeError("the averager is not running: call run_in_background() first")
+        if self._shut_down:
+            raise RuntimeError("the averager was shut down")
+        return self._runtime, self._core
+
+    # ------------------------------------------------------------------ hivemind's API
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.dht.peer_id
+
+    @property
+    def schema_hash(self) -> bytes:
+        return compute_schema_hash(self._averaged_tensors, self.config.part_size_bytes)
+
+    def step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+        wait: bool = True,
+    ) -> GatheredData | StepControl:
+        """Average once (see :meth:`AsyncDecentralizedAverager.step`): the gathered data, or
+        with ``wait=False`` a :class:`StepControl` (``require_trigger`` needs ``wait=False``)."""
+        if wait and require_trigger:
+            raise ValueError("a step that waits cannot also wait for a trigger: use wait=False")
+        runtime, core = self._running()
+        control: StepControl = runtime.call_sync(
+            functools.partial(
+                core.start_step,
+                gather,
+                scheduled_time,
+                weight,
+                timeout,
+                allow_retries,
+                require_trigger,
+            )
+        )
+        if not wait:
+            return control
+        try:
+            return control.result()
+        except BaseException:
+            control.cancel()  # Ctrl-C: do not leave the step running
+            raise
+
+    @contextmanager
+    def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
+        """The averaged tensors, locked: no step modifies them inside this block. Do not keep
+        using them in place after the block."""
+        with self.lock_averaged_tensors:
+            yield self._averaged_tensors
+
+    def get_current_state(self) -> Any:
+        """What newcomers download: ``(metadata, tensors)`` or ``(metadata, tensors, infos)``.
+        Runs in a worker thread; override it to share more."""
+        bits = self._core.get_group_bits() if self._core is not None else ""
+        with self.get_tensors() as tensors:
+            return {"group_bits": bits}, [t.detach().cpu().clone() for t in tensors]
+
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | Future | None:
+        """Download ``(metadata, tensors)`` from the best donors (None if nobody could)."""
+        runtime, core = self._running()
+        fn = functools.partial(core.load_state_from_peers, timeout)
+        if not wait:
+            return runtime.portal.start_task_soon(fn)
+        return runtime.call(fn)
+
+    def get_group_bits(self, wait: bool = True) -> str:
+        runtime, core = self._running()
+        return runtime.call_sync(core.get_group_bits)
+
+    def set_group_bits(self, group_bits: str, wait: bool = True) -> None:
+        runtime, core = self._running()
+        runtime.call_sync(core.set_group_bits, _check_group_bits(group_bits))
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        runtime, core = self._running()
+        return runtime.call_sync(lambda: core.allow_state_sharing)
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        runtime, core = self._running()
+        runtime.call_sync(setattr, core, "allow_state_sharing", value)
+
+    @property
+    def state_sharing_priority(self) -> float:
+        runtime, core = self._running()
+        return runtime.call_sync(lambda: core.state_sharing_priority)
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        runtime, core = self._running()
+        runtime.call_sync(setattr, core, "state_sharing_priority", value)

@@ -1,0 +1,26 @@
+"""Why an averaging step (or a state download) failed: one exception family for the caller."""
+
+from __future__ import annotations
+
+from swarmtrain.averaging.matchmaking_types import FailureReason
+
+__all__ = ["AllReduceError", "AveragingError", "MatchmakingError"]
+
+
+class AveragingError(Exception):
+    """Base class of the errors ``DecentralizedAverager.step`` raises."""
+
+
+class MatchmakingError(AveragingError):
+    """No group this round. ``reason`` says why (a :class:`FailureReason`: ``TOO_FEW_PEERS``,
+    ``SCHEMA_MISMATCH``, ``DEADLINE`` or ``CANCELLED``); ``detail`` is for people."""
+
+    def __init__(self, reason: FailureReason, detail: str):
+        super().__init__(f"matchmaking failed ({reason.value}): {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class AllReduceError(AveragingError):
+    """A group formed, but no other member took part in the all-reduce (they left, were too
+    slow, or rejected us): nothing was averaged. Partial failures do not raise."""

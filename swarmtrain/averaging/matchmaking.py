@@ -1,0 +1,499 @@
+"""Matchmaking over the DHT and the join RPC: the async shell around ``MatchmakingCore``.
+
+``Matchmaking`` serves ``{prefix}::Matchmaking.rpc_join_group`` on one host (unless it is a
+client, which nobody can dial) and runs one round at a time::
+
+    async with Matchmaking.create(dht, config, schema_hash) as matchmaking:
+        assembled = await matchmaking.look_for_group("01", deadline=get_dht_time() + 30)
+        assembled.group  # a MatchmakingGroup, the same on every member
+
+How the core is driven: every event (a DHT answer, a join request, a leader's message, a closed
+stream, a timer) calls one core method *synchronously*, and the returned actions are carried
+out at once without awaiting: a DHT read or a join call starts a task, a message to a follower
+goes into that follower's buffered channel, cancelling a join call cancels its scope. So no
+await ever happens between a decision and the start of its I/O, and the core is never touched
+by two tasks across an await. One timer task calls ``tick`` at ``next_deadline()``.
+
+Resource handling: ``create`` owns a task group for DHT stores (declarations, including the
+withdrawal at the end of a round, must outlive the round); ``look_for_group`` owns a task group
+for the round's DHT reads, outgoing join calls and the timer, cancelled when the round ends.
+Incoming join calls run in the host's RPC server; each waits on its follower's channel, which
+the round closes when it ends, so none outlives the round.
+
+Bounds: each DHT read or store is bounded by ``dht_timeout``; a join call by the core's request
+timeouts (``CancelJoinRequest``) and by the round; the round by its deadline.
+
+Error handling: a failed DHT read or store, a peer that fails or talks nonsense only feed the
+core (``fetch_failed``, ``request_failed``, ``reject_malformed_request``); ``look_for_group``
+raises :class:`MatchmakingError` with the core's reason when the round ends without a group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from google.protobuf.message import DecodeError
+
+from swarmtrain.averaging.allreduce_core import AveragingMode
+from swarmtrain.averaging.errors import MatchmakingError
+from swarmtrain.averaging.matchmaking_core import MatchmakingCore
+from swarmtrain.averaging.matchmaking_types import (
+    Accepted,
+    Action,
+    BeginAllReduce,
+    CancelJoinRequest,
+    Declaration,
+    Declare,
+    Disbanded,
+    FetchDeclarations,
+    GroupAssembled,
+    GroupMember,
+    JoinRequest,
+    LeaderMessage,
+    MatchmakingConfig,
+    MatchmakingFailed,
+    MatchmakingGroup,
+    MatchmakingStatistics,
+    PeerId,
+    Rejected,
+    RejectReason,
+    SendJoinRequest,
+    SendToFollower,
+)
+from swarmtrain.dht import get_dht_time
+from swarmtrain.p2p import P2PError, PeerID
+from swarmtrain.proto import matchmaking_pb2 as pb
+
+__all__ = ["Matchmaking", "rpc_join_group_name"]
+
+logger = logging.getLogger(__name__)
+
+Code = pb.MatchmakingCode
+_MODES = {
+    AveragingMode.NODE: pb.MATCHMAKING_MODE_NODE,
+    AveragingMode.CLIENT: pb.MATCHMAKING_MODE_CLIENT,
+    AveragingMode.AUX: pb.MATCHMAKING_MODE_AUX,
+}
+_MODES_BACK = {v: k for k, v in _MODES.items()}
+_REJECT_CODES = {
+    RejectReason.NOT_LOOKING: Code.MATCHMAKING_NOT_LOOKING,
+    RejectReason.NOT_DECLARED: Code.MATCHMAKING_NOT_DECLARED,
+    RejectReason.BAD_GROUP_KEY: Code.MATCHMAKING_BAD_GROUP_KEY,
+    RejectReason.BAD_SCHEMA_HASH: Code.MATCHMAKING_BAD_SCHEMA_HASH,
+    RejectReason.NOT_A_LEADER: Code.MATCHMAKING_NOT_A_LEADER,
+    RejectReason.DUPLICATE: Code.MATCHMAKING_DUPLICATE,
+    RejectReason.BAD_EXPIRATION: Code.MATCHMAKING_BAD_EXPIRATION,
+    RejectReason.GROUP_FULL: Code.MATCHMAKING_GROUP_FULL,
+    RejectReason.PROTOCOL_VIOLATION: Code.MATCHMAKING_PROTOCOL_VIOLATION,
+}
+_REJECT_REASONS = {v: k for k, v in _REJECT_CODES.items()}
+# Largest join request / leader message (a group of many members with gathered data).
+MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+
+
+def rpc_join_group_name(prefix: str) -> str:
+    return f"{prefix}::Matchmaking.rpc_join_group"
+
+
+# ---------------------------------------------------------------------------------- wire codecs
+
+
+def _mode(value: int) -> AveragingMode:
+    try:
+        return _MODES_BACK[value]
+    except KeyError:
+        raise ValueError(f"unknown matchmaking mode {value}") from None
+
+
+def encode_declaration(d: Declaration) -> bytes:
+    message = pb.MatchmakingDeclaration(
+        looking_for_group=d.looking_for_group, schema_hash=d.schema_hash, mode=_MODES[d.mode]
+    )
+    if d.bandwidth is not None:
+        message.bandwidth = d.bandwidth
+    return message.SerializeToString()
+
+
+def decode_declaration(peer_id: Any, value: Any, expiration: float) -> Declaration | None:
+    """A DHT record under a group key, or None if it is not a valid declaration."""
+    if not isinstance(peer_id, bytes) or not isinstance(value, bytes):
+        return None
+    try:
+        m = pb.MatchmakingDeclaration.FromString(value)
+        return Declaration(
+            peer_id,
+            expiration,
+            m.looking_for_group,
+            m.schema_hash,
+            _mode(m.mode),
+            m.bandwidth if m.HasField("bandwidth") else None,
+        )
+    except (DecodeError, ValueError, TypeError):
+        return None
+
+
+def encode_join_request(r: JoinRequest) -> pb.MatchmakingJoinRequest:
+    message = pb.MatchmakingJoinRequest(
+        group_key=r.group_key,
+        schema_hash=r.schema_hash,
+        expiration=r.expiration,
+        mode=_MODES[r.mode],
+        gather=r.gather,
+    )
+    if r.bandwidth is not None:
+        message.bandwidth = r.bandwidth
+    return message
+
+
+def decode_join_request(m: pb.MatchmakingJoinRequest) -> JoinRequest:
+    """Raises ValueError or TypeError for a malformed request."""
+    return JoinRequest(
+        m.group_key,
+        m.schema_hash,
+        m.expiration,
+        _mode(m.mode),
+        m.bandwidth if m.HasField("bandwidth") else None,
+        m.gather,
+    )
+
+
+def encode_leader_message(message: LeaderMessage) -> pb.MatchmakingResponse:
+    if isinstance(message, Accepted):
+        return pb.MatchmakingResponse(code=Code.MATCHMAKING_ACCEPTED)
+    if isinstance(message, Rejected):
+        return pb.MatchmakingResponse(
+            code=_REJECT_CODES[message.reason],
+            suggested_leader=message.suggested_leader or b"",
+            detail=f"rejected: {message.reason.value}",
+        )
+    if isinstance(message, Disbanded):
+        return pb.MatchmakingResponse(
+            code=Code.MATCHMAKING_GROUP_DISBANDED, suggested_leader=message.suggested_leader or b""
+        )
+    group = message.group
+    members = []
+    for m in group.members:
+        member = pb.MatchmakingGroupMember(peer_id=m.peer_id, mode=_MODES[m.mode], gather=m.gather)
+        if m.bandwidth is not None:
+            member.bandwidth = m.bandwidth
+        members.append(member)
+    return pb.MatchmakingResponse(
+        code=Code.MATCHMAKING_BEGIN_ALLREDUCE,
+        group_id=group.group_id,
+        members=members,
+        group_key=group.group_key,
+    )
+
+
+def decode_leader_message(leader: PeerId, m: pb.MatchmakingResponse) -> LeaderMessage:
+    """Raises ValueError or TypeError for a malformed message."""
+    suggested = m.suggested_leader or None
+    if m.code == Code.MATCHMAKING_ACCEPTED:
+        return Accepted()
+    if m.code == Code.MATCHMAKING_BEGIN_ALLREDUCE:
+        members = tuple(
+            GroupMember(
+                p.peer_id,
+                _mode(p.mode),
+                p.bandwidth if p.HasField("bandwidth") else None,
+                p.gather,
+            )
+            for p in m.members
+        )
+        return BeginAllReduce(MatchmakingGroup(m.group_id, m.group_key, leader, members))
+    if m.code in (Code.MATCHMAKING_GROUP_DISBANDED, Code.MATCHMAKING_INTERNAL_ERROR):
+        return Disbanded(suggested)
+    if m.code in _REJECT_REASONS:
+        return Rejected(_REJECT_REASONS[m.code], suggested)
+    raise ValueError(f"unknown matchmaking code {m.code}")
+
+
+# ---------------------------------------------------------------------------------- the shell
+
+
+class Matchmaking:
+    """Matchmaking for one averager on one host; see the module docstring.
+
+    :param dht: a running ``AsyncDHT`` (its host serves the join RPC)
+    :param config: matchmaking settings (the prefix names the RPC and the group keys)
+    :param schema_hash: only peers with the same hash average together
+    :param mode: NODE, CLIENT (never leads, serves nothing) or AUX
+    :param bandwidth: ours, for load balancing (None: unknown)
+    :param dht_timeout: bound on each DHT read or store (default: ``min_matchmaking_time``)
+    """
+
+    def __init__(
+        self,
+        dht,
+        config: MatchmakingConfig,
+        schema_hash: bytes,
+        *,
+        mode: AveragingMode = AveragingMode.NODE,
+        bandwidth: float | None = None,
+        dht_timeout: float | None = None,
+    ):
+        self.dht = dht
+        self.p2p = dht.p2p
+        self.config = config
+        self.schema_hash = schema_hash
+        self.mode = mode
+        self.bandwidth = bandwidth
+        # A declaration lasts min_matchmaking_time: a store or a read slower than that is stale.
+        self.dht_timeout = dht_timeout if dht_timeout is not None else config.min_matchmaking_time
+        self.peer_id_bytes: PeerId = self.p2p.peer_id.to_bytes()
+        self.handler_name = rpc_join_group_name(config.prefix)
+        self._nursery: trio.Nursery | None = None
+        self._round_lock = trio.Lock()
+        # state of the current round (None between rounds)
+        self._core: MatchmakingCore | None = None
+        self._round_nursery: trio.Nursery | None = None
+        self._round_done = trio.Event()
+        self._wake = trio.Event()
+        self._followers: dict[PeerId, trio.MemorySendChannel] = {}
+        self._join_calls: dict[PeerId, trio.CancelScope] = {}
+        self.rounds_started = 0
+
+    @classmethod
+    @asynccontextmanager
+    async def create(
+        cls, dht, config: MatchmakingConfig, schema_hash: bytes, **kwargs: Any
+    ) -> AsyncIterator[Matchmaking]:
+        """Register the join handler (unless a client); remove it and stop every task on exit."""
+        self = cls(dht, config, schema_hash, **kwargs)
+        serve = self.mode != AveragingMode.CLIENT
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if serve:
+                self.p2p.add_protobuf_handler(
+                    self.handler_name,
+                    self._rpc_join_group,
+                    pb.MatchmakingJoinRequest,
+                    stream_output=True,
+                    max_message_size=MAX_MESSAGE_SIZE,
+                )
+            try:
+                yield self
+            finally:
+                if serve:
+                    self.p2p.remove_protobuf_handler(self.handler_name)
+                nursery.cancel_scope.cancel()
+
+    @property
+    def looking_for_group(self) -> bool:
+        return self._core is not None and not self._core.done
+
+    def statistics(self) -> MatchmakingStatistics | None:
+        """The current round's statistics (None between rounds)."""
+        return self._core.statistics() if self._core is not None else None
+
+    def set_scheduled_time(self, scheduled_time: float) -> None:
+        """Change when we intend to average; the next declaration of this round uses it."""
+        if self._core is not None and not self._core.done:
+            self._core.scheduled_time = scheduled_time
+
+    # ------------------------------------------------------------------ one round
+
+    async def look_for_group(
+        self,
+        group_bits: str,
+        *,
+        deadline: float,
+        scheduled_time: float | None = None,
+        gather: bytes = b"",
+    ) -> GroupAssembled:
+        """Find a group under ``{prefix}.0b{group_bits}`` before ``deadline`` (DHT time).
+
+        :raises MatchmakingError: no group (too few peers, schema mismatch, deadline)
+        """
+        async with self._round_lock:
+            core = MatchmakingCore(
+                self.config,
+                self.peer_id_bytes,
+                self.schema_hash,
+                group_bits,
+                deadline=deadline,
+                mode=self.mode,
+                bandwidth=self.bandwidth,
+                gather=gather,
+                scheduled_time=scheduled_time,
+                nonce=os.urandom(16),
+            )
+            self.rounds_started += 1
+            self._core, self._round_done = core, trio.Event()
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._round_nursery = nursery
+                    self._dispatch(core.start(get_dht_time()))
+                    nursery.start_soon(self._run_timer, core)
+                    await self._round_done.wait()
+                    nursery.cancel_scope.cancel()
+            finally:
+                if not core.done:  # cancelled: disband followers, withdraw (no awaits here)
+                    self._dispatch(core.cancel(get_dht_time()))
+                for channel in self._followers.values():
+                    channel.close()
+                self._followers.clear()
+                self._join_calls.clear()
+                self._core = self._round_nursery = None
+        result = core.result
+        if isinstance(result, GroupAssembled):
+            return result
+        assert isinstance(result, MatchmakingFailed)
+        logger.debug("no group under %s: %s", core.group_key, core.statistics())
+        raise MatchmakingError(result.reason, result.detail)
+
+    async def _run_timer(self, core: MatchmakingCore) -> None:
+        while not core.done:
+            wake = self._wake = trio.Event()
+            delay = core.next_deadline() - get_dht_time()
+            if delay > 0:
+                with trio.move_on_after(delay):
+                    await wake.wait()
+                continue
+            actions = core.tick(get_dht_time())
+            self._dispatch(actions)
+            if not actions and core.next_deadline() <= get_dht_time():
+                await trio.sleep(0.01)  # nothing moved: do not spin
+            else:
+                await trio.lowlevel.checkpoint()
+
+    # ------------------------------------------------------------------ carrying out actions
+
+    def _dispatch(self, actions: list[Action]) -> None:
+        """Carry out ``actions`` in order, without awaiting (see the module docstring)."""
+        core = self._core
+        for action in actions:
+            if isinstance(action, Declare):
+                assert self._nursery is not None
+                self._nursery.start_soon(self._store_declaration, action)
+            elif isinstance(action, FetchDeclarations):
+                if self._round_nursery is not None and core is not None:
+                    self._round_nursery.start_soon(self._fetch_declarations, core, action.key)
+            elif isinstance(action, SendJoinRequest):
+                if self._round_nursery is not None and core is not None:
+                    scope = trio.CancelScope()
+                    self._join_calls[action.leader] = scope
+                    self._round_nursery.start_soon(self._join_call, core, action, scope)
+            elif isinstance(action, CancelJoinRequest):
+                scope = self._join_calls.pop(action.leader, None)
+                if scope is not None:
+                    scope.cancel()
+            elif isinstance(action, SendToFollower):
+                channel = self._followers.get(action.follower)
+                if channel is not None:
+                    try:
+                        channel.send_nowait(action.message)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+                    if action.final:
+                        del self._followers[action.follower]
+                        channel.close()
+            elif isinstance(action, (GroupAssembled, MatchmakingFailed)):
+                self._round_done.set()
+        self._wake.set()
+
+    async def _store_declaration(self, action: Declare) -> None:
+        d = action.declaration
+        with trio.move_on_after(self.dht_timeout):
+            try:
+                value = encode_declaration(d)
+                await self.dht.store(action.key, value, d.expiration, subkey=d.peer_id)
+            except Exception as e:  # a failed declaration is not fatal: peers just miss us
+                logger.debug("could not declare under %s: %r", action.key, e)
+
+    async def _fetch_declarations(self, core: MatchmakingCore, key: str) -> None:
+        found = None
+        failed = True
+        with trio.move_on_after(self.dht_timeout):
+            try:
+                found = await self.dht.get(key, latest=True)
+                failed = False
+            except Exception as e:
+                logger.debug("could not read %s: %r", key, e)
+        if core is not self._core or core.done:
+            return
+        if failed:
+            self._dispatch(core.fetch_failed(get_dht_time()))
+            return
+        declarations = []
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                d = decode_declaration(subkey, item.value, item.expiration_time)
+                if d is not None:
+                    declarations.append(d)
+        self._dispatch(core.receive_declarations(declarations, get_dht_time()))
+
+    # ------------------------------------------------------------------ as a follower
+
+    async def _join_call(
+        self, core: MatchmakingCore, action: SendJoinRequest, scope: trio.CancelScope
+    ) -> None:
+        leader = action.leader
+        final = False
+
+        def current() -> bool:  # this call is still the one the core waits on
+            return self._join_calls.get(leader) is scope and core is self._core and not core.done
+
+        with scope:
+            try:
+                async with self.p2p.iterate_protobuf_handler(
+                    PeerID(leader),
+                    self.handler_name,
+                    encode_join_request(action.request),
+                    pb.MatchmakingResponse,
+                    next_message_timeout=None,  # the core times the call out
+                    max_message_size=MAX_MESSAGE_SIZE,
+                ) as responses:
+                    async for response in responses:
+                        message = decode_leader_message(leader, response)
+                        if not current():
+                            return
+                        final = not isinstance(message, Accepted)
+                        self._dispatch(core.handle_leader_message(leader, message, get_dht_time()))
+                        if final:
+                            break
+            except (P2PError, ValueError, TypeError) as e:
+                logger.debug("join call to %s failed: %r", PeerID(leader), e)
+        if not final and current():
+            self._dispatch(core.request_failed(leader, get_dht_time()))
+        if self._join_calls.get(leader) is scope:
+            del self._join_calls[leader]
+
+    # ------------------------------------------------------------------ as a leader
+
+    async def _rpc_join_group(
+        self, request: pb.MatchmakingJoinRequest, context
+    ) -> AsyncIterator[pb.MatchmakingResponse]:
+        peer: PeerId = context.remote_id.to_bytes()
+        core = self._core
+        if core is None or core.done:
+            yield encode_leader_message(Rejected(RejectReason.NOT_LOOKING))
+            return
+        if peer in self._followers:  # one join call per peer at a time
+            yield encode_leader_message(Rejected(RejectReason.DUPLICATE))
+            return
+        try:
+            join = decode_join_request(request)
+        except (ValueError, TypeError):
+            core.reject_malformed_request(peer)
+            yield encode_leader_message(Rejected(RejectReason.PROTOCOL_VIOLATION))
+            return
+        send, receive = trio.open_memory_channel(math.inf)
+        self._followers[peer] = send
+        try:
+            self._dispatch(core.handle_join_request(peer, join, get_dht_time()))
+            async with receive:
+                async for message in receive:
+                    yield encode_leader_message(message)
+        finally:
+            if self._followers.get(peer) is send:  # closed before a final message
+                del self._followers[peer]
+                send.close()
+                if core is self._core and not core.done:
+                    self._dispatch(core.follower_left(peer, get_dht_time()))

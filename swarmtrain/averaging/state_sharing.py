@@ -1,0 +1,312 @@
+"""State sharing: donors serve their state, newcomers download it (``load_state_from_peers``).
+
+A donor (``allow_state_sharing``) declares its priority under ``{prefix}.all_averagers`` (subkey:
+its peer id) every ``declare_state_period`` and at once when the priority or the permission
+changes; it serves ``{prefix}::Averager.rpc_download_state`` (see proto/state_sharing.proto):
+a header (msgpack metadata, number of tensors), then each tensor compressed with
+``state_compression`` and streamed in chunks.
+
+A newcomer reads the declarations, orders donors by priority (highest first, ties at random)
+and downloads from one donor at a time. If a donor fails mid-transfer (it leaves, stalls for
+``message_timeout``, or sends bad data), the newcomer keeps the tensors it already received in
+full and asks the next donor for the rest (``first_tensor``): peers that average together hold
+nearly the same state, so the result is one consistent-enough state without starting over. The
+metadata comes from the first donor that answered. A donor whose state has another number of
+tensors cannot continue a transfer and is skipped.
+
+Resource handling: ``create`` registers the handler (not in client mode: nobody can dial a
+client) and owns the declaring task; leaving it stops the task, stores a last "not sharing"
+record (bounded) and removes the handler. Downloads run in the caller's task.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+import trio
+from google.protobuf.message import DecodeError
+
+from swarmtrain.compression import (
+    DEFAULT_CHUNK_SIZE,
+    CompressionBase,
+    CompressionInfo,
+    TensorAssembler,
+    WireFormatError,
+    extract_async,
+    split_for_streaming,
+)
+from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
+from swarmtrain.p2p import P2PError, PeerID
+from swarmtrain.proto import state_sharing_pb2 as pb
+from swarmtrain.proto import tensor_pb2
+
+__all__ = ["StateSharing", "rpc_download_state_name", "state_sharing_key"]
+
+logger = logging.getLogger(__name__)
+
+MAX_METADATA_SIZE = 16 * 1024 * 1024
+# What get_current_state returns: (metadata, tensors) or (metadata, tensors, compression infos).
+State = tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo] | None]
+
+
+def state_sharing_key(prefix: str) -> str:
+    return f"{prefix}.all_averagers"
+
+
+def rpc_download_state_name(prefix: str) -> str:
+    return f"{prefix}::Averager.rpc_download_state"
+
+
+class StateSharing:
+    """Both sides of state sharing for one averager; see the module docstring.
+
+    :param dht: a running ``AsyncDHT``
+    :param get_state: returns the current state (called for each download we serve)
+    :param serve: register the download handler (False in client mode)
+    :param message_timeout: a download gives up on a donor that sends nothing for this long
+    :param dht_timeout: bound on each DHT read or store
+    """
+
+    def __init__(
+        self,
+        dht,
+        prefix: str,
+        *,
+        get_state: Callable[[], Awaitable[State]],
+        state_compression: CompressionBase,
+        allow_state_sharing: bool,
+        declare_state_period: float,
+        serve: bool = True,
+        message_timeout: float = 30.0,
+        dht_timeout: float = 5.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ):
+        self.dht = dht
+        self.p2p = dht.p2p
+        self.prefix = prefix
+        self.key = state_sharing_key(prefix)
+        self.handler_name = rpc_download_state_name(prefix)
+        self._get_state = get_state
+        self.state_compression = state_compression
+        self.declare_state_period = declare_state_period
+        self.serve = serve
+        self.message_timeout = message_timeout
+        self.dht_timeout = dht_timeout
+        self.chunk_size = chunk_size
+        self.max_message_size = MAX_METADATA_SIZE + 2 * chunk_size
+        self._allowed = False
+        self._priority = 0.0
+        self._changed = trio.Event()
+        self.downloads_served = 0
+        self.allow_state_sharing = allow_state_sharing
+
+    @classmethod
+    @asynccontextmanager
+    async def create(cls, dht, prefix: str, **kwargs: Any) -> AsyncIterator[StateSharing]:
+        self = cls(dht, prefix, **kwargs)
+        if self.serve:
+            self.p2p.add_protobuf_handler(
+                self.handler_name,
+                self._rpc_download_state,
+                pb.StateDownloadRequest,
+                stream_output=True,
+                max_message_size=self.max_message_size,
+            )
+        try:
+            async with trio.open_nursery() as nursery:
+                if self.serve:
+                    self._changed = trio.Event()
+                    declared = await self._declare(was_allowed=False)
+                    nursery.start_soon(self._declare_periodically, declared)
+                try:
+                    yield self
+                finally:
+                    nursery.cancel_scope.cancel()
+            if self.serve and self._allowed:
+                with trio.CancelScope(shield=True):
+                    self._allowed = False
+                    await self._declare(was_allowed=True)  # tell newcomers we are gone
+        finally:
+            if self.serve:
+                self.p2p.remove_protobuf_handler(self.handler_name)
+
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        return self._allowed
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        if value and not self.serve:
+            raise ValueError("a client-mode averager cannot share its state: nobody can dial it")
+        if bool(value) != self._allowed:
+            self._allowed = bool(value)
+            self._changed.set()
+
+    @property
+    def state_sharing_priority(self) -> float:
+        """Newcomers download from the donor with the highest priority first."""
+        return self._priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"state_sharing_priority must be finite, got {value}")
+        if value != self._priority:
+            self._priority = value
+            if self._allowed:
+                self._changed.set()
+
+    # ------------------------------------------------------------------ as a donor
+
+    async def _declare(self, was_allowed: bool) -> bool:
+        """Store our priority (or None when we stopped sharing); returns whether we share."""
+        allowed = self._allowed
+        if allowed or was_allowed:
+            value = self._priority if allowed else None
+            with trio.move_on_after(self.dht_timeout):
+                try:
+                    await self.dht.store(
+                        self.key,
+                        value,
+                        get_dht_time() + self.declare_state_period,
+                        subkey=self.p2p.peer_id.to_bytes(),
+                    )
+                except Exception as e:
+                    logger.debug("could not declare state sharing: %r", e)
+        return allowed
+
+    async def _declare_periodically(self, was_allowed: bool) -> None:
+        # Re-declare well before the record expires, and at once after a change.
+        interval = max(self.declare_state_period - self.dht_timeout, self.declare_state_period / 2)
+        while True:
+            with trio.move_on_after(interval):
+                await self._changed.wait()
+            self._changed = trio.Event()  # a change during the store below wakes us again
+            was_allowed = await self._declare(was_allowed)
+
+    async def _rpc_download_state(
+        self, request: pb.StateDownloadRequest, context
+    ) -> AsyncIterator[pb.StateDownloadResponse]:
+        if not self._allowed:
+            return  # no header: the newcomer asks the next donor
+        metadata, tensors, infos = await self._get_state()
+        metadata_bytes = serialize(metadata, max_size=MAX_METADATA_SIZE)
+        self.downloads_served += 1
+        yield pb.StateDownloadResponse(
+            header=pb.StateHeader(metadata=metadata_bytes, num_tensors=len(tensors))
+        )
+        for index in range(request.first_tensor, len(tensors)):
+            tensor = tensors[index]
+            info = infos[index] if infos is not None else CompressionInfo.from_tensor(tensor, index)
+            message = await anyio.to_thread.run_sync(self.state_compression.compress, tensor, info)
+            for chunk in split_for_streaming(message, self.chunk_size):
+                yield pb.StateDownloadResponse(tensor_index=index, chunk=chunk.SerializeToString())
+
+    # ------------------------------------------------------------------ as a newcomer
+
+    async def find_donors(self) -> list[PeerID]:
+        """Peers that declared they share their state, best first (never us)."""
+        found = None
+        with trio.move_on_after(self.dht_timeout):
+            try:
+                found = await self.dht.get(self.key, latest=True)
+            except Exception as e:
+                logger.debug("could not read %s: %r", self.key, e)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        ours = self.p2p.peer_id.to_bytes()
+        priorities: dict[bytes, tuple[float, float]] = {}
+        for subkey, item in found.value.items():
+            value = item.value
+            if not isinstance(subkey, bytes) or subkey == ours or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                priorities[subkey] = (float(value), random.random())
+        return [PeerID(p) for p in sorted(priorities, key=priorities.__getitem__, reverse=True)]
+
+    async def load_state_from_peers(self) -> tuple[Any, list[torch.Tensor]] | None:
+        """Download (metadata, tensors) from the best donors (see the module docstring); None if
+        no donor could provide it. Bound it with the caller's ``move_on_after``."""
+        donors = await self.find_donors()
+        tensors: list[torch.Tensor] = []
+        header: pb.StateHeader | None = None
+        for donor in donors:
+            try:
+                header = await self._download(donor, header, tensors)
+            except (P2PError, WireFormatError, DHTValueError, DecodeError, ValueError) as e:
+                logger.info(
+                    "state download from %s failed after %d tensor(s): %r", donor, len(tensors), e
+                )
+                continue
+            if header is not None and len(tensors) == header.num_tensors:
+                try:
+                    metadata = deserialize(header.metadata, max_size=MAX_METADATA_SIZE)
+                except DHTValueError as e:
+                    logger.info("donor %s sent malformed metadata: %r", donor, e)
+                    header, tensors = None, []
+                    continue
+                logger.info("downloaded state (%d tensors), last donor %s", len(tensors), donor)
+                return metadata, tensors
+        if donors:
+            logger.warning("could not load state from any of %d donor(s)", len(donors))
+        return None
+
+    async def _download(
+        self, donor: PeerID, header: pb.StateHeader | None, tensors: list[torch.Tensor]
+    ) -> pb.StateHeader | None:
+        """Receive tensors ``len(tensors)...`` from ``donor`` into ``tensors``; return the header
+        in use (the first donor's). Raises on failure, keeping the tensors received in full."""
+        request = pb.StateDownloadRequest(first_tensor=len(tensors))
+        async with self.p2p.iterate_protobuf_handler(
+            donor,
+            self.handler_name,
+            request,
+            pb.StateDownloadResponse,
+            next_message_timeout=self.message_timeout,
+            max_message_size=self.max_message_size,
+        ) as responses:
+            first = await _next_or_none(responses)
+            if first is None or not first.HasField("header"):
+                logger.debug("%s does not share its state", donor)
+                return header
+            if header is None:
+                header = first.header
+            elif first.header.num_tensors != header.num_tensors:
+                raise ValueError(
+                    f"{donor} has {first.header.num_tensors} state tensors, "
+                    f"the first donor had {header.num_tensors}"
+                )
+            assembler: TensorAssembler | None = None
+            async for response in responses:
+                if response.HasField("header") or response.tensor_index != len(tensors):
+                    raise ValueError(f"unexpected message for tensor {response.tensor_index}")
+                if len(tensors) >= header.num_tensors:
+                    raise ValueError("more tensors than the header announced")
+                assembler = assembler or TensorAssembler()
+                message = assembler.feed(tensor_pb2.Tensor.FromString(response.chunk))
+                if message is not None:
+                    tensors.append(await extract_async(message))
+                    assembler = None
+            if assembler is not None:
+                assembler.finish()  # raises: the stream ended inside a tensor
+            if len(tensors) != header.num_tensors:
+                raise ValueError(f"{donor} ended the stream after {len(tensors)} tensor(s)")
+            return header
+
+
+async def _next_or_none(iterator):
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return None
