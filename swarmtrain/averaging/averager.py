@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
@@ -54,12 +54,12 @@ from swarmtrain.averaging.averager_config import (
 )
 from swarmtrain.averaging.control import StepControl
 from swarmtrain.p2p import PeerID
-from swarmtrain.utils.background import BackgroundRuntime
+from swarmtrain.utils.background import BackgroundRuntime, BackgroundService
 
 __all__ = ["AsyncDecentralizedAverager", "DecentralizedAverager", "GatheredData"]
 
 
-class DecentralizedAverager:
+class DecentralizedAverager(BackgroundService):
     """hivemind's ``DecentralizedAverager`` for plain (blocking) code, on the blocking ``DHT``'s
     background trio loop (see the module docstring). Keywords: :class:`AveragerConfig`.
 
@@ -85,73 +85,36 @@ class DecentralizedAverager:
         self.lock_averaged_tensors = threading.Lock()
         self.dht = dht
         self.prefix, self.mode, self.client_mode = prefix, self.config.mode, client_mode
-        self._runtime: BackgroundRuntime | None = None
-        self._core: AsyncDecentralizedAverager | None = None
-        self._stop: Callable[[], None] | None = None
-        self._shut_down = False
         if start:
             self.run_in_background()
 
     # ------------------------------------------------------------------ lifetime
 
+    _service_name = "the averager"
+
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """Start the averager on the DHT's background loop (the constructor does this unless
         ``start=False``). ``await_ready`` and ``timeout`` are accepted for compatibility: this
         always returns once the averager serves requests."""
-        if self._runtime is not None or self._shut_down:
-            raise RuntimeError("this averager was already started")
         dht_runtime, async_dht = self.dht._running()
-        runtime = BackgroundRuntime.acquire()
-        try:
-            if runtime is not dht_runtime:
-                raise RuntimeError("the DHT runs on another background loop (made before a fork?)")
-            fields = {
-                k: v for k, v in vars(self.config).items() if k not in ("prefix", "client_mode")
-            }
-            self._core, self._stop = runtime.start_service(
-                lambda: AsyncDecentralizedAverager.create(
-                    self._averaged_tensors,
-                    async_dht,
-                    prefix=self.prefix,
-                    client_mode=self.client_mode,
-                    tensor_lock=self.lock_averaged_tensors,
-                    state_provider=self.get_current_state,
-                    **fields,
-                )
+        if BackgroundRuntime._instance is not dht_runtime:
+            raise RuntimeError("the DHT runs on another background loop (made before a fork?)")
+        fields = {k: v for k, v in vars(self.config).items() if k not in ("prefix", "client_mode")}
+        self._start_in_background(
+            lambda: AsyncDecentralizedAverager.create(
+                self._averaged_tensors,
+                async_dht,
+                prefix=self.prefix,
+                client_mode=self.client_mode,
+                tensor_lock=self.lock_averaged_tensors,
+                state_provider=self.get_current_state,
+                **fields,
             )
-        except BaseException:
-            runtime.release()
-            raise
-        self._runtime = runtime
-
-    def is_alive(self) -> bool:
-        return self._runtime is not None and not self._shut_down
+        )
 
     def shutdown(self) -> None:
         """Stop the averager (running steps fail with ``AveragingError``); the DHT stays up."""
-        if self._shut_down:
-            return
-        self._shut_down = True
-        if self._runtime is None:
-            return
-        try:
-            assert self._stop is not None
-            self._stop()
-        finally:
-            self._runtime.release()
-
-    def __enter__(self) -> DecentralizedAverager:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.shutdown()
-
-    def _running(self) -> tuple[BackgroundRuntime, AsyncDecentralizedAverager]:
-        if self._runtime is None or self._core is None:
-            raise RuntimeError("the averager is not running: call run_in_background() first")
-        if self._shut_down:
-            raise RuntimeError("the averager was shut down")
-        return self._runtime, self._core
+        super().shutdown()
 
     # ------------------------------------------------------------------ hivemind's API
 
@@ -207,7 +170,7 @@ class DecentralizedAverager:
     def get_current_state(self) -> Any:
         """What newcomers download: ``(metadata, tensors)`` or ``(metadata, tensors, infos)``.
         Runs in a worker thread; override it to share more."""
-        bits = self._core.get_group_bits() if self._core is not None else ""
+        bits = self._service.get_group_bits() if self._service is not None else ""
         with self.get_tensors() as tensors:
             return {"group_bits": bits}, [t.detach().cpu().clone() for t in tensors]
 

@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from swarmtrain.p2p import P2P, PeerID
-from swarmtrain.utils.background import BackgroundRuntime
+from swarmtrain.utils.background import BackgroundService
 
 from .node import DHTNode, DHTNodeConfig
 from .storage import DHTExpiration, ValueWithExpiration
@@ -65,7 +65,7 @@ class AsyncDHT:
         return await coro_fn(self, self.node)
 
 
-class DHT:
+class DHT(BackgroundService):
     """hivemind's ``DHT`` on the background trio loop (see the module docstring).
 
     Keywords: those of ``P2P.create`` (``client_mode``, ``host_maddrs``, ``announce_maddrs``,
@@ -78,10 +78,6 @@ class DHT:
             raise TypeError("initial_peers must be a list of multiaddr strings, not one string")
         self._initial_peers = list(initial_peers)
         self._kwargs = kwargs
-        self._runtime: BackgroundRuntime | None = None
-        self._dht: AsyncDHT | None = None
-        self._stop: Callable[[], None] | None = None
-        self._shut_down = False
         self.aio = AsyncioDHT(self)
         if start:
             self.run_in_background()
@@ -111,49 +107,12 @@ class DHT:
 
     # ---------------------------------------------------------------- lifetime
 
+    _service_name = "the DHT"
+
     def run_in_background(self) -> None:
         """Start the host and node on the background loop (the constructor does this unless
         ``start=False``); returns when the node has bootstrapped."""
-        if self._runtime is not None or self._shut_down:
-            raise RuntimeError("this DHT was already started")
-        runtime = BackgroundRuntime.acquire()
-        try:
-            self._dht, self._stop = runtime.start_service(
-                lambda: DHT.create(self._initial_peers, **self._kwargs)
-            )
-        except BaseException:
-            runtime.release()
-            raise
-        self._runtime = runtime
-
-    def is_alive(self) -> bool:
-        return self._runtime is not None and not self._shut_down
-
-    def shutdown(self) -> None:
-        """Close the node and host; the background loop stops when nothing else uses it."""
-        if self._shut_down:
-            return
-        self._shut_down = True
-        if self._runtime is None:
-            return
-        try:
-            assert self._stop is not None
-            self._stop()
-        finally:
-            self._runtime.release()
-
-    def __enter__(self) -> DHT:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.shutdown()
-
-    def _running(self) -> tuple[BackgroundRuntime, AsyncDHT]:
-        if self._runtime is None or self._dht is None:
-            raise RuntimeError("the DHT is not running: call run_in_background() first")
-        if self._shut_down:
-            raise RuntimeError("the DHT was shut down")
-        return self._runtime, self._dht
+        self._start_in_background(lambda: DHT.create(self._initial_peers, **self._kwargs))
 
     def _run(self, fn: Callable[[], Awaitable[T]], return_future: bool) -> T | Future:
         runtime, _ = self._running()

@@ -72,7 +72,7 @@ from swarmtrain.dht import (
 from swarmtrain.dht.node import DHTNode
 from swarmtrain.p2p.pubsub import PubSub
 from swarmtrain.proto.progress_pb2 import ProgressRecord
-from swarmtrain.utils.background import BackgroundRuntime
+from swarmtrain.utils.background import BackgroundService
 
 from .progress_core import (
     GlobalProgress,
@@ -506,7 +506,7 @@ class AsyncProgressTracker:
             logger.warning("%s: %s", self.prefix, warning)
 
 
-class ProgressTracker:
+class ProgressTracker(BackgroundService):
     """hivemind's ``ProgressTracker`` for plain (blocking) code, over a blocking ``DHT``.
 
     It runs an :class:`AsyncProgressTracker` on swarmtrain's background trio loop; keywords
@@ -524,71 +524,43 @@ class ProgressTracker:
     ):
         self.dht, self.prefix = dht, prefix
         self._target_batch_size, self._kwargs = target_batch_size, kwargs
-        self._runtime: BackgroundRuntime | None = None
-        self._tracker: AsyncProgressTracker | None = None
-        self._stop: Callable[[], None] | None = None
-        self._shut_down = False
         if start:
             self.start()
 
     create = AsyncProgressTracker.create  #: the trio way in
 
+    _service_name = "this ProgressTracker"
+
     def start(self) -> None:
-        if self._runtime is not None or self._shut_down:
-            raise RuntimeError("this ProgressTracker was already started")
 
         async def get_async_dht(async_dht: AsyncDHT, node: DHTNode) -> AsyncDHT:
             return async_dht
 
         async_dht = self.dht.run_coroutine(get_async_dht)
-        runtime = BackgroundRuntime.acquire()
-        try:
-            self._tracker, self._stop = runtime.start_service(
-                lambda: AsyncProgressTracker.create(
-                    async_dht, self.prefix, self._target_batch_size, **self._kwargs
-                )
+        self._start_in_background(
+            lambda: AsyncProgressTracker.create(
+                async_dht, self.prefix, self._target_batch_size, **self._kwargs
             )
-        except BaseException:
-            runtime.release()
-            raise
-        self._runtime = runtime
+        )
 
     def shutdown(self) -> None:
         """Publish a departure record, stop the background tasks."""
-        if self._shut_down:
-            return
-        self._shut_down = True
-        if self._runtime is None:
-            return
-        try:
-            assert self._stop is not None
-            self._stop()
-        finally:
-            self._runtime.release()
-
-    def __enter__(self) -> ProgressTracker:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.shutdown()
+        super().shutdown()
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._runtime is None or self._tracker is None or self._shut_down:
-            raise RuntimeError("this ProgressTracker is not running")
-        return self._runtime.call_sync(fn, *args)
+        runtime, _ = self._running()
+        return runtime.call_sync(fn, *args)
 
-    def _running(self) -> AsyncProgressTracker:
-        if self._tracker is None or self._shut_down:
-            raise RuntimeError("this ProgressTracker is not running")
-        return self._tracker
+    def _tracker(self) -> AsyncProgressTracker:
+        return self._running()[1]
 
     @property
     def global_progress(self) -> GlobalProgress:
-        return self._call(lambda: self._running().global_progress)
+        return self._call(lambda: self._tracker().global_progress)
 
     @property
     def local_progress(self) -> LocalProgress:
-        return self._call(lambda: self._running().local_progress)
+        return self._call(lambda: self._tracker().local_progress)
 
     @property
     def global_epoch(self) -> int:
@@ -596,21 +568,21 @@ class ProgressTracker:
 
     @property
     def ready_to_update_epoch(self) -> bool:
-        return self._call(lambda: self._running().ready_to_update_epoch)
+        return self._call(lambda: self._tracker().ready_to_update_epoch)
 
     @property
     def estimated_next_update_time(self) -> float:
-        return self._call(lambda: self._running().estimated_next_update_time)
+        return self._call(lambda: self._tracker().estimated_next_update_time)
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
-        self._call(self._running().report_local_progress, local_epoch, samples_accumulated)
+        self._call(self._tracker().report_local_progress, local_epoch, samples_accumulated)
 
     def update_epoch(self, new_epoch: int | None = None) -> int:
-        return self._call(self._running().update_epoch, new_epoch)
+        return self._call(self._tracker().update_epoch, new_epoch)
 
     @contextmanager
     def pause_updates(self) -> Iterator[None]:
-        core = self._running()._core
+        core = self._tracker()._core
         self._call(lambda: core.pause(get_dht_time()))
         try:
             yield
@@ -620,17 +592,16 @@ class ProgressTracker:
     def wait_global_epoch(self, epoch: int, timeout: float | None = None) -> GlobalProgress:
         """Block until the swarm's epoch is at least ``epoch``; ``TimeoutError`` after
         ``timeout`` seconds."""
-        return self._wait(lambda: self._running().wait_global_epoch(epoch), timeout)
+        return self._wait(lambda: self._tracker().wait_global_epoch(epoch), timeout)
 
     def wait_ready_to_update_epoch(self, timeout: float | None = None) -> GlobalProgress:
-        return self._wait(self._running().wait_ready_to_update_epoch, timeout)
+        return self._wait(self._tracker().wait_ready_to_update_epoch, timeout)
 
     def refresh(self) -> GlobalProgress:
-        return self._wait(self._running().refresh, None)
+        return self._wait(self._tracker().refresh, None)
 
     def _wait(self, fn: Callable[[], Any], timeout: float | None) -> Any:
-        tracker = self._running()
-        assert self._runtime is not None and tracker is not None
+        runtime, _ = self._running()
 
         async def bounded() -> Any:
             try:
@@ -639,7 +610,7 @@ class ProgressTracker:
             except trio.TooSlowError:
                 raise TimeoutError(f"not done within {timeout} s") from None
 
-        return self._runtime.call(bounded)
+        return runtime.call(bounded)
 
     def statistics(self) -> ProgressTrackerStatistics:
-        return self._call(lambda: self._running().statistics())
+        return self._call(lambda: self._tracker().statistics())

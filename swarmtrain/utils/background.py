@@ -138,3 +138,59 @@ class BackgroundRuntime:
         self._check_process()
         with self.portal.wrap_async_context_manager(cm) as value:
             yield value
+
+
+class BackgroundService:
+    """Base of the blocking facades (``DHT``, ``DecentralizedAverager``, ``ProgressTracker``):
+    one trio async-context object kept open on the background loop until ``shutdown()``.
+
+    Subclasses call ``_start_in_background(factory)`` once and reach the running object with
+    ``_running()``; ``shutdown`` is idempotent and releases the loop.
+    """
+
+    _service_name = "this object"
+    _runtime: BackgroundRuntime | None = None
+    _service: Any = None
+    _stop: Callable[[], None] | None = None
+    _shut_down = False
+
+    def _start_in_background(self, factory: Callable[[], AbstractAsyncContextManager[T]]) -> T:
+        if self._runtime is not None or self._shut_down:
+            raise RuntimeError(f"{self._service_name} was already started")
+        runtime = BackgroundRuntime.acquire()
+        try:
+            self._service, self._stop = runtime.start_service(factory)
+        except BaseException:
+            runtime.release()
+            raise
+        self._runtime = runtime
+        return self._service
+
+    def is_alive(self) -> bool:
+        return self._runtime is not None and not self._shut_down
+
+    def shutdown(self) -> None:
+        """Close the object; the background loop stops when nothing else uses it."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self._runtime is None:
+            return
+        try:
+            if self._stop is not None:
+                self._stop()
+        finally:
+            self._runtime.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def _running(self) -> tuple[BackgroundRuntime, Any]:
+        if self._runtime is None or self._service is None:
+            raise RuntimeError(f"{self._service_name} is not running: start it first")
+        if self._shut_down:
+            raise RuntimeError(f"{self._service_name} was shut down")
+        return self._runtime, self._service
