@@ -1,5 +1,13 @@
 """swarmtrain.optim: decentralized optimizers and the training-progress tracker they share."""
 
+from swarmtrain.optim.diloco_core import ApplyOuter as ApplyOuter
+from swarmtrain.optim.diloco_core import Fragments as Fragments
+from swarmtrain.optim.diloco_core import OuterState as OuterState
+from swarmtrain.optim.diloco_core import StartSync as StartSync
+from swarmtrain.optim.diloco_core import StreamingSchedule as StreamingSchedule
+from swarmtrain.optim.diloco_core import default_outer_optimizer as default_outer_optimizer
+from swarmtrain.optim.diloco_core import mix_ as mix_
+
 from .progress_core import ClockSkewDetected as ClockSkewDetected
 from .progress_core import GlobalProgress as GlobalProgress
 from .progress_core import LocalProgress as LocalProgress
