@@ -246,6 +246,7 @@ class Matchmaking:
         self.bandwidth = bandwidth
         # A declaration lasts min_matchmaking_time: a store or a read slower than that is stale.
         self.dht_timeout = dht_timeout if dht_timeout is not None else config.min_matchmaking_time
+        self._warned_slow_dht = False
         self.peer_id_bytes: PeerId = self.p2p.peer_id.to_bytes()
         self.handler_name = rpc_join_group_name(config.prefix)
         self._nursery: trio.Nursery | None = None
@@ -410,12 +411,25 @@ class Matchmaking:
     async def _fetch_declarations(self, core: MatchmakingCore, key: str) -> None:
         found = None
         failed = True
+        started = trio.current_time()
         with trio.move_on_after(self.dht_timeout):
             try:
                 found = await self.dht.get(key, latest=True)
                 failed = False
             except Exception as e:
                 logger.debug("could not read %s: %r", key, e)
+        elapsed = trio.current_time() - started
+        if elapsed > self.config.min_matchmaking_time / 2 and not self._warned_slow_dht:
+            # Declarations live min_matchmaking_time; reads this slow see peers only after their
+            # declarations expired, so groups rarely form (two peers can miss each other forever).
+            self._warned_slow_dht = True
+            logger.warning(
+                "reading matchmaking declarations took %.1f s, more than half of "
+                "min_matchmaking_time=%.1f s: groups will rarely form; raise min_matchmaking_time "
+                "(or give the DHT more CPU)",
+                elapsed,
+                self.config.min_matchmaking_time,
+            )
         if core is not self._core or core.done:
             return
         if failed:
