@@ -3,6 +3,7 @@
 This module only re-exports the public API; implementations live in the subpackages.
 """
 
+from swarmtrain.averaging import DecentralizedAverager as DecentralizedAverager
 from swarmtrain.compression import BlockwiseQuantization as BlockwiseQuantization
 from swarmtrain.compression import CompressionInfo as CompressionInfo
 from swarmtrain.compression import Float16Compression as Float16Compression
@@ -16,6 +17,8 @@ from swarmtrain.compression import TensorRole as TensorRole
 from swarmtrain.compression import Uniform8BitQuantization as Uniform8BitQuantization
 from swarmtrain.dht import DHT as DHT
 from swarmtrain.dht import get_dht_time as get_dht_time
+from swarmtrain.optim import DiLoCoOptimizer as DiLoCoOptimizer
+from swarmtrain.optim import ProgressTracker as ProgressTracker
 from swarmtrain.p2p import P2P as P2P
 
 __version__ = "0.1.0.dev0"

@@ -1,5 +1,7 @@
 """swarmtrain.optim: decentralized optimizers and the training-progress tracker they share."""
 
+from swarmtrain.optim.diloco import DiLoCoOptimizer as DiLoCoOptimizer
+from swarmtrain.optim.diloco import DiLoCoStatistics as DiLoCoStatistics
 from swarmtrain.optim.diloco_core import ApplyOuter as ApplyOuter
 from swarmtrain.optim.diloco_core import Fragments as Fragments
 from swarmtrain.optim.diloco_core import OuterState as OuterState

@@ -1,0 +1,351 @@
+"""DiLoCoOptimizer: peers in threads over real DHTs on loopback, checked against references."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from swarmtrain.compression import Float16Compression, NoCompression
+from swarmtrain.dht import DHT
+from swarmtrain.optim._textdata import stdlib_text
+from swarmtrain.optim.diloco import DiLoCoOptimizer, pack_state, unpack_state
+from swarmtrain.optim.diloco_core import OuterState
+from swarmtrain.optim.diloco_simulation import (
+    SimulationConfig,
+    TinyTransformer,
+    TinyTransformerConfig,
+    _build,
+    _loss,
+    _samplers,
+    default_inner_optimizer,
+    run_diloco,
+)
+from swarmtrain.utils.background import BackgroundRuntime
+
+HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
+MODEL = TinyTransformerConfig(context=8, d_model=8, n_layers=1, n_heads=2)
+# A round waits up to 1 s for a full group; averaging_timeout bounds matchmaking retries.
+FAST = {"matchmaking_time": 1.0, "averaging_timeout": 10.0}
+
+
+def model_factory() -> nn.Module:
+    return TinyTransformer(MODEL)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return stdlib_text(100_000)
+
+
+@pytest.fixture
+def dhts():
+    """``make(n)`` starts ``n`` more DHTs, all bootstrapped from the first; all closed after."""
+    made: list[DHT] = []
+
+    def make(n: int) -> list[DHT]:
+        initial = made[0].get_visible_maddrs() if made else []
+        new = []
+        for _ in range(n):
+            dht = DHT(initial, **HOST)
+            initial = initial or dht.get_visible_maddrs()
+            new.append(dht)
+        made.extend(new)
+        return new
+
+    yield make
+    for dht in reversed(made):
+        dht.shutdown()
+    assert BackgroundRuntime.active_references() == 0
+
+
+def in_threads(functions: list[Callable[[], None]], timeout: float = 60) -> None:
+    errors: list[BaseException] = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in functions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a peer hung"
+    if errors:
+        raise errors[0]
+
+
+class Peer:
+    """One worker of ``run_diloco``'s setup (same init, data shard, sampler and inner steps),
+    with a networked DiLoCoOptimizer instead of the in-process average."""
+
+    def __init__(self, config: SimulationConfig, index: int, dht: DHT, data, **kwargs):
+        self.config = config
+        self.model = copy.deepcopy(_build(config, model_factory))
+        self.sampler = _samplers(config, data)[index]
+        self.opt = DiLoCoOptimizer(
+            self.model.parameters(),
+            dht=dht,
+            run_id=kwargs.pop("run_id", "test"),
+            inner_optimizer=kwargs.pop("inner_optimizer", default_inner_optimizer),
+            inner_steps=config.inner_steps,
+            batch_size_per_step=config.batch_size,
+            delay=config.delay,
+            alpha=config.alpha,
+            **{**FAST, **kwargs},
+        )
+        self.after_step: list[list[torch.Tensor]] = []  # local parameters after inner steps
+        self.opt.inner_optimizer.register_step_post_hook(self._record)
+
+    def _record(self, optimizer, args, kwargs) -> None:
+        self.after_step.append([p.detach().clone() for p in self.model.parameters()])
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            self.opt.zero_grad()
+            _loss(self.model, self.sampler.next()).backward()
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_grad_norm)
+            self.opt.step()
+
+
+def assert_params_close(got, want, **tolerance) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **tolerance)
+
+
+# ------------------------------------------------------------------------------- vs references
+
+
+@pytest.mark.parametrize(
+    ("workers", "delay", "alpha"),
+    [(3, 0, 0.0), (2, 1, 0.5)],
+    ids=["3-peers", "2-peers-delayed"],
+)
+def test_networked_rounds_equal_run_diloco(data, dhts, workers, delay, alpha):
+    config = SimulationConfig(
+        num_workers=workers,
+        inner_steps=3,
+        outer_steps=2,
+        batch_size=4,
+        context=MODEL.context,
+        delay=delay,
+        alpha=alpha,
+        eval_windows=2,
+    )
+    # SGD inner steps: AdamW turns the last-bit differences between a butterfly all-reduce
+    # and torch.mean (3e-8 after round 1) into 2e-4 after round 2 (m / sqrt(v) near v = 0).
+    inner = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    reference = run_diloco(config, model_factory, data, inner_optimizer=inner)
+    peers = [
+        Peer(
+            config,
+            i,
+            dht,
+            data,
+            inner_optimizer=inner,
+            pseudo_grad_compression=NoCompression(),
+            **_full(workers),
+        )
+        for i, dht in enumerate(dhts(workers))
+    ]
+    try:
+        in_threads([lambda p=p: p.train(config.total_steps) for p in peers])
+        for peer in peers:
+            peer.opt.wait_for_pending_rounds()  # run_diloco applies them at the end
+            stats = peer.opt.statistics()
+            assert (stats.outer_step, stats.rounds_averaged, stats.rounds_alone) == (2, 2, 0)
+            assert stats.last_group_size == workers and stats.bytes_sent > 0
+            assert peer.opt.local_epoch == 2 and peer.opt.inner_step == config.total_steps
+            assert_params_close(peer.opt.shared_parameters(), reference.params)
+            if delay == 0:  # the model holds the shared parameters right after the outer step
+                assert_params_close([p.detach() for p in peer.model.parameters()], reference.params)
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+
+
+def test_fp16_pseudo_gradients(data, dhts):
+    config = SimulationConfig(
+        num_workers=2, inner_steps=4, outer_steps=1, batch_size=4, context=MODEL.context
+    )
+    exact = run_diloco(config, model_factory, data)
+    reference = run_diloco(config, model_factory, data, codec=Float16Compression())
+    peers = [Peer(config, i, dht, data, **_full(2)) for i, dht in enumerate(dhts(2))]
+    assert isinstance(peers[0].opt.averager.config.compression, Float16Compression)  # default
+    try:
+        in_threads([lambda p=p: p.train(config.total_steps) for p in peers])
+        shared = [p.opt.shared_parameters() for p in peers]
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+    # A reducer keeps its own part of the average in fp32 and sends it to the others in fp16:
+    # peers' results differ by fp16 rounding (times the outer lr).
+    assert_params_close(shared[0], shared[1], rtol=1e-3, atol=1e-5)
+    assert_params_close(shared[0], reference.params, rtol=1e-3, atol=1e-4)
+    assert any(not torch.equal(a, b) for a, b in zip(shared[0], exact.params, strict=True))
+    assert peers[0].opt.statistics().bytes_sent < 0.6 * _fp32_bytes(shared[0])
+
+
+def _full(n: int) -> dict:
+    return {"target_group_size": n, "min_group_size": n}
+
+
+def _fp32_bytes(tensors) -> int:
+    return sum(t.numel() * 4 for t in tensors)
+
+
+def hand_computed_round(outer_state: dict, local_params: list[list[torch.Tensor]]):
+    """The shared parameters after one outer step with the mean pseudo-gradient of the peers."""
+    reference = OuterState([p.clone() for p in outer_state["params"]])
+    reference.load_state_dict(outer_state)
+    pseudo_gradients = [reference.pseudo_gradient(params) for params in local_params]
+    mean = [torch.stack(group).mean(dim=0) for group in zip(*pseudo_gradients, strict=True)]
+    return reference.apply_outer_step(mean)
+
+
+# ------------------------------------------------------------------------------- elasticity
+
+
+def test_leaver_is_absent_from_the_next_round(data, dhts):
+    config = SimulationConfig(
+        num_workers=3, inner_steps=3, outer_steps=2, batch_size=4, context=MODEL.context
+    )
+    group = {"target_group_size": 3, "min_group_size": 2}
+    peers = [
+        Peer(config, i, dht, data, pseudo_grad_compression=NoCompression(), **group)
+        for i, dht in enumerate(dhts(3))
+    ]
+    try:
+        in_threads([lambda p=p: p.train(config.inner_steps) for p in peers])
+        assert [p.opt.statistics().last_group_size for p in peers] == [3, 3, 3]
+        before = peers[0].opt.state_dict()["outer"]
+        peers[2].opt.shutdown()  # leaves between rounds
+        started = time.monotonic()
+        in_threads([lambda p=p: p.train(config.inner_steps) for p in peers[:2]])
+        elapsed = time.monotonic() - started
+        want = hand_computed_round(before, [p.after_step[-1] for p in peers[:2]])
+        for peer in peers[:2]:
+            stats = peer.opt.statistics()
+            assert (stats.outer_step, stats.rounds_averaged, stats.last_group_size) == (2, 2, 2)
+            assert_params_close(peer.opt.shared_parameters(), want)
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+    assert elapsed < 12, elapsed  # the two form a group once the matchmaking time (1 s) ends
+
+
+def test_joiner_loads_the_outer_state_then_takes_part(data, dhts):
+    config = SimulationConfig(
+        num_workers=3, inner_steps=3, outer_steps=2, batch_size=4, context=MODEL.context
+    )
+    group = {"target_group_size": 3, "min_group_size": 2}
+    first, second, third = dhts(3)
+    peers = [
+        Peer(config, i, dht, data, pseudo_grad_compression=NoCompression(), **group)
+        for i, dht in enumerate((first, second))
+    ]
+    try:
+        in_threads([lambda p=p: p.train(config.inner_steps) for p in peers])
+        assert [p.opt.statistics().last_group_size for p in peers] == [2, 2]
+        shared = peers[0].opt.shared_parameters()
+        joiner = Peer(
+            dataclasses.replace(config, seed=99),  # other initial parameters
+            2,
+            third,
+            data,
+            pseudo_grad_compression=NoCompression(),
+            **group,
+        )
+        peers.append(joiner)
+        assert not torch.equal(next(joiner.model.parameters()).detach(), shared[0])
+        assert joiner.opt.load_state_from_peers(timeout=10)
+        assert joiner.opt.outer_step == 1 and joiner.opt.inner_step == config.inner_steps
+        # (from either donor: their results differ in the last bit, the averager adding deltas)
+        assert_params_close(joiner.opt.shared_parameters(), shared, rtol=0, atol=1e-7)
+        assert_params_close([p.detach() for p in joiner.model.parameters()], shared)
+        # Same momentum too: the next hand-computed round starts from the joiner's state.
+        before = joiner.opt.state_dict()["outer"]
+        assert before["optimizer"]["state"], "the outer momentum was not transferred"
+
+        in_threads([lambda p=p: p.train(config.inner_steps) for p in peers])
+        want = hand_computed_round(before, [p.after_step[-1] for p in peers])
+        for peer in peers:
+            stats = peer.opt.statistics()
+            assert stats.outer_step == 2 and stats.last_group_size == 3
+            assert_params_close(peer.opt.shared_parameters(), want)
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+
+
+def test_alone_applies_the_local_pseudo_gradient(data, dhts):
+    config = SimulationConfig(
+        num_workers=1, inner_steps=2, outer_steps=1, batch_size=4, context=MODEL.context
+    )
+    (dht,) = dhts(1)
+    peer = Peer(config, 0, dht, data, min_group_size=2, matchmaking_time=0.5, averaging_timeout=1.0)
+    try:
+        before = peer.opt.state_dict()["outer"]
+        peer.train(2)
+        want = hand_computed_round(before, [peer.after_step[-1]])
+        stats = peer.opt.statistics()
+        assert (stats.rounds_alone, stats.rounds_averaged, stats.last_group_size) == (1, 0, 1)
+        assert stats.bytes_sent == 0 and stats.outer_step == 1
+        assert_params_close(peer.opt.shared_parameters(), want)
+        assert_params_close([p.detach() for p in peer.model.parameters()], want)
+    finally:
+        peer.opt.shutdown()
+
+
+# ------------------------------------------------------------------------------- no network
+
+
+def test_state_packs_and_unpacks():
+    params = [torch.randn(3, 2), torch.randn(4)]
+    outer = OuterState(params)
+    outer.apply_outer_step([torch.ones(3, 2), torch.ones(4)])
+    metadata, tensors = pack_state(outer, inner_step=7)
+    assert len(tensors) == 4  # two parameters and their momentum buffers
+    state, inner_step = unpack_state(metadata, [t.clone() for t in tensors])
+    fresh = OuterState([torch.zeros(3, 2), torch.zeros(4)])
+    fresh.load_state_dict(state)
+    assert inner_step == 7 and fresh.outer_step == 1
+    step = [torch.full((3, 2), 0.5), torch.full((4,), 0.5)]
+    assert_params_close(fresh.apply_outer_step(step), outer.apply_outer_step(step))
+    with pytest.raises(ValueError, match="not a"):
+        unpack_state({"format": "other"}, tensors)
+    with pytest.raises(ValueError, match="out of range"):
+        unpack_state(metadata, tensors[:3])
+
+
+def test_constructor_validates_before_touching_the_network():
+    params = [nn.Parameter(torch.zeros(2))]
+    base = {"dht": None, "run_id": "r", "inner_steps": 4}
+    with pytest.raises(NotImplementedError, match="streaming"):
+        DiLoCoOptimizer(params, **{**base, "inner_steps": 4}, num_fragments=2)
+    with pytest.raises(ValueError, match="delay"):
+        DiLoCoOptimizer(params, **base, delay=4)
+    with pytest.raises(ValueError, match="alpha"):
+        DiLoCoOptimizer(params, **base, alpha=1.0)
+    with pytest.raises(ValueError, match="run_id"):
+        DiLoCoOptimizer(params, **{**base, "run_id": "a.b"})
+    with pytest.raises(TypeError, match="inner_steps"):
+        DiLoCoOptimizer(params, **{**base, "inner_steps": 2.5})
+    with pytest.raises(ValueError, match="instance"):
+        DiLoCoOptimizer(
+            [nn.Parameter(torch.zeros(1))],
+            **base,
+            inner_optimizer=torch.optim.SGD(params, lr=0.1),
+        )
+    with pytest.raises(TypeError, match="codec"):
+        DiLoCoOptimizer(params, **base, pseudo_grad_compression="fp16")
