@@ -19,6 +19,7 @@ from swarmtrain.dht import DHT as DHT
 from swarmtrain.dht import get_dht_time as get_dht_time
 from swarmtrain.optim import DiLoCoOptimizer as DiLoCoOptimizer
 from swarmtrain.optim import GradientAverager as GradientAverager
+from swarmtrain.optim import Optimizer as Optimizer
 from swarmtrain.optim import ProgressTracker as ProgressTracker
 from swarmtrain.optim import TrainingStateAverager as TrainingStateAverager
 from swarmtrain.p2p import P2P as P2P

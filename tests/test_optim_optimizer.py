@@ -1,0 +1,236 @@
+"""swarmtrain.Optimizer: peers in threads over real DHTs on loopback, training a regression."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from swarmtrain.dht import DHT
+from swarmtrain.optim import Optimizer
+from swarmtrain.utils.background import BackgroundRuntime
+
+HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
+FEATURES, BATCH, TARGET = 8, 4, 96
+FAST = {
+    "matchmaking_time": 1.0,
+    "averaging_timeout": 15.0,
+    "load_state_timeout": 15.0,
+    "tracker_opts": {"gossip_period": 0.1, "min_refresh_period": 0.2},
+}
+
+_generator = torch.Generator().manual_seed(0)
+TRUE_W = torch.randn(FEATURES, 1, generator=_generator)
+X = torch.randn(600, FEATURES, generator=_generator)
+Y = X @ TRUE_W + 0.01 * torch.randn(600, 1, generator=_generator)
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(FEATURES, 1)
+
+
+def full_loss(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(X), Y).item()
+
+
+def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def dhts() -> Iterator[Callable[[int], list[DHT]]]:
+    """``make(n)`` starts ``n`` more DHTs, all bootstrapped from the first; all closed after."""
+    made: list[DHT] = []
+
+    def make(n: int) -> list[DHT]:
+        new = []
+        for _ in range(n):
+            initial = made[0].get_visible_maddrs() if made else []
+            dht = DHT(initial, **HOST)
+            made.append(dht)
+            new.append(dht)
+        return new
+
+    yield make
+    for dht in reversed(made):
+        dht.shutdown()
+    assert BackgroundRuntime.active_references() == 0
+
+
+class Peer:
+    """One trainer: a model, its shard of the data, its Optimizer, and what it saw per epoch."""
+
+    def __init__(self, dht: DHT, index: int, *, seed: int = 0, **opts):
+        self.model = make_model(seed)
+        self.shard = torch.arange(index, len(X), 3)
+        self.position = 0
+        self.opt = Optimizer(
+            dht=dht,
+            run_id="regression",
+            target_batch_size=TARGET,
+            batch_size_per_step=BATCH,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            params=self.model.parameters(),
+            **{**FAST, **opts},
+        )
+        self.snapshots: dict[int, list[torch.Tensor]] = {}
+        self.samples: dict[int, float] = {}
+
+    def train_until(self, epoch: int, deadline: float = 40.0, pause: float = 0.05) -> None:
+        stop = time.monotonic() + deadline
+        while self.opt.local_epoch < epoch:
+            assert time.monotonic() < stop, f"stuck at epoch {self.opt.local_epoch}"
+            rows = self.shard[self.position : self.position + BATCH]
+            self.position = (self.position + BATCH) % (len(self.shard) - BATCH)
+            before = self.opt.local_epoch
+            loss = torch.nn.functional.mse_loss(self.model(X[rows]), Y[rows])
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            if self.opt.local_epoch != before:
+                self.snapshots[self.opt.local_epoch] = params_of(self.model)
+                self.samples[self.opt.local_epoch] = self.opt.last_epoch_samples
+            time.sleep(pause)
+
+
+def in_threads(*fns: Callable[[], object]) -> None:
+    with ThreadPoolExecutor(len(fns)) as pool:
+        for future in [pool.submit(fn) for fn in fns]:
+            future.result(timeout=60)
+
+
+def assert_same_params(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+def test_peers_advance_together_and_learn(dhts):
+    peers = [Peer(dht, i) for i, dht in enumerate(dhts(3))]
+    try:
+        initial_loss = full_loss(peers[0].model)
+        started = time.monotonic()
+        in_threads(*(lambda p=p: p.train_until(4) for p in peers))
+        elapsed = time.monotonic() - started
+        common = set.intersection(*(set(p.snapshots) for p in peers))
+        assert len(common) >= 3, [sorted(p.snapshots) for p in peers]
+        for epoch in sorted(common):
+            for peer in peers[1:]:
+                assert_same_params(peers[0].snapshots[epoch], peer.snapshots[epoch])
+            samples = sum(p.samples[epoch] for p in peers)
+            assert TARGET * 0.8 <= samples <= 1.2 * TARGET, (epoch, samples)
+        assert {p.opt.local_epoch for p in peers} == {4}
+        assert all(p.opt.epochs_averaged >= 3 for p in peers)
+        assert all(p.opt.is_synchronized_with_peers() for p in peers)
+        assert full_loss(peers[0].model) < 0.5 * initial_loss
+        assert elapsed < 40
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+
+
+def test_late_joiner_loads_state_and_catches_up(dhts):
+    first = [Peer(dht, i) for i, dht in enumerate(dhts(2))]
+    joiner = None
+    try:
+        in_threads(*(lambda p=p: p.train_until(3) for p in first))
+        joiner = Peer(dhts(1)[0], 2, seed=123)  # other initial parameters
+        assert not joiner.opt.is_synchronized_with_peers()
+        rows = joiner.shard[:BATCH]
+        torch.nn.functional.mse_loss(joiner.model(X[rows]), Y[rows]).backward()
+        joiner.opt.step()  # behind by more than one epoch: loads the state instead
+        joiner.opt.zero_grad()
+        assert joiner.opt.local_epoch == 3
+        assert_same_params(params_of(joiner.model), params_of(first[0].model))
+        assert joiner.opt.is_synchronized_with_peers()
+
+        peers = [*first, joiner]
+        in_threads(*(lambda p=p: p.train_until(5) for p in peers))
+        for peer in peers[1:]:
+            assert peer.opt.local_epoch == 5
+            assert_same_params(peers[0].snapshots[5], peer.snapshots[5])
+    finally:
+        for peer in [*first, *([joiner] if joiner else [])]:
+            peer.opt.shutdown()
+
+
+def test_local_updates_average_the_state(dhts):
+    peers = [Peer(dht, i, use_local_updates=True) for i, dht in enumerate(dhts(2))]
+    try:
+        initial_loss = full_loss(peers[0].model)
+        in_threads(*(lambda p=p: p.train_until(2) for p in peers))
+        assert peers[0].opt.grad_averager is None
+        for epoch in (1, 2):
+            assert_same_params(peers[0].snapshots[epoch], peers[1].snapshots[epoch])
+        assert full_loss(peers[0].model) < initial_loss
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+
+
+def test_state_dict_round_trip_and_context_manager(dhts):
+    (dht,) = dhts(1)
+    model = make_model()
+    with Optimizer(
+        dht=dht,
+        run_id="alone",
+        target_batch_size=8,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        scheduler=None,
+        **FAST,
+    ) as opt:
+        assert opt.param_groups[0]["lr"] == 0.01
+        with pytest.raises(ValueError, match="batch_size"):
+            opt.step()
+        model(X[:2]).sum().backward()
+        opt.step(batch_size=2)
+        state = opt.state_dict()
+        assert state["swarmtrain_local_epoch"] == opt.local_epoch
+        state["swarmtrain_local_epoch"] = 7
+        opt.load_state_dict(state)
+        assert opt.local_epoch == 7
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    assert opt.tracker is None and opt.state_averager is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"run_id": ""}, ValueError, "run_id"),
+        ({"target_batch_size": 0}, ValueError, "target_batch_size"),
+        ({"target_batch_size": 1.5}, TypeError, "target_batch_size"),
+        ({"batch_size_per_step": -1}, ValueError, "batch_size_per_step"),
+        ({"matchmaking_time": 0}, ValueError, "matchmaking_time"),
+        ({"average_state_every": 0}, ValueError, "average_state_every"),
+        ({"auxiliary": True, "client_mode": True}, ValueError, "auxiliary"),
+        ({"auxiliary": True, "use_local_updates": True}, ValueError, "auxiliary"),
+    ],
+)
+def test_arguments_are_validated_before_the_network(kwargs, error, match):
+    model = make_model()
+    args = {
+        "dht": None,  # never touched
+        "run_id": "run",
+        "target_batch_size": 8,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "client_mode": False,
+        **kwargs,
+    }
+    with pytest.raises(error, match=match):
+        Optimizer(**args)
+
+
+def test_a_factory_needs_params(dhts):
+    (dht,) = dhts(1)
+    with pytest.raises(ValueError, match="params"):
+        Optimizer(
+            dht=dht,
+            run_id="run",
+            target_batch_size=8,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        )
