@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
+import swarmtrain.compression.blockwise as blockwise_module
 from swarmtrain.compression import (
     Blockwise4BitQuantization,
     BlockwiseQuantization,
@@ -101,11 +104,21 @@ def test_bitsandbytes_backend_matches_wire_format_and_bound(normal):
     assert mse(normal, ours) < 8e-4
 
 
-def test_bitsandbytes_backend_unavailable_is_a_clear_error():
-    if bitsandbytes_available():
-        pytest.skip("bitsandbytes is importable here")
-    with pytest.raises(CompressionError, match="bitsandbytes"):
-        BlockwiseQuantization(backend="bitsandbytes")
+def test_bitsandbytes_backend_unavailable_is_a_clear_error(monkeypatch):
+    # Make the import fail the way a missing package does, whether or not it is installed.
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    blockwise_module._bitsandbytes.cache_clear()
+    try:
+        assert not bitsandbytes_available()
+        with pytest.raises(CompressionError, match="bitsandbytes"):
+            BlockwiseQuantization(backend="bitsandbytes")
+        # the automatic choice falls back to the torch path
+        assert BlockwiseQuantization().compress(torch.ones(8)).compression == (
+            CompressionType.BLOCKWISE_8BIT
+        )
+    finally:
+        monkeypatch.undo()
+        blockwise_module._bitsandbytes.cache_clear()
 
 
 def test_auto_backend_uses_torch_path_for_cpu_tensors(normal):
