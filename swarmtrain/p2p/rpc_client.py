@@ -132,23 +132,22 @@ class ResponseStream(Generic[TOut]):
 async def _send_requests(
     stream: RPCStream, method: str, requests, max_message_size: int, stream_input: bool
 ) -> None:
+    """Send OPEN, the request(s) and END. A unary request arrives already serialized."""
     if not stream_input:
-        payload = serialize_checked(requests, max_message_size, f"the request of {method}")
-        await stream.send_open(method, payload, end=True)
+        await stream.send_open(method, requests, end=True)
         return
     await stream.send_open(method)
-    if isinstance(requests, Message):
-        raise TypeError("stream_input=True needs an (async) iterable of messages")
+
+    async def send(request) -> None:
+        what = f"a request of {method}"
+        await stream.send_message(serialize_checked(request, max_message_size, what))
+
     if isinstance(requests, AsyncIterable):
         async for request in requests:
-            await stream.send_message(
-                serialize_checked(request, max_message_size, f"a request of {method}")
-            )
+            await send(request)
     else:
         for request in requests:
-            await stream.send_message(
-                serialize_checked(request, max_message_size, f"a request of {method}")
-            )
+            await send(request)
     await stream.send_end()
 
 
@@ -172,9 +171,11 @@ async def open_call(
         raise TypeError(f"the request must be a protobuf message, got {type(requests).__name__}")
     if not (isinstance(output_type, type) and issubclass(output_type, Message)):
         raise TypeError(f"output_type must be a protobuf message class, got {output_type!r}")
+    if stream_input and isinstance(requests, Message):
+        raise TypeError("stream_input=True needs an (async) iterable of messages")
     if not stream_input:
-        # Fail before dialling when our own request is too large.
-        serialize_checked(requests, max_message_size, f"the request of {method}")
+        # Serialized once, before dialling: a request over our own limit fails here.
+        requests = serialize_checked(requests, max_message_size, f"the request of {method}")
     stream, reused = await pool.acquire(peer_id, max_message_size)
     reader = _ResponseReader(stream, method, output_type, reused)
     sent_all = reusable = False
