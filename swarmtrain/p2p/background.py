@@ -31,7 +31,7 @@ from typing import Any
 import trio
 
 from swarmtrain.p2p.host import P2P
-from swarmtrain.utils.background import BackgroundRuntime
+from swarmtrain.utils.background import BackgroundRuntime, BackgroundService
 
 
 def _thread_handler(handler):
@@ -59,37 +59,15 @@ def _asyncio_handler(handler, loop: asyncio.AbstractEventLoop):
     return run_on_asyncio_loop
 
 
-class BackgroundP2P:
+class BackgroundP2P(BackgroundService):
     """A ``P2P`` host on the background loop. Same keywords as ``P2P.create``."""
 
+    _service_name = "the host"
+
     def __init__(self, initial_peers=(), **kwargs: Any):
-        self._runtime = BackgroundRuntime.acquire()
-        try:
-            self._p2p, self._stop = self._runtime.start_service(
-                lambda: P2P.create(initial_peers, **kwargs)
-            )
-        except BaseException:
-            self._runtime.release()
-            raise
+        self._p2p = self._start_in_background(lambda: P2P.create(initial_peers, **kwargs))
         self.peer_id = self._p2p.peer_id
-        self._shut_down = False
         self.aio = AsyncioP2P(self)
-
-    def __enter__(self) -> BackgroundP2P:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.shutdown()
-
-    def shutdown(self) -> None:
-        """Close the host; the background loop stops when nothing else uses it."""
-        if self._shut_down:
-            return
-        self._shut_down = True
-        try:
-            self._stop()
-        finally:
-            self._runtime.release()
 
     def get_visible_maddrs(self) -> list[str]:
         return self._runtime.call_sync(self._p2p.get_visible_maddrs)
