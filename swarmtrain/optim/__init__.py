@@ -22,8 +22,8 @@ from .progress_core import ProgressConfig as ProgressConfig
 from .progress_core import ProgressCore as ProgressCore
 from .progress_core import ProgressWarning as ProgressWarning
 from .progress_core import TargetNotReached as TargetNotReached
+from .progress_records import LocalProgressSchema as LocalProgressSchema
+from .progress_records import ProgressTrackerStatistics as ProgressTrackerStatistics
+from .progress_records import TrainingProgressSchema as TrainingProgressSchema
 from .progress_tracker import AsyncProgressTracker as AsyncProgressTracker
-from .progress_tracker import LocalProgressSchema as LocalProgressSchema
-from .progress_tracker import ProgressTracker as ProgressTracker
-from .progress_tracker import ProgressTrackerStatistics as ProgressTrackerStatistics
-from .progress_tracker import TrainingProgressSchema as TrainingProgressSchema
+from .progress_tracker_blocking import ProgressTracker as ProgressTracker

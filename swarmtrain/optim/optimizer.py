@@ -48,7 +48,7 @@ from typing import Any, Union
 import torch
 
 from swarmtrain.optim.grad_averager import GradientAverager
-from swarmtrain.optim.progress_tracker import ProgressTracker
+from swarmtrain.optim.progress_tracker_blocking import ProgressTracker
 from swarmtrain.optim.state_averager import (
     LRScheduler,
     OptimizerFactory,

@@ -1,0 +1,130 @@
+"""``ProgressTracker``: the blocking facade of :class:`AsyncProgressTracker` for plain loops."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import trio
+
+from swarmtrain.dht import DHT, AsyncDHT, get_dht_time
+from swarmtrain.dht.node import DHTNode
+from swarmtrain.utils.background import BackgroundService
+
+from .progress_core import GlobalProgress, LocalProgress
+from .progress_records import ProgressTrackerStatistics
+from .progress_tracker import AsyncProgressTracker
+
+T = TypeVar("T")
+
+
+class ProgressTracker(BackgroundService):
+    """hivemind's ``ProgressTracker`` for plain (blocking) code, over a blocking ``DHT``.
+
+    It runs an :class:`AsyncProgressTracker` on swarmtrain's background trio loop; keywords
+    are those of :meth:`create`. Call :meth:`shutdown` (or use ``with``) when done.
+    """
+
+    def __init__(
+        self,
+        dht: DHT,
+        prefix: str,
+        target_batch_size: int,
+        *,
+        start: bool = True,
+        **kwargs: Any,
+    ):
+        self.dht, self.prefix = dht, prefix
+        self._target_batch_size, self._kwargs = target_batch_size, kwargs
+        if start:
+            self.start()
+
+    create = AsyncProgressTracker.create  #: the trio way in
+
+    _service_name = "this ProgressTracker"
+
+    def start(self) -> None:
+
+        async def get_async_dht(async_dht: AsyncDHT, node: DHTNode) -> AsyncDHT:
+            return async_dht
+
+        async_dht = self.dht.run_coroutine(get_async_dht)
+        self._start_in_background(
+            lambda: AsyncProgressTracker.create(
+                async_dht, self.prefix, self._target_batch_size, **self._kwargs
+            )
+        )
+
+    def shutdown(self) -> None:
+        """Publish a departure record, stop the background tasks."""
+        super().shutdown()
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        runtime, _ = self._running()
+        return runtime.call_sync(fn, *args)
+
+    def _tracker(self) -> AsyncProgressTracker:
+        return self._running()[1]
+
+    @property
+    def global_progress(self) -> GlobalProgress:
+        return self._call(lambda: self._tracker().global_progress)
+
+    @property
+    def local_progress(self) -> LocalProgress:
+        return self._call(lambda: self._tracker().local_progress)
+
+    @property
+    def global_epoch(self) -> int:
+        return self.global_progress.epoch
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        return self._call(lambda: self._tracker().ready_to_update_epoch)
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        return self._call(lambda: self._tracker().estimated_next_update_time)
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
+        self._call(self._tracker().report_local_progress, local_epoch, samples_accumulated)
+
+    def update_epoch(self, new_epoch: int | None = None) -> int:
+        return self._call(self._tracker().update_epoch, new_epoch)
+
+    @contextmanager
+    def pause_updates(self) -> Iterator[None]:
+        core = self._tracker()._core
+        self._call(lambda: core.pause(get_dht_time()))
+        try:
+            yield
+        finally:
+            self._call(lambda: core.resume(get_dht_time()))
+
+    def wait_global_epoch(self, epoch: int, timeout: float | None = None) -> GlobalProgress:
+        """Block until the swarm's epoch is at least ``epoch``; ``TimeoutError`` after
+        ``timeout`` seconds."""
+        return self._wait(lambda: self._tracker().wait_global_epoch(epoch), timeout)
+
+    def wait_ready_to_update_epoch(self, timeout: float | None = None) -> GlobalProgress:
+        return self._wait(self._tracker().wait_ready_to_update_epoch, timeout)
+
+    def refresh(self) -> GlobalProgress:
+        return self._wait(self._tracker().refresh, None)
+
+    def _wait(self, fn: Callable[[], Any], timeout: float | None) -> Any:
+        runtime, _ = self._running()
+
+        async def bounded() -> Any:
+            try:
+                with trio.fail_after(math.inf if timeout is None else timeout):
+                    return await fn()
+            except trio.TooSlowError:
+                raise TimeoutError(f"not done within {timeout} s") from None
+
+        return runtime.call(bounded)
+
+    def statistics(self) -> ProgressTrackerStatistics:
+        return self._call(lambda: self._tracker().statistics())
