@@ -4,7 +4,8 @@
 each tuple by ``{"__tuple__": [...]}``, so the metadata travels as msgpack (see
 ``swarmtrain.dht.serialization``) and ``load_optimizer_state`` rebuilds the exact structure
 for ``optimizer.load_state_dict`` (which checks the parameter groups and moves the statistics to
-the parameters' devices). Used by ``TrainingStateAverager`` for state sharing.
+the parameters' devices). Used by ``TrainingStateAverager`` and ``DiLoCoOptimizer`` for state
+sharing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from swarmtrain.dht import serialize
 
 __all__ = [
     "check_optimizer_state_serializable",
+    "decode_tensors",
+    "encode_tensors",
     "dump_optimizer_state",
     "initialize_optimizer_state_",
     "load_optimizer_state",
@@ -26,24 +29,47 @@ __all__ = [
 _TENSOR, _TUPLE = "__tensor__", "__tuple__"
 
 
+def encode_tensors(value: Any, tensors: list[torch.Tensor], *, copy: bool = True) -> Any:
+    """``value`` with each tensor appended to ``tensors`` (as a detached CPU copy if ``copy``)
+    and replaced by ``{"__tensor__": index}``, each tuple by ``{"__tuple__": [...]}``."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().to("cpu", copy=True) if copy else value)
+        return {_TENSOR: len(tensors) - 1}
+    if isinstance(value, dict):
+        return {key: encode_tensors(item, tensors, copy=copy) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return {_TUPLE: [encode_tensors(item, tensors, copy=copy) for item in value]}
+    if isinstance(value, list):
+        return [encode_tensors(item, tensors, copy=copy) for item in value]
+    return value
+
+
+def decode_tensors(value: Any, tensors: Sequence[torch.Tensor], *, first: int = 0) -> Any:
+    """The inverse of :func:`encode_tensors`; references must fall in ``tensors[first:]``.
+
+    :raises ValueError: a malformed or out-of-range tensor reference
+    """
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR}:
+            index = value[_TENSOR]
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise ValueError(f"bad tensor reference {value!r} in the metadata")
+            if not first <= index < len(tensors):
+                raise ValueError(f"tensor reference {index} out of range ({len(tensors)} tensors)")
+            return tensors[index]
+        if set(value) == {_TUPLE} and isinstance(value[_TUPLE], list):
+            return tuple(decode_tensors(item, tensors, first=first) for item in value[_TUPLE])
+        return {key: decode_tensors(item, tensors, first=first) for key, item in value.items()}
+    if isinstance(value, list):
+        return [decode_tensors(item, tensors, first=first) for item in value]
+    return value
+
+
 def dump_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[Any, list[torch.Tensor]]:
     """``(metadata, tensors)``: the tensors are detached CPU copies."""
     tensors: list[torch.Tensor] = []
-
-    def encode(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value.detach().to("cpu", copy=True))
-            return {_TENSOR: len(tensors) - 1}
-        if isinstance(value, dict):
-            return {key: encode(item) for key, item in value.items()}
-        if isinstance(value, tuple):
-            return {_TUPLE: [encode(item) for item in value]}
-        if isinstance(value, list):
-            return [encode(item) for item in value]
-        return value
-
     with torch.no_grad():
-        metadata = encode(optimizer.state_dict())
+        metadata = encode_tensors(optimizer.state_dict(), tensors)
     return metadata, tensors
 
 
@@ -55,24 +81,7 @@ def load_optimizer_state(
     :raises ValueError: the metadata is malformed or names a tensor that is not there (the
       optimizer is unchanged); ``load_state_dict``'s own errors for another optimizer layout
     """
-
-    def decode(value: Any) -> Any:
-        if isinstance(value, dict):
-            if set(value) == {_TENSOR}:
-                index = value[_TENSOR]
-                if isinstance(index, bool) or not isinstance(index, int):
-                    raise ValueError(f"bad tensor index {index!r} in optimizer metadata")
-                if not 0 <= index < len(tensors):
-                    raise ValueError(f"optimizer metadata names tensor {index} of {len(tensors)}")
-                return tensors[index]
-            if set(value) == {_TUPLE} and isinstance(value[_TUPLE], list):
-                return tuple(decode(item) for item in value[_TUPLE])
-            return {key: decode(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [decode(item) for item in value]
-        return value
-
-    state_dict = decode(metadata)
+    state_dict = decode_tensors(metadata, tensors)
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("optimizer metadata is not an optimizer state dict")
     optimizer.load_state_dict(state_dict)

@@ -58,6 +58,7 @@ import torch
 
 from swarmtrain.averaging import DecentralizedAverager, StepControl
 from swarmtrain.compression import CompressionBase, Float16Compression
+from swarmtrain.optim._optimizer_state import decode_tensors, encode_tensors
 from swarmtrain.optim.diloco_core import (
     ApplyOuter,
     OuterOptimizerFactory,
@@ -164,21 +165,10 @@ def pack_state(
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """``(metadata, tensors)`` that carry ``outer`` (parameters, optimizer state, step) and the
     inner step count; the metadata holds the optimizer state's structure, with each tensor
-    replaced by ``{"__tensor__": index}``."""
-    state = outer.state_dict()
+    replaced by a reference (``_optimizer_state.encode_tensors``)."""
+    state = outer.state_dict()  # already copies: no second copy here
     tensors: list[torch.Tensor] = list(state["params"])
-
-    def strip(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-            return {"__tensor__": len(tensors) - 1}
-        if isinstance(obj, dict):
-            return {k: strip(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [strip(v) for v in obj]
-        return obj
-
-    optimizer = strip(state["optimizer"])
+    optimizer = encode_tensors(state["optimizer"], tensors, copy=False)
     metadata = {
         "format": STATE_FORMAT,
         "num_params": len(state["params"]),
@@ -204,23 +194,9 @@ def unpack_state(metadata: Any, tensors: Sequence[torch.Tensor]) -> tuple[dict[s
     if num_params > len(tensors):
         raise ValueError(f"state announces {num_params} parameters, carries {len(tensors)} tensors")
 
-    def fill(obj: Any) -> Any:
-        if isinstance(obj, dict):
-            if set(obj) == {"__tensor__"}:
-                index = obj["__tensor__"]
-                if isinstance(index, bool) or not isinstance(index, int):
-                    raise ValueError(f"bad tensor reference {obj!r}")
-                if not num_params <= index < len(tensors):
-                    raise ValueError(f"tensor reference {index} out of range")
-                return tensors[index]
-            return {k: fill(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [fill(v) for v in obj]
-        return obj
-
     state = {
         "params": list(tensors[:num_params]),
-        "optimizer": fill(metadata.get("optimizer")),
+        "optimizer": decode_tensors(metadata.get("optimizer"), tensors, first=num_params),
         "outer_step": metadata.get("outer_step"),
     }
     return state, inner_step
