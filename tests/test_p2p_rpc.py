@@ -375,6 +375,28 @@ async def test_back_to_back_calls_reuse_streams_and_survive_a_restarted_callee(t
             assert reply.value == "niaga"
 
 
+async def first_two(requests, context):
+    """Answers after two request messages and leaves the rest of the request unread."""
+    for _ in range(2):
+        request = await requests.__anext__()
+        yield Int64Value(value=request.value)
+
+
+async def test_handler_that_stops_reading_early_leaves_the_pooled_stream_usable():
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        a.add_protobuf_handler(
+            "test::Demo.first_two", first_two, Int64Value, stream_input=True, stream_output=True
+        )
+        for k in range(30):
+            requests = [Int64Value(value=10 * k + i) for i in range(4)]
+            async with b.iterate_protobuf_handler(
+                a.peer_id, "test::Demo.first_two", requests, Int64Value, stream_input=True
+            ) as responses:
+                assert [r.value async for r in responses] == [10 * k, 10 * k + 1]
+        stats = b.statistics()
+        assert stats["rpc_streams_reused"] >= 20, stats
+
+
 async def test_closing_hosts_leaves_no_tasks_behind():
     def descendants(task):
         out = []

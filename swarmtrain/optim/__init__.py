@@ -10,7 +10,9 @@ from swarmtrain.optim.diloco_core import StreamingSchedule as StreamingSchedule
 from swarmtrain.optim.diloco_core import default_outer_optimizer as default_outer_optimizer
 from swarmtrain.optim.diloco_core import mix_ as mix_
 from swarmtrain.optim.grad_averager import GradientAverager as GradientAverager
+from swarmtrain.optim.grad_scaler import GradScaler as GradScaler
 from swarmtrain.optim.optimizer import Optimizer as Optimizer
+from swarmtrain.optim.power_sgd import PowerSGDGradientAverager as PowerSGDGradientAverager
 from swarmtrain.optim.state_averager import TrainingStateAverager as TrainingStateAverager
 
 from .progress_core import ClockSkewDetected as ClockSkewDetected

@@ -43,6 +43,7 @@ RPC_PROTOCOL_ID = "/swarmtrain/rpc/1.0.0"
 DEFAULT_MAX_MESSAGE_SIZE = 256 * 1024 * 1024
 # How long a callee waits for the next frame of a request before giving up on the caller.
 DEFAULT_REQUEST_IDLE_TIMEOUT = 60.0
+_DRAIN_TIMEOUT = 5.0  # seconds to wait for the END of a request the handler left unread
 # A callee keeps an idle stream open this long for the caller's next call (callers reuse
 # streams for at most CALLER_STREAM_REUSE_TIME, well inside this).
 SERVER_STREAM_IDLE_TIMEOUT = 30.0
@@ -308,7 +309,23 @@ class RPCServer:
         if caller_gone:
             logger.debug("%s: the caller %s cancelled the call", spec.name, remote_id)
         self.calls_served += 1
+        if handler_ended and not caller_gone and not incoming.finished.is_set():
+            # The handler answered without reading the whole request: the caller's remaining
+            # messages and its END are still on the stream, ahead of its next call.
+            return await self._drain_request(incoming)
         return handler_ended and not caller_gone
+
+    async def _drain_request(self, incoming: _IncomingMessages) -> bool:
+        """Skip the rest of a request the handler did not read; True if its END arrived in time
+        (the stream may carry another call), False if the stream must be closed."""
+        with trio.move_on_after(min(self.request_idle_timeout, _DRAIN_TIMEOUT)):
+            try:
+                async for _ in incoming:
+                    pass
+            except RPCError:
+                return False
+            return True
+        return False
 
     async def _run_handler(self, spec, request, context, stream: RPCStream) -> bool:
         """Run the handler and answer; True if the call ended with END."""
