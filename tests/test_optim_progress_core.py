@@ -324,6 +324,15 @@ def test_target_not_reached_after_stall_factor_times_eta():
     assert core.warnings(T0 + 102) == []
 
 
+def test_short_epochs_do_not_warn_before_min_stall_time():
+    core = make_core(target=100, stall_factor=3, min_stall_time=30, lone_peer_timeout=1000)
+    core.report_local_progress(0, 50, now=T0 + 1)  # 50/s: the epoch should take 2 s
+    fetch(core, T0 + 1)
+    assert core.warnings(T0 + 20) == []  # 10x the expected time, but under 30 s
+    (warning,) = core.warnings(T0 + 32)
+    assert isinstance(warning, TargetNotReached)
+
+
 def test_no_stall_warning_when_speed_is_unknown_or_target_reached():
     core = make_core(target=100)
     fetch(core, T0)

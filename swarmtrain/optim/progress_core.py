@@ -91,6 +91,7 @@ class ProgressConfig:
       and departures are published at once
     :param max_clock_skew: report peers whose clock seems off by more than this (s)
     :param stall_factor: report an epoch that lasts this many times its first ETA
+    :param min_stall_time: ... and at least this long (s; short epochs jitter a lot)
     :param lone_peer_timeout: report having seen no other peer for this long (s)
     """
 
@@ -105,6 +106,7 @@ class ProgressConfig:
     gossip_period: float = 0.5
     max_clock_skew: float = 10.0
     stall_factor: float = 3.0
+    min_stall_time: float = 30.0
     lone_peer_timeout: float = 30.0
 
     def __post_init__(self) -> None:
@@ -125,7 +127,12 @@ class ProgressConfig:
             "lone_peer_timeout",
         ):
             _check_positive(name, getattr(self, name))
-        for name in ("expected_drift_peers", "expected_drift_rate", "gossip_period"):
+        for name in (
+            "expected_drift_peers",
+            "expected_drift_rate",
+            "gossip_period",
+            "min_stall_time",
+        ):
             _check_non_negative(name, getattr(self, name))
         if self.min_refresh_period > self.max_refresh_period:
             raise ValueError(
@@ -584,6 +591,7 @@ class ProgressCore:
             and self._stall_warned_epoch != progress.epoch
             and progress.samples_accumulated < progress.target_batch_size
             and waited > self.config.stall_factor * max(expected, self.config.min_refresh_period)
+            and waited > self.config.min_stall_time
         ):
             self._stall_warned_epoch = progress.epoch
             found.append(

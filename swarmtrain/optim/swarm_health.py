@@ -7,21 +7,15 @@ most once per ``repeat_interval`` seconds.
 =========================  =================================================================
 kind                       raised when
 =========================  =================================================================
-``target_not_reached``     the swarm's epoch has not advanced for ``stall_factor`` times the
-                           expected epoch time (its ETA when the epoch began; at least
-                           ``min_stall_time``), or its sample count has not grown for
-                           ``stuck_time`` below the target
-``lone_peer``              no other peer was seen for ``lone_peer_timeout`` seconds
-``clock_skew``             a peer's clock is more than ``max_clock_skew`` off ours
 ``model_mismatch``         averaging failed because every peer found averages other tensors
                            (``FailureReason.SCHEMA_MISMATCH``) ``max_schema_mismatches`` times
                            in a row
 ``state_download_failed``  ``max_state_download_failures`` state downloads failed in a row
 =========================  =================================================================
 
-Times are seconds of one monotonic clock (``clock``, default ``time.monotonic``; every method
-takes ``now`` to override it), except peer times for clock skew, which are DHT times
-(wall-clock seconds, like ``get_dht_time()`` and the ``time`` of progress records).
+The progress tracker reports the other failure modes itself (``swarmtrain.optim.progress_core``:
+``TargetNotReached``, ``LonePeer``, ``ClockSkewDetected``). Times are seconds of one monotonic
+clock (``clock``, default ``time.monotonic``; every method takes ``now`` to override it).
 
 :func:`model_fingerprint` summarizes a model's parameters (shapes and dtypes, what averaging
 compares) so that logs of two peers show at a glance whether they train the same model.
@@ -51,9 +45,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TARGET_NOT_REACHED = "target_not_reached"
-LONE_PEER = "lone_peer"
-CLOCK_SKEW = "clock_skew"
 MODEL_MISMATCH = "model_mismatch"
 STATE_DOWNLOAD_FAILED = "state_download_failed"
 
@@ -99,24 +90,11 @@ class HealthConfig:
     """Thresholds of :class:`SwarmHealth` (seconds unless said otherwise)."""
 
     repeat_interval: float = 600.0
-    stall_factor: float = 3.0
-    min_stall_time: float = 60.0
-    stuck_time: float = 120.0
-    lone_peer_timeout: float = 60.0
-    max_clock_skew: float = 10.0
     max_schema_mismatches: int = 2  #: failed rounds in a row
     max_state_download_failures: int = 3  #: failed downloads in a row
 
     def __post_init__(self) -> None:
-        for name in (
-            "repeat_interval",
-            "stall_factor",
-            "min_stall_time",
-            "stuck_time",
-            "lone_peer_timeout",
-            "max_clock_skew",
-        ):
-            _check_positive(name, getattr(self, name))
+        _check_positive("repeat_interval", self.repeat_interval)
         for name in ("max_schema_mismatches", "max_state_download_failures"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -159,101 +137,11 @@ class SwarmHealth:
         self.log = log
         self._last_given: dict[str, float] = {}
         self.given: list[HealthWarning] = []  #: every warning given so far
-        # progress
-        self._epoch: int | None = None
-        self._epoch_since = 0.0
-        self._expected: float | None = None
-        self._samples = -1
-        self._samples_since = 0.0
-        self._alone_since: float | None = None
         # failures in a row
         self._schema_mismatches = 0
         self._download_failures = 0
 
     # ------------------------------------------------------------------ observations
-
-    def observe_progress(
-        self,
-        *,
-        global_epoch: int,
-        samples_accumulated: int,
-        target_batch_size: int,
-        num_peers: int,
-        eta: float | None = None,
-        now: float | None = None,
-    ) -> list[HealthWarning]:
-        """The swarm's progress as the tracker sees it: its epoch, the samples accumulated
-        toward ``target_batch_size``, the peers seen (this one included) and the seconds until
-        the expected end of the epoch (``eta``; None or inf if unknown)."""
-        now = self._now(now)
-        found: list[HealthWarning] = []
-        if global_epoch != self._epoch:
-            self._epoch, self._epoch_since, self._expected = global_epoch, now, None
-            self._samples, self._samples_since = samples_accumulated, now
-        if self._expected is None and eta is not None and math.isfinite(eta) and eta >= 0:
-            self._expected = now - self._epoch_since + eta
-        if samples_accumulated != self._samples:
-            self._samples, self._samples_since = samples_accumulated, now
-        waited = now - self._epoch_since
-        stalled = self._expected is not None and waited >= max(
-            self.config.stall_factor * self._expected, self.config.min_stall_time
-        )
-        stuck = (
-            samples_accumulated < target_batch_size
-            and now - self._samples_since >= self.config.stuck_time
-        )
-        if stalled or stuck:
-            expected = f"; it was expected to take {self._expected:.0f} s" if self._expected else ""
-            found += self._give(
-                TARGET_NOT_REACHED,
-                f"{self.run_id}: epoch {global_epoch} has accumulated {samples_accumulated} of "
-                f"target_batch_size={target_batch_size} samples in {waited:.0f} s{expected} "
-                f"(samples unchanged for {now - self._samples_since:.0f} s). Check that all "
-                "peers use the same run_id and target_batch_size and are still training, and "
-                "that target_batch_size suits the swarm's speed (lower it for a small swarm)",
-                now,
-            )
-        if num_peers > 1:
-            self._alone_since = None
-        elif self._alone_since is None:
-            self._alone_since = now
-        elif now - self._alone_since >= self.config.lone_peer_timeout:
-            found += self._give(
-                LONE_PEER,
-                f"{self.run_id}: no other peer seen for {now - self._alone_since:.0f} s: this "
-                "peer trains alone. Check initial_peers (the addresses a running peer prints), "
-                "that the run_id is the same on every peer, and that peers can reach each other "
-                "(firewalls; peers behind NAT need client_mode=True and a reachable peer)",
-                now,
-            )
-        return found
-
-    def observe_peer_time(
-        self,
-        peer: object,
-        peer_time: float,
-        dht_now: float,
-        *,
-        max_age: float = math.inf,
-        now: float | None = None,
-    ) -> list[HealthWarning]:
-        """A time a peer reported (DHT time), received at our DHT time ``dht_now``; it left the
-        peer at most ``max_age`` seconds ago (a gossiped record: the gossip period; a DHT
-        record: inf, so only a time in our future shows a skew)."""
-        offset = peer_time - dht_now
-        if offset < 0:
-            offset = min(0.0, offset + max_age)
-        if abs(offset) <= self.config.max_clock_skew:
-            return []
-        side = "ahead of" if offset > 0 else "behind"
-        return self._give(
-            CLOCK_SKEW,
-            f"{self.run_id}: peer {peer}'s clock is {abs(offset):.1f} s {side} ours (more than "
-            f"max_clock_skew={self.config.max_clock_skew} s): epoch estimates and averaging "
-            "schedules will be off. Synchronize the clocks of all peers with NTP (e.g. "
-            "`timedatectl set-ntp true` or chrony)",
-            self._now(now),
-        )
 
     def observe_averaging_failure(
         self, error: BaseException, now: float | None = None
