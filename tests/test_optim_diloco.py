@@ -17,6 +17,7 @@ from swarmtrain.compression import Float16Compression, NoCompression
 from swarmtrain.dht import DHT
 from swarmtrain.optim._textdata import stdlib_text
 from swarmtrain.optim.diloco import DiLoCoOptimizer, pack_state, unpack_state
+from swarmtrain.optim.diloco_bytes import CountingCompression, RoundBytes
 from swarmtrain.optim.diloco_core import OuterState
 from swarmtrain.optim.diloco_simulation import (
     SimulationConfig,
@@ -100,6 +101,7 @@ class Peer:
             inner_optimizer=kwargs.pop("inner_optimizer", default_inner_optimizer),
             inner_steps=config.inner_steps,
             batch_size_per_step=config.batch_size,
+            num_fragments=config.num_fragments,
             delay=config.delay,
             alpha=config.alpha,
             **{**FAST, **kwargs},
@@ -127,17 +129,20 @@ def assert_params_close(got, want, **tolerance) -> None:
 
 
 @pytest.mark.parametrize(
-    ("workers", "delay", "alpha"),
-    [(3, 0, 0.0), (2, 1, 0.5)],
-    ids=["3-peers", "2-peers-delayed"],
+    ("workers", "fragments", "inner_steps", "delay", "alpha"),
+    [(3, 1, 3, 0, 0.0), (2, 1, 3, 1, 0.5), (3, 3, 3, 0, 0.0), (2, 2, 4, 1, 0.5)],
+    ids=["3-peers", "2-peers-delayed", "3-peers-3-fragments", "2-peers-2-fragments-delayed"],
 )
-def test_networked_rounds_equal_run_diloco(data, dhts, workers, delay, alpha):
+def test_networked_rounds_equal_run_diloco(
+    data, dhts, workers, fragments, inner_steps, delay, alpha
+):
     config = SimulationConfig(
         num_workers=workers,
-        inner_steps=3,
+        inner_steps=inner_steps,
         outer_steps=2,
         batch_size=4,
         context=MODEL.context,
+        num_fragments=fragments,
         delay=delay,
         alpha=alpha,
         eval_windows=2,
@@ -159,16 +164,38 @@ def test_networked_rounds_equal_run_diloco(data, dhts, workers, delay, alpha):
         for i, dht in enumerate(dhts(workers))
     ]
     try:
+        opt = peers[0].opt
+        numels = [p.numel() for p in peers[0].model.parameters()]
+        # Fragments cover every parameter exactly once, each averager holds its fragment.
+        assert sorted(i for group in opt.fragments.groups for i in group) == list(
+            range(len(numels))
+        )
+        assert len(opt.averagers) == fragments
+        for averager, group in zip(opt.averagers, opt.fragments.groups, strict=True):
+            with averager.get_tensors() as buffers:
+                assert [b.numel() for b in buffers] == [numels[i] for i in group]
+
         in_threads([lambda p=p: p.train(config.total_steps) for p in peers])
         for peer in peers:
             peer.opt.wait_for_pending_rounds()  # run_diloco applies them at the end
             stats = peer.opt.statistics()
-            assert (stats.outer_step, stats.rounds_averaged, stats.rounds_alone) == (2, 2, 0)
+            rounds = 2 * fragments
+            assert (stats.outer_step, stats.rounds_averaged, stats.rounds_alone) == (
+                rounds,
+                rounds,
+                0,
+            )
             assert stats.last_group_size == workers and stats.bytes_sent > 0
             assert peer.opt.local_epoch == 2 and peer.opt.inner_step == config.total_steps
             assert_params_close(peer.opt.shared_parameters(), reference.params)
-            if delay == 0:  # the model holds the shared parameters right after the outer step
+            if delay == 0 and fragments == 1:  # right after the outer step: the shared values
                 assert_params_close([p.detach() for p in peer.model.parameters()], reference.params)
+        # Bytes, counted (as senders) and computed (as reducers): with NoCompression each peer
+        # sends the others' slices and returns its own slice to each other peer, per round.
+        stats = [peer.opt.statistics() for peer in peers]
+        per_round = (workers - 1) * sum(numels) * 4
+        assert sum(s.bytes_sent_as_sender for s in stats) == 2 * per_round
+        assert sum(s.bytes_sent_as_reducer for s in stats) == 2 * per_round
     finally:
         for peer in peers:
             peer.opt.shutdown()
@@ -181,7 +208,7 @@ def test_fp16_pseudo_gradients(data, dhts):
     exact = run_diloco(config, model_factory, data)
     reference = run_diloco(config, model_factory, data, codec=Float16Compression())
     peers = [Peer(config, i, dht, data, **_full(2)) for i, dht in enumerate(dhts(2))]
-    assert isinstance(peers[0].opt.averager.config.compression, Float16Compression)  # default
+    assert isinstance(peers[0].opt.averager.config.compression.codec, Float16Compression)
     try:
         in_threads([lambda p=p: p.train(config.total_steps) for p in peers])
         shared = [p.opt.shared_parameters() for p in peers]
@@ -288,6 +315,99 @@ def test_joiner_loads_the_outer_state_then_takes_part(data, dhts):
             peer.opt.shutdown()
 
 
+def test_streaming_peer_dies_during_a_round(data, dhts):
+    config = SimulationConfig(
+        num_workers=3,
+        inner_steps=4,
+        outer_steps=2,
+        batch_size=4,
+        context=MODEL.context,
+        num_fragments=2,
+        delay=1,
+    )
+    group = {
+        "target_group_size": 3,
+        "min_group_size": 2,
+        "averager_opts": {"next_chunk_timeout": 2.0},
+    }
+    peers = [Peer(config, i, dht, data, **group) for i, dht in enumerate(dhts(3))]
+    try:
+        in_threads([lambda p=p: p.train(1) for p in peers])
+
+        def die() -> None:
+            peers[2].train(1)  # fragment 0's round starts after step 2, in the background
+            assert 0 in peers[2].opt._pending
+            time.sleep(0.2)  # matchmaking or all-reduce under way
+            peers[2].opt.shutdown()
+
+        started = time.monotonic()
+        in_threads([lambda p=p: p.train(config.total_steps - 1) for p in peers[:2]] + [die])
+        elapsed = time.monotonic() - started
+        for peer in peers[:2]:
+            peer.opt.wait_for_pending_rounds()
+            stats = peer.opt.statistics()
+            # Every round of both fragments was applied (averaged, or alone if it failed) and
+            # the survivors averaged as a pair once the dead peer was gone.
+            assert stats.outer_step == 4 and stats.rounds_averaged + stats.rounds_alone == 4
+            assert stats.rounds_averaged >= 3 and stats.last_group_size == 2
+            assert all(torch.isfinite(p).all() for p in peer.opt.shared_parameters())
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+    assert elapsed < 40, elapsed
+
+
+def test_streaming_joiner_loads_the_state_mid_run(data, dhts):
+    config = SimulationConfig(
+        num_workers=3,
+        inner_steps=4,
+        outer_steps=3,
+        batch_size=4,
+        context=MODEL.context,
+        num_fragments=2,
+        delay=1,
+    )
+    group = {"target_group_size": 3, "min_group_size": 2}
+    first, second, third = dhts(3)
+    peers = [
+        Peer(config, i, dht, data, pseudo_grad_compression=NoCompression(), **group)
+        for i, dht in enumerate((first, second))
+    ]
+    try:
+        # Fragment 0 syncs after step 2 (applied at 3), fragment 1 after 4 (applied at 5):
+        # after step 5 no round is in flight and a donor can hand out its state.
+        in_threads([lambda p=p: p.train(5) for p in peers])
+        shared = peers[0].opt.shared_parameters()
+        joiner = Peer(
+            dataclasses.replace(config, seed=99),
+            2,
+            third,
+            data,
+            pseudo_grad_compression=NoCompression(),
+            **group,
+        )
+        peers.append(joiner)
+        assert joiner.opt.load_state_from_peers(timeout=10)
+        assert (joiner.opt.outer_step, joiner.opt.inner_step) == (2, 5)
+        assert_params_close(joiner.opt.shared_parameters(), shared, rtol=0, atol=1e-7)
+        assert_params_close([p.detach() for p in joiner.model.parameters()], shared)
+
+        in_threads([lambda p=p: p.train(config.total_steps - 5) for p in peers])
+        for peer in peers:
+            peer.opt.wait_for_pending_rounds()
+        results = [peer.opt.shared_parameters() for peer in peers]
+        for peer, result in zip(peers, results, strict=True):
+            stats = peer.opt.statistics()
+            assert stats.inner_step == config.total_steps and stats.outer_step == 6
+            assert stats.last_group_size == 3
+            assert_params_close(result, results[0], rtol=0, atol=1e-6)
+        assert joiner.opt.statistics().rounds_averaged == 4
+        assert not all(torch.equal(a, b) for a, b in zip(results[0], shared, strict=True))
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+
+
 def test_alone_applies_the_local_pseudo_gradient(data, dhts):
     config = SimulationConfig(
         num_workers=1, inner_steps=2, outer_steps=1, batch_size=4, context=MODEL.context
@@ -328,11 +448,31 @@ def test_state_packs_and_unpacks():
         unpack_state(metadata, tensors[:3])
 
 
+def test_counting_codec_counts_what_it_compresses():
+    codec = CountingCompression(Float16Compression())
+    tensor = torch.randn(1000)
+    message = codec.compress(tensor)
+    assert codec.snapshot() == RoundBytes(message.nbytes, 1000) and message.nbytes == 2000
+    torch.testing.assert_close(Float16Compression().extract(message), tensor.half().float())
+    before = codec.snapshot()
+    codec.compress(torch.randn(10))
+    assert codec.snapshot() - before == RoundBytes(20, 10)
+    # As a reducer in a group of 3 we returned our slice (1000 - 10 values sent to others)
+    # to each of the 2 other senders, at the 2 bytes per value we measured as a sender.
+    assert (codec.snapshot() - before).reducer_estimate(1000, 3, 4.0) == 990 * 2 * 2
+    assert RoundBytes().reducer_estimate(1000, 3, 4.0) == 1000 * 4 * 2  # sent nothing
+    assert RoundBytes(20, 10).reducer_estimate(1000, 1, 2.0) == 0  # alone
+    with pytest.raises(TypeError, match="codec"):
+        CountingCompression("fp16")
+
+
 def test_constructor_validates_before_touching_the_network():
     params = [nn.Parameter(torch.zeros(2))]
     base = {"dht": None, "run_id": "r", "inner_steps": 4}
-    with pytest.raises(NotImplementedError, match="streaming"):
-        DiLoCoOptimizer(params, **{**base, "inner_steps": 4}, num_fragments=2)
+    with pytest.raises(ValueError, match="divide"):
+        DiLoCoOptimizer(params, **{**base, "inner_steps": 5}, num_fragments=2)
+    with pytest.raises(ValueError, match="fragments"):  # more fragments than parameters
+        DiLoCoOptimizer(params, **base, num_fragments=2)
     with pytest.raises(ValueError, match="delay"):
         DiLoCoOptimizer(params, **base, delay=4)
     with pytest.raises(ValueError, match="alpha"):

@@ -7,9 +7,11 @@ own source (no download). Run it from the repository root::
 
     python examples/diloco/train_lm.py                 # under a minute on 2 CPUs
     python examples/diloco/train_lm.py --peers 2 --inner-steps 20 --outer-steps 5
+    python examples/diloco/train_lm.py --fragments 2 --delay 2   # streaming DiLoCo
 
-Printed every outer step (by peer 0): the peers' mean training loss over the round, the eval
-loss of the shared parameters, the pseudo-gradient bytes peer 0 sent so far, and the compute
+Printed every H inner steps (by peer 0): the peers' mean training loss over the last H steps,
+the eval loss of the shared parameters, the pseudo-gradient bytes peer 0 sent so far (counted
+as its codec produced them, plus the averaged parts it returned as a reducer), and the compute
 utilization so far: time in forward/backward over wall time, per peer (threads share the
 cores and the GIL, so with 4 peers on 2 cores at most 50% each).
 """
@@ -74,6 +76,8 @@ def run_peer(
             params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
         ),
         inner_steps=args.inner_steps,
+        num_fragments=args.fragments,  # > 1: streaming, one fragment every H / F steps
+        delay=args.delay,  # each all-reduce overlaps with this many inner steps
         pseudo_grad_compression=Float16Compression(),
         batch_size_per_step=args.batch_size,
         matchmaking_time=args.matchmaking_time,
@@ -92,29 +96,35 @@ def run_peer(
             with report.lock:
                 report.compute[index] += time.perf_counter() - started
             round_loss += loss.item()
-            opt.step()  # every inner_steps-th step also averages and takes the outer step
+            opt.step()  # starts / applies the fragments' rounds when the schedule says so
             if step % args.inner_steps:
                 continue
-            report.add(opt.outer_step, round_loss / args.inner_steps)
+            report.add(opt.local_epoch, round_loss / args.inner_steps)
             round_loss = 0.0
             if index == 0:
                 print_round(opt, model, report, eval_windows)
+        opt.wait_for_pending_rounds()  # with delay > 0, the last rounds are still in flight
     finally:
         opt.shutdown()
 
 
 def print_round(opt: DiLoCoOptimizer, model: nn.Module, report: Report, eval_windows) -> None:
     stats = opt.statistics()
-    eval_loss = evaluate(model, eval_windows)  # right after the outer step: the shared params
+    shared = copy.deepcopy(model)  # the shared parameters (the model's may be mid-round)
+    with torch.no_grad():
+        for p, value in zip(shared.parameters(), opt.shared_parameters(), strict=True):
+            p.copy_(value)
+    eval_loss = evaluate(shared, eval_windows)
     time.sleep(0.05)  # let the other peers report their round loss
     with report.lock:
-        losses = report.round_losses.get(stats.outer_step, [])
+        losses = report.round_losses.get(opt.local_epoch, [])
         train = sum(losses) / max(1, len(losses))
-    utilization = report.utilization()
+    per_peer = report.utilization()
+    utilization = 100 * sum(per_peer) / len(per_peer)
     print(
-        f"outer step {stats.outer_step:3d}  train loss {train:.3f}  eval loss {eval_loss:.3f}  "
-        f"group {stats.last_group_size}  sent {stats.bytes_sent / 1e6:6.2f} MB  "
-        f"compute {100 * sum(utilization) / len(utilization):4.1f}% per peer",
+        f"H steps {opt.local_epoch:3d}  outer updates {stats.outer_step:3d}  train loss "
+        f"{train:.3f}  eval loss {eval_loss:.3f}  group {stats.last_group_size}  sent "
+        f"{stats.bytes_sent / 1e6:6.2f} MB  compute {utilization:4.1f}% per peer",
         flush=True,
     )
 
@@ -128,12 +138,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--fragments", type=int, default=1, help="F (must divide H)")
+    parser.add_argument("--delay", type=int, default=0, help="tau, in [0, H)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--matchmaking-time", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.peers < 2:
         parser.error("--peers must be at least 2")
+    if args.inner_steps % args.fragments or not 0 <= args.delay < args.inner_steps:
+        parser.error("--fragments must divide --inner-steps, and 0 <= --delay < --inner-steps")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)  # one core per peer thread, no oversubscription
 
@@ -146,7 +160,8 @@ def main() -> None:
     numel = sum(p.numel() for p in initial.parameters())
     print(
         f"{args.peers} peers, {numel:,} parameters, H={args.inner_steps}, "
-        f"{args.outer_steps} outer steps, initial eval loss {evaluate(initial, eval_windows):.3f} "
+        f"F={args.fragments}, tau={args.delay}, {args.outer_steps} outer steps, "
+        f"initial eval loss {evaluate(initial, eval_windows):.3f} "
         f"(uniform: {math.log(256):.3f})",
         flush=True,
     )

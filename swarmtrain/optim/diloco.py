@@ -25,7 +25,10 @@ Behaviour worth knowing:
   parameters, the outer optimizer's state and the step counters from a peer of the run.
 - **Lockstep by counting.** Peers sync after the same inner step numbers (multiples of H): a
   joiner adopts its donor's inner step count, so it syncs with the others at the next multiple
-  of H, with a weight of the samples it processed until then.
+  of H, with a weight of the samples it processed until then. The round number is part of
+  the matchmaking key (the averager's group bits), so peers only ever average the same round
+  of the same fragment: a peer that arrives after the others' group started steps alone in
+  that round (see **Elastic**) instead of mixing its pseudo-gradient into another round.
 - **Elastic.** A peer that leaves is simply absent from the next round. If a round fails (too
   few peers, timeout, nobody else took part) the peer logs a warning and applies *its own*
   pseudo-gradient alone: training goes on, and that peer's shared parameters drift from the
@@ -33,9 +36,21 @@ Behaviour worth knowing:
 - **Overlap.** With ``delay`` (tau) > 0 the all-reduce of a round runs in the background while
   training continues; its result is applied ``delay`` inner steps later and mixed into the
   local parameters with ``alpha`` (``p = alpha * p + (1 - alpha) * shared``).
-- **Streaming** (``num_fragments > 1``, Streaming DiLoCo) is not implemented on the networked
-  path yet: the constructor raises ``NotImplementedError``. The single-process reference
-  (:func:`swarmtrain.optim.diloco_simulation.run_diloco`) simulates it.
+- **Streaming** (``num_fragments`` F > 1, Streaming DiLoCo): the parameters are split into F
+  contiguous fragments (:meth:`Fragments.for_parameters
+  <swarmtrain.optim.diloco_core.Fragments.for_parameters>`, the same split on every peer);
+  fragment ``p`` syncs after inner steps ``(p + 1) H / F + k H`` and is applied ``delay`` steps
+  later, exactly as :class:`~swarmtrain.optim.diloco_core.StreamingSchedule` says. Each
+  fragment has its own averager (prefix ``{run_id}_diloco_{p}of{F}``) whose tensors are that
+  fragment's pseudo-gradient buffers, so a round sends only that fragment and rounds of
+  different fragments may overlap; the outer optimizer steps only that fragment's parameters
+  (its momentum is per parameter, hence per fragment). Each round is weighted by the samples
+  processed since that fragment's previous sync. Only fragment 0's averager serves the state
+  to joiners; it waits for a moment when no round is in flight (with ``delay`` >= H / F there
+  may be none: keep ``delay < H / F`` if peers join mid-run).
+- **Bytes.** ``statistics().bytes_sent`` is the pseudo-gradient payload this peer wrote: the
+  parts it sent as a sender are counted as they are compressed; the averaged parts it returned
+  as a reducer are computed from its slice (see :mod:`swarmtrain.optim.diloco_bytes`).
 - It is not a ``torch.optim.Optimizer`` subclass: give learning-rate schedulers
   ``opt.inner_optimizer``.
 
@@ -47,35 +62,51 @@ from one training thread.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
 
 from swarmtrain.averaging import DecentralizedAverager, StepControl
 from swarmtrain.compression import CompressionBase, Float16Compression
-from swarmtrain.optim._optimizer_state import decode_tensors, encode_tensors
+from swarmtrain.optim.diloco_bytes import CountingCompression, RoundBytes
 from swarmtrain.optim.diloco_core import (
     ApplyOuter,
+    Fragments,
     OuterOptimizerFactory,
     OuterState,
     StartSync,
     StreamingSchedule,
 )
 from swarmtrain.optim.diloco_simulation import default_inner_optimizer
+from swarmtrain.optim.diloco_state import (
+    STATE_FORMAT,
+    check_positive,
+    check_positive_int,
+    flatten_params,
+    pack_state,
+    unpack_state,
+)
 
-__all__ = ["DiLoCoOptimizer", "DiLoCoStatistics", "InnerOptimizer"]
+__all__ = [
+    "STATE_FORMAT",
+    "DiLoCoOptimizer",
+    "DiLoCoStatistics",
+    "InnerOptimizer",
+    "pack_state",
+    "unpack_state",
+]
 
 logger = logging.getLogger(__name__)
 
-InnerOptimizer = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
+#: rounds are told apart in the DHT key by their number modulo ``2 ** ROUND_BITS``
+ROUND_BITS = 16
+ROUND_KEYS = 1 << ROUND_BITS
 
-#: version tag of the state that peers download from each other
-STATE_FORMAT = "swarmtrain.diloco/1"
+InnerOptimizer = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
 
 
 @dataclass(frozen=True)
@@ -84,12 +115,17 @@ class DiLoCoStatistics:
 
     :param inner_step: inner steps counted since the start of the run (adopted from the donor
       by :meth:`DiLoCoOptimizer.load_state_from_peers`)
-    :param outer_step: outer updates applied to the shared parameters (likewise)
-    :param rounds_averaged: rounds in which we averaged with at least one other peer
+    :param outer_step: outer updates applied to the shared parameters (likewise); with F
+      fragments each fragment's update counts once, so F per H inner steps
+    :param rounds_averaged: rounds (of any fragment) in which we averaged with another peer
     :param rounds_alone: rounds that failed, in which we applied our own pseudo-gradient
     :param last_group_size: peers (us included) in the last round; 1 if it failed
-    :param bytes_sent: estimated pseudo-gradient payload we sent, in bytes (butterfly
-      all-reduce in a group of ``n``: ``2 (n - 1) / n`` times the compressed size)
+    :param bytes_sent: pseudo-gradient payload we sent, ``bytes_sent_as_sender +
+      bytes_sent_as_reducer``
+    :param bytes_sent_as_sender: counted: payload of the parts we sent to other reducers, as
+      the codec produced them (framing excluded)
+    :param bytes_sent_as_reducer: computed: averaged parts we returned to the other senders
+      (our slice's size at the measured bytes per value, times the other members)
     :param seconds_waiting: wall time ``step()`` spent waiting for averaging results
     """
 
@@ -99,17 +135,22 @@ class DiLoCoStatistics:
     rounds_alone: int
     last_group_size: int
     bytes_sent: int
+    bytes_sent_as_sender: int
+    bytes_sent_as_reducer: int
     seconds_waiting: float
 
 
 @dataclass
 class _Round:
-    """A round whose sync started and whose result is not applied yet."""
+    """A round of one fragment whose sync started and whose result is not applied yet."""
 
+    fragment: int
+    round: int
     start_step: int
     weight: float
     local_pseudo_gradient: list[torch.Tensor]
     control: StepControl | None = None
+    bytes_before: RoundBytes = field(default_factory=RoundBytes)
 
 
 class _PseudoGradientAverager(DecentralizedAverager):
@@ -123,85 +164,6 @@ class _PseudoGradientAverager(DecentralizedAverager):
         return self._diloco_state()
 
 
-def _positive(name: str, value: object, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be positive and finite, got {value!r}")
-
-
-def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value!r}")
-
-
-def _flatten_params(params: Iterable[Any]) -> list[torch.Tensor]:
-    """The tensors of ``params`` (tensors, or param-group dicts), in order, each once."""
-    result: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for item in params:
-        group = item["params"] if isinstance(item, dict) else [item]
-        if isinstance(group, torch.Tensor):
-            group = [group]
-        for p in group:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
-            if id(p) not in seen:
-                seen.add(id(p))
-                result.append(p)
-    if not result:
-        raise ValueError("DiLoCoOptimizer got an empty parameter list")
-    return result
-
-
-def pack_state(
-    outer: OuterState, inner_step: int, extra: dict[str, Any] | None = None
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """``(metadata, tensors)`` that carry ``outer`` (parameters, optimizer state, step) and the
-    inner step count; the metadata holds the optimizer state's structure, with each tensor
-    replaced by a reference (``_optimizer_state.encode_tensors``)."""
-    state = outer.state_dict()  # already copies: no second copy here
-    tensors: list[torch.Tensor] = list(state["params"])
-    optimizer = encode_tensors(state["optimizer"], tensors, copy=False)
-    metadata = {
-        "format": STATE_FORMAT,
-        "num_params": len(state["params"]),
-        "outer_step": state["outer_step"],
-        "inner_step": inner_step,
-        "optimizer": optimizer,
-        **(extra or {}),
-    }
-    return metadata, tensors
-
-
-def unpack_state(metadata: Any, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], int]:
-    """The inverse of :func:`pack_state`: ``(OuterState state dict, inner step)``.
-
-    :raises ValueError: not a state of this format, or references to missing tensors
-    """
-    if not isinstance(metadata, dict) or metadata.get("format") != STATE_FORMAT:
-        raise ValueError(f"not a {STATE_FORMAT} state: {str(metadata)[:200]}")
-    num_params, inner_step = metadata.get("num_params"), metadata.get("inner_step")
-    for name, value in (("num_params", num_params), ("inner_step", inner_step)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    if num_params > len(tensors):
-        raise ValueError(f"state announces {num_params} parameters, carries {len(tensors)} tensors")
-
-    state = {
-        "params": list(tensors[:num_params]),
-        "optimizer": decode_tensors(metadata.get("optimizer"), tensors, first=num_params),
-        "outer_step": metadata.get("outer_step"),
-    }
-    return state, inner_step
-
-
 class DiLoCoOptimizer:
     """DiLoCo over the swarm; see the module docstring.
 
@@ -211,15 +173,15 @@ class DiLoCoOptimizer:
     :param run_id: the name of the run; peers with the same ``run_id`` average together
     :param inner_optimizer: an optimizer over ``params``, or a factory ``f(params)``; default
       AdamW (lr 3e-3, betas (0.9, 0.95), weight decay 0.01)
-    :param inner_steps: H, inner steps between two outer steps
+    :param inner_steps: H, inner steps between two outer steps (of the same fragment)
     :param outer_optimizer: builds the outer optimizer from the offloaded shared parameters;
       default :data:`~swarmtrain.optim.diloco_core.default_outer_optimizer`
     :param pseudo_grad_compression: codec for the pseudo-gradients in all-reduce
       (default fp16)
     :param batch_size_per_step: samples per inner step (our weight in the average is the
-      samples since the last outer step); None: each inner step counts as one sample
+      samples since the fragment's last sync); None: each inner step counts as one sample
     :param averager_opts: more :class:`~swarmtrain.averaging.AveragerConfig` keywords for the
-      averager (they override the ones derived from the arguments here)
+      averagers (they override the ones derived from the arguments here)
     :param matchmaking_time: the averager's ``min_matchmaking_time``: how long a round waits
       for peers before it starts with the group it has
     :param averaging_timeout: give up a round after this many seconds of matchmaking (retries
@@ -227,8 +189,10 @@ class DiLoCoOptimizer:
     :param min_group_size: fewest peers (us included) to average with; below that the round
       fails and we step alone
     :param target_group_size: largest group (None: everyone who shows up)
-    :param num_fragments: F; only 1 (see the module docstring)
-    :param delay: tau in ``[0, inner_steps)``: inner steps the all-reduce overlaps with training
+    :param num_fragments: F, which must divide H: parameters are synced in F fragments at
+      staggered inner steps (Streaming DiLoCo); 1: plain DiLoCo
+    :param delay: tau in ``[0, inner_steps)``: inner steps each all-reduce overlaps with
+      training
     :param alpha: in ``[0, 1)``: weight the local parameters keep when a delayed result arrives
     :param load_state_timeout: default bound for :meth:`load_state_from_peers`
     :param verbose: log each round at INFO (else DEBUG)
@@ -258,20 +222,14 @@ class DiLoCoOptimizer:
     ):
         if not isinstance(run_id, str) or not run_id or "." in run_id or "::" in run_id:
             raise ValueError(f"run_id must be a non-empty string without '.' or '::': {run_id!r}")
-        _positive_int("batch_size_per_step", batch_size_per_step, allow_none=True)
-        _positive_int("min_group_size", min_group_size)
-        _positive_int("target_group_size", target_group_size, allow_none=True)
-        _positive_int("num_fragments", num_fragments)
-        _positive("matchmaking_time", matchmaking_time)
-        _positive("averaging_timeout", averaging_timeout)
-        _positive("load_state_timeout", load_state_timeout)
-        if num_fragments > 1:
-            raise NotImplementedError(
-                "streaming DiLoCo (num_fragments > 1) is not implemented on the networked "
-                "DiLoCoOptimizer yet; use num_fragments=1, or simulate streaming with "
-                "swarmtrain.optim.diloco_simulation.run_diloco"
-            )
-        # Validates inner_steps, delay and alpha with clear errors.
+        check_positive_int("batch_size_per_step", batch_size_per_step, allow_none=True)
+        check_positive_int("min_group_size", min_group_size)
+        check_positive_int("target_group_size", target_group_size, allow_none=True)
+        check_positive_int("num_fragments", num_fragments)
+        check_positive("matchmaking_time", matchmaking_time)
+        check_positive("averaging_timeout", averaging_timeout)
+        check_positive("load_state_timeout", load_state_timeout)
+        # Validates inner_steps, num_fragments | inner_steps, delay and alpha with clear errors.
         self.schedule = StreamingSchedule(inner_steps, num_fragments, delay, alpha)
         if pseudo_grad_compression is None:
             pseudo_grad_compression = Float16Compression()
@@ -279,8 +237,8 @@ class DiLoCoOptimizer:
             raise TypeError("pseudo_grad_compression must be a swarmtrain.compression codec")
 
         if isinstance(inner_optimizer, torch.optim.Optimizer):
-            self._params = _flatten_params(inner_optimizer.param_groups)
-            if params is not None and {id(p) for p in _flatten_params(params)} != {
+            self._params = flatten_params(inner_optimizer.param_groups)
+            if params is not None and {id(p) for p in flatten_params(params)} != {
                 id(p) for p in self._params
             }:
                 raise ValueError("params must be the parameters of the inner optimizer instance")
@@ -289,7 +247,7 @@ class DiLoCoOptimizer:
             if params is None:
                 raise ValueError("params is required unless inner_optimizer is an instance")
             params = list(params)
-            self._params = _flatten_params(params)
+            self._params = flatten_params(params)
             factory = inner_optimizer if inner_optimizer is not None else default_inner_optimizer
             if not callable(factory):
                 raise TypeError("inner_optimizer must be an optimizer or a factory f(params)")
@@ -299,45 +257,75 @@ class DiLoCoOptimizer:
                     f"inner_optimizer must build a torch.optim.Optimizer, "
                     f"got {self.inner_optimizer!r}"
                 )
+        #: which parameters each fragment syncs (contiguous, balanced by numel)
+        self.fragments = Fragments.for_parameters(self._params, num_fragments)
 
         self.run_id = run_id
         self.dht = dht
         self.inner_steps = inner_steps
+        self.num_fragments = num_fragments
         self.batch_size_per_step = batch_size_per_step
         self.averaging_timeout = float(averaging_timeout)
         self.load_state_timeout = float(load_state_timeout)
         self.verbose = verbose
         self._outer = OuterState(self._params, outer_optimizer)
-        # Guards the outer state, the step counters and the round in flight: the training
+        # Guards the outer state, the step counters and the rounds in flight: the training
         # thread changes them, the averager's worker thread reads them for newcomers.
         self._lock = threading.Condition()
         self._inner_step = 0
-        self._samples = 0.0  # since the last sync started
-        self._pending: _Round | None = None
+        self._samples = [0.0] * num_fragments  # per fragment, since its last sync started
+        self._pending: dict[int, _Round] = {}
         self._rounds_averaged = self._rounds_alone = 0
         self._last_group_size = 0
-        self._bytes_sent = 0.0
+        self._bytes_as_sender = self._bytes_as_reducer = 0
         self._seconds_waiting = 0.0
-        self._buffers = [torch.zeros_like(p) for p in self._outer.params]
-        self._payload_bytes = sum(pseudo_grad_compression.compress(b).nbytes for b in self._buffers)
 
         opts: dict[str, Any] = {
             "min_matchmaking_time": float(matchmaking_time),
             "request_timeout": min(3.0, matchmaking_time / 2),
             "allreduce_timeout": float(averaging_timeout),
-            "compression": pseudo_grad_compression,
             "min_group_size": min_group_size,
             "target_group_size": target_group_size,
         }
         opts.update(averager_opts or {})
-        self.averager = _PseudoGradientAverager(
-            self._buffers,
-            dht,
-            prefix=f"{run_id}_diloco",
-            state_provider=self._current_state,
-            start=True,
-            **opts,
-        )
+        codec = opts.pop("compression", pseudo_grad_compression)
+        self._codecs = [CountingCompression(codec) for _ in range(num_fragments)]
+        self._bytes_per_value = [
+            sum(codec.compress(self._outer.params[i]).nbytes for i in group)
+            / max(1, self.fragments.fragment_numel(f))
+            for f, group in enumerate(self.fragments.groups)
+        ]
+        #: one averager per fragment; fragment 0's also serves the state to joiners
+        self.averagers: list[_PseudoGradientAverager] = []
+        try:
+            for f, group in enumerate(self.fragments.groups):
+                prefix = (
+                    f"{run_id}_diloco"
+                    if num_fragments == 1
+                    else (f"{run_id}_diloco_{f}of{num_fragments}")
+                )
+                fragment_opts = dict(opts, compression=self._codecs[f])
+                if f > 0:
+                    fragment_opts["allow_state_sharing"] = False
+                self.averagers.append(
+                    _PseudoGradientAverager(
+                        [torch.zeros_like(self._outer.params[i]) for i in group],
+                        dht,
+                        prefix=prefix,
+                        state_provider=self._current_state,
+                        start=True,
+                        **fragment_opts,
+                    )
+                )
+        except BaseException:
+            for averager in self.averagers:
+                averager.shutdown()
+            raise
+
+    @property
+    def averager(self) -> DecentralizedAverager:
+        """Fragment 0's averager (the only one with ``num_fragments=1``)."""
+        return self.averagers[0]
 
     # ------------------------------------------------------------------ torch.optim-like
 
@@ -358,7 +346,8 @@ class DiLoCoOptimizer:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
-        """One inner step; after every H-th (and ``delay`` steps later) the outer round.
+        """One inner step, then what the schedule says: start a fragment's round (its
+        all-reduce runs in the background) and/or apply one (waiting for it if needed).
 
         :param closure: re-evaluates the loss (as in torch), run before the inner step
         :param batch_size: samples in this step (default ``batch_size_per_step``, or 1)
@@ -368,33 +357,34 @@ class DiLoCoOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.inner_optimizer.step()
         if batch_size is None:
             batch_size = self.batch_size_per_step or 1
-        _positive("batch_size", batch_size)
+        check_positive("batch_size", batch_size)
+        self.inner_optimizer.step()
+        started: list[_Round] = []
         with self._lock:
             self._inner_step += 1
-            self._samples += batch_size
+            self._samples = [s + batch_size for s in self._samples]
             actions = self.schedule.actions(self._inner_step)
             for action in actions:
                 if isinstance(action, StartSync):
-                    self._start_round_locked(action)
+                    started.append(self._start_round_locked(action))
+        for pending in started:
+            self._launch(pending)
         for action in actions:
-            if isinstance(action, StartSync) and self._pending is not None:
-                self._launch(self._pending)
-            elif isinstance(action, ApplyOuter):
-                self._finish_round(action.alpha)
+            if isinstance(action, ApplyOuter):
+                self._finish_round(action.fragment, action.alpha)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state, the outer state and the counters (a round in flight
-        is not saved: it is cancelled on restart)."""
+        """The inner optimizer's state, the outer state and the counters (rounds in flight
+        are not saved: they are cancelled on restart)."""
         with self._lock:
             return {
                 "inner_optimizer": self.inner_optimizer.state_dict(),
                 "outer": self._outer.state_dict(),
                 "inner_step": self._inner_step,
-                "samples": self._samples,
+                "samples": list(self._samples),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -403,12 +393,19 @@ class DiLoCoOptimizer:
         inner_step = state["inner_step"]
         if isinstance(inner_step, bool) or not isinstance(inner_step, int) or inner_step < 0:
             raise ValueError(f"inner_step must be a non-negative integer, got {inner_step!r}")
+        samples = state.get("samples", 0.0)
+        samples = [float(samples)] * self.num_fragments if _is_number(samples) else samples
+        if len(samples) != self.num_fragments:
+            raise ValueError(
+                f"the state has sample counts for {len(samples)} fragments, we have "
+                f"{self.num_fragments}: restore it with the same num_fragments"
+            )
         with self._lock:
             self._cancel_pending_locked()
             self._outer.load_state_dict(state["outer"])
             self.inner_optimizer.load_state_dict(state["inner_optimizer"])
             self._inner_step = inner_step
-            self._samples = float(state.get("samples", 0.0))
+            self._samples = [float(s) for s in samples]
 
     # ------------------------------------------------------------------ swarm
 
@@ -423,7 +420,7 @@ class DiLoCoOptimizer:
 
     @property
     def outer_step(self) -> int:
-        """Outer updates applied to the shared parameters."""
+        """Outer updates applied to the shared parameters (one per fragment round)."""
         return self._outer.outer_step
 
     def shared_parameters(self) -> list[torch.Tensor]:
@@ -439,7 +436,9 @@ class DiLoCoOptimizer:
                 rounds_averaged=self._rounds_averaged,
                 rounds_alone=self._rounds_alone,
                 last_group_size=self._last_group_size,
-                bytes_sent=int(self._bytes_sent),
+                bytes_sent=self._bytes_as_sender + self._bytes_as_reducer,
+                bytes_sent_as_sender=self._bytes_as_sender,
+                bytes_sent_as_reducer=self._bytes_as_reducer,
                 seconds_waiting=self._seconds_waiting,
             )
 
@@ -451,7 +450,7 @@ class DiLoCoOptimizer:
         ``load_state_timeout``) if nobody answers; returns whether a state was loaded.
         """
         timeout = self.load_state_timeout if timeout is None else timeout
-        _positive("timeout", timeout)
+        check_positive("timeout", timeout)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -461,14 +460,20 @@ class DiLoCoOptimizer:
             loaded = self.averager.load_state_from_peers(timeout=remaining)
             if loaded is not None:
                 try:
-                    outer_state, inner_step = unpack_state(*loaded)
+                    metadata, tensors = loaded
+                    donor_fragments = metadata.get("num_fragments", 1)
+                    if donor_fragments != self.num_fragments:
+                        raise ValueError(
+                            f"the donor syncs {donor_fragments} fragments, we {self.num_fragments}"
+                        )
+                    outer_state, inner_step = unpack_state(metadata, tensors)
                     with self._lock:
                         self._cancel_pending_locked()
                         self._outer.load_state_dict(outer_state)
                         self._outer.copy_to(self._params)
                         self._inner_step = inner_step
-                        self._samples = 0.0
-                except (ValueError, TypeError, KeyError) as e:
+                        self._samples = [0.0] * self.num_fragments
+                except (ValueError, TypeError, KeyError, AttributeError) as e:
                     logger.warning("a peer sent an unusable DiLoCo state: %r", e)
                 else:
                     logger.info(
@@ -480,16 +485,17 @@ class DiLoCoOptimizer:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
     def wait_for_pending_rounds(self) -> None:
-        """Apply the result of a round still in flight (``delay > 0``) now, e.g. when training
-        ends; a no-op with ``delay = 0``."""
-        if self._pending is not None:
-            self._finish_round(self.schedule.alpha)
+        """Apply the results of rounds still in flight (``delay > 0``) now, fragment by
+        fragment, e.g. when training ends; a no-op with ``delay = 0``."""
+        for fragment in sorted(self._pending):
+            self._finish_round(fragment, self.schedule.alpha)
 
     def shutdown(self) -> None:
-        """Cancel a round in flight and stop the averager (the DHT stays up)."""
+        """Cancel the rounds in flight and stop the averagers (the DHT stays up)."""
         with self._lock:
             self._cancel_pending_locked()
-        self.averager.shutdown()
+        for averager in self.averagers:
+            averager.shutdown()
 
     def __enter__(self) -> DiLoCoOptimizer:
         return self
@@ -499,19 +505,32 @@ class DiLoCoOptimizer:
 
     # ------------------------------------------------------------------ rounds
 
-    def _start_round_locked(self, action: StartSync) -> None:
-        if self._pending is not None:  # cannot happen with delay < inner_steps
-            raise RuntimeError("a round started while the previous one is still in flight")
-        pseudo_gradient = self._outer.pseudo_gradient(self._params)
-        self._pending = _Round(action.step, self._samples, pseudo_gradient)
-        self._samples = 0.0
+    def _start_round_locked(self, action: StartSync) -> _Round:
+        fragment = action.fragment
+        if fragment in self._pending:  # cannot happen with delay < inner_steps
+            raise RuntimeError(f"fragment {fragment}'s round started while its last is in flight")
+        indices = self.fragments[fragment]
+        pseudo_gradient = self._outer.pseudo_gradient(
+            self.fragments.select(self._params, fragment), indices
+        )
+        pending = _Round(
+            fragment, action.round, action.step, self._samples[fragment], pseudo_gradient
+        )
+        self._pending[fragment] = pending
+        self._samples[fragment] = 0.0
+        return pending
 
     def _launch(self, pending: _Round) -> None:
-        with self.averager.get_tensors() as buffers:
+        averager = self.averagers[pending.fragment]
+        with averager.get_tensors() as buffers:
             for buffer, value in zip(buffers, pending.local_pseudo_gradient, strict=True):
                 buffer.copy_(value)
+        pending.bytes_before = self._codecs[pending.fragment].snapshot()
         try:
-            pending.control = self.averager.step(
+            # The round number in the bucket key: only peers in the same round of this
+            # fragment meet, so a straggler never mixes in another round's pseudo-gradient.
+            averager.set_group_bits(format(pending.round % ROUND_KEYS, f"0{ROUND_BITS}b"))
+            pending.control = averager.step(
                 gather={"inner_step": pending.start_step, "weight": pending.weight},
                 weight=pending.weight,
                 timeout=self.averaging_timeout,
@@ -520,8 +539,8 @@ class DiLoCoOptimizer:
         except Exception as e:  # the averager is down: step alone
             logger.warning("could not start averaging: %r", e)
 
-    def _finish_round(self, alpha: float) -> None:
-        pending = self._pending
+    def _finish_round(self, fragment: int, alpha: float) -> None:
+        pending = self._pending.get(fragment)
         if pending is None:  # we joined while the round was in flight: not ours to apply
             return
         started = time.perf_counter()
@@ -531,46 +550,59 @@ class DiLoCoOptimizer:
                 gathered = pending.control.result()
                 group_size = len(gathered)
                 if group_size >= 2:
-                    with self.averager.get_tensors() as buffers:
+                    with self.averagers[fragment].get_tensors() as buffers:
                         averaged = [b.clone() for b in buffers]
                 self._check_lockstep(gathered, pending)
             except Exception as e:  # MatchmakingError, AllReduceError, shutdown
                 logger.warning(
-                    "DiLoCo round at inner step %d failed, applying the local pseudo-gradient "
-                    "alone: %s",
+                    "DiLoCo round of fragment %d at inner step %d failed, applying the local "
+                    "pseudo-gradient alone: %s",
+                    fragment,
                     pending.start_step,
                     e,
                 )
-        self._seconds_waiting += time.perf_counter() - started
+        waited = time.perf_counter() - started
+        sent = self._codecs[fragment].snapshot() - pending.bytes_before
+        indices = self.fragments[fragment]
+        model_params = self.fragments.select(self._params, fragment)
         with self._lock:
-            if self._pending is not pending:  # cancelled meanwhile (load_state_from_peers)
+            self._seconds_waiting += waited
+            self._bytes_as_sender += sent.payload  # written even if the round failed later
+            if self._pending.get(fragment) is not pending:  # cancelled (load_state_from_peers)
                 return
             applied = False
             if averaged is not None:
                 try:
-                    self._outer.apply_outer_step(averaged, model_params=self._params, alpha=alpha)
+                    self._outer.apply_outer_step(
+                        averaged, indices, model_params=model_params, alpha=alpha
+                    )
                     applied = True
                 except ValueError as e:  # a NaN from a peer: nothing changed yet
                     logger.warning("averaged pseudo-gradient unusable (%s): stepping alone", e)
             if applied:
                 self._rounds_averaged += 1
-                self._bytes_sent += self._payload_bytes * 2 * (group_size - 1) / group_size
+                self._bytes_as_reducer += sent.reducer_estimate(
+                    self.fragments.fragment_numel(fragment),
+                    group_size,
+                    self._bytes_per_value[fragment],
+                )
             else:
                 group_size = 1
                 self._outer.apply_outer_step(
-                    pending.local_pseudo_gradient, model_params=self._params, alpha=alpha
+                    pending.local_pseudo_gradient, indices, model_params=model_params, alpha=alpha
                 )
                 self._rounds_alone += 1
             self._last_group_size = group_size
-            self._pending = None
+            del self._pending[fragment]
             self._lock.notify_all()
         log = logger.info if self.verbose else logger.debug
         log(
-            "DiLoCo outer step %d (inner step %d): group of %d, waited %.2f s",
+            "DiLoCo outer step %d (fragment %d, inner step %d): group of %d, waited %.2f s",
             self._outer.outer_step,
+            fragment,
             self._inner_step,
             group_size,
-            time.perf_counter() - started,
+            waited,
         )
 
     def _check_lockstep(self, gathered: dict, pending: _Round) -> None:
@@ -586,16 +618,21 @@ class DiLoCoOptimizer:
             )
 
     def _cancel_pending_locked(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None and pending.control is not None:
-            pending.control.cancel()
+        pending, self._pending = self._pending, {}
+        for round_ in pending.values():
+            if round_.control is not None:
+                round_.control.cancel()
         self._lock.notify_all()
 
     def _current_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """For newcomers (runs in the averager's worker thread): the state after the round in
-        flight, if any, is applied — a newcomer that took the state from before it would miss
-        that outer update for good."""
+        """For newcomers (runs in the averager's worker thread): the state once no round is in
+        flight — a newcomer that took the state from before a round's result would miss that
+        outer update for good."""
         with self._lock:
-            if not self._lock.wait_for(lambda: self._pending is None, self.averaging_timeout):
-                raise TimeoutError("a DiLoCo round is still in flight")
-            return pack_state(self._outer, self._inner_step)
+            if not self._lock.wait_for(lambda: not self._pending, self.averaging_timeout):
+                raise TimeoutError("DiLoCo rounds are still in flight")
+            return pack_state(self._outer, self._inner_step, {"num_fragments": self.num_fragments})
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
