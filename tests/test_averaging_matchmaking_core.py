@@ -315,6 +315,30 @@ def test_min_group_size_reached_at_expiration_assembles_a_smaller_group():
     assert swarm.now == 5.0  # not full: the leader waited for its expiration
 
 
+def test_expected_group_size_assembles_without_waiting_for_the_expiration():
+    swarm = Swarm(config(target_group_size=None, min_group_size=2))
+    for i in range(3):
+        swarm.add(pid(i), expected_group_size=3)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert group.size == 3
+    assert swarm.now < 5.0  # everyone expected is here: no wait for the declaration to lapse
+
+
+def test_expected_group_size_too_low_or_absent_changes_nothing():
+    for expected in (None, 1):
+        swarm = Swarm(config(target_group_size=None, min_group_size=2))
+        for i in range(3):
+            swarm.add(pid(i), expected_group_size=expected)
+        swarm.run()
+        (group,) = swarm.check_consistent()
+        assert group.size == 3 and swarm.now == 5.0
+    swarm = Swarm(config(target_group_size=2))  # the config's target still caps the group
+    assert swarm.add(pid(0), expected_group_size=3).assemble_at == 2
+    with pytest.raises(TypeError):
+        swarm.add(pid(1), expected_group_size=2.0)
+
+
 def test_schema_mismatch_is_a_clear_failure():
     swarm = Swarm(config())
     swarm.add(pid(0), schema_hash=b"schema-A", deadline=8.0)

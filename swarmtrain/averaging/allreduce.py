@@ -19,8 +19,11 @@ ones with ``AVERAGING_FINISHED``.
 Error handling: no failure of another peer raises. A sender that fails (disconnects, is too
 slow, sends bad data) is banned and the local slice is averaged without it; a reducer that
 fails leaves our local values in its slice. ``AllReduceResult`` says who failed and why.
-Tensor math that may be large (codecs) runs in worker threads; averaging happens on the loop
-in parts of at most ``part_size_bytes``.
+Codec work: lossless and float16 parts of at most ``_INLINE_MAX_BYTES`` are encoded and
+decoded on the loop (a worker-thread hop per part cost more CPU than the memcpy or cast it
+ran); any other codec, e.g. a user's or a quantizer, and larger parts go to worker threads, so
+a codec that blocks never stalls the loop. Averaging happens on the loop in parts of at most
+``part_size_bytes``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import torch
@@ -49,6 +53,8 @@ from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from swarmtrain.compression import (
     CompressionBase,
     CompressionInfo,
+    CompressionType,
+    Float16Compression,
     NoCompression,
     TensorDescriptor,
     WireFormatError,
@@ -73,6 +79,11 @@ logger = logging.getLogger(__name__)
 Code = averaging_pb2.AveragingCode
 # Room for codec metadata on top of a part's raw bytes (codebooks, block scales).
 _PART_OVERHEAD_BYTES = 1 << 16
+# Codecs cheap enough (a memcpy or a cast) to run on the loop for parts up to this size. Exact
+# types only: a subclass or a selector may do anything, including block.
+_INLINE_CODECS = (NoCompression, Float16Compression)
+_INLINE_WIRE_TYPES = frozenset({int(CompressionType.NONE), int(CompressionType.FLOAT16)})
+_INLINE_MAX_BYTES = 4 << 20
 _REJECT_CODES = {
     Reject.BAD_GROUP_ID: Code.AVERAGING_BAD_GROUP_ID,
     Reject.NOT_A_SENDER: Code.AVERAGING_NOT_A_SENDER,
@@ -170,6 +181,24 @@ def _decode(part: averaging_pb2.AveragingTensorPart, shape, dtype) -> torch.Tens
         )
     except (WireFormatError, ValueError):
         return None
+
+
+async def _run_codec(inline: bool, function, *args):
+    """``function(*args)`` on the loop (after a checkpoint, as a thread hop would give) if
+    ``inline``, else in a worker thread."""
+    if inline:
+        await anyio.lowlevel.checkpoint()
+        return function(*args)
+    return await anyio.to_thread.run_sync(function, *args)
+
+
+def _inline_encode(codec: CompressionBase, part: torch.Tensor) -> bool:
+    return type(codec) in _INLINE_CODECS and part.numel() * part.element_size() <= _INLINE_MAX_BYTES
+
+
+def _inline_decode(part: averaging_pb2.AveragingTensorPart, numel: int) -> bool:
+    """Whether to decode on the loop (``numel``: what we expect; a part of another size fails)."""
+    return part.compression in _INLINE_WIRE_TYPES and numel * 8 <= _INLINE_MAX_BYTES
 
 
 def _response(code: int, detail: str = "", **kwargs) -> averaging_pb2.AveragingResponse:
@@ -390,7 +419,8 @@ class AllReduceRunner:
                 part_index=k,
                 part_size=spec.numel,
             )
-            message = await anyio.to_thread.run_sync(compression.compress, part, info)
+            inline = _inline_encode(compression, part)
+            message = await _run_codec(inline, compression.compress, part, info)
             request = averaging_pb2.AveragingRequest(part_index=k, part=_part_to_proto(message))
             if k == 0:
                 request.group_id = self.group.group_id
@@ -441,7 +471,8 @@ class AllReduceRunner:
         elif response.code == Code.AVERAGING_AVERAGED_PART:
             shape = (core.container.part_spec(reducer, k).numel,)
             dtype = core.container.part_dtype(reducer, k)
-            delta = await anyio.to_thread.run_sync(_decode, response.delta, shape, dtype)
+            inline = _inline_decode(response.delta, shape[0])
+            delta = await _run_codec(inline, _decode, response.delta, shape, dtype)
             ok = core.receive_delta(
                 reducer, response.part_index, delta, unchanged=False, now=anyio.current_time()
             )
@@ -484,7 +515,8 @@ class AllReduceRunner:
                         yield self._why_stopped(peer)
                         return
                 shape, dtype = core.local_part_shape(k)
-                sent = await anyio.to_thread.run_sync(_decode, request.part, shape, dtype)
+                inline = _inline_decode(request.part, shape[0])
+                sent = await _run_codec(inline, _decode, request.part, shape, dtype)
                 outcome = core.receive_part(peer, request.part_index, sent, anyio.current_time())
                 self._notify(outcome.completed)
                 if outcome.reject is not None:
@@ -533,7 +565,9 @@ class AllReduceRunner:
         delta = self.core.delta_for(peer, k, sent)
         if delta is None:
             return _response(Code.AVERAGING_PART_UNCHANGED, part_index=k)
-        message = await anyio.to_thread.run_sync(serialize_torch_tensor, delta, compression)
+        nbytes = delta.numel() * delta.element_size()
+        inline = compression in _INLINE_WIRE_TYPES and nbytes <= _INLINE_MAX_BYTES
+        message = await _run_codec(inline, serialize_torch_tensor, delta, compression)
         return _response(Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_to_proto(message))
 
 

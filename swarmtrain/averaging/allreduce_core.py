@@ -40,6 +40,7 @@ from swarmtrain.averaging.partition import (
     DEFAULT_PART_SIZE_BYTES,
     TensorPartContainer,
     TensorPartReducer,
+    difference,
 )
 
 __all__ = [
@@ -360,7 +361,7 @@ class AllReduceCore:
         average = self.reducer.result(part_index)
         if average is None:
             return None
-        return (average - sent.reshape(-1).to(average.dtype)).to(sent.dtype)
+        return difference(average, sent)
 
     def result_sent(self, peer: int, part_index: int, now: float) -> None:
         """The result of ``part_index`` went out to ``peer``: its next part is now due."""

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import trio
 
@@ -34,7 +35,7 @@ from swarmtrain.averaging.matchmaking_types import (
     GroupAssembled,
     MatchmakingGroup,
 )
-from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, as_numpy
 from swarmtrain.averaging.state_sharing import State, StateSharing
 from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
 from swarmtrain.p2p import PeerID
@@ -65,9 +66,29 @@ def _load_gathered(data: bytes) -> Any:
 
 
 def _add_deltas(tensors: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> None:
+    """``tensor += delta`` in place (numpy where it can: one thread, no torch intra-op
+    hand-offs; the autograd version counter is bumped as ``add_`` would)."""
     with torch.no_grad():
         for tensor, delta in zip(tensors, deltas, strict=True):
-            tensor.add_(delta.to(device=tensor.device, dtype=tensor.dtype))
+            target, source = as_numpy(tensor), as_numpy(delta)
+            if target is None or source is None or target.dtype != source.dtype:
+                tensor.add_(delta.to(device=tensor.device, dtype=tensor.dtype))
+                continue
+            np.add(target, source.reshape(target.shape), out=target)
+            torch.autograd.graph.increment_version(tensor)
+
+
+def _snapshot(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of ``tensors`` (in numpy memory, copied on one thread, where the dtype
+    allows: faster than ``clone`` for tens of MiB)."""
+    copies = []
+    for tensor in tensors:
+        source = as_numpy(tensor)
+        if source is None:
+            copies.append(tensor.detach().cpu().clone())
+        else:
+            copies.append(torch.from_numpy(source.copy()))
+    return copies
 
 
 def _normalize_state(state: Any) -> State:
@@ -253,6 +274,8 @@ class AsyncDecentralizedAverager:
         timeout: float | None = None,
         allow_retries: bool = True,
         require_trigger: bool = False,
+        expected_group_size: int | None = None,
+        group_bits: str | None = None,
     ) -> StepControl:
         """Start a step in the background and return its :class:`StepControl` (call on the
         averager's loop). Arguments as in :meth:`step`."""
@@ -277,6 +300,8 @@ class AsyncDecentralizedAverager:
             weight=weight,
             gather=serialize(gather),  # raises early for values that cannot travel
             require_trigger=require_trigger,
+            expected_group_size=expected_group_size,
+            group_bits=None if group_bits is None else _check_group_bits(group_bits),
         )
         self.steps_started += 1
         self._nursery.start_soon(self._run_step, control)
@@ -289,6 +314,8 @@ class AsyncDecentralizedAverager:
         weight: float | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 (hivemind's: the matchmaking deadline)
         allow_retries: bool = True,
+        expected_group_size: int | None = None,
+        group_bits: str | None = None,
     ) -> GatheredData:
         """Find a group and average with it; return ``{peer_id: gather}`` of the group.
 
@@ -298,9 +325,23 @@ class AsyncDecentralizedAverager:
         :param weight: our weight in the average (default 1; 0 for auxiliary peers)
         :param timeout: give up matchmaking after this many seconds (None: keep looking)
         :param allow_retries: look again after a failed attempt, until ``timeout``
+        :param expected_group_size: how many peers are known to be present (this one counted):
+          a leader assembles as soon as its group has that many, without waiting for
+          ``min_matchmaking_time`` (None, or below ``min_group_size``: no early assembly)
+        :param group_bits: match under these group bits for this step only (e.g. a round
+          number, so that peers in different rounds never meet); None: the averager's, which
+          rotate after each group
         :raises MatchmakingError: no group; ``reason`` says why
         """
-        control = self.start_step(gather, scheduled_time, weight, timeout, allow_retries)
+        control = self.start_step(
+            gather,
+            scheduled_time,
+            weight,
+            timeout,
+            allow_retries,
+            expected_group_size=expected_group_size,
+            group_bits=group_bits,
+        )
         try:
             return await control.wait_result()
         except BaseException:
@@ -328,7 +369,8 @@ class AsyncDecentralizedAverager:
         assert self._matchmaking is not None
         while True:
             control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
-            bits = self._group_bits
+            own_bits = control.group_bits is None
+            bits = self._group_bits if own_bits else control.group_bits
             control._on_scheduled_time = self._matchmaking.set_scheduled_time
             try:
                 assembled = await self._matchmaking.look_for_group(
@@ -336,6 +378,7 @@ class AsyncDecentralizedAverager:
                     deadline=control.deadline,
                     scheduled_time=control.scheduled_time,
                     gather=control.data_for_gather,
+                    expected_group_size=control.expected_group_size,
                 )
             except MatchmakingError as e:
                 retry = control.allow_retries and e.reason != FailureReason.CANCELLED
@@ -345,7 +388,8 @@ class AsyncDecentralizedAverager:
                 continue
             finally:
                 control._on_scheduled_time = None
-            self._rotate_group_bits(bits, assembled)
+            if own_bits:
+                self._rotate_group_bits(bits, assembled)
             if not control.triggered:
                 control._set_stage(AveragingStage.AWAITING_TRIGGER)
                 with trio.move_on_at(_trio_deadline(control.deadline)):
@@ -387,9 +431,7 @@ class AsyncDecentralizedAverager:
             group.group_id, tuple(PeerID(p) for p in group.peer_ids), counts, modes
         )
         async with self._locked_tensors() as tensors:
-            snapshot = await trio.to_thread.run_sync(
-                lambda: [t.detach().cpu().clone() for t in tensors]
-            )
+            snapshot = await trio.to_thread.run_sync(_snapshot, tensors)
         runner = AllReduceRunner(
             self._allreduce,
             allreduce_group,

@@ -135,6 +135,8 @@ class DecentralizedAverager(BackgroundService):
         allow_retries: bool = True,
         require_trigger: bool = False,
         wait: bool = True,
+        expected_group_size: int | None = None,
+        group_bits: str | None = None,
     ) -> GatheredData | StepControl:
         """Average once (see :meth:`AsyncDecentralizedAverager.step`): the gathered data, or
         with ``wait=False`` a :class:`StepControl` (``require_trigger`` needs ``wait=False``)."""
@@ -150,6 +152,8 @@ class DecentralizedAverager(BackgroundService):
                 timeout,
                 allow_retries,
                 require_trigger,
+                expected_group_size,
+                group_bits,
             )
         )
         if not wait:

@@ -65,6 +65,8 @@ class StepControl(Future):
         weight: float,
         gather: bytes,
         require_trigger: bool,
+        expected_group_size: int | None = None,
+        group_bits: str | None = None,
     ):
         super().__init__()
         # Built on the averager's loop thread: the trio objects below belong to that loop.
@@ -77,6 +79,8 @@ class StepControl(Future):
         self._deadline = float(deadline)
         self._allow_retries = bool(allow_retries)
         self._gather = gather
+        self.expected_group_size = expected_group_size  #: see ``step``; read at each attempt
+        self.group_bits = group_bits  #: see ``step`` (None: the averager's group bits)
         self._trigger = trio.Event()
         if not require_trigger:
             self._trigger.set()

@@ -307,8 +307,11 @@ class Matchmaking:
         deadline: float,
         scheduled_time: float | None = None,
         gather: bytes = b"",
+        expected_group_size: int | None = None,
     ) -> GroupAssembled:
         """Find a group under ``{prefix}.0b{group_bits}`` before ``deadline`` (DHT time).
+        ``expected_group_size``: as a leader, assemble as soon as the group has this many
+        members (e.g. every peer known to be present) instead of at the declaration's end.
 
         :raises MatchmakingError: no group (too few peers, schema mismatch, deadline)
         """
@@ -324,6 +327,7 @@ class Matchmaking:
                 gather=gather,
                 scheduled_time=scheduled_time,
                 nonce=os.urandom(16),
+                expected_group_size=expected_group_size,
             )
             self.rounds_started += 1
             self._core, self._round_done = core, trio.Event()

@@ -126,6 +126,7 @@ class MatchmakingCore:
         gather: bytes = b"",
         scheduled_time: float | None = None,
         nonce: bytes = b"",
+        expected_group_size: int | None = None,
     ):
         if not isinstance(config, MatchmakingConfig):
             raise TypeError("config must be a MatchmakingConfig")
@@ -148,6 +149,9 @@ class MatchmakingCore:
         self.gather = gather
         self.scheduled_time = scheduled_time
         self.nonce = nonce
+        # A leader assembles once its group reaches this size (the config's target, or the
+        # caller's smaller estimate of the peers present: no wait for the declaration to lapse).
+        self.assemble_at = _assemble_at(config, expected_group_size)
 
         self._phase = Phase.NEW
         self._expiration = -math.inf  # our current expiration (declared, unless a client)
@@ -325,7 +329,7 @@ class MatchmakingCore:
         self._followers[peer] = request
         self._compatible_seen.add(peer)
         actions: list[Action] = [SendToFollower(peer, Accepted())]
-        target = self.config.target_group_size
+        target = self.assemble_at
         if target is not None and len(self._followers) + 1 >= target and self._can_assemble():
             actions += self._assemble(now)
         return actions
@@ -570,3 +574,15 @@ class MatchmakingCore:
         return FailureReason.DEADLINE, (
             f"saw {seen - 1} other peer(s) under {key} but formed no group before the deadline"
         )
+
+
+def _assemble_at(config: MatchmakingConfig, expected_group_size: int | None) -> int | None:
+    """The group size at which a leader assembles at once (None: only at its expiration)."""
+    target = config.target_group_size
+    if expected_group_size is None:
+        return target
+    if isinstance(expected_group_size, bool) or not isinstance(expected_group_size, int):
+        raise TypeError(f"expected_group_size must be an int or None, got {expected_group_size!r}")
+    if expected_group_size < max(2, config.min_group_size):
+        return target  # too small to be a group: no early assembly
+    return expected_group_size if target is None else min(target, expected_group_size)

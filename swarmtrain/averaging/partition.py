@@ -13,6 +13,11 @@ deltas (average minus local values) it receives back. :class:`TensorPartReducer`
 local slice over all senders with weights, and knows which senders are banned.
 
 Nothing here does I/O or waits; the async shell is ``swarmtrain.averaging.allreduce``.
+
+Per-part arithmetic (a part is at most ``part_size_bytes``, 512 KiB by default) runs through
+numpy views where the dtype allows: torch splits such ops over its intra-op threads, and on a
+busy machine their hand-offs cost far more CPU than the op (measured on 2 loaded cores: 7.7 ms
+of CPU for a 512 KiB ``Tensor.copy_`` with 2 threads, 0.03 ms with one, 0.01 ms in numpy).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -141,6 +147,88 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def as_numpy(tensor: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a contiguous CPU tensor of a dtype numpy has (None otherwise)."""
+    if (
+        tensor.dtype not in _NUMPY_DTYPES
+        or tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+        or tensor.is_conj()
+        or tensor.is_neg()
+    ):
+        return None
+    return tensor.detach().numpy()
+
+
+def new_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised flat CPU tensor in numpy memory (numpy's allocator touches pages faster)."""
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is None or numel == 0:
+        return torch.empty(numel, dtype=dtype)
+    return torch.from_numpy(np.empty(numel, dtype=numpy_dtype))
+
+
+def _zeros_like(flat: torch.Tensor) -> torch.Tensor:
+    """Zeros like a flat tensor; on the CPU from calloc (pages are mapped on first write, not
+    filled up front by torch's threads)."""
+    numpy_dtype = _NUMPY_DTYPES.get(flat.dtype)
+    if numpy_dtype is None or flat.device.type != "cpu" or flat.numel() == 0:
+        return torch.zeros_like(flat)
+    return torch.from_numpy(np.zeros(flat.numel(), dtype=numpy_dtype))
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)`` for flat tensors of one size, single-threaded where possible."""
+    target_np, source_np = as_numpy(target), as_numpy(source)
+    if target_np is not None and source_np is not None:
+        np.copyto(target_np, source_np.reshape(target_np.shape), casting="unsafe")
+    else:
+        target.copy_(source.reshape(target.shape))
+
+
+def scaled_sum(
+    current: torch.Tensor | None, values: torch.Tensor, weight: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``current + weight * values`` computed in ``dtype``, in place into ``current`` (a new
+    flat tensor when it is None). A zero weight adds nothing, not even NaN."""
+    values = values.detach().reshape(-1)
+    if current is None:
+        current = new_tensor(values.numel(), dtype)
+        current_np, values_np = as_numpy(current), as_numpy(values)
+        if current_np is None or values_np is None:
+            torch.mul(values.to(dtype), weight, out=current) if weight else current.zero_()
+        elif weight:
+            np.multiply(values_np, weight, out=current_np, dtype=current_np.dtype)
+        else:
+            current_np.fill(0)
+        return current
+    current_np, values_np = as_numpy(current), as_numpy(values)
+    if not weight:
+        pass
+    elif current_np is None or values_np is None:
+        current.add_(values.to(current.dtype), alpha=weight)
+    elif weight == 1.0:
+        np.add(current_np, values_np, out=current_np, dtype=current_np.dtype)
+    else:
+        np.add(current_np, np.multiply(values_np, weight, dtype=current_np.dtype), out=current_np)
+    return current
+
+
+def difference(average: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``average - local`` (flat) in ``local``'s dtype, computed in ``average``'s."""
+    local = local.detach().reshape(-1)
+    average_np, local_np = as_numpy(average), as_numpy(local)
+    if average_np is None or local_np is None:
+        return (average - local.to(average.dtype)).to(local.dtype)
+    result = np.subtract(average_np, local_np, dtype=average_np.dtype)
+    if result.dtype != local_np.dtype:
+        result = result.astype(local_np.dtype)
+    return torch.from_numpy(result)
+
+
 class TensorPartContainer:
     """One peer's tensors cut into parts (to send), plus the deltas received for them.
 
@@ -169,7 +257,7 @@ class TensorPartContainer:
         )
         self.group_size = len(self.layout)
         self.num_parts_by_peer = tuple(len(parts) for parts in self.layout)
-        self._deltas = [torch.zeros_like(flat) for flat in self._flat]
+        self._deltas = [_zeros_like(flat) for flat in self._flat]
         self._received = [[False] * n for n in self.num_parts_by_peer]
         self._num_received = [0] * self.group_size
         self._failed = [False] * self.group_size
@@ -207,7 +295,8 @@ class TensorPartContainer:
                     f"got a delta of {delta.numel()}"
                 )
             target = self._deltas[spec.tensor_index][spec.start : spec.stop]
-            target.copy_(delta.reshape(-1))
+            if target.data_ptr() != delta.data_ptr():  # not decoded in place already
+                copy_into(target, delta)
         self._received[peer_index][part_index] = True
         self._num_received[peer_index] += 1
 
@@ -311,12 +400,8 @@ class TensorPartReducer:
             raise ValueError(f"weight must be finite and non-negative, got {weight}")
         if self.is_complete(part_index):  # every active sender already contributed it
             raise ValueError(f"part {part_index} is already complete")
-        values = tensor.detach().reshape(-1).to(accumulator_dtype(self.part_dtypes[part_index]))
-        current = self._sums[part_index]
-        if current is None:
-            current = self._sums[part_index] = torch.zeros_like(values)
-        if weight:
-            current.add_(values, alpha=weight)
+        dtype = accumulator_dtype(self.part_dtypes[part_index])
+        self._sums[part_index] = scaled_sum(self._sums[part_index], tensor, weight, dtype)
         self._weights[part_index] += weight
         self._contributed[part_index].add(sender)
         return self._complete_ready((part_index,))
@@ -342,7 +427,7 @@ class TensorPartReducer:
             if k in self._results or not active <= self._contributed[k]:
                 continue
             total, weight = self._sums[k], self._weights[k]
-            self._results[k] = total.div_(weight) if total is not None and weight > 0 else None
+            self._results[k] = _divide(total, weight) if total is not None and weight > 0 else None
             self._sums[k] = None
             completed.append(k)
         return tuple(completed)
@@ -350,3 +435,11 @@ class TensorPartReducer:
     def _check_sender(self, sender: int) -> None:
         if not 0 <= sender < self.num_senders:
             raise ValueError(f"no sender {sender} (there are {self.num_senders})")
+
+
+def _divide(total: torch.Tensor, weight: float) -> torch.Tensor:
+    total_np = as_numpy(total)
+    if total_np is None:
+        return total.div_(weight)
+    np.divide(total_np, weight, out=total_np)
+    return total
