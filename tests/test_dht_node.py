@@ -12,10 +12,12 @@ from contextlib import asynccontextmanager
 import pydantic
 import pytest
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmtrain.dht import (
     DHT,
     DHTID,
+    CompositeValidator,
     DHTNode,
     Ed25519SignatureValidator,
     SchemaValidator,
@@ -203,6 +205,42 @@ async def test_client_mode_node_stores_and_gets_but_is_not_routed_to():
             if node is not client:
                 assert not in_routing_table(node, client)
         assert client.p2p.statistics()["handlers"] == []
+
+
+@pytest.mark.trio
+async def test_nodes_without_validators_keep_and_check_signed_records():
+    """Replicas whose owners added no validator still store, verify and return signed records
+    (they used to reject them as malformed values)."""
+    signer = Ed25519SignatureValidator()
+    async with swarm() as s:
+        for _ in range(4):
+            await s.add()
+        owner = await s.add(validators=[signer])
+        key = b"progress"
+        subkey = signer.local_public_key
+        assert await owner.store(key, {"epoch": 3}, get_dht_time() + 30, subkey=subkey)
+        replicas = [
+            node
+            for node in s.nodes[:4]
+            if node.protocol.lookup_locally(DHTID.generate(key), get_dht_time()) is not None
+        ]
+        assert replicas  # the plain nodes hold it
+        for node in s.nodes[:4]:
+            found = await node.get(key, latest=True)
+            assert found is not None and found.value[subkey].value == {"epoch": 3}
+        forged = await s.nodes[0].store(key, {"epoch": 9}, get_dht_time() + 60, subkey=subkey)
+        assert not forged  # unsigned: every node checks the owner's signature
+        assert (await s.nodes[1].get(key, latest=True)).value[subkey].value == {"epoch": 3}
+
+
+def test_an_added_signature_validator_signs_instead_of_the_nodes_verifier():
+    given = Ed25519SignatureValidator(Ed25519PrivateKey.generate())
+    composite = CompositeValidator([Ed25519SignatureValidator.verifier(), given])
+    (kept,) = composite.validators
+    assert kept.local_public_key == given.local_public_key
+    first, second = Ed25519SignatureValidator(), Ed25519SignatureValidator()
+    (kept,) = CompositeValidator([first, second]).validators  # two of the user's: first wins
+    assert kept.local_public_key == first.local_public_key
 
 
 @pytest.mark.trio

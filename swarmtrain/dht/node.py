@@ -44,7 +44,13 @@ from .routing import RoutingTableStatistics
 from .serialization import deserialize, serialize
 from .storage import DHTExpiration, DictionaryDHTValue, ValueWithExpiration, get_dht_time
 from .traverse import traverse_dht
-from .validation import NO_SUBKEY, CompositeValidator, DHTRecord, RecordValidatorBase
+from .validation import (
+    NO_SUBKEY,
+    CompositeValidator,
+    DHTRecord,
+    Ed25519SignatureValidator,
+    RecordValidatorBase,
+)
 
 __all__ = ["DHTNode", "DHTNodeConfig", "DHTNodeStatistics"]
 
@@ -173,7 +179,9 @@ class DHTNode:
         config = DHTNodeConfig(**kwargs)
         if isinstance(initial_peers, str):
             raise TypeError("initial_peers must be a list of multiaddr strings, not one string")
-        validator = CompositeValidator(record_validators)
+        # Signatures are verified (and stripped) on every node, even one whose owner added no
+        # validator: it stores and returns signed records for others.
+        validator = CompositeValidator([Ed25519SignatureValidator.verifier(), *record_validators])
         async with trio.open_nursery() as nursery:
             self = cls(p2p, node_id or DHTID.generate(), config, validator, nursery)
             try:

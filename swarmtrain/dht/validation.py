@@ -154,12 +154,22 @@ class Ed25519SignatureValidator(RecordValidatorBase):
     """
 
     def __init__(self, private_key: Ed25519PrivateKey | None = None):
+        self._node_default = False  # see verifier()
         if private_key is None:
             private_key = Ed25519PrivateKey.generate()
         if not isinstance(private_key, Ed25519PrivateKey):
             raise TypeError(f"expected an Ed25519PrivateKey, got {type(private_key).__name__}")
         self._private_key = private_key
         self._local_marker = _owner_marker(private_key.public_key())
+
+    @classmethod
+    def verifier(cls) -> Ed25519SignatureValidator:
+        """The validator every DHT node starts with, to verify (and strip) the signatures of
+        records it stores for others. A signature validator added later merges into it and
+        its key becomes the one records are signed with."""
+        validator = cls()
+        validator._node_default = True
+        return validator
 
     @property
     def local_public_key(self) -> bytes:
@@ -203,8 +213,14 @@ class Ed25519SignatureValidator(RecordValidatorBase):
         return 10  # sign after, and validate before, validators that read the value
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
-        """Another signature validator is redundant: keep this one (and its key)."""
-        return isinstance(other, Ed25519SignatureValidator)
+        """Another signature validator is redundant: keep this one and its key, unless this is
+        a node's :meth:`verifier` (then sign with the other's key from now on)."""
+        if not isinstance(other, Ed25519SignatureValidator):
+            return False
+        if self._node_default and not other._node_default:
+            self._private_key, self._local_marker = other._private_key, other._local_marker
+            self._node_default = False
+        return True
 
 
 def _require_owner_marker(value: bytes) -> bytes:
