@@ -11,6 +11,7 @@ import torch
 
 from swarmtrain.dht import DHT
 from swarmtrain.optim import Optimizer
+from swarmtrain.optim.grad_scaler import GradScaler
 from swarmtrain.utils.background import BackgroundRuntime
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
@@ -65,23 +66,36 @@ def dhts() -> Iterator[Callable[[int], list[DHT]]]:
 class Peer:
     """One trainer: a model, its shard of the data, its Optimizer, and what it saw per epoch."""
 
-    def __init__(self, dht: DHT, index: int, *, seed: int = 0, **opts):
-        self.model = make_model(seed)
+    def __init__(
+        self, dht: DHT, index: int, *, seed: int = 0, model: torch.nn.Module | None = None, **opts
+    ):
+        self.model = make_model(seed) if model is None else model
         self.shard = torch.arange(index, len(X), 3)
         self.position = 0
         self.opt = Optimizer(
             dht=dht,
             run_id="regression",
             target_batch_size=TARGET,
-            batch_size_per_step=BATCH,
-            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
             params=self.model.parameters(),
-            **{**FAST, **opts},
+            **{
+                "batch_size_per_step": BATCH,
+                "optimizer": lambda params: torch.optim.SGD(params, lr=0.1),
+                **FAST,
+                **opts,
+            },
         )
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.samples: dict[int, float] = {}
 
-    def train_until(self, epoch: int, deadline: float = 40.0, pause: float = 0.05) -> None:
+    def train_until(
+        self,
+        epoch: int,
+        deadline: float = 40.0,
+        pause: float = 0.05,
+        grad_scaler: GradScaler | None = None,
+    ) -> None:
+        """Train until ``local_epoch`` reaches ``epoch`` (with ``grad_scaler``: torch's AMP
+        loop, ``scale(loss).backward(); step(opt); update()``)."""
         stop = time.monotonic() + deadline
         while self.opt.local_epoch < epoch:
             assert time.monotonic() < stop, f"stuck at epoch {self.opt.local_epoch}"
@@ -89,9 +103,15 @@ class Peer:
             self.position = (self.position + BATCH) % (len(self.shard) - BATCH)
             before = self.opt.local_epoch
             loss = torch.nn.functional.mse_loss(self.model(X[rows]), Y[rows])
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad()
+            if grad_scaler is None:
+                loss.backward()
+                self.opt.step()
+            else:
+                grad_scaler.scale(loss).backward()
+                grad_scaler.step(self.opt)
+                grad_scaler.update()
+            if not self.opt.reuse_grad_buffers:
+                self.opt.zero_grad()
             if self.opt.local_epoch != before:
                 self.snapshots[self.opt.local_epoch] = params_of(self.model)
                 self.samples[self.opt.local_epoch] = self.opt.last_epoch_samples
@@ -122,14 +142,44 @@ def test_peers_advance_together_and_learn(dhts):
                 for peer in peers[1:]:
                     assert_same_params(peers[0].snapshots[epoch], peer.snapshots[epoch])
             samples = sum(p.samples[epoch] for p in peers)
-            assert TARGET * 0.8 <= samples <= 1.2 * TARGET, (epoch, samples)
+            # epoch 1 ends on gossiped counts alone (no samples/s estimates yet): it may
+            # overshoot by the gossip delay, which is long on a loaded machine
+            high = 1.2 if epoch > 1 else 1.5
+            assert TARGET * 0.8 <= samples <= high * TARGET, (epoch, samples)
         assert {p.opt.local_epoch for p in peers} == {4}
+        assert peers[0].opt.offload_optimizer  # the default with an optimizer factory
         assert all(p.opt.epochs_averaged >= 2 for p in peers)
         assert all(p.opt.is_synchronized_with_peers() for p in peers)
         assert full_loss(peers[0].model) < 0.5 * initial_loss
     finally:
         for peer in peers:
             peer.opt.shutdown()
+
+
+def test_wait_for_peers_counts_announced_trainers_not_auxiliaries(dhts):
+    first, second, helper = dhts(3)
+    peers = [Peer(first, 0), Peer(second, 1)]
+    aux = Optimizer(
+        dht=helper,
+        run_id="regression",
+        target_batch_size=TARGET,
+        params=make_model().parameters(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        auxiliary=True,
+        **FAST,
+    )
+    try:
+        assert peers[0].opt.tracker.global_progress.num_peers == 0  # no samples, no record
+        seen: list[int] = []
+        in_threads(*(lambda p=p: seen.append(p.opt.wait_for_peers(2, timeout=20)) for p in peers))
+        assert seen == [2, 2]
+        assert aux.wait_for_peers(2, timeout=20) == 2
+        started = time.monotonic()
+        assert peers[0].opt.wait_for_peers(3, timeout=1.0) == 2  # the auxiliary is not counted
+        assert time.monotonic() - started >= 1.0
+    finally:
+        for opt in (aux, *(p.opt for p in peers)):
+            opt.shutdown()
 
 
 def test_late_joiner_loads_state_and_catches_up(dhts):
@@ -169,7 +219,10 @@ def test_late_joiner_loads_state_and_catches_up(dhts):
 
 
 def test_local_updates_average_the_state(dhts):
-    peers = [Peer(dht, i, use_local_updates=True) for i, dht in enumerate(dhts(2))]
+    peers = [
+        Peer(dht, i, use_local_updates=True, delay_state_averaging=False)
+        for i, dht in enumerate(dhts(2))
+    ]
     try:
         initial_loss = full_loss(peers[0].model)
         in_threads(*(lambda p=p: p.train_until(2) for p in peers))
@@ -219,15 +272,41 @@ def test_state_dict_round_trip_and_context_manager(dhts):
         ({"average_state_every": 0}, ValueError, "average_state_every"),
         ({"auxiliary": True, "client_mode": True}, ValueError, "auxiliary"),
         ({"auxiliary": True, "use_local_updates": True}, ValueError, "auxiliary"),
+        ({"auxiliary": True, "reuse_grad_buffers": True}, ValueError, "auxiliary"),
+        ({"next_chunk_timeout": 0}, ValueError, "next_chunk_timeout"),
+        ({"allreduce_timeout": "1"}, TypeError, "allreduce_timeout"),
+        ({"offload_optimizer": True}, ValueError, "factory"),
+        ({"delay_optimizer_step": True}, ValueError, "factory"),
+        ({"delay_grad_averaging": True, "delay_optimizer_step": False}, ValueError, "needs"),
+        (
+            {"factory": True, "delay_optimizer_step": True, "offload_optimizer": False},
+            ValueError,
+            "offload_optimizer",
+        ),
+        (
+            {"factory": True, "delay_optimizer_step": True, "delay_state_averaging": False},
+            ValueError,
+            "delay_state_averaging",
+        ),
+        ({"use_local_updates": True, "reuse_grad_buffers": True}, ValueError, "reuse_grad"),
+        ({"use_local_updates": True, "delay_grad_averaging": True}, ValueError, "delay_grad"),
+        ({"use_local_updates": True, "grad_averager_factory": dict}, ValueError, "factory"),
+        ({"grad_averager_factory": 3}, TypeError, "grad_averager_factory"),
     ],
 )
 def test_arguments_are_validated_before_the_network(kwargs, error, match):
     model = make_model()
+    kwargs = dict(kwargs)
+    if kwargs.pop("factory", False):
+        optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+        kwargs["params"] = model.parameters()
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     args = {
         "dht": None,  # never touched
         "run_id": "run",
         "target_batch_size": 8,
-        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "optimizer": optimizer,
         "client_mode": False,
         **kwargs,
     }

@@ -277,6 +277,17 @@ def test_auxiliary_peer_never_publishes_and_lagging_peer_stops():
     assert not core.is_active and core.take_store(T0 + 3) is None
 
 
+def test_announced_peer_publishes_and_counts_before_its_first_samples():
+    core = make_core()
+    fetch(core, T0, record(b"a", 0, 0, sps=0.0))
+    assert core.global_progress.num_peers == 1  # only the other one: we have no samples yet
+    core.announce(now=T0 + 1)
+    assert core.is_active and core.global_progress.num_peers == 2
+    published = core.take_store(T0 + 1)
+    assert (published.epoch, published.samples_accumulated) == (0, 0)
+    assert core.take_gossip(T0 + 1) is not None
+
+
 # ---------------------------------------------------------------- warnings
 
 

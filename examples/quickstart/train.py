@@ -51,9 +51,14 @@ def run_peer(index, dht, shard, eval_set, args, report, start_barrier):
         params=model.parameters(),
         matchmaking_time=1.0,
         averaging_timeout=15.0,
+        # state rounds in the foreground: each epoch's report shows the state the peers share
+        # (in the background, a state round still in matchmaking holds back the offloaded
+        # optimizer steps queued behind it, so a report may lag the swarm by an epoch or two)
+        delay_state_averaging=False,
     )
     points, labels = shard
     generator = torch.Generator().manual_seed(index)
+    opt.wait_for_peers(args.peers, timeout=30.0)  # no one starts alone
     start_barrier.wait()
     try:
         while opt.local_epoch < args.epochs:

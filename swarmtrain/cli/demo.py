@@ -1,89 +1,68 @@
-"""``swarmtrain demo``: start a few local peers that find each other and talk over RPC."""
+"""``swarmtrain demo``: local peers train one model together (``--rpc``: the p2p RPC demo)."""
 
 from __future__ import annotations
 
-import time
+import argparse
 
-import trio
-from google.protobuf.wrappers_pb2 import Int64Value, StringValue
-
-from swarmtrain.p2p import P2P
-
-HELP = "start N local peers that connect through a bootstrap peer and call each other"
+HELP = "start N local peers (one process each) that train one model together"
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="train this many epochs (default 10)"
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="train about this many seconds, then finish at the next epoch",
+    )
+    parser.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=256,
+        help="samples the swarm accumulates per epoch (default 256)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="samples per local step (default 16)"
+    )
+    parser.add_argument(
+        "--matchmaking-time",
+        type=float,
+        default=1.0,
+        help="seconds to gather the peers for each averaging round (default 1)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    parser.add_argument("--log-dir", default=None, help="keep the peers' logs in this folder")
+    parser.add_argument(
+        "--rpc",
+        action="store_true",
+        help="instead: peers find each other through a bootstrap peer and call each other",
+    )
     parser.set_defaults(run=run)
 
 
-async def _hello(request: StringValue, context) -> StringValue:
-    return StringValue(value=f"hello {request.value}, I see you as {str(context.remote_id)[-6:]}")
+def run(args: argparse.Namespace) -> int:
+    if args.rpc:
+        from swarmtrain.cli import rpc_demo
 
+        return rpc_demo.run(args.peers)
+    from swarmtrain.cli import train_demo
 
-async def _countdown(request: Int64Value, context):
-    for i in range(request.value, 0, -1):
-        yield Int64Value(value=i)
-
-
-async def run_demo(num_peers: int, out=print) -> dict:
-    if num_peers < 2:
-        raise ValueError("the demo needs at least 2 peers")
-    summary = {"calls": 0, "streamed": 0}
-    async with trio.open_nursery() as nursery:
-        peers: list[P2P] = []
-        ready = trio.Event()
-        done = trio.Event()
-
-        async def run_peer(initial_peers, task_status=trio.TASK_STATUS_IGNORED):
-            async with P2P.create(initial_peers=initial_peers) as p2p:
-                p2p.add_protobuf_handler("demo::Greeter.hello", _hello, StringValue)
-                p2p.add_protobuf_handler(
-                    "demo::Greeter.countdown", _countdown, Int64Value, stream_output=True
-                )
-                task_status.started(p2p)
-                await done.wait()
-
-        bootstrap = await nursery.start(run_peer, [])
-        peers.append(bootstrap)
-        out(f"peer 0 (bootstrap) listening on {bootstrap.get_visible_maddrs()[0]}")
-        for i in range(1, num_peers):
-            started = time.perf_counter()
-            peer = await nursery.start(run_peer, bootstrap.get_visible_maddrs())
-            peers.append(peer)
-            out(
-                f"peer {i} {str(peer.peer_id)[-6:]} joined via the bootstrap peer "
-                f"in {1000 * (time.perf_counter() - started):.1f} ms"
-            )
-        ready.set()
-        for i, caller in enumerate(peers):
-            for j, callee in enumerate(peers):
-                if i == j:
-                    continue
-                caller.add_addrs(callee.peer_id, callee.get_visible_maddrs())
-                started = time.perf_counter()
-                reply = await caller.call_protobuf_handler(
-                    callee.peer_id,
-                    "demo::Greeter.hello",
-                    StringValue(value=f"peer {i}"),
-                    StringValue,
-                )
-                summary["calls"] += 1
-                out(
-                    f"peer {i} -> peer {j}: {reply.value!r} "
-                    f"({1000 * (time.perf_counter() - started):.1f} ms)"
-                )
-        async with peers[-1].iterate_protobuf_handler(
-            peers[0].peer_id, "demo::Greeter.countdown", Int64Value(value=5), Int64Value
-        ) as responses:
-            values = [r.value async for r in responses]
-        summary["streamed"] = len(values)
-        out(f"peer {num_peers - 1} streamed a countdown from peer 0: {values}")
-        done.set()
-    out(f"done: {summary['calls']} unary calls and 1 streaming call between {num_peers} peers")
-    return summary
-
-
-def run(args) -> int:
-    trio.run(run_demo, args.peers)
-    return 0
+    epochs = args.epochs if args.epochs is not None or args.duration is not None else 10
+    options = train_demo.DemoOptions(
+        peers=args.peers,
+        epochs=epochs,
+        duration=args.duration,
+        target_batch_size=args.target_batch_size,
+        batch_size=args.batch_size,
+        matchmaking_time=args.matchmaking_time,
+        quiet=args.quiet,
+        log_dir=args.log_dir,
+    )
+    try:
+        options.validate()
+    except ValueError as e:
+        raise SystemExit(f"swarmtrain demo: {e}") from None
+    return train_demo.run(options)

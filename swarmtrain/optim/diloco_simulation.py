@@ -53,12 +53,16 @@ __all__ = [
     "TinyTransformer",
     "TinyTransformerConfig",
     "default_inner_optimizer",
+    "LrSchedule",
     "evaluate",
     "run_data_parallel",
     "run_diloco",
+    "warmup_cosine",
 ]
 
 InnerOptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+#: maps a 0-based inner step to a multiplier of the optimizer's initial learning rate(s)
+LrSchedule = Callable[[int], float]
 
 #: the workers' optimizer unless told otherwise
 default_inner_optimizer: InnerOptimizerFactory = functools.partial(
@@ -204,10 +208,78 @@ class SimulationResult:
         return self.eval_losses[-1][1]
 
 
-def _build(config: SimulationConfig, model_factory: Callable[[], nn.Module]) -> nn.Module:
+def warmup_cosine(total_steps: int, warmup_steps: int = 0, final: float = 0.1) -> LrSchedule:
+    """A linear warm-up from ``1 / warmup_steps`` to 1, then a cosine decay to ``final``.
+
+    Step ``t`` (0-based) gets ``(t + 1) / warmup_steps`` while ``t < warmup_steps``, then
+    ``final + (1 - final) * (1 + cos(pi * p)) / 2`` with ``p`` going from 0 to 1 over the
+    remaining steps. Steps past ``total_steps`` keep ``final``.
+    """
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
+    if (
+        isinstance(warmup_steps, bool)
+        or not isinstance(warmup_steps, int)
+        or not 0 <= warmup_steps < total_steps
+    ):
+        raise ValueError(
+            f"warmup_steps must be an integer in [0, total_steps={total_steps}), "
+            f"got {warmup_steps!r}"
+        )
+    if not 0 <= final <= 1:
+        raise ValueError(f"final must be a fraction of the peak lr in [0, 1], got {final!r}")
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        decay_steps = total_steps - warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - 1))
+        return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+class _LrScheduler:
+    """Sets each optimizer's lrs to ``initial lr * schedule(step)`` before every step."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], schedule: LrSchedule | None):
+        self.optimizers, self.schedule = list(optimizers), schedule
+        self.base = [[group["lr"] for group in opt.param_groups] for opt in self.optimizers]
+
+    def set(self, step: int) -> None:
+        if self.schedule is None:
+            return
+        factor = float(self.schedule(step))
+        if not (math.isfinite(factor) and factor >= 0):
+            raise ValueError(f"lr_schedule({step}) returned {factor}; expected a finite value >= 0")
+        for opt, base in zip(self.optimizers, self.base, strict=True):
+            for group, lr in zip(opt.param_groups, base, strict=True):
+                group["lr"] = lr * factor
+
+
+def _build(
+    config: SimulationConfig,
+    model_factory: Callable[[], nn.Module],
+    initial_params: Sequence[torch.Tensor] | None = None,
+) -> nn.Module:
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG alone
         torch.manual_seed(config.seed)
-        return model_factory()
+        model = model_factory()
+    if initial_params is not None:
+        params, initial = list(model.parameters()), list(initial_params)
+        if len(initial) != len(params):
+            raise ValueError(
+                f"initial_params has {len(initial)} tensors, the model {len(params)} parameters"
+            )
+        with torch.no_grad():
+            for i, (p, value) in enumerate(zip(params, initial, strict=True)):
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"initial_params[{i}] has shape {tuple(value.shape)}, "
+                        f"the parameter {tuple(p.shape)}"
+                    )
+                p.copy_(value)
+    return model
 
 
 def _samplers(config: SimulationConfig, data: TextData) -> list[BatchSampler]:
@@ -252,17 +324,24 @@ def run_diloco(
     inner_optimizer: InnerOptimizerFactory = default_inner_optimizer,
     outer_optimizer: OuterOptimizerFactory = default_outer_optimizer,
     codec: CompressionBase | None = None,
+    initial_params: Sequence[torch.Tensor] | None = None,
+    lr_schedule: LrSchedule | None = None,
 ) -> SimulationResult:
     """Train with (Streaming) DiLoCo; see the module docstring.
 
     :param model_factory: builds the model; called once under ``torch.manual_seed(seed)``
     :param codec: compresses the pseudo-gradients (``None``: exact fp32 mean)
+    :param initial_params: start from these values (a warm-start checkpoint, e.g. the
+      ``params`` of a :func:`run_data_parallel` result) instead of the fresh initialization
+    :param lr_schedule: multiplies the inner optimizers' lr at each inner step (0-based), e.g.
+      :func:`warmup_cosine`; ``None``: constant lr
     """
     started = time.perf_counter()
-    shared_model = _build(config, model_factory)
+    shared_model = _build(config, model_factory, initial_params)
     workers = [copy.deepcopy(shared_model) for _ in range(config.num_workers)]
     worker_params = [list(m.parameters()) for m in workers]
     inner = [inner_optimizer(params) for params in worker_params]
+    scheduler = _LrScheduler(inner, lr_schedule)
     outer = OuterState(shared_model.parameters(), outer_optimizer)
     fragments = Fragments.for_parameters(shared_model.parameters(), config.num_fragments)
     schedule = config.schedule()
@@ -278,6 +357,7 @@ def run_diloco(
             outer.copy_to(fragments.select(params, fragment), indices, alpha=alpha)
 
     for step in range(1, config.total_steps + 1):
+        scheduler.set(step - 1)
         for model, optimizer, sampler in zip(workers, inner, samplers, strict=True):
             _inner_step(model, optimizer, sampler.next(), config.clip_grad_norm)
         for action in schedule.actions(step):
@@ -311,21 +391,26 @@ def run_data_parallel(
     data: TextData,
     *,
     optimizer: InnerOptimizerFactory = default_inner_optimizer,
+    initial_params: Sequence[torch.Tensor] | None = None,
+    lr_schedule: LrSchedule | None = None,
 ) -> SimulationResult:
     """Synchronous data parallelism on the batches DiLoCo's workers would see.
 
     Each of the ``outer_steps * inner_steps`` steps takes one batch per worker, averages the
     ``num_workers`` gradients (each computed on its own batch) and steps one optimizer.
+    ``initial_params`` and ``lr_schedule`` are as in :func:`run_diloco`.
     """
     started = time.perf_counter()
-    model = _build(config, model_factory)
+    model = _build(config, model_factory, initial_params)
     params = list(model.parameters())
     opt = optimizer(params)
+    scheduler = _LrScheduler([opt], lr_schedule)
     samplers = _samplers(config, data)
     windows = data.eval_windows(config.context, config.eval_windows)
     numel_bytes = sum(p.numel() * 4 for p in params)
     losses = []
     for step in range(1, config.total_steps + 1):
+        scheduler.set(step - 1)
         opt.zero_grad(set_to_none=True)
         for sampler in samplers:
             _loss(model, sampler.next()).backward()

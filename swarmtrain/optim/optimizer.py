@@ -12,42 +12,77 @@ Each peer calls ``step()`` after every local backward pass, like a torch optimiz
 
 What a step does (hivemind's semantics):
 
-1. a peer whose ``local_epoch`` is more than one epoch behind the swarm loads the training state
+1. delayed updates that finished in the background are applied to the model;
+2. a peer whose ``local_epoch`` is more than one epoch behind the swarm loads the training state
    from peers (:meth:`Optimizer.load_state_from_peers`) and returns;
-2. the gradients are added to the accumulators (``GradientAverager.accumulate_grads_``) and the
-   number of samples accumulated this epoch is reported (``ProgressTracker``);
-3. when the swarm reached ``target_batch_size`` (``tracker.ready_to_update_epoch``): the
-   accumulated gradients are averaged with the peers, weighted by samples (if that fails, the
+3. the gradients are added to the accumulators (``GradientAverager.accumulate_grads_``) and the
+   number of samples accumulated this epoch is reported (``ProgressTracker``); once the swarm is
+   expected to reach ``target_batch_size`` within ``matchmaking_time`` (the tracker's ETA), the
+   gradient round's matchmaking starts, so the group is ready when the epoch ends;
+4. when the swarm reached ``target_batch_size`` (``tracker.ready_to_update_epoch``): the
+   accumulated gradients are averaged with the group, weighted by samples (if that fails, the
    local mean gradient is used and the failure logged), the optimizer steps on them, the
    training state is averaged every ``average_state_every`` epochs (when other peers are seen),
    the epoch is incremented and the accumulators are reset.
 
-With ``use_local_updates=True`` the optimizer steps on the local gradients at every ``step``
-and, at each epoch's end, the peers average their training state instead of gradients.
+Modes (see ``__init__``'s keywords):
 
-An ``auxiliary`` peer has no data: it calls ``step()`` without a batch size, helps the others
-average gradients (``AveragerConfig.auxiliary``), never steps the optimizer, and follows the
-epoch; its parameters are not kept up to date (call :meth:`load_state_from_peers` to get them).
+- ``use_local_updates=True``: the optimizer steps on the local gradients at every ``step``; at
+  each epoch's end the peers average their training state instead of gradients.
+- ``offload_optimizer``: the optimizer holds CPU fp32 copies of the parameters and steps there;
+  the new values are copied into the model (default on when the optimizer is a factory).
+- ``delay_optimizer_step``: the optimizer step (and the state round after it) runs in a
+  background thread while the trainer goes on with the next epoch's batches; the model gets the
+  new parameters at a later ``step`` (they may be one epoch stale meanwhile). With
+  ``delay_grad_averaging`` the gradient round is waited for in that thread too, so a peer does
+  not wait for the network at all between epochs.
+- ``delay_state_averaging`` (default on): the state round runs in the background; its result is
+  applied at a later ``step``. As in hivemind, an epoch skips its state round while the last
+  one still runs; without ``offload_optimizer`` the next optimizer step waits for that round
+  (its result would overwrite the step), with it rounds and steps are ordered in the
+  background thread.
+- ``reuse_grad_buffers``: accumulate in ``param.grad`` itself (no extra memory); never call
+  ``zero_grad()`` then: the optimizer resets the gradients after each epoch.
+- ``auxiliary=True``: a peer without data that calls ``step()`` (no arguments) in a loop. It
+  takes part in the gradient rounds with weight 0, so it helps reduce, receives the group's
+  mean gradient and steps its own optimizer on it; it takes part in state rounds with weight 0
+  too. Its training state stays current, so it can serve newcomers; when it missed an epoch's
+  gradient round, it loads the state from peers. It never delays its optimizer step.
+- ``client_mode=True`` (or a client-mode DHT): the peer cannot be dialled (behind NAT); it
+  trains and averages, but reduces nothing for others and serves no state.
+
+Mixed precision: pass a ``swarmtrain.optim.GradScaler`` as ``step(grad_scaler=...)`` (its
+``step(opt)`` does that): the gradients are unscaled at each step and a batch with inf/NaN is
+skipped; with ``reuse_grad_buffers`` they stay scaled until the epoch's end, are unscaled right
+before averaging, and inf/NaN make this peer's weight 0 for that epoch. After each epoch the
+optimizer calls ``grad_scaler.on_swarm_epoch_end_()``.
 
 Peers must start from the same parameters: build the model with the same seed, or call
 :meth:`Optimizer.load_state_from_peers` before training.
 
-Resource handling: the constructor starts a ``ProgressTracker``, a ``TrainingStateAverager``
-and (without ``use_local_updates``) a ``GradientAverager`` on ``dht``; :meth:`shutdown` (or
-leaving a ``with`` block) stops them in that order. The DHT is the caller's.
+Resource handling: the constructor starts a ``TrainingStateAverager``, (without
+``use_local_updates``) a gradient averager and a ``ProgressTracker`` on ``dht``;
+:meth:`shutdown` (or leaving a ``with`` block) stops the tracker (it says goodbye), the gradient
+averager (a running round fails), then the state averager (it waits for its background
+thread). The DHT is the caller's.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Union
 
 import torch
 
+from swarmtrain.dht import get_dht_time
+from swarmtrain.optim._epoch_gradients import GradientRounds
+from swarmtrain.optim._epoch_update import EpochUpdates, scaler_method
+from swarmtrain.optim._optimizer_options import check_positive, resolve_modes
 from swarmtrain.optim.grad_averager import GradientAverager
+from swarmtrain.optim.progress_core import GlobalProgress
 from swarmtrain.optim.progress_tracker_blocking import ProgressTracker
 from swarmtrain.optim.state_averager import (
     LRScheduler,
@@ -62,18 +97,10 @@ logger = logging.getLogger(__name__)
 
 _EPOCH_KEY = "swarmtrain_local_epoch"
 _SCHEDULER_KEY = "swarmtrain_scheduler"
+GradientAveragerFactory = Callable[..., GradientAverager]
 
 
-def _positive(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be positive and finite, got {value}")
-
-
-class Optimizer:
+class Optimizer(EpochUpdates):
     """Trains with peers in epochs of ``target_batch_size`` samples; see the module docstring.
 
     :param dht: a running blocking ``DHT``
@@ -82,17 +109,39 @@ class Optimizer:
     :param target_batch_size: samples the whole swarm accumulates per epoch (optimizer step)
     :param batch_size_per_step: samples per local ``step`` (else pass ``step(batch_size=...)``)
     :param optimizer: a ``torch.optim.Optimizer`` or a factory called with the param groups
+      (a factory is needed for ``offload_optimizer`` and the delays)
     :param params: parameters or param groups (required with a factory)
     :param scheduler: an LR scheduler or a factory; it follows the epoch, not the local steps
-    :param matchmaking_time: seconds to gather a group for each averaging round
+    :param matchmaking_time: seconds to gather a group for each averaging round; the gradient
+      round's matchmaking starts this long before the swarm's expected end of the epoch
     :param averaging_timeout: give up an averaging round (matchmaking + all-reduce) after this
+    :param allreduce_timeout: give up all-reduce after this long (default ``averaging_timeout``)
+    :param next_chunk_timeout: drop a peer that sends nothing for this long during all-reduce or
+      a state download (default: the averagers' own, 10 s in all-reduce)
     :param load_state_timeout: give up :meth:`load_state_from_peers` after this long
+    :param reuse_grad_buffers: accumulate gradients in ``param.grad`` (never call
+      ``zero_grad()`` then); works with every delay
+    :param offload_optimizer: step on CPU fp32 copies of the parameters (factory only; default
+      on with a factory unless ``use_local_updates`` without delays)
+    :param delay_optimizer_step: run the optimizer step and the state round in the background
+      (default ``delay_grad_averaging``; needs ``offload_optimizer`` and
+      ``delay_state_averaging``)
+    :param delay_grad_averaging: wait for the gradient round in the background too
+    :param delay_state_averaging: run state rounds in the background (default True)
     :param average_state_every: average the training state every this many epochs
     :param use_local_updates: step locally at each ``step``, average the state each epoch
     :param client_mode: cannot be dialled (default: the DHT's)
-    :param auxiliary: help average gradients without training (see the module docstring)
+    :param auxiliary: help average without training (see the module docstring)
     :param grad_compression: codec of gradient averaging; ``state_averaging_compression``: of
-      state averaging (and state downloads)
+      state averaging; ``load_state_compression``: of state downloads (default
+      ``state_averaging_compression``)
+    :param grad_averager_factory: builds the gradient averager; called like
+      ``GradientAverager(parameters, dht=, prefix=, reuse_grad_buffers=, client_mode=,
+      compression=, **AveragerConfig keywords)`` (e.g. a PowerSGD averager)
+    :param average_opt_statistics: names of optimizer statistics averaged with the parameters
+      (e.g. ``("exp_avg_sq",)``)
+    :param extra_tensors: more tensors averaged and shared with the state (e.g. batch-norm
+      statistics; CPU tensors with ``offload_optimizer``)
     :param averager_opts: more ``AveragerConfig`` keywords for both averagers
     :param tracker_opts: more ``ProgressTracker`` keywords
     :param verbose: log progress at INFO level (else DEBUG)
@@ -110,13 +159,24 @@ class Optimizer:
         scheduler: Union[LRScheduler, SchedulerFactory, None] = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 60.0,
+        allreduce_timeout: float | None = None,
+        next_chunk_timeout: float | None = None,
         load_state_timeout: float = 60.0,
+        reuse_grad_buffers: bool = False,
+        offload_optimizer: bool | None = None,
+        delay_optimizer_step: bool | None = None,
+        delay_grad_averaging: bool = False,
+        delay_state_averaging: bool = True,
         average_state_every: int = 1,
         use_local_updates: bool = False,
         client_mode: bool | None = None,
         auxiliary: bool = False,
         grad_compression: Any = None,
         state_averaging_compression: Any = None,
+        load_state_compression: Any = None,
+        grad_averager_factory: GradientAveragerFactory | None = None,
+        average_opt_statistics: Sequence[str] = (),
+        extra_tensors: Sequence[torch.Tensor] = (),
         averager_opts: dict[str, Any] | None = None,
         tracker_opts: dict[str, Any] | None = None,
         verbose: bool = False,
@@ -125,11 +185,13 @@ class Optimizer:
             raise ValueError("run_id must be a non-empty string")
         if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int):
             raise TypeError(f"target_batch_size must be an int, got {target_batch_size!r}")
-        _positive("target_batch_size", target_batch_size)
-        _positive("batch_size_per_step", batch_size_per_step, allow_none=True)
-        _positive("matchmaking_time", matchmaking_time)
-        _positive("averaging_timeout", averaging_timeout)
-        _positive("load_state_timeout", load_state_timeout)
+        check_positive("target_batch_size", target_batch_size)
+        check_positive("batch_size_per_step", batch_size_per_step, allow_none=True)
+        check_positive("matchmaking_time", matchmaking_time)
+        check_positive("averaging_timeout", averaging_timeout)
+        check_positive("allreduce_timeout", allreduce_timeout, allow_none=True)
+        check_positive("next_chunk_timeout", next_chunk_timeout, allow_none=True)
+        check_positive("load_state_timeout", load_state_timeout)
         if (
             isinstance(average_state_every, bool)
             or not isinstance(average_state_every, int)
@@ -138,12 +200,19 @@ class Optimizer:
             raise ValueError(f"average_state_every must be an int >= 1, got {average_state_every}")
         if client_mode is None:
             client_mode = bool(dht.client_mode)
-        if auxiliary and client_mode:
-            raise ValueError("an auxiliary peer must accept connections: it cannot be a client")
-        if auxiliary and use_local_updates:
-            raise ValueError("an auxiliary peer does not train: use_local_updates makes no sense")
-        if auxiliary and batch_size_per_step is not None:
-            raise ValueError("an auxiliary peer has no batches: do not pass batch_size_per_step")
+        offload_optimizer, delay_optimizer_step = resolve_modes(
+            optimizer=optimizer,
+            use_local_updates=use_local_updates,
+            auxiliary=auxiliary,
+            client_mode=client_mode,
+            batch_size_per_step=batch_size_per_step,
+            reuse_grad_buffers=reuse_grad_buffers,
+            offload_optimizer=offload_optimizer,
+            delay_optimizer_step=delay_optimizer_step,
+            delay_grad_averaging=delay_grad_averaging,
+            delay_state_averaging=delay_state_averaging,
+            grad_averager_factory=grad_averager_factory,
+        )
         for name, opts in (("averager_opts", averager_opts), ("tracker_opts", tracker_opts)):
             if opts is not None and not isinstance(opts, dict):
                 raise TypeError(f"{name} must be a dict of keywords")
@@ -159,25 +228,41 @@ class Optimizer:
         self.average_state_every = average_state_every
         self.use_local_updates = bool(use_local_updates)
         self.client_mode, self.auxiliary = client_mode, bool(auxiliary)
+        self.reuse_grad_buffers = bool(reuse_grad_buffers)
+        self.offload_optimizer = offload_optimizer
+        self.delay_optimizer_step = delay_optimizer_step and not self.auxiliary
+        self.delay_grad_averaging = bool(delay_grad_averaging) and not self.auxiliary
+        self.delay_state_averaging = bool(delay_state_averaging)
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
         self.local_samples_accumulated = 0.0  #: this epoch, this peer
         self.last_epoch_samples = 0.0  #: samples this peer contributed to its last epoch
-        self.epochs_averaged = self.epochs_alone = 0  #: gradient rounds that did / did not work
+        self.skipped_batches = 0  #: batches dropped for non-finite gradients (grad_scaler)
 
         common: dict[str, Any] = {
             "min_matchmaking_time": self.matchmaking_time,
             "request_timeout": min(3.0, self.matchmaking_time / 2),
-            "allreduce_timeout": self.averaging_timeout,
+            "allreduce_timeout": self.averaging_timeout
+            if allreduce_timeout is None
+            else float(allreduce_timeout),
         }
+        if next_chunk_timeout is not None:
+            common["next_chunk_timeout"] = float(next_chunk_timeout)
         common.update(averager_opts or {})
         self.state_averager: TrainingStateAverager | None = None
         self.grad_averager: GradientAverager | None = None
         self.tracker: ProgressTracker | None = None
+        self._rounds: GradientRounds | None = None
+        self._last_progress: GlobalProgress | None = None  # the tracker's, at the last step
+        self._gradients_consumed = threading.Event()  # the optimizer took the last round's result
+        self._gradients_consumed.set()
         try:
             state_opts = dict(common)
             if state_averaging_compression is not None:
                 state_opts.setdefault("compression", state_averaging_compression)
-                state_opts.setdefault("state_compression", state_averaging_compression)
+            if load_state_compression is None:
+                load_state_compression = state_averaging_compression
+            if load_state_compression is not None:
+                state_opts.setdefault("state_compression", load_state_compression)
             self.state_averager = TrainingStateAverager(
                 dht=dht,
                 optimizer=optimizer,
@@ -186,21 +271,15 @@ class Optimizer:
                 prefix=f"{run_id}_state_averager",
                 client_mode=client_mode,
                 status_loglevel=self.status_loglevel,
+                offload_optimizer=offload_optimizer,
+                custom_gradients=offload_optimizer and not self.use_local_updates,
+                delta_rule_averaging=self.use_local_updates and self.delay_state_averaging,
+                average_opt_statistics=average_opt_statistics,
+                extra_tensors=extra_tensors,
                 **state_opts,
             )
             if not self.use_local_updates:
-                grad_opts = dict(common)
-                if grad_compression is not None:
-                    grad_opts.setdefault("compression", grad_compression)
-                if self.auxiliary:
-                    grad_opts["auxiliary"] = True
-                self.grad_averager = GradientAverager(
-                    self.state_averager.main_parameters,
-                    dht=dht,
-                    prefix=f"{run_id}_grad_averager",
-                    client_mode=client_mode,
-                    **grad_opts,
-                )
+                self._make_grad_averager(grad_averager_factory, grad_compression, common)
             self.tracker = ProgressTracker(
                 dht,
                 run_id,
@@ -213,12 +292,53 @@ class Optimizer:
             self.shutdown()
             raise
 
+    def _make_grad_averager(
+        self,
+        factory: GradientAveragerFactory | None,
+        compression: Any,
+        common: dict[str, Any],
+    ) -> None:
+        grad_opts = dict(common)
+        grad_opts.pop("auxiliary", None)  # aux peers average with weight 0 to get the result
+        if compression is not None:
+            grad_opts.setdefault("compression", compression)
+        self.grad_averager = (factory or GradientAverager)(
+            self._state_averager.main_parameters,
+            dht=self.dht,
+            prefix=f"{self.run_id}_grad_averager",
+            reuse_grad_buffers=self.reuse_grad_buffers,
+            client_mode=self.client_mode,
+            **grad_opts,
+        )
+        with self.grad_averager.get_tensors() as averaged:
+            params = self.main_parameters
+            self._grad_buffers_match = len(averaged) == len(params) and all(
+                a.shape == p.shape for a, p in zip(averaged, params, strict=False)
+            )
+        if self.delay_optimizer_step and not self._grad_buffers_match:
+            raise ValueError(
+                "delay_optimizer_step needs a gradient averager whose averaged tensors are one "
+                "gradient per parameter; this one averages other tensors (e.g. PowerSGD factors)"
+            )
+        self._rounds = GradientRounds(
+            self.grad_averager,
+            run_id=self.run_id,
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+            status_loglevel=self.status_loglevel,
+        )
+
     # ------------------------------------------------------------------ torch.optim-like
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The wrapped torch optimizer."""
+        """The wrapped torch optimizer (on CPU copies with ``offload_optimizer``)."""
         return self._state_averager.optimizer
+
+    @property
+    def main_parameters(self) -> tuple[torch.Tensor, ...]:
+        """The model's parameters, whose ``.grad`` autograd writes."""
+        return self._state_averager.main_parameters
 
     @property
     def _state_averager(self) -> TrainingStateAverager:
@@ -257,13 +377,60 @@ class Optimizer:
     def global_epoch(self) -> int:
         return self._tracker.global_epoch
 
+    @property
+    def epochs_averaged(self) -> int:
+        """Epochs whose gradients were averaged with a group."""
+        return self._rounds.averaged if self._rounds is not None else 0
+
+    @property
+    def epochs_alone(self) -> int:
+        """Epochs that used the local gradients (no peers seen, or the round failed)."""
+        return self._rounds.alone if self._rounds is not None else 0
+
     def is_synchronized_with_peers(self) -> bool:
         """Whether this peer is at most one epoch behind the swarm (else it must load state)."""
         return self.local_epoch >= self._tracker.global_epoch - 1
 
+    def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> int:
+        """Announce this peer and wait until the tracker sees ``num_peers`` peers (this one
+        counted, unless it is auxiliary) or ``timeout`` seconds pass; return how many it sees.
+        Call it before training when several peers start together: a peer that sees no one
+        steps alone, and its first epochs (milliseconds each for a small model) leave the
+        swarm out of step."""
+        check_positive("num_peers", num_peers)
+        check_positive("timeout", timeout)
+        tracker = self._tracker
+        if not self.auxiliary:  # an auxiliary peer publishes no progress and is not counted
+            tracker.announce()
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = tracker.global_progress.num_peers
+            remaining = deadline - time.monotonic()
+            if seen >= num_peers or remaining <= 0:
+                break
+            try:
+                tracker.refresh(timeout=max(remaining, 0.1))
+            except Exception as e:  # a failed fetch: look again shortly
+                logger.debug("%s: progress refresh failed: %r", self.run_id, e)
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        if seen < num_peers:
+            logger.warning(
+                "%s: saw %d of %d peers within %.0f s: training with those",
+                self.run_id,
+                seen,
+                num_peers,
+                timeout,
+            )
+        return seen
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the model's gradients (the accumulators are not touched)."""
-        for param in self._state_averager.main_parameters:
+        if self.reuse_grad_buffers:
+            raise ValueError(
+                "with reuse_grad_buffers=True the gradients are the accumulators: do not call "
+                "zero_grad(); the Optimizer resets them after each epoch"
+            )
+        for param in self.main_parameters:
             if param.grad is None:
                 continue
             if set_to_none:
@@ -272,11 +439,24 @@ class Optimizer:
                 param.grad.detach_()
                 param.grad.zero_()
 
-    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        batch_size: int | None = None,
+        grad_scaler: Any = None,
+    ) -> Any:
         """Accumulate this batch and, when the swarm is ready, take a collaborative step (see
-        the module docstring). Returns the closure's loss (None without a closure)."""
-        if self.auxiliary and (closure is not None or batch_size is not None):
+        the module docstring). ``grad_scaler``: a ``swarmtrain.optim.GradScaler`` when training
+        with AMP. Returns the closure's loss (None without a closure)."""
+        if self.auxiliary and (
+            closure is not None or batch_size is not None or grad_scaler is not None
+        ):
             raise ValueError("an auxiliary peer has no batches: call step() without arguments")
+        if grad_scaler is not None:
+            scaler_method(grad_scaler, "unscale_swarm_grads_")
+            scaler_method(grad_scaler, "on_swarm_epoch_end_")
+        state_averager = self._state_averager
+        state_averager.step(apply_delayed_updates=True)  # what finished in the background
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -285,102 +465,42 @@ class Optimizer:
             batch_size = self.batch_size_per_step if batch_size is None else batch_size
             if batch_size is None:
                 raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
-            _positive("batch_size", batch_size)
+            check_positive("batch_size", batch_size)
 
-        if not self.is_synchronized_with_peers():
+        tracker = self._tracker  # two calls into it per step: report, then read the swarm
+        progress = self._last_progress or tracker.global_progress
+        if self.local_epoch < progress.epoch - 1 and not self.is_synchronized_with_peers():
             logger.warning(
                 "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
                 self.run_id,
                 self.local_epoch,
-                self._tracker.global_epoch,
+                tracker.global_epoch,
             )
+            self._last_progress = None
             self.load_state_from_peers()
             return loss
 
         if not self.auxiliary:
             assert batch_size is not None
-            if self.use_local_updates:
-                self._state_averager.step(optimizer_step=True, zero_grad=False)
-            else:
-                assert self.grad_averager is not None
-                self.grad_averager.accumulate_grads_(batch_size)
-            self.local_samples_accumulated += batch_size
-            self._tracker.report_local_progress(
-                self.local_epoch, int(self.local_samples_accumulated)
-            )
-        if self._tracker.ready_to_update_epoch:
-            self._update_global_epoch()
-        return loss
-
-    def _update_global_epoch(self) -> None:
-        tracker, state_averager = self._tracker, self._state_averager
-        with tracker.pause_updates():
-            averaged = self.grad_averager is not None and self._average_gradients()
-            swarm_not_empty = tracker.global_progress.num_peers > 1
-            next_epoch = self.local_epoch + 1
-            average_state = (
-                swarm_not_empty
-                and not self.auxiliary
-                and next_epoch % self.average_state_every == 0
-            )
-            optimizer_step = not self.auxiliary and not self.use_local_updates
-            if optimizer_step:
-                assert self.grad_averager is not None
-                with self.grad_averager.use_averaged_gradients():
-                    state_averager.step(
-                        increment_epoch=True,
-                        optimizer_step=True,
-                        averaging_round=average_state,
-                        averaging_opts={"timeout": self.averaging_timeout}
-                        if average_state
-                        else None,
-                    )
-            else:
-                state_averager.step(
-                    increment_epoch=True,
-                    averaging_round=average_state,
-                    averaging_opts={"timeout": self.averaging_timeout} if average_state else None,
+            if not self._accumulate(batch_size, grad_scaler):
+                return loss
+        progress = self._last_progress = tracker.global_progress
+        if self._rounds is not None:
+            if not (self.auxiliary and progress.epoch > self.local_epoch):  # aux: round is over
+                self._rounds.maybe_schedule(
+                    progress.eta_next_epoch,
+                    self._others_seen(progress),
+                    self.local_epoch,
+                    self._peers_present(progress),
                 )
-            if self.grad_averager is not None:
-                self.grad_averager.reset_accumulated_grads_()
-                if not optimizer_step:
-                    self.grad_averager.notify_used_averaged_gradients()
-            self.last_epoch_samples = self.local_samples_accumulated
-            self.local_samples_accumulated = 0.0
-            tracker.update_epoch(self.local_epoch)
-        logger.log(
-            self.status_loglevel,
-            "%s: epoch %d (%s gradients, %s state)",
-            self.run_id,
-            self.local_epoch,
-            "averaged" if averaged else "local",
-            "averaged" if average_state else "local",
-        )
-
-    def _average_gradients(self) -> bool:
-        """Average the accumulated gradients with a group; on failure the averaged buffers hold
-        the local mean gradient. Returns whether the group round worked."""
-        assert self.grad_averager is not None
-        try:
-            gathered = self.grad_averager.step(
-                weight=0.0 if self.auxiliary else None,
-                reset_accumulators=False,
-                timeout=self.averaging_timeout,
-            )
-        except Exception as e:
-            self.epochs_alone += 1
-            logger.log(
-                logging.WARNING if self._tracker.global_progress.num_peers > 1 else logging.DEBUG,
-                "%s: averaging gradients failed (%r): using the local gradients",
-                self.run_id,
-                e,
-            )
-            return False
-        self.epochs_averaged += 1
-        logger.log(
-            self.status_loglevel, "%s: averaged gradients with %d peers", self.run_id, len(gathered)
-        )
-        return True
+        if (  # as tracker.ready_to_update_epoch, on this snapshot
+            progress.epoch > self.local_epoch
+            or progress.samples_accumulated >= progress.target_batch_size
+            or get_dht_time() >= progress.eta_next_epoch
+        ):
+            self._last_progress = None
+            self._update_global_epoch(grad_scaler)
+        return loss
 
     # ------------------------------------------------------------------ state
 
@@ -389,8 +509,11 @@ class Optimizer:
         a peer, retrying until ``timeout`` (default ``load_state_timeout``); the accumulated
         gradients are dropped. Returns whether a state was loaded."""
         timeout = self.load_state_timeout if timeout is None else timeout
-        _positive("timeout", timeout)
+        check_positive("timeout", timeout)
         state_averager, tracker = self._state_averager, self._tracker
+        if self._rounds is not None:
+            self._rounds.tag_along()
+        state_averager.step(wait_for_delayed_updates=True)
         deadline = time.monotonic() + timeout
         loaded = False
         while not loaded:
@@ -413,6 +536,8 @@ class Optimizer:
             self.grad_averager.reset_accumulated_grads_()
         self.local_samples_accumulated = 0.0
         tracker.update_epoch(state_averager.local_epoch)
+        if not self.client_mode:
+            state_averager.state_sharing_priority = self.local_epoch
         logger.log(
             self.status_loglevel,
             "%s: loaded the training state, now at epoch %d",
@@ -435,6 +560,7 @@ class Optimizer:
         epoch = state.pop(_EPOCH_KEY, None)
         scheduler_state = state.pop(_SCHEDULER_KEY, None)
         state_averager = self._state_averager
+        state_averager.step(wait_for_delayed_updates=True)
         with state_averager.lock_optimizer:
             self.optimizer.load_state_dict(state)
             if scheduler_state is not None and self.scheduler is not None:
@@ -452,17 +578,21 @@ class Optimizer:
     # ------------------------------------------------------------------ lifetime
 
     def shutdown(self) -> None:
-        """Stop the tracker (it says goodbye), then the state and gradient averagers."""
-        components = (self.tracker, self.state_averager, self.grad_averager)
-        self.tracker = self.state_averager = self.grad_averager = None
+        """Stop the tracker (it says goodbye), the gradient averager, then the state averager
+        (after its background thread)."""
+        if self._rounds is not None:
+            self._rounds.cancel()
         errors = []
-        for component in components:
-            if component is None:
-                continue
-            try:
-                component.shutdown()
-            except Exception as e:  # stop the others anyway
-                errors.append(e)
+        try:  # the attributes stay set until the state averager's worker thread has ended
+            for component in (self.tracker, self.grad_averager, self.state_averager):
+                if component is None:
+                    continue
+                try:
+                    component.shutdown()
+                except Exception as e:  # stop the others anyway
+                    errors.append(e)
+        finally:
+            self.tracker = self.state_averager = self.grad_averager = None
         if errors:
             raise errors[0]
 

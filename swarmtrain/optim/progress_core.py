@@ -449,6 +449,12 @@ class ProgressCore:
         self._recompute(now)
         return self._local
 
+    def announce(self, now: float) -> None:
+        """Count as active in the current epoch without samples: publish the record now."""
+        self._last_active_epoch = max(self._global.epoch, self._local.epoch)
+        self._store_pending = self._gossip_pending = True
+        self._recompute(now)
+
     def update_epoch(self, new_epoch: int | None, now: float) -> int:
         """Move to ``new_epoch`` (default: the next one) with no samples; returns it."""
         if new_epoch is None:

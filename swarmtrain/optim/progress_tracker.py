@@ -315,6 +315,12 @@ class AsyncProgressTracker:
         self._core.report_local_progress(local_epoch, samples_accumulated, get_dht_time())
         self._notify()
 
+    def announce(self) -> None:
+        """Publish this peer's record (zero samples) now, so that the others count it before it
+        reports samples, e.g. while the trainers wait for each other at start-up."""
+        self._core.announce(get_dht_time())
+        self._notify()
+
     def update_epoch(self, new_epoch: int | None = None) -> int:
         """Move to ``new_epoch`` (default: the next one) with no samples; return it. The new
         epoch is gossiped at once."""

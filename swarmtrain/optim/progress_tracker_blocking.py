@@ -68,13 +68,16 @@ class ProgressTracker(BackgroundService):
     def _tracker(self) -> AsyncProgressTracker:
         return self._running()[1]
 
+    # Reads take the core's current snapshots directly (frozen objects, replaced whole on the
+    # trio thread): no hop into the loop, so a training step that reads progress stays cheap.
+
     @property
     def global_progress(self) -> GlobalProgress:
-        return self._call(lambda: self._tracker().global_progress)
+        return self._tracker()._core.global_progress
 
     @property
     def local_progress(self) -> LocalProgress:
-        return self._call(lambda: self._tracker().local_progress)
+        return self._tracker()._core.local_progress
 
     @property
     def global_epoch(self) -> int:
@@ -82,11 +85,16 @@ class ProgressTracker(BackgroundService):
 
     @property
     def ready_to_update_epoch(self) -> bool:
-        return self._call(lambda: self._tracker().ready_to_update_epoch)
+        return self._tracker()._core.ready_to_update_epoch(get_dht_time())
 
     @property
     def estimated_next_update_time(self) -> float:
-        return self._call(lambda: self._tracker().estimated_next_update_time)
+        return self._tracker()._core.estimated_next_update_time(get_dht_time())
+
+    def announce(self) -> None:
+        """Publish this peer's record now, before it reports samples (see
+        :meth:`AsyncProgressTracker.announce`)."""
+        self._call(self._tracker().announce)
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
         self._call(self._tracker().report_local_progress, local_epoch, samples_accumulated)
@@ -111,8 +119,9 @@ class ProgressTracker(BackgroundService):
     def wait_ready_to_update_epoch(self, timeout: float | None = None) -> GlobalProgress:
         return self._wait(self._tracker().wait_ready_to_update_epoch, timeout)
 
-    def refresh(self) -> GlobalProgress:
-        return self._wait(self._tracker().refresh, None)
+    def refresh(self, timeout: float | None = None) -> GlobalProgress:
+        """Fetch the swarm's progress from the DHT now; ``TimeoutError`` after ``timeout``."""
+        return self._wait(self._tracker().refresh, timeout)
 
     def _wait(self, fn: Callable[[], Any], timeout: float | None) -> Any:
         runtime, _ = self._running()

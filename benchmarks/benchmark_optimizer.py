@@ -1,0 +1,495 @@
+"""swarmtrain.Optimizer: epochs per minute against hivemind 1.1.12, and compute utilization.
+
+    python benchmarks/benchmark_optimizer.py epochs --impl both --python /tmp/hm/bin/python
+    python benchmarks/benchmark_optimizer.py utilization --peers 4 [--delay]
+
+``epochs``: 3 peers (one process each) train a small MLP with Adam, target_batch_size 256,
+batch 32, matchmaking_time 2, for ``--duration`` seconds; reports epochs per minute, the
+samples per epoch, and the evaluation loss (at the end, and at the last epoch both
+implementations reached). hivemind runs the same worker code under ``--python`` (a venv with
+hivemind 1.1.12); swarmtrain is never imported there, nor hivemind here.
+
+``utilization``: N peers (one process each) train a wider MLP; compute utilization is the time
+a peer spends in forward + backward over its wall time. The baseline is one process training
+alone with plain ``torch.optim.Adam`` on the same model and batch, measured in the same run.
+``--delay`` passes ``delay_optimizer_step`` and ``delay_grad_averaging`` (background averaging
+and optimizer step) when this swarmtrain's ``Optimizer`` has them.
+
+Every arm runs ``--repeats`` times; the tables show medians. Workers use one torch thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.abspath(__file__)
+CLASSES = 10
+
+
+# ---------------------------------------------------------------------------------- worker
+
+
+def make_workload(features: int, hidden: int, layers: int, seed: int = 0):
+    """Data and initial weights from numpy's PCG64 (identical under both venvs' torch)."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(CLASSES, features)) * 0.6
+    labels = rng.integers(0, CLASSES, size=12000)
+    points = centres[labels] + rng.normal(size=(len(labels), features))
+    x = torch.tensor(points, dtype=torch.float32)
+    y = torch.tensor(labels, dtype=torch.int64)
+    sizes = [features] + [hidden] * layers + [CLASSES]
+    modules: list[torch.nn.Module] = []
+    for fan_in, fan_out in itertools.pairwise(sizes):
+        linear = torch.nn.Linear(fan_in, fan_out)
+        bound = 1 / fan_in**0.5
+        with torch.no_grad():
+            linear.weight.copy_(torch.tensor(rng.uniform(-bound, bound, (fan_out, fan_in))))
+            linear.bias.copy_(torch.tensor(rng.uniform(-bound, bound, fan_out)))
+        modules += [linear, torch.nn.ReLU()]
+    model = torch.nn.Sequential(*modules[:-1])
+    return model, (x[:10000], y[:10000]), (x[10000:], y[10000:])
+
+
+def _emit(message: dict) -> None:
+    sys.__stdout__.write(json.dumps(message) + "\n")
+    sys.__stdout__.flush()
+
+
+def _wait_line() -> dict:
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit(0)  # the orchestrator is gone
+    return json.loads(line)
+
+
+def _make_optimizer(args, model, initial_peers):
+    """(optimizer, dht, maddrs) for the chosen implementation; plain Adam for "local"."""
+    import torch
+
+    adam = lambda params: torch.optim.Adam(params, lr=args.lr)  # noqa: E731
+    extra = json.loads(args.opts)
+    common = dict(
+        run_id=args.run_id,
+        target_batch_size=args.target,
+        batch_size_per_step=args.batch,
+        optimizer=adam,
+        params=model.parameters(),
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+        **extra,
+    )
+    if args.impl == "local":
+        return adam(model.parameters()), None, []
+    if args.impl == "hivemind":
+        import hivemind
+
+        dht = hivemind.DHT(
+            initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True
+        )
+        maddrs = [str(a) for a in dht.get_visible_maddrs()]
+        return hivemind.Optimizer(dht=dht, **common), dht, maddrs
+    import swarmtrain
+
+    host = {"use_relay": False, "relay_service": False, "use_autonat": False}
+    dht = swarmtrain.DHT(initial_peers, **host)
+    maddrs = [str(a) for a in dht.get_visible_maddrs()]
+    return swarmtrain.Optimizer(dht=dht, **common), dht, maddrs
+
+
+def _evaluate(model, eval_set) -> float:
+    import torch
+
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model(eval_set[0]), eval_set[1]).item()
+
+
+def _timed_methods(opt) -> dict[str, list[float]]:
+    """Wrap swarmtrain internals (when present) to time where ``step`` spends its time."""
+    timings: dict[str, list[float]] = {}
+    tracker = getattr(opt, "tracker", None)
+    targets = [
+        ("Optimizer._accumulate", opt, "_accumulate"),
+        ("Optimizer._update_global_epoch", opt, "_update_global_epoch"),
+        ("GradientRounds.maybe_schedule", getattr(opt, "_rounds", None), "maybe_schedule"),
+        ("GradientRounds.begin", getattr(opt, "_rounds", None), "begin"),
+        ("GradientRounds.finish (waits for the round)", getattr(opt, "_rounds", None), "finish"),
+        ("ProgressTracker._call (every blocking tracker call)", tracker, "_call"),
+        ("grad_averager.step", getattr(opt, "grad_averager", None), "step"),
+        ("state_averager.step", getattr(opt, "state_averager", None), "step"),
+        ("tracker.report_local_progress", tracker, "report_local_progress"),
+        ("tracker.update_epoch", tracker, "update_epoch"),
+        ("load_state_from_peers", opt, "load_state_from_peers"),
+    ]
+    for name, owner, attr in targets:
+        method = getattr(owner, attr, None) if owner is not None else None
+        if method is None:
+            continue
+        times = timings.setdefault(name, [])
+
+        def timed(*a, _method=method, _times=times, **kw):
+            started = time.perf_counter()
+            try:
+                return _method(*a, **kw)
+            finally:
+                _times.append(time.perf_counter() - started)
+
+        setattr(owner, attr, timed)
+    return timings
+
+
+def _wait_for_peers(opt, model, batch, peers: int, timeout: float = 60.0) -> float:
+    """Report a little progress (one sample per step, 20 steps/s) until this peer's tracker
+    sees every peer, so that no peer trains alone at the start: a lone peer steps without
+    averaging, and its fast, meaningless epochs would count. Trackers only announce peers
+    that report progress, hence the slow steps."""
+    import torch
+
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        if opt.tracker.global_progress.num_peers >= peers:
+            break
+        torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        opt.step(batch_size=1)
+        opt.zero_grad()
+        time.sleep(0.05)
+    return time.perf_counter() - started
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    sys.stdout = sys.stderr  # stdout carries the protocol only
+    model, (x, y), eval_set = make_workload(args.features, args.hidden, args.layers)
+    shard = torch.arange(args.index, len(x), max(1, args.peers))
+    x, y = x[shard], y[shard]
+    initial = [] if args.index == 0 or args.impl == "local" else _wait_line()["initial_peers"]
+    opt, dht, maddrs = _make_optimizer(args, model, initial)
+    timings = _timed_methods(opt) if args.impl == "swarmtrain" else {}
+    _emit({"event": "joined", "maddrs": maddrs})
+    waited = _wait_for_peers(opt, model, (x[:1], y[:1]), args.peers) if dht is not None else 0.0
+    _emit({"event": "ready", "waited": waited})
+    _wait_line()  # start
+    for times in timings.values():
+        times.clear()  # count the measured window only, not the warm-up
+    first_epoch = getattr(opt, "local_epoch", 0)
+    generator = torch.Generator().manual_seed(args.index)
+    epoch_of = (lambda: getattr(opt, "local_epoch", 0)) if dht is not None else None
+    epochs_at, eval_by_epoch, step_times = [], [], []
+    compute = samples = local_steps = 0
+    epoch = epoch_of() if epoch_of else 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < args.duration:
+        rows = torch.randint(0, len(x), (args.batch,), generator=generator)
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t2 = time.perf_counter()
+        compute += t1 - t0
+        step_times.append(t2 - t1)
+        samples += args.batch
+        if epoch_of is None:
+            local_steps += 1
+            continue
+        if epoch_of() != epoch:
+            epoch = epoch_of()
+            epochs_at.append(round(t2 - started, 3))
+            eval_by_epoch.append((epoch, _evaluate(model, eval_set)))
+    wall = time.perf_counter() - started
+    step_times.sort()
+    result = {
+        "event": "result",
+        "epochs": epoch_of() - first_epoch if epoch_of else 0,
+        "warmup_epochs": first_epoch,
+        "epochs_at": epochs_at,
+        "eval_by_epoch": eval_by_epoch,
+        "eval_loss": _evaluate(model, eval_set),
+        "wall": wall,
+        "compute": compute,
+        "samples": samples,
+        "step_total": sum(step_times),
+        "step_p50": step_times[len(step_times) // 2] if step_times else 0.0,
+        "step_max": step_times[-1] if step_times else 0.0,
+        "timings": {k: [len(v), sum(v), max(v, default=0.0)] for k, v in timings.items()},
+    }
+    for name in ("epochs_averaged", "epochs_alone"):
+        if hasattr(opt, name):
+            result[name] = getattr(opt, name)
+    _emit(result)
+    _wait_line()  # exit: stay in the swarm until every peer reported
+    if dht is not None:
+        opt.shutdown()
+        dht.shutdown()
+
+
+# ---------------------------------------------------------------------------------- runner
+
+
+def run_swarm(args, impl: str, peers: int, workload: dict, opts: dict) -> list[dict]:
+    """Start ``peers`` worker processes, train together for ``args.duration`` s, return their
+    results (one dict per peer)."""
+    python = args.python if impl == "hivemind" else sys.executable
+    command = [python, HERE, "--worker", "--impl", impl, "--peers", str(peers)]
+    command += ["--duration", str(args.duration), "--opts", json.dumps(opts)]
+    command += ["--run-id", f"bench{os.getpid()}_{time.monotonic_ns()}"]
+    for key, value in workload.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = open(os.devnull, "w") if not args.verbose else None
+    procs = [
+        subprocess.Popen(
+            [*command, "--index", str(i)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
+        for i in range(peers)
+    ]
+
+    def send(proc, message):
+        proc.stdin.write(json.dumps(message) + "\n")
+        proc.stdin.flush()
+
+    def read(proc) -> dict:
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"a {impl} worker exited early (rerun with --verbose)")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    try:
+        first = read(procs[0])
+        for proc in procs[1:]:
+            send(proc, {"initial_peers": first["maddrs"]})
+        for proc in procs[1:]:
+            read(proc)  # joined
+        waited = [read(proc)["waited"] for proc in procs]  # ready: each sees all peers
+        if args.verbose:
+            print(f"    {impl}: peers saw each other after {max(waited):.1f} s", flush=True)
+        for proc in procs:
+            send(proc, {"cmd": "start"})
+        results: list[dict] = [{} for _ in procs]
+
+        def collect(i):
+            results[i] = read(procs[i])
+
+        threads = [threading.Thread(target=collect, args=(i,)) for i in range(peers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(args.duration + 120)
+        if not all(results):
+            raise RuntimeError(f"a {impl} worker did not report (rerun with --verbose)")
+        for proc in procs:
+            send(proc, {"cmd": "exit"})
+        for proc in procs:
+            proc.wait(timeout=60)
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if log is not None:
+            log.close()
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    epochs = statistics.median(r["epochs"] for r in results)
+    samples = sum(r["samples"] for r in results)
+    summary = {
+        "epochs": epochs,
+        "epochs_per_min": 60 * epochs / duration,
+        "samples_per_s": samples / statistics.median(r["wall"] for r in results),
+        "samples_per_epoch": samples / max(epochs, 1),
+        "utilization": statistics.median(r["compute"] / r["wall"] for r in results),
+        "eval_loss": statistics.median(r["eval_loss"] for r in results),
+        "step_p50_ms": 1000 * statistics.median(r["step_p50"] for r in results),
+        "eval_by_epoch": dict(results[0]["eval_by_epoch"]),
+    }
+    gaps = [b - a for r in results for a, b in itertools.pairwise(r["epochs_at"])]
+    summary["epoch_s_p50"] = statistics.median(gaps) if gaps else float("nan")
+    timings: dict[str, list[float]] = {}
+    for r in results:
+        for name, (count, total, worst) in r.get("timings", {}).items():
+            entry = timings.setdefault(name, [0, 0.0, 0.0])
+            entry[0] += count
+            entry[1] += total
+            entry[2] = max(entry[2], worst)
+    summary["timings"] = {
+        k: [c / len(results), t / len(results), w] for k, (c, t, w) in timings.items()
+    }
+    if any("epochs_alone" in r for r in results):
+        summary["epochs_alone"] = sum(r.get("epochs_alone", 0) for r in results)
+    return summary
+
+
+def medians(runs: list[dict]) -> dict:
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
+    return {k: statistics.median(run[k] for run in runs) for k in keys}
+
+
+EPOCHS_WORKLOAD = {
+    "features": 64,
+    "hidden": 128,
+    "layers": 2,
+    "batch": 32,
+    "target": 256,
+    "matchmaking_time": 2.0,
+    "averaging_timeout": 30.0,
+    "lr": 0.001,
+}
+UTILIZATION_WORKLOAD = dict(
+    EPOCHS_WORKLOAD, hidden=1024, layers=3, target=4096, matchmaking_time=1.0
+)
+
+
+def bench_epochs(args) -> dict:
+    impls = ["swarmtrain", "hivemind"] if args.impl == "both" else [args.impl]
+    if "hivemind" in impls and not args.python:
+        raise SystemExit("--impl hivemind/both needs --python pointing at hivemind's venv")
+    runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+    for repeat in range(args.repeats):
+        for impl in impls:  # interleaved, so both see the same machine load
+            opts = json.loads(args.optimizer_opts)
+            summary = summarize(run_swarm(args, impl, 3, EPOCHS_WORKLOAD, opts), args.duration)
+            runs[impl].append(summary)
+            print(
+                f"  run {repeat + 1} {impl:10s}: {summary['epochs']:g} epochs, "
+                f"{summary['samples_per_epoch']:.0f} samples/epoch, "
+                f"eval loss {summary['eval_loss']:.3f}, epoch {summary['epoch_s_p50']:.2f} s",
+                flush=True,
+            )
+            if args.verbose and summary["timings"]:
+                print(f"    per peer: {json.dumps(summary['timings'])}")
+    table = {impl: medians(r) for impl, r in runs.items()}
+    print(f"\n3 peers, MLP {EPOCHS_WORKLOAD}, {args.duration:g} s, median of {args.repeats}\n")
+    print("| impl | epochs/min | epoch (s) | samples/epoch | eval loss (end) |")
+    print("|---|---|---|---|---|")
+    for impl, m in table.items():
+        print(
+            f"| {impl} | {m['epochs_per_min']:.1f} | {m['epoch_s_p50']:.2f} | "
+            f"{m['samples_per_epoch']:.0f} | {m['eval_loss']:.3f} |"
+        )
+    if len(table) == 2:
+        common = int(min(m["epochs"] for m in table.values()))
+        at = {
+            impl: statistics.median(
+                r["eval_by_epoch"].get(common, float("nan")) for r in runs[impl]
+            )
+            for impl in impls
+        }
+        ratio = table["swarmtrain"]["epochs_per_min"] / table["hivemind"]["epochs_per_min"]
+        print(
+            f"\nepochs/min swarmtrain / hivemind: {ratio:.2f}x (goal >= 2x); eval loss at "
+            f"epoch {common}: swarmtrain {at['swarmtrain']:.3f}, hivemind {at['hivemind']:.3f}"
+        )
+        table["ratio"] = {"epochs_per_min": ratio, "common_epoch": common, **at}
+    return table
+
+
+def bench_utilization(args) -> dict:
+    opts = {}
+    if args.delay:
+        import inspect
+
+        import swarmtrain
+
+        known = inspect.signature(swarmtrain.Optimizer).parameters
+        wanted = {"delay_optimizer_step": True, "delay_grad_averaging": True}
+        opts = {k: v for k, v in wanted.items() if k in known}
+        missing = sorted(set(wanted) - set(opts))
+        if missing:
+            print(f"this Optimizer has no {missing}: measuring without them")
+    solo_runs, swarm_runs = [], []
+    for repeat in range(args.repeats):
+        solo = summarize(run_swarm(args, "local", 1, UTILIZATION_WORKLOAD, {}), args.duration)
+        swarm = summarize(
+            run_swarm(args, "swarmtrain", args.peers, UTILIZATION_WORKLOAD, opts), args.duration
+        )
+        solo_runs.append(solo)
+        swarm_runs.append(swarm)
+        print(
+            f"  run {repeat + 1}: alone {solo['samples_per_s']:.0f} samples/s "
+            f"(utilization {solo['utilization']:.1%}); {args.peers} peers "
+            f"{swarm['samples_per_s']:.0f} samples/s (utilization {swarm['utilization']:.1%}, "
+            f"{swarm['epochs']:g} epochs, {swarm.get('epochs_alone', 0)} peer-epochs alone)",
+            flush=True,
+        )
+        if args.verbose and swarm["timings"]:
+            print(f"    per peer: {json.dumps(swarm['timings'])}")
+    solo_m, swarm_m = medians(solo_runs), medians(swarm_runs)
+    flags = ", ".join(f"{k}=True" for k in opts) or "no delay options"
+    print(f"\nMLP {UTILIZATION_WORKLOAD}, {args.duration:g} s, {flags}, median of {args.repeats}")
+    print(f"(this machine has {os.cpu_count()} cores shared by all peers)\n")
+    print("| arm | samples/s | utilization | epochs | optimizer step p50 (ms) |")
+    print("|---|---|---|---|---|")
+    print(
+        f"| 1 peer alone (torch.optim.Adam) | {solo_m['samples_per_s']:.0f} | "
+        f"{solo_m['utilization']:.1%} | - | {solo_m['step_p50_ms']:.2f} |"
+    )
+    print(
+        f"| {args.peers} peers (swarmtrain) | {swarm_m['samples_per_s']:.0f} | "
+        f"{swarm_m['utilization']:.1%} | {swarm_m['epochs']:g} | {swarm_m['step_p50_ms']:.2f} |"
+    )
+    ratio = swarm_m["samples_per_s"] / solo_m["samples_per_s"]
+    print(f"\nsamples/s {args.peers} peers / 1 peer: {ratio:.2f}x")
+    return {"solo": solo_m, "swarm": swarm_m, "options": opts, "speedup": ratio}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("suite", nargs="?", choices=["epochs", "utilization"], default="epochs")
+    parser.add_argument(
+        "--impl", choices=["swarmtrain", "hivemind", "both", "local"], default="swarmtrain"
+    )
+    parser.add_argument("--python", default=None, help="interpreter with hivemind 1.1.12")
+    parser.add_argument("--peers", type=int, default=4, help="utilization: number of peers")
+    parser.add_argument("--delay", action="store_true", help="utilization: delay_* options")
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of training")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--verbose", action="store_true", help="worker logs and timings")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--optimizer-opts", default="{}", help="epochs: more Optimizer keywords (JSON), both impls"
+    )
+    # worker-only arguments
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--run-id", default="bench", help=argparse.SUPPRESS)
+    parser.add_argument("--opts", default="{}", help=argparse.SUPPRESS)
+    for key, value in EPOCHS_WORKLOAD.items():
+        parser.add_argument(
+            f"--{key.replace('_', '-')}", type=type(value), default=value, help=argparse.SUPPRESS
+        )
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.repeats < 1 or args.duration <= 0 or args.peers < 1:
+        parser.error("--repeats and --peers must be >= 1, --duration positive")
+    print(f"benchmark_optimizer {args.suite}: {' '.join(sys.argv[1:])}", flush=True)
+    results = bench_epochs(args) if args.suite == "epochs" else bench_utilization(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

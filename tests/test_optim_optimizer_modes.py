@@ -1,0 +1,240 @@
+"""swarmtrain.Optimizer's modes with real peers on loopback: delayed / offloaded / local-update
+steps, reuse_grad_buffers, auxiliary and client-mode peers, a peer killed mid-training."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from test_optim_optimizer import (
+    BATCH,
+    FEATURES,
+    HOST,
+    TARGET,
+    Peer,
+    X,
+    assert_same_params,
+    dhts,  # noqa: F401 (fixture)
+    full_loss,
+    in_threads,
+    params_of,
+)
+
+from swarmtrain.dht import DHT
+from swarmtrain.optim import PowerSGDGradientAverager
+from swarmtrain.optim.grad_scaler import GradScaler
+
+MOMENTUM_SGD = {"optimizer": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.5)}
+# offload_optimizer alone (the default with a factory) is what test_optim_optimizer.py runs
+MODES = {
+    "plain": {"offload_optimizer": False, "delay_state_averaging": False},
+    "delay_step": {"delay_optimizer_step": True},
+    "delay_grads_reuse": {"delay_grad_averaging": True, "reuse_grad_buffers": True},
+    "local_delay_step": {"use_local_updates": True, "delay_optimizer_step": True},
+}
+
+
+def land(peers: list[Peer]) -> None:
+    """Wait for and apply every peer's background work."""
+    for peer in peers:
+        peer.opt.state_averager.step(wait_for_delayed_updates=True)
+
+
+def shutdown(peers: list[Peer]) -> None:
+    for peer in peers:
+        if peer.opt.tracker is not None:
+            peer.opt.shutdown()
+
+
+def max_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def assert_epoch_sizes(peers: list[Peer], epochs: list[int]) -> None:
+    for epoch in epochs:
+        samples = sum(p.samples[epoch] for p in peers)
+        assert TARGET * 0.8 <= samples <= 1.2 * TARGET, (epoch, samples)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_modes_train_together(dhts, mode):  # noqa: F811
+    opts = {**MOMENTUM_SGD, **MODES[mode]}
+    peers = [Peer(dht, i, **opts) for i, dht in enumerate(dhts(2))]
+    try:
+        opt = peers[0].opt
+        assert opt.reuse_grad_buffers == opts.get("reuse_grad_buffers", False)
+        assert opt.offload_optimizer == (mode != "plain")
+        assert opt.delay_optimizer_step == mode.startswith(("delay", "local_delay"))
+        initial_loss = full_loss(peers[0].model)
+        in_threads(*(lambda p=p: p.train_until(3) for p in peers))
+        land(peers)
+        assert {p.opt.local_epoch for p in peers} == {3}
+        assert_epoch_sizes(peers, [2, 3])
+        final = [params_of(p.model) for p in peers]
+        if opts.get("use_local_updates"):
+            for a, b in zip(*final, strict=True):  # local steps since the last state round
+                assert (a - b).abs().max() < 0.5
+        elif all(p.opt.epochs_alone == 0 for p in peers):
+            assert_same_params(final[0], final[1])
+        else:  # a loaded machine made a round fail (logged): still close
+            for a, b in zip(*final, strict=True):
+                assert (a - b).abs().max() < 0.5
+        assert full_loss(peers[0].model) < 0.7 * initial_loss
+        if opt.reuse_grad_buffers:
+            with pytest.raises(ValueError, match="zero_grad"):
+                opt.zero_grad()
+    finally:
+        shutdown(peers)
+
+
+def test_auxiliary_peer_keeps_up_and_serves_state(dhts):  # noqa: F811
+    first, second, aux_dht = dhts(3)
+    trainers = [Peer(first, 0, **MOMENTUM_SGD), Peer(second, 1, **MOMENTUM_SGD)]
+    aux = Peer(aux_dht, 2, seed=7, auxiliary=True, batch_size_per_step=None, **MOMENTUM_SGD)
+    initial_gap = max_gap(params_of(aux.model), params_of(trainers[0].model))
+    newcomer = None
+    done = threading.Event()
+
+    def run_aux() -> None:
+        while not done.is_set():
+            aux.opt.step()
+            time.sleep(0.05)
+
+    try:
+        with pytest.raises(ValueError, match="auxiliary"):
+            aux.opt.step(batch_size=4)
+        aux_thread = threading.Thread(target=run_aux)
+        aux_thread.start()
+        try:
+            in_threads(*(lambda p=p: p.train_until(2) for p in trainers))
+            deadline = time.monotonic() + 20
+            while aux.opt.local_epoch < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            done.set()
+            aux_thread.join(30)
+        land([*trainers, aux])
+        assert aux.opt.local_epoch == 2
+        assert aux.opt.epochs_averaged >= 1  # it took part in gradient rounds
+        assert aux.opt.grad_averager is not None and aux.opt.grad_averager.mode.name == "NODE"
+        gap = max_gap(params_of(aux.model), params_of(trainers[0].model))
+        if all(p.opt.epochs_alone == 0 for p in [*trainers, aux]):
+            assert gap < 1e-3  # it stepped on the same averaged gradients
+        else:  # a loaded machine made a round fail (logged): it still follows the swarm
+            assert gap < 0.5 * initial_gap
+
+        for peer in trainers:  # the aux peer is now the only donor
+            peer.opt.shutdown()
+        newcomer = Peer(dhts(1)[0], 0, seed=123, **MOMENTUM_SGD)
+        assert newcomer.opt.load_state_from_peers()
+        assert newcomer.opt.local_epoch == 2
+        assert_same_params(params_of(newcomer.model), params_of(aux.model))
+    finally:
+        shutdown([*trainers, aux, *([newcomer] if newcomer else [])])
+
+
+def test_client_mode_peer_trains_with_a_normal_one(dhts):  # noqa: F811
+    (server_dht,) = dhts(1)
+    client_dht = DHT(server_dht.get_visible_maddrs(), client_mode=True, **HOST)
+    peers = []
+    try:
+        peers = [Peer(server_dht, 0), Peer(client_dht, 1)]
+        assert peers[1].opt.client_mode and not peers[0].opt.client_mode
+        initial_loss = full_loss(peers[0].model)
+        in_threads(*(lambda p=p: p.train_until(3) for p in peers))
+        land(peers)
+        assert {p.opt.local_epoch for p in peers} == {3}
+        assert peers[1].opt.epochs_averaged >= 1
+        if all(p.opt.epochs_alone == 0 for p in peers):
+            assert_same_params(params_of(peers[0].model), params_of(peers[1].model))
+        assert full_loss(peers[1].model) < 0.7 * initial_loss
+    finally:
+        shutdown(peers)
+        client_dht.shutdown()
+
+
+def test_others_go_on_when_a_peer_is_killed(dhts):  # noqa: F811
+    peers = [Peer(dht, i) for i, dht in enumerate(dhts(3))]
+    victim, survivors = peers[2], peers[:2]
+    try:
+        in_threads(*(lambda p=p: p.train_until(1) for p in peers))
+
+        def train_victim() -> None:
+            try:  # until its optimizer disappears under it (any error then is fine)
+                victim.train_until(10)
+            except Exception:
+                pass
+
+        with ThreadPoolExecutor(3) as pool:  # the survivors go on while the victim dies
+            futures = [pool.submit(p.train_until, 3) for p in survivors]
+            victim_future = pool.submit(train_victim)
+            time.sleep(1.0)  # mid-epoch: it has samples and maybe a scheduled round
+            victim.opt.shutdown()
+            victim_future.result(timeout=30)
+            for future in futures:
+                future.result(timeout=60)
+        land(survivors)
+        assert {p.opt.local_epoch for p in survivors} == {3}
+        assert survivors[0].opt.epochs_averaged >= 2
+        if survivors[0].opt.epochs_alone == survivors[1].opt.epochs_alone == 0:
+            assert_same_params(params_of(survivors[0].model), params_of(survivors[1].model))
+        assert all(torch.isfinite(p).all() for p in survivors[0].model.parameters())
+    finally:
+        shutdown(peers)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_grad_scaler_drops_non_finite_gradients(dhts, reuse):  # noqa: F811
+    peers = [Peer(dht, i, reuse_grad_buffers=reuse) for i, dht in enumerate(dhts(2))]
+    scalers = [GradScaler("cpu", init_scale=64.0), GradScaler("cpu", init_scale=64.0)]
+    try:
+        with pytest.raises(TypeError, match=r"swarmtrain\.optim\.GradScaler"):
+            peers[0].opt.step(grad_scaler=torch.amp.GradScaler("cpu", enabled=False))
+        broken = peers[1]
+        scalers[1].scale(broken.model(X[:BATCH]).sum() * float("inf")).backward()
+        scalers[1].step(broken.opt)  # non-finite: dropped, or weight 0 for this epoch
+        scalers[1].update()
+        if not reuse:
+            assert broken.opt.skipped_batches == 1 and broken.opt.local_samples_accumulated == 0
+            assert scalers[1].get_scale() == 32.0  # torch backs off at once
+            broken.opt.zero_grad()
+        initial_loss = full_loss(peers[0].model)
+        in_threads(
+            *(
+                lambda p=p, s=s: p.train_until(2, grad_scaler=s)
+                for p, s in zip(peers, scalers, strict=True)
+            )
+        )
+        land(peers)
+        assert scalers[1].get_scale() < 64.0  # the bad batch backed the scale off
+        final = [params_of(p.model) for p in peers]
+        assert all(torch.isfinite(t).all() for t in final[1])
+        if all(p.opt.epochs_alone == 0 for p in peers):
+            assert_same_params(final[0], final[1])
+        assert full_loss(peers[0].model) < 0.8 * initial_loss
+    finally:
+        shutdown(peers)
+
+
+def test_power_sgd_averager_plugs_in_with_delays(dhts):  # noqa: F811
+    def two_layers() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Linear(16, 1))
+
+    factory = functools.partial(PowerSGDGradientAverager, averager_rank=2)
+    opts = {"grad_averager_factory": factory, "delay_grad_averaging": True}
+    peers = [Peer(dht, i, model=two_layers(), **opts) for i, dht in enumerate(dhts(2))]
+    try:
+        assert isinstance(peers[0].opt.grad_averager, PowerSGDGradientAverager)
+        initial_loss = full_loss(peers[0].model)
+        in_threads(*(lambda p=p: p.train_until(3) for p in peers))
+        land(peers)
+        assert {p.opt.local_epoch for p in peers} == {3}
+        assert all(p.opt.epochs_averaged >= 1 for p in peers)
+        assert full_loss(peers[0].model) < 0.7 * initial_loss
+    finally:
+        shutdown(peers)
