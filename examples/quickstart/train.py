@@ -51,9 +51,9 @@ def run_peer(index, dht, shard, eval_set, args, report, start_barrier):
         params=model.parameters(),
         matchmaking_time=1.0,
         averaging_timeout=15.0,
-        # state rounds in the foreground: each epoch's report shows the state the peers share
-        # (in the background, a state round still in matchmaking holds back the offloaded
-        # optimizer steps queued behind it, so a report may lag the swarm by an epoch or two)
+        # state rounds in the foreground, so the peers hold exactly the same weights after
+        # every epoch (a background round, hivemind's default, snapshots each peer whenever
+        # its worker gets to it: faster, but peers then agree only approximately)
         delay_state_averaging=False,
     )
     points, labels = shard

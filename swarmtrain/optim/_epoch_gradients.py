@@ -64,12 +64,14 @@ class GradientRounds:
         matchmaking_time: float,
         averaging_timeout: float,
         status_loglevel: int,
+        health: Any = None,
     ):
         self.averager = grad_averager
         self.run_id = run_id
         self.matchmaking_time = matchmaking_time
         self.averaging_timeout = averaging_timeout
         self.status_loglevel = status_loglevel
+        self.health = health  # a SwarmHealth fed with each round's outcome (optional)
         self.scheduled: StepControl | None = None
         self.averaged = 0  #: rounds that averaged with a group
         self.alone = 0  #: epochs that used the local gradients
@@ -175,6 +177,8 @@ class GradientRounds:
         except Exception as e:
             control.cancel()
             self.alone += 1
+            if self.health is not None:
+                self.health.observe_averaging_failure(e)
             logger.log(
                 logging.WARNING if others_seen else self.status_loglevel,
                 "%s: averaging gradients failed (%r): using the local gradients",
@@ -184,6 +188,8 @@ class GradientRounds:
             return None
         self.averaged += 1
         self.last_group_size = len(gathered)
+        if self.health is not None:
+            self.health.observe_averaging_success()
         logger.log(
             self.status_loglevel, "%s: averaged gradients with %d peers", self.run_id, len(gathered)
         )

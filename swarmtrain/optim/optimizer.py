@@ -90,6 +90,7 @@ from swarmtrain.optim.state_averager import (
     SchedulerFactory,
     TrainingStateAverager,
 )
+from swarmtrain.optim.swarm_health import SwarmHealth, describe_parameters
 
 __all__ = ["Optimizer"]
 
@@ -252,6 +253,8 @@ class Optimizer(EpochUpdates):
         self.grad_averager: GradientAverager | None = None
         self.tracker: ProgressTracker | None = None
         self._rounds: GradientRounds | None = None
+        #: warnings with what to do: peers with another model, state downloads that keep failing
+        self.health = SwarmHealth(self.run_id)
         self._last_progress: GlobalProgress | None = None  # the tracker's, at the last step
         self._gradients_consumed = threading.Event()  # the optimizer took the last round's result
         self._gradients_consumed.set()
@@ -326,7 +329,9 @@ class Optimizer(EpochUpdates):
             matchmaking_time=self.matchmaking_time,
             averaging_timeout=self.averaging_timeout,
             status_loglevel=self.status_loglevel,
+            health=self.health,
         )
+        self.health.model = describe_parameters(self.main_parameters)
 
     # ------------------------------------------------------------------ torch.optim-like
 
@@ -520,10 +525,13 @@ class Optimizer(EpochUpdates):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            detail = "no peer served a state in time"
             try:
                 loaded = state_averager.load_state_from_peers(timeout=remaining)
             except Exception as e:
                 logger.warning("%s: loading state from peers failed: %r", self.run_id, e)
+                detail = repr(e)
+            self.health.observe_state_download(bool(loaded), "" if loaded else detail)
             if not loaded:
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         if not loaded:
