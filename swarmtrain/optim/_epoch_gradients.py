@@ -25,7 +25,10 @@ averaging); every other method runs in the trainer's thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from swarmtrain.averaging import StepControl
@@ -36,6 +39,8 @@ __all__ = ["GradientRounds"]
 
 logger = logging.getLogger(__name__)
 
+
+_POLL_INTERVAL = 0.1  # seconds between looks at the swarm's epoch while a round runs
 
 #: gradient rounds are told apart in the matchmaking key by their epoch modulo 2 ** EPOCH_BITS
 EPOCH_BITS = 8
@@ -65,6 +70,7 @@ class GradientRounds:
         averaging_timeout: float,
         status_loglevel: int,
         health: Any = None,
+        swarm_epoch: Callable[[], int] | None = None,
     ):
         self.averager = grad_averager
         self.run_id = run_id
@@ -72,6 +78,7 @@ class GradientRounds:
         self.averaging_timeout = averaging_timeout
         self.status_loglevel = status_loglevel
         self.health = health  # a SwarmHealth fed with each round's outcome (optional)
+        self.swarm_epoch = swarm_epoch  # the swarm's epoch (the tracker's), optional
         self.scheduled: StepControl | None = None
         self.averaged = 0  #: rounds that averaged with a group
         self.alone = 0  #: epochs that used the local gradients
@@ -166,14 +173,19 @@ class GradientRounds:
         self.averager.load_accumulators_into_averager_()
         self.averager.reset_accumulated_grads_()
 
-    def finish(self, control: StepControl | None, others_seen: bool = True) -> dict | None:
-        """Wait for the round started by :meth:`begin`: the group's ``{peer_id: epoch}``, or
-        None if it did not average (no round, or it failed)."""
+    def finish(
+        self, control: StepControl | None, others_seen: bool = True, epoch: int | None = None
+    ) -> dict | None:
+        """Wait for the round started by :meth:`begin` for ``epoch``: the group's
+        ``{peer_id: epoch}``, or None if it did not average (no round, or it failed). A round
+        still looking for a group ``matchmaking_time`` after the swarm went past ``epoch`` is
+        given up (the others averaged without us: a late peer steps on its own gradients
+        rather than wait out ``averaging_timeout``)."""
         if control is None:
             self.alone += 1
             return None
         try:
-            gathered = control.result(self.averaging_timeout)
+            gathered = self._wait(control, epoch)
         except Exception as e:
             control.cancel()
             self.alone += 1
@@ -194,6 +206,33 @@ class GradientRounds:
             self.status_loglevel, "%s: averaged gradients with %d peers", self.run_id, len(gathered)
         )
         return gathered
+
+    def _wait(self, control: StepControl, epoch: int | None) -> Any:
+        deadline = time.monotonic() + self.averaging_timeout
+        moved_on_at = None  # when we saw the swarm past ``epoch`` while still looking
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return control.result(max(0.0, min(_POLL_INTERVAL, remaining)))
+            except concurrent.futures.TimeoutError:
+                if remaining <= _POLL_INTERVAL:
+                    raise TimeoutError(
+                        f"no result within averaging_timeout={self.averaging_timeout} s"
+                    ) from None
+            if (
+                epoch is not None
+                and self.swarm_epoch is not None
+                and control.stage == AveragingStage.LOOKING_FOR_GROUP
+                and self.swarm_epoch() > epoch
+            ):
+                # after a grace of matchmaking_time: peers whose own rounds failed (e.g. over
+                # a model mismatch) move on too, and then our round should fail by itself
+                now = time.monotonic()
+                moved_on_at = now if moved_on_at is None else moved_on_at
+                if now - moved_on_at >= self.matchmaking_time:
+                    raise TimeoutError(f"the swarm moved past epoch {epoch} without this peer")
+            else:
+                moved_on_at = None
 
     def tag_along(self) -> None:
         """Leave the scheduled round without disrupting its group (see the module docstring)."""

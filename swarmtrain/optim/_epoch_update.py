@@ -208,7 +208,7 @@ class EpochUpdates:
         """Wait for the gradient round: whether the group averaged (for an auxiliary peer:
         this epoch's gradients). Else the averaged buffers hold the local mean gradient."""
         assert self._rounds is not None
-        gathered = self._rounds.finish(control, others)
+        gathered = self._rounds.finish(control, others, epoch)
         if self.auxiliary and gathered is not None and any(e != epoch for e in gathered.values()):
             logger.log(self.status_loglevel, "%s: the group was in another epoch", self.run_id)
             return False

@@ -330,6 +330,7 @@ class Optimizer(EpochUpdates):
             averaging_timeout=self.averaging_timeout,
             status_loglevel=self.status_loglevel,
             health=self.health,
+            swarm_epoch=lambda: self._tracker.global_epoch,
         )
         self.health.model = describe_parameters(self.main_parameters)
 

@@ -205,6 +205,7 @@ class TrainingStateAverager(DecentralizedAverager):
         self._old_tensors: list[torch.Tensor] | None = None  # delta rule: before averaging
         self._executor: ThreadPoolExecutor | None = None
         self._pending: set[Future] = set()
+        self._pending_rounds: set[Future] = set()  # the pending phases with an averaging round
         self._finished_optimizer_step = threading.Event()  # by a delayed phase, not applied yet
         self._finished_averaging_round = threading.Event()
 
@@ -546,7 +547,10 @@ class TrainingStateAverager(DecentralizedAverager):
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="swarmtrain-state-averager")
-        self._pending.add(self._executor.submit(fn, *args))
+        future = self._executor.submit(fn, *args)
+        self._pending.add(future)
+        if args and args[-1] is not None:  # _background_phases with an averaging round
+            self._pending_rounds.add(future)
 
     def _background_phases(
         self,
@@ -597,8 +601,10 @@ class TrainingStateAverager(DecentralizedAverager):
 
     @property
     def averaging_in_progress(self) -> bool:
-        """Whether a delayed phase is still running."""
-        return any(not future.done() for future in self._pending)
+        """Whether a delayed averaging round is still running (a delayed optimizer step
+        alone does not count: peers would skip their state rounds at random)."""
+        self._pending_rounds = {future for future in self._pending_rounds if not future.done()}
+        return bool(self._pending_rounds)
 
     # ------------------------------------------------------------------ state sharing
 
