@@ -197,7 +197,7 @@ def part_correctness(args) -> bool:
     )
     print(
         "| mode | reference eval loss | peers' eval loss (min-max) | max rel. diff | "
-        "rounds averaged / alone | MB sent per peer (counted + computed) | seconds | pass |"
+        "rounds averaged / alone | MB sent per peer (as sender + as reducer) | seconds | pass |"
     )
     print("|---|---|---|---|---|---|---|---|")
     ok = True

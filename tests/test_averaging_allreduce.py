@@ -104,6 +104,10 @@ async def test_four_peers_exact_weighted_mean(fractions, weights):
         assert results[i].complete, results[i]
         check_averaged(tensors[i], results[i], want)
     assert elapsed < 10
+    # every slice goes out once from each of the 3 other senders and its delta comes back
+    # (NoCompression: 4 bytes per float32 value)
+    numel = sum(t.numel() for t in tensors[0])
+    assert sum(r.payload_bytes_sent for r in results) == 3 * numel * 4 * 2
 
 
 async def test_client_and_aux_peers():

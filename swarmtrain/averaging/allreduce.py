@@ -142,12 +142,15 @@ class AllReduceResult:
     :param banned_senders: senders our slice was averaged without, and why
     :param failed_reducers: reducers whose slices kept our local values, and why
     :param timed_out: the round hit ``allreduce_timeout``
+    :param payload_bytes_sent: encoded tensor bytes (parts as a sender, deltas as a reducer)
+      handed to the transport for other peers; framing and protobuf overhead not counted
     """
 
     deltas: tuple[torch.Tensor, ...] | None
     banned_senders: Mapping[Hashable, Failure]
     failed_reducers: Mapping[Hashable, Failure]
     timed_out: bool = False
+    payload_bytes_sent: int = 0
 
     @property
     def complete(self) -> bool:
@@ -329,6 +332,7 @@ class AllReduceRunner:
         self._closed = False
         self._started = False
         self._deadline = math.inf
+        self.payload_bytes_sent = 0  #: see ``AllReduceResult.payload_bytes_sent``
 
     @property
     def core(self) -> AllReduceCore:
@@ -386,6 +390,7 @@ class AllReduceRunner:
             banned_senders=core.banned_senders,
             failed_reducers=core.failed_reducers,
             timed_out=timed_out,
+            payload_bytes_sent=self.payload_bytes_sent,
         )
 
     def _close(self) -> None:
@@ -425,6 +430,7 @@ class AllReduceRunner:
             if k == 0:
                 request.group_id = self.group.group_id
                 request.weight = self.weight
+            self.payload_bytes_sent += len(request.part.buffer)
             yield request
 
     async def _communicate_with_reducer(self, reducer: int) -> None:
@@ -568,7 +574,11 @@ class AllReduceRunner:
         nbytes = delta.numel() * delta.element_size()
         inline = compression in _INLINE_WIRE_TYPES and nbytes <= _INLINE_MAX_BYTES
         message = await _run_codec(inline, serialize_torch_tensor, delta, compression)
-        return _response(Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_to_proto(message))
+        response = _response(
+            Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_to_proto(message)
+        )
+        self.payload_bytes_sent += len(response.delta.buffer)
+        return response
 
 
 async def _next_or_none(iterator):

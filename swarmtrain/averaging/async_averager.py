@@ -132,6 +132,7 @@ class AsyncDecentralizedAverager:
         self._matchmaking: Matchmaking | None = None
         self._state_sharing: StateSharing | None = None
         self.steps_started = 0
+        self.payload_bytes_sent = 0  #: encoded tensor bytes sent in all-reduce rounds, in all
 
     @classmethod
     @asynccontextmanager
@@ -440,6 +441,7 @@ class AsyncDecentralizedAverager:
             config=self.config.allreduce_config(),
         )
         result = await runner.run()
+        self.payload_bytes_sent += result.payload_bytes_sent
         failed = {*result.banned_senders, *result.failed_reducers}
         others = {p for p in allreduce_group.peer_ids if p != self.peer_id}
         if others and others <= failed:

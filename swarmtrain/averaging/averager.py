@@ -197,6 +197,13 @@ class DecentralizedAverager(BackgroundService):
         runtime.call_sync(core.set_group_bits, _check_group_bits(group_bits))
 
     @property
+    def payload_bytes_sent(self) -> int:
+        """Encoded tensor bytes this averager sent to other peers in all-reduce rounds so far
+        (parts as a sender and averaged deltas as a reducer; framing not counted)."""
+        _, core = self._running()
+        return core.payload_bytes_sent
+
+    @property
     def allow_state_sharing(self) -> bool:
         runtime, core = self._running()
         return runtime.call_sync(lambda: core.allow_state_sharing)

@@ -50,7 +50,8 @@ Behaviour worth knowing:
   may be none: keep ``delay < H / F`` if peers join mid-run).
 - **Bytes.** ``statistics().bytes_sent`` is the pseudo-gradient payload this peer wrote: the
   parts it sent as a sender are counted as they are compressed; the averaged parts it returned
-  as a reducer are computed from its slice (see :mod:`swarmtrain.optim.diloco_bytes`).
+  as a reducer are the rest of what the all-reduce reports it sent
+  (``DecentralizedAverager.payload_bytes_sent``); framing is not counted.
 - It is not a ``torch.optim.Optimizer`` subclass: give learning-rate schedulers
   ``opt.inner_optimizer``.
 
@@ -124,8 +125,7 @@ class DiLoCoStatistics:
       bytes_sent_as_reducer``
     :param bytes_sent_as_sender: counted: payload of the parts we sent to other reducers, as
       the codec produced them (framing excluded)
-    :param bytes_sent_as_reducer: computed: averaged parts we returned to the other senders
-      (our slice's size at the measured bytes per value, times the other members)
+    :param bytes_sent_as_reducer: counted: averaged parts we returned to the other senders
     :param seconds_waiting: wall time ``step()`` spent waiting for averaging results
     """
 
@@ -151,6 +151,7 @@ class _Round:
     local_pseudo_gradient: list[torch.Tensor]
     control: StepControl | None = None
     bytes_before: RoundBytes = field(default_factory=RoundBytes)
+    averager_bytes_before: int = 0  # the averager's payload_bytes_sent at launch
 
 
 class _PseudoGradientAverager(DecentralizedAverager):
@@ -290,11 +291,6 @@ class DiLoCoOptimizer:
         opts.update(averager_opts or {})
         codec = opts.pop("compression", pseudo_grad_compression)
         self._codecs = [CountingCompression(codec) for _ in range(num_fragments)]
-        self._bytes_per_value = [
-            sum(codec.compress(self._outer.params[i]).nbytes for i in group)
-            / max(1, self.fragments.fragment_numel(f))
-            for f, group in enumerate(self.fragments.groups)
-        ]
         #: one averager per fragment; fragment 0's also serves the state to joiners
         self.averagers: list[_PseudoGradientAverager] = []
         try:
@@ -527,14 +523,16 @@ class DiLoCoOptimizer:
                 buffer.copy_(value)
         pending.bytes_before = self._codecs[pending.fragment].snapshot()
         try:
-            # The round number in the bucket key: only peers in the same round of this
-            # fragment meet, so a straggler never mixes in another round's pseudo-gradient.
-            averager.set_group_bits(format(pending.round % ROUND_KEYS, f"0{ROUND_BITS}b"))
+            pending.averager_bytes_before = averager.payload_bytes_sent
+            # The round number in the bucket key (for this step only, retries included):
+            # only peers in the same round of this fragment meet, so a straggler never mixes
+            # in another round's pseudo-gradient.
             pending.control = averager.step(
                 gather={"inner_step": pending.start_step, "weight": pending.weight},
                 weight=pending.weight,
                 timeout=self.averaging_timeout,
                 wait=False,
+                group_bits=format(pending.round % ROUND_KEYS, f"0{ROUND_BITS}b"),
             )
         except Exception as e:  # the averager is down: step alone
             logger.warning("could not start averaging: %r", e)
@@ -563,11 +561,16 @@ class DiLoCoOptimizer:
                 )
         waited = time.perf_counter() - started
         sent = self._codecs[fragment].snapshot() - pending.bytes_before
+        try:
+            in_round = self.averagers[fragment].payload_bytes_sent - pending.averager_bytes_before
+        except Exception:  # the averager is down: nothing more went out
+            in_round = sent.payload
         indices = self.fragments[fragment]
         model_params = self.fragments.select(self._params, fragment)
         with self._lock:
             self._seconds_waiting += waited
             self._bytes_as_sender += sent.payload  # written even if the round failed later
+            self._bytes_as_reducer += max(0, in_round - sent.payload)
             if self._pending.get(fragment) is not pending:  # cancelled (load_state_from_peers)
                 return
             applied = False
@@ -581,11 +584,6 @@ class DiLoCoOptimizer:
                     logger.warning("averaged pseudo-gradient unusable (%s): stepping alone", e)
             if applied:
                 self._rounds_averaged += 1
-                self._bytes_as_reducer += sent.reducer_estimate(
-                    self.fragments.fragment_numel(fragment),
-                    group_size,
-                    self._bytes_per_value[fragment],
-                )
             else:
                 group_size = 1
                 self._outer.apply_outer_step(

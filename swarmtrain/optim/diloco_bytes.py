@@ -1,16 +1,11 @@
 """Counting the pseudo-gradient bytes a DiLoCo peer sends in its all-reduce rounds.
 
-The averaging layer does not report traffic, so :class:`CountingCompression` wraps the codec
-the all-reduce uses: every part this peer sends to another reducer passes through its
-``compress``, which records the payload size. That half is *counted* (payload bytes exactly as
-written into the part messages; protobuf, yamux and Noise framing excluded, a few dozen bytes
-per part).
-
-The other half, the averaged deltas this peer returns as a reducer, is serialized by the
-all-reduce itself (by codec type, not through our codec object), so it is *computed*:
-:meth:`RoundBytes.reducer_estimate` takes the slice we reduced (the fragment's values minus
-those we sent to others), times the bytes per value we measured on the sender side, times
-the number of other senders in the group (it assumes each of them completed the round).
+:class:`CountingCompression` wraps the codec the all-reduce uses: every part this peer sends to
+another reducer passes through its ``compress``, which records the payload size (payload bytes
+exactly as written into the part messages; protobuf, yamux and Noise framing excluded, a few
+dozen bytes per part). The averager reports everything it sent
+(``DecentralizedAverager.payload_bytes_sent``): the rest is the averaged deltas this peer
+returned as a reducer.
 """
 
 from __future__ import annotations
@@ -34,19 +29,6 @@ class RoundBytes:
 
     def __sub__(self, other: RoundBytes) -> RoundBytes:
         return RoundBytes(self.payload - other.payload, self.values - other.values)
-
-    def reducer_estimate(self, total_values: int, group_size: int, bytes_per_value: float) -> int:
-        """Bytes of averaged deltas we sent back to the ``group_size - 1`` other senders.
-
-        :param total_values: values (numel) of all the tensors averaged in the round
-        :param bytes_per_value: the codec's wire bytes per value (used if we sent nothing)
-        """
-        if group_size < 2:
-            return 0
-        if self.values > 0:
-            bytes_per_value = self.payload / self.values
-        own_slice = max(0, total_values - self.values)
-        return round(own_slice * bytes_per_value * (group_size - 1))
 
 
 class CountingCompression(CompressionBase):
