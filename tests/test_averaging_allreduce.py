@@ -1,5 +1,6 @@
 """Butterfly all-reduce between real py-libp2p hosts on loopback (no mocks)."""
 
+import dataclasses
 import math
 import threading
 import time
@@ -21,8 +22,10 @@ from swarmtrain.averaging.allreduce import rpc_aggregate_part_name
 from swarmtrain.averaging.partition import TensorPartContainer
 from swarmtrain.compression import (
     CompressionBase,
+    ErrorFeedback,
     Float16Compression,
     NoCompression,
+    TopKSparsification,
     serialize_torch_tensor,
 )
 from swarmtrain.p2p import P2P
@@ -161,6 +164,35 @@ async def test_fp16_compression_within_tolerance():
     for i in range(4):
         assert results[i].complete
         check_averaged(tensors[i], results[i], want, atol=5e-3, rtol=0)
+
+
+async def test_error_feedback_keeps_a_residual_for_every_part_sent():
+    """Top-k with error feedback over all-reduce: each part a peer sends to another reducer
+    (several per tensor) keeps its own residual, with that part's size."""
+    tensors = random_tensors(3, seed=5)
+    codecs = [ErrorFeedback(TopKSparsification(ratio=0.25)) for _ in range(3)]
+    async with swarm(3) as (hosts, services):
+        group = AllReduceGroup(b"round-ef", tuple(h.peer_id for h in hosts), (1, 1, 1))
+        runners = [
+            AllReduceRunner(
+                services[i], group, tensors[i], config=dataclasses.replace(FAST, compression=c)
+            )
+            for i, c in enumerate(codecs)
+        ]
+        results = await run_all(runners)
+    for runner, codec, result in zip(runners, codecs, results, strict=True):
+        assert result.complete
+        core = runner.core
+        sent = [
+            core.container.part_spec(r, k)
+            for r in core.remote_reducers()
+            for k in range(core.num_parts_for(r))
+        ]
+        assert len(sent) > len(SHAPES)  # several parts per tensor
+        assert codec.num_residuals == len(sent)
+        for spec in sent:
+            residual = codec.residual(spec.tensor_index, spec.start)
+            assert residual is not None and residual.numel() == spec.numel
 
 
 class StallingCompression(CompressionBase):

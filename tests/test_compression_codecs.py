@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -221,6 +222,22 @@ def test_error_feedback_carries_residual():
     torch.testing.assert_close(total + feedback.residual("w"), 22 * tensor)
     feedback.reset()
     assert feedback.residual("w") is None
+
+
+def test_error_feedback_keeps_one_residual_per_part():
+    """All-reduce compresses several parts of one tensor (same key): each part's error must
+    come back to that part, not to whichever part is compressed next."""
+    whole = CompressionInfo.from_tensor(torch.empty(8), key="w")
+    feedback = ErrorFeedback(TopKSparsification(ratio=0.5))
+    low, high = torch.tensor([1.0, 0.2, 0.3, 0.0]), torch.tensor([5.0, 4.0, 0.1, 0.0])
+    feedback.compress(low, dataclasses.replace(whole, part_index=0, part_size=4, part_offset=0))
+    feedback.compress(high, dataclasses.replace(whole, part_index=0, part_size=4, part_offset=4))
+    assert feedback.num_residuals == 2
+    torch.testing.assert_close(feedback.residual("w", 0), torch.tensor([0.0, 0.2, 0.0, 0.0]))
+    torch.testing.assert_close(feedback.residual("w", 4), torch.tensor([0.0, 0.0, 0.1, 0.0]))
+    # the next round of the low part sends its own carried 0.2 (0.4 now beats 0.3)
+    again = feedback.compress(low, dataclasses.replace(whole, part_offset=0, part_size=4))
+    assert feedback.extract(again).tolist() == pytest.approx([1.0, 0.4, 0.0, 0.0])
 
 
 def test_size_adaptive_uses_whole_tensor_size():

@@ -423,6 +423,7 @@ class AllReduceRunner:
                 descriptor=TensorDescriptor.from_tensor(self.tensors[spec.tensor_index]),
                 part_index=k,
                 part_size=spec.numel,
+                part_offset=spec.start,
             )
             inline = _inline_encode(compression, part)
             message = await _run_codec(inline, compression.compress, part, info)

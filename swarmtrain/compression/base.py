@@ -85,6 +85,8 @@ class CompressionInfo:
     :param role: the tensor's role in training
     :param part_index: index of this part when the tensor is split into parts
     :param part_size: the largest number of values in one part, if split
+    :param part_offset: where this part starts in the flattened tensor, if split (identifies
+      the part across calls, e.g. for error feedback, even when part indices are per peer)
     """
 
     key: Key
@@ -92,6 +94,7 @@ class CompressionInfo:
     role: TensorRole = TensorRole.UNSPECIFIED
     part_index: int = 0
     part_size: int | None = None
+    part_offset: int | None = None
 
     @classmethod
     def from_tensor(

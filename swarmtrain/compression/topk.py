@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,8 +111,10 @@ class TopKSparsification(WireCodec):
 class ErrorFeedback(CompressionBase):
     """Wrap a lossy codec so each tensor's compression error is added back next time.
 
-    Residuals are float32 and kept per ``info.key`` (``None`` when no info is given); a residual
-    whose shape no longer matches is dropped.  Decoding is the wrapped codec's.
+    Residuals are float32 and kept per ``info.key`` (``None`` when no info is given), and per
+    ``info.part_offset`` for parts of a split tensor (all-reduce sends several parts of one
+    tensor); a residual whose shape no longer matches is dropped.  Decoding is the wrapped
+    codec's.
     """
 
     def __init__(self, compression: CompressionBase):
@@ -122,7 +125,7 @@ class ErrorFeedback(CompressionBase):
     def compress(
         self, tensor: torch.Tensor, info: CompressionInfo | None = None, allow_inplace: bool = False
     ) -> Message:
-        key = info.key if info is not None else None
+        key = _residual_key(info)
         corrected = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
         with self._lock:
             residual = self._residuals.pop(key, None)
@@ -135,10 +138,16 @@ class ErrorFeedback(CompressionBase):
             self._residuals[key] = corrected.sub_(decoded)
         return message
 
-    def residual(self, key: Key = None) -> torch.Tensor | None:
-        """The error carried over for ``key``, if any."""
+    def residual(self, key: Key = None, part_offset: int | None = None) -> torch.Tensor | None:
+        """The error carried over for ``key`` (its part at ``part_offset``), if any."""
         with self._lock:
-            return self._residuals.get(key)
+            return self._residuals.get(key if part_offset is None else (key, part_offset))
+
+    @property
+    def num_residuals(self) -> int:
+        """How many tensors or parts have a residual."""
+        with self._lock:
+            return len(self._residuals)
 
     def reset(self) -> None:
         """Forget every residual."""
@@ -150,3 +159,9 @@ class ErrorFeedback(CompressionBase):
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.compression!r})"
+
+
+def _residual_key(info: CompressionInfo | None) -> Any:
+    if info is None:
+        return None
+    return info.key if info.part_offset is None else (info.key, info.part_offset)
