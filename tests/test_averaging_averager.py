@@ -197,6 +197,36 @@ async def test_moshpit_groups_of_two_converge():
 
 
 @pytest.mark.trio
+async def test_expected_group_size_and_per_step_group_bits():
+    """A leader assembles once the expected peers are in, long before its declaration ends;
+    steps under other per-step group bits never meet, and the averager's own bits stay."""
+    tensors = [random_tensors(i) for i in range(3)]
+    want = [sum(tensors[i][t] for i in range(3)) / 3 for t in range(len(SHAPES))]
+    slow = {"min_matchmaking_time": 30.0, "request_timeout": 1.0}
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        averagers = [await swarm.add([t.clone() for t in tensors[i]], **slow) for i in range(3)]
+        start = time.monotonic()
+        results = await step_all(
+            averagers, expected_group_size=[3] * 3, group_bits=["0101"] * 3, timeout=[60] * 3
+        )
+        elapsed = time.monotonic() - start
+        for i, averager in enumerate(averagers):
+            assert isinstance(results[i], dict) and len(results[i]) == 3, results[i]
+            for got, expected in zip(local(averager), want, strict=True):
+                torch.testing.assert_close(got, expected)
+            assert averager.get_group_bits() == ""  # per-step bits do not rotate its own
+        results = await step_all(
+            averagers[:2], expected_group_size=[2, 2], group_bits=["0", "1"], timeout=[2.0, 2.0]
+        )
+        for result in results:
+            assert isinstance(result, MatchmakingError), result
+            assert result.reason == FailureReason.TOO_FEW_PEERS, result
+        swarm.stop_all()
+    assert elapsed < 15, elapsed  # without expected_group_size the leader would wait 30 s
+
+
+@pytest.mark.trio
 async def test_too_few_peers_and_schema_mismatch_say_why():
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery)
