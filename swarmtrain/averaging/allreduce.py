@@ -142,15 +142,22 @@ class AllReduceResult:
     :param banned_senders: senders our slice was averaged without, and why
     :param failed_reducers: reducers whose slices kept our local values, and why
     :param timed_out: the round hit ``allreduce_timeout``
-    :param payload_bytes_sent: encoded tensor bytes (parts as a sender, deltas as a reducer)
-      handed to the transport for other peers; framing and protobuf overhead not counted
+    :param part_bytes_sent: encoded bytes of the parts we sent other reducers (as a sender)
+    :param delta_bytes_sent: encoded bytes of the averaged deltas we returned (as a reducer);
+      both count payload handed to the transport, not framing or protobuf overhead
     """
 
     deltas: tuple[torch.Tensor, ...] | None
     banned_senders: Mapping[Hashable, Failure]
     failed_reducers: Mapping[Hashable, Failure]
     timed_out: bool = False
-    payload_bytes_sent: int = 0
+    part_bytes_sent: int = 0
+    delta_bytes_sent: int = 0
+
+    @property
+    def payload_bytes_sent(self) -> int:
+        """Encoded tensor bytes we sent in the round (parts and deltas)."""
+        return self.part_bytes_sent + self.delta_bytes_sent
 
     @property
     def complete(self) -> bool:
@@ -332,7 +339,7 @@ class AllReduceRunner:
         self._closed = False
         self._started = False
         self._deadline = math.inf
-        self.payload_bytes_sent = 0  #: see ``AllReduceResult.payload_bytes_sent``
+        self.part_bytes_sent = self.delta_bytes_sent = 0  #: see ``AllReduceResult``
 
     @property
     def core(self) -> AllReduceCore:
@@ -390,7 +397,8 @@ class AllReduceRunner:
             banned_senders=core.banned_senders,
             failed_reducers=core.failed_reducers,
             timed_out=timed_out,
-            payload_bytes_sent=self.payload_bytes_sent,
+            part_bytes_sent=self.part_bytes_sent,
+            delta_bytes_sent=self.delta_bytes_sent,
         )
 
     def _close(self) -> None:
@@ -431,7 +439,7 @@ class AllReduceRunner:
             if k == 0:
                 request.group_id = self.group.group_id
                 request.weight = self.weight
-            self.payload_bytes_sent += len(request.part.buffer)
+            self.part_bytes_sent += len(request.part.buffer)
             yield request
 
     async def _communicate_with_reducer(self, reducer: int) -> None:
@@ -578,7 +586,7 @@ class AllReduceRunner:
         response = _response(
             Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_to_proto(message)
         )
-        self.payload_bytes_sent += len(response.delta.buffer)
+        self.delta_bytes_sent += len(response.delta.buffer)
         return response
 
 

@@ -132,7 +132,9 @@ class AsyncDecentralizedAverager:
         self._matchmaking: Matchmaking | None = None
         self._state_sharing: StateSharing | None = None
         self.steps_started = 0
-        self.payload_bytes_sent = 0  #: encoded tensor bytes sent in all-reduce rounds, in all
+        #: encoded tensor bytes sent in all-reduce rounds so far: parts (as a sender) and
+        #: averaged deltas (as a reducer)
+        self.part_bytes_sent = self.delta_bytes_sent = 0
 
     @classmethod
     @asynccontextmanager
@@ -441,7 +443,8 @@ class AsyncDecentralizedAverager:
             config=self.config.allreduce_config(),
         )
         result = await runner.run()
-        self.payload_bytes_sent += result.payload_bytes_sent
+        self.part_bytes_sent += result.part_bytes_sent
+        self.delta_bytes_sent += result.delta_bytes_sent
         failed = {*result.banned_senders, *result.failed_reducers}
         others = {p for p in allreduce_group.peer_ids if p != self.peer_id}
         if others and others <= failed:

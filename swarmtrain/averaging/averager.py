@@ -197,11 +197,11 @@ class DecentralizedAverager(BackgroundService):
         runtime.call_sync(core.set_group_bits, _check_group_bits(group_bits))
 
     @property
-    def payload_bytes_sent(self) -> int:
-        """Encoded tensor bytes this averager sent to other peers in all-reduce rounds so far
-        (parts as a sender and averaged deltas as a reducer; framing not counted)."""
+    def bytes_sent(self) -> tuple[int, int]:
+        """Encoded tensor bytes sent to other peers in all-reduce rounds so far:
+        ``(parts as a sender, averaged deltas as a reducer)``; framing not counted."""
         _, core = self._running()
-        return core.payload_bytes_sent
+        return core.part_bytes_sent, core.delta_bytes_sent
 
     @property
     def allow_state_sharing(self) -> bool:

@@ -48,10 +48,9 @@ Behaviour worth knowing:
   processed since that fragment's previous sync. Only fragment 0's averager serves the state
   to joiners; it waits for a moment when no round is in flight (with ``delay`` >= H / F there
   may be none: keep ``delay < H / F`` if peers join mid-run).
-- **Bytes.** ``statistics().bytes_sent`` is the pseudo-gradient payload this peer wrote: the
-  parts it sent as a sender are counted as they are compressed; the averaged parts it returned
-  as a reducer are the rest of what the all-reduce reports it sent
-  (``DecentralizedAverager.payload_bytes_sent``); framing is not counted.
+- **Bytes.** ``statistics().bytes_sent`` is the pseudo-gradient payload this peer wrote, as
+  its averagers count it (``DecentralizedAverager.bytes_sent``): parts sent as a sender and
+  averaged parts returned as a reducer; framing is not counted.
 - It is not a ``torch.optim.Optimizer`` subclass: give learning-rate schedulers
   ``opt.inner_optimizer``.
 
@@ -66,14 +65,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
 
 from swarmtrain.averaging import DecentralizedAverager, StepControl
 from swarmtrain.compression import CompressionBase, Float16Compression
-from swarmtrain.optim.diloco_bytes import CountingCompression, RoundBytes
 from swarmtrain.optim.diloco_core import (
     ApplyOuter,
     Fragments,
@@ -123,9 +121,9 @@ class DiLoCoStatistics:
     :param last_group_size: peers (us included) in the last round; 1 if it failed
     :param bytes_sent: pseudo-gradient payload we sent, ``bytes_sent_as_sender +
       bytes_sent_as_reducer``
-    :param bytes_sent_as_sender: counted: payload of the parts we sent to other reducers, as
-      the codec produced them (framing excluded)
-    :param bytes_sent_as_reducer: counted: averaged parts we returned to the other senders
+    :param bytes_sent_as_sender: payload of the parts we sent to other reducers (framing
+      excluded)
+    :param bytes_sent_as_reducer: payload of the averaged parts we returned to other senders
     :param seconds_waiting: wall time ``step()`` spent waiting for averaging results
     """
 
@@ -150,8 +148,7 @@ class _Round:
     weight: float
     local_pseudo_gradient: list[torch.Tensor]
     control: StepControl | None = None
-    bytes_before: RoundBytes = field(default_factory=RoundBytes)
-    averager_bytes_before: int = 0  # the averager's payload_bytes_sent at launch
+    bytes_before: tuple[int, int] = (0, 0)  # the averager's bytes_sent at launch
 
 
 class _PseudoGradientAverager(DecentralizedAverager):
@@ -289,8 +286,7 @@ class DiLoCoOptimizer:
             "target_group_size": target_group_size,
         }
         opts.update(averager_opts or {})
-        codec = opts.pop("compression", pseudo_grad_compression)
-        self._codecs = [CountingCompression(codec) for _ in range(num_fragments)]
+        opts.setdefault("compression", pseudo_grad_compression)
         #: one averager per fragment; fragment 0's also serves the state to joiners
         self.averagers: list[_PseudoGradientAverager] = []
         try:
@@ -300,7 +296,7 @@ class DiLoCoOptimizer:
                     if num_fragments == 1
                     else (f"{run_id}_diloco_{f}of{num_fragments}")
                 )
-                fragment_opts = dict(opts, compression=self._codecs[f])
+                fragment_opts = dict(opts)
                 if f > 0:
                     fragment_opts["allow_state_sharing"] = False
                 self.averagers.append(
@@ -521,9 +517,8 @@ class DiLoCoOptimizer:
         with averager.get_tensors() as buffers:
             for buffer, value in zip(buffers, pending.local_pseudo_gradient, strict=True):
                 buffer.copy_(value)
-        pending.bytes_before = self._codecs[pending.fragment].snapshot()
         try:
-            pending.averager_bytes_before = averager.payload_bytes_sent
+            pending.bytes_before = averager.bytes_sent
             # The round number in the bucket key (for this step only, retries included):
             # only peers in the same round of this fragment meet, so a straggler never mixes
             # in another round's pseudo-gradient.
@@ -560,17 +555,16 @@ class DiLoCoOptimizer:
                     e,
                 )
         waited = time.perf_counter() - started
-        sent = self._codecs[fragment].snapshot() - pending.bytes_before
         try:
-            in_round = self.averagers[fragment].payload_bytes_sent - pending.averager_bytes_before
-        except Exception:  # the averager is down: nothing more went out
-            in_round = sent.payload
+            parts, deltas = self.averagers[fragment].bytes_sent
+        except Exception:  # the averager is down: nothing we can count went out
+            parts, deltas = pending.bytes_before
         indices = self.fragments[fragment]
         model_params = self.fragments.select(self._params, fragment)
         with self._lock:
             self._seconds_waiting += waited
-            self._bytes_as_sender += sent.payload  # written even if the round failed later
-            self._bytes_as_reducer += max(0, in_round - sent.payload)
+            self._bytes_as_sender += parts - pending.bytes_before[0]  # even if the round failed
+            self._bytes_as_reducer += deltas - pending.bytes_before[1]
             if self._pending.get(fragment) is not pending:  # cancelled (load_state_from_peers)
                 return
             applied = False
