@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -110,14 +112,22 @@ def test_training_demo_peers_learn_together_and_agree():
     assert "peers agree: all at epoch 3" in out, out
 
 
-def test_training_demo_stops_cleanly_on_ctrl_c():
+@contextmanager
+def running_demo(*args: str) -> Iterator[subprocess.Popen]:
+    """``swarmtrain demo`` in a process (stdout and stderr together); killed if still running."""
     proc = subprocess.Popen(
-        demo_command("--peers", "2", "--epochs", "1000"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        demo_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_training_demo_stops_cleanly_on_ctrl_c():
+    with running_demo("--peers", "2", "--epochs", "1000") as proc:
         read_until(proc, "epoch 1/1000", timeout=90)
         assert len(peer_pids(proc.pid)) == 2
         proc.send_signal(signal.SIGINT)
@@ -126,30 +136,16 @@ def test_training_demo_stops_cleanly_on_ctrl_c():
         assert "stopped; no peer is left running" in rest
         assert "Traceback" not in rest
         assert peer_pids(proc.pid) == {}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_training_demo_fails_when_a_peer_dies():
-    proc = subprocess.Popen(
-        demo_command("--peers", "2", "--epochs", "1000"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
+    with running_demo("--peers", "2", "--epochs", "1000") as proc:
         read_until(proc, "epoch 1/1000", timeout=90)
         os.kill(peer_pids(proc.pid)[1], signal.SIGKILL)
         rest, _ = proc.communicate(timeout=40)
         assert proc.returncode == 1, rest
         assert "FAILED: peer 1 exited with code -9" in rest, rest
         assert peer_pids(proc.pid) == {}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_demo_rejects_bad_options():

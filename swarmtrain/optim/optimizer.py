@@ -409,16 +409,19 @@ class Optimizer(EpochUpdates):
         if not self.auxiliary:  # an auxiliary peer publishes no progress and is not counted
             tracker.announce()
         deadline = time.monotonic() + timeout
+        next_refresh = 0.0  # gossip brings announcements at once; the DHT is the fallback
         while True:
             seen = tracker.global_progress.num_peers
-            remaining = deadline - time.monotonic()
-            if seen >= num_peers or remaining <= 0:
+            now = time.monotonic()
+            if seen >= num_peers or now >= deadline:
                 break
-            try:
-                tracker.refresh(timeout=max(remaining, 0.1))
-            except Exception as e:  # a failed fetch: look again shortly
-                logger.debug("%s: progress refresh failed: %r", self.run_id, e)
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            if now >= next_refresh:
+                next_refresh = now + 1.0
+                try:
+                    tracker.refresh(timeout=max(deadline - now, 0.1))
+                except Exception as e:  # a failed fetch: look again later
+                    logger.debug("%s: progress refresh failed: %r", self.run_id, e)
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         if seen < num_peers:
             logger.warning(
                 "%s: saw %d of %d peers within %.0f s: training with those",

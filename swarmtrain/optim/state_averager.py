@@ -452,13 +452,7 @@ class TrainingStateAverager(DecentralizedAverager):
             control = self._prepare_round(averaging_control, dict(averaging_opts or {}))
 
         if delay_optimizer_step:
-            self._submit(
-                self._background_phases,
-                wait_for_trigger,
-                optimizer_step,
-                zero_grad,
-                control,
-            )
+            self._submit(wait_for_trigger, optimizer_step, zero_grad, control)
             return None
         try:
             self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad)
@@ -472,7 +466,7 @@ class TrainingStateAverager(DecentralizedAverager):
         if control is None:
             return None
         if delay_averaging:
-            self._submit(self._background_phases, None, False, False, control)
+            self._submit(None, False, False, control)
             return None
         gathered = self._averaging_phase(control)
         if gathered is not None:
@@ -544,12 +538,21 @@ class TrainingStateAverager(DecentralizedAverager):
 
     # ------------------------------------------------------------------ delayed phases
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def _submit(
+        self,
+        wait_for_trigger: Callable[[], Any] | None,
+        optimizer_step: bool,
+        zero_grad: bool,
+        control: StepControl | None,
+    ) -> None:
+        """Run :meth:`_background_phases` in the worker thread."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="swarmtrain-state-averager")
-        future = self._executor.submit(fn, *args)
+        future = self._executor.submit(
+            self._background_phases, wait_for_trigger, optimizer_step, zero_grad, control
+        )
         self._pending.add(future)
-        if args and args[-1] is not None:  # _background_phases with an averaging round
+        if control is not None:
             self._pending_rounds.add(future)
 
     def _background_phases(
