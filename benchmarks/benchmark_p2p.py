@@ -4,6 +4,7 @@
 
 Measures, each as the median of --runs runs:
 - bytes/s of one stream-input RPC carrying --mib MiB in 1 MiB messages (TCP + Noise + Yamux),
+  and of the same call with ``bulk=True`` (a direct data lane: TCP + ChaCha20-Poly1305 records),
   and of a raw trio TCP socket moving the same bytes, in one process and across two processes;
 - dial latency (a fresh host connecting to a running one) and tiny-RPC round-trip latency.
 Prints ratios against raw TCP measured in the same run.
@@ -88,11 +89,16 @@ async def tcp_transfer(port: int, nbytes: int) -> float:
     return elapsed
 
 
-async def rpc_transfer(client: P2P, server_id, nbytes: int) -> float:
+async def rpc_transfer(client: P2P, server_id, nbytes: int, bulk: bool = False) -> float:
     payload = BytesValue(value=b"\x07" * CHUNK)
     started = time.perf_counter()
     reply = await client.call_protobuf_handler(
-        server_id, "bench::P2P.sink", [payload] * (nbytes // CHUNK), Int64Value, stream_input=True
+        server_id,
+        "bench::P2P.sink",
+        [payload] * (nbytes // CHUNK),
+        Int64Value,
+        stream_input=True,
+        bulk=bulk,
     )
     elapsed = time.perf_counter() - started
     assert reply.value == nbytes
@@ -110,7 +116,7 @@ def start_child(kind: str):
 
 
 async def one_process(nbytes: int, runs: int) -> dict:
-    out = {"tcp": [], "rpc": []}
+    out = {"tcp": [], "rpc": [], "lane": []}
     async with trio.open_nursery() as nursery:
         listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
         port = listener.socket.getsockname()[1]
@@ -121,24 +127,30 @@ async def one_process(nbytes: int, runs: int) -> dict:
         ):
             server.add_protobuf_handler("bench::P2P.sink", _sink, BytesValue, stream_input=True)
             await rpc_transfer(client, server.peer_id, CHUNK)  # warm-up
+            await rpc_transfer(client, server.peer_id, CHUNK, bulk=True)
             for _ in range(runs):
                 out["tcp"].append(nbytes / await tcp_transfer(port, nbytes))
                 out["rpc"].append(nbytes / await rpc_transfer(client, server.peer_id, nbytes))
+                out["lane"].append(
+                    nbytes / await rpc_transfer(client, server.peer_id, nbytes, bulk=True)
+                )
         nursery.cancel_scope.cancel()
     return out
 
 
 async def two_processes(nbytes: int, runs: int) -> dict:
-    out = {"tcp": [], "rpc": [], "dial_ms": [], "rtt_ms": []}
+    out = {"tcp": [], "rpc": [], "lane": [], "dial_ms": [], "rtt_ms": []}
     p2p_proc, maddr = start_child("p2p")
     tcp_proc, port = start_child("tcp")
     try:
         async with P2P.create(initial_peers=[maddr]) as client:
             server_id = maddr.rsplit("/p2p/", 1)[1]
             await rpc_transfer(client, server_id, CHUNK)
+            await rpc_transfer(client, server_id, CHUNK, bulk=True)
             for _ in range(runs):
                 out["tcp"].append(nbytes / await tcp_transfer(int(port), nbytes))
                 out["rpc"].append(nbytes / await rpc_transfer(client, server_id, nbytes))
+                out["lane"].append(nbytes / await rpc_transfer(client, server_id, nbytes, True))
             for _ in range(20):
                 started = time.perf_counter()
                 await client.call_protobuf_handler(
@@ -173,9 +185,15 @@ def main() -> None:
     for label, fn in (("one process", one_process), ("two processes", two_processes)):
         res = trio.run(fn, nbytes, args.runs)
         tcp, rpc = statistics.median(res["tcp"]) / mib, statistics.median(res["rpc"]) / mib
+        lane = statistics.median(res["lane"]) / mib
         print(
             f"{label:14s} raw TCP {tcp:8.0f} MiB/s | swarmtrain RPC {rpc:6.0f} MiB/s "
             f"| ratio {rpc / tcp:.3f}  (rpc runs: {[round(x / mib) for x in res['rpc']]})"
+        )
+        print(
+            f"{'':14s} bulk=True (data lane) {lane:6.0f} MiB/s | ratio to raw TCP "
+            f"{lane / tcp:.3f}, to the libp2p RPC {lane / rpc:.2f}x  "
+            f"(lane runs: {[round(x / mib) for x in res['lane']]})"
         )
         if "dial_ms" in res:
             print(

@@ -96,6 +96,29 @@ def test_container_failed_reducer_keeps_local_values():
         container.register_delta(0, 0, torch.ones(100))  # twice
 
 
+def test_container_reused_delta_buffers_never_leak_old_values():
+    tensors = [torch.randn(1000), torch.randn(10, 10, dtype=torch.float64)]
+    stale = [torch.full((1000,), float("nan")), torch.full((100,), 7.0, dtype=torch.float64)]
+    container = TensorPartContainer(tensors, [1, 1], part_size_bytes=400, delta_buffers=stale)
+    assert [b.data_ptr() for b in container.delta_buffers] == [b.data_ptr() for b in stale]
+    container.register_delta(0, 0, torch.ones(100))
+    container.register_delta(0, 1, None)  # unchanged: zero, not the stale NaN
+    container.register_failed_reducer(1)  # its parts keep the local values
+    deltas = container.deltas()
+    flat = torch.cat([d.reshape(-1).double() for d in deltas])
+    assert torch.equal(flat[:100], torch.ones(100, dtype=torch.float64))
+    assert not flat.isnan().any()
+    for peer, parts in enumerate(container.layout):  # every other part is exactly zero
+        for k, spec in enumerate(parts):
+            if (peer, k) == (0, 0):
+                continue
+            assert not deltas[spec.tensor_index].reshape(-1)[spec.start : spec.stop].any()
+    with pytest.raises(ValueError, match="does not fit"):
+        TensorPartContainer(tensors, [1, 1], delta_buffers=[torch.zeros(999), stale[1]])
+    with pytest.raises(ValueError, match="2 tensors"):
+        TensorPartContainer(tensors, [1, 1], delta_buffers=stale[:1])
+
+
 def test_container_rejects_wrong_delta_size_and_bad_tensors():
     container = TensorPartContainer([torch.zeros(10)], [1])
     with pytest.raises(ValueError):

@@ -304,6 +304,8 @@ class AllReduceRunner:
     :param tensors: local tensors (read, never written; an AUX peer passes tensors of the
       right shapes and dtypes, e.g. zeros)
     :param weight: our weight in the average (default 1; ignored for AUX peers)
+    :param delta_buffers: flat tensors the deltas are written into (see
+      ``TensorPartContainer``), e.g. the previous round's; fresh ones when None
     """
 
     def __init__(
@@ -314,8 +316,10 @@ class AllReduceRunner:
         *,
         weight: float | None = None,
         config: AllReduceConfig | None = None,
+        delta_buffers: Sequence[torch.Tensor] | None = None,
     ):
         self.service = service
+        self._delta_buffers = delta_buffers
         self.group = group
         self.config = config or AllReduceConfig()
         index = group.index_of(service.p2p.peer_id)
@@ -350,6 +354,12 @@ class AllReduceRunner:
     def statistics(self) -> AllReduceStatistics:
         return self.core.statistics()
 
+    @property
+    def delta_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The flat delta buffers of the round (pass them to a later round once the deltas
+        were applied)."""
+        return self.core.container.delta_buffers
+
     # ------------------------------------------------------------------ the round
 
     async def run(self) -> AllReduceResult:
@@ -368,6 +378,7 @@ class AllReduceRunner:
             sender_timeout=config.sender_timeout,
             reducer_timeout=config.reducer_timeout,
             now=now,
+            delta_buffers=self._delta_buffers,
         )
         self._part_ready = [anyio.Event() for _ in range(core.num_local_parts)]
         self._notify(tuple(k for k in range(core.num_local_parts) if core.is_part_ready(k)))
@@ -454,6 +465,7 @@ class AllReduceRunner:
                 stream_input=True,
                 next_message_timeout=None,
                 max_message_size=self.service.max_message_size,
+                bulk=True,
             ) as responses:
                 for k in range(core.num_parts_for(reducer)):
                     if not await self._receive_result(reducer, k, responses):

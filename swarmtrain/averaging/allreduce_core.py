@@ -191,6 +191,7 @@ class AllReduceCore:
         sender_timeout: float | None = None,
         reducer_timeout: float | None = None,
         now: float = 0.0,
+        delta_buffers: Sequence[torch.Tensor] | None = None,
     ):
         if not 0 <= local_index < group.size:
             raise ValueError(f"local_index {local_index} is outside the group")
@@ -217,7 +218,9 @@ class AllReduceCore:
         self.sender_timeout = math.inf if sender_timeout is None else float(sender_timeout)
         self.reducer_timeout = math.inf if reducer_timeout is None else float(reducer_timeout)
         self.start_time = now
-        self.container = TensorPartContainer(tensors, group.fractions, part_size_bytes)
+        self.container = TensorPartContainer(
+            tensors, group.fractions, part_size_bytes, delta_buffers=delta_buffers
+        )
         self._sender_slot = {peer: slot for slot, peer in enumerate(group.sender_indices)}
 
         # reducer side

@@ -180,6 +180,27 @@ def _zeros_like(flat: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.zeros(flat.numel(), dtype=numpy_dtype))
 
 
+def _checked_buffers(
+    buffers: Sequence[torch.Tensor], flats: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    if len(buffers) != len(flats):
+        raise ValueError(f"{len(buffers)} delta buffers for {len(flats)} tensors")
+    out = []
+    for buffer, flat in zip(buffers, flats, strict=True):
+        if (
+            buffer.numel() != flat.numel()
+            or buffer.dtype != flat.dtype
+            or buffer.device != flat.device
+            or not buffer.is_contiguous()
+        ):
+            raise ValueError(
+                f"a delta buffer of {buffer.numel()} {buffer.dtype} on {buffer.device} does not "
+                f"fit a tensor of {flat.numel()} {flat.dtype} on {flat.device}"
+            )
+        out.append(buffer.detach().reshape(-1))
+    return out
+
+
 def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
     """``target.copy_(source)`` for flat tensors of one size, single-threaded where possible."""
     target_np, source_np = as_numpy(target), as_numpy(source)
@@ -235,6 +256,9 @@ class TensorPartContainer:
     :param tensors: the local tensors (floating point, any shape; read, never written)
     :param peer_fractions: each peer's share of the values, in group order
     :param part_size_bytes: largest raw size of one part
+    :param delta_buffers: flat tensors to write the deltas into (one per tensor, same numel and
+      dtype, any content: the container never reads them before writing), e.g. the previous
+      round's; fresh zeroed buffers when None. Reusing buffers saves mapping fresh pages.
 
     A delta is ``average - local`` for one part. Parts whose reducer failed keep a zero delta:
     the local values are kept for them.
@@ -245,6 +269,7 @@ class TensorPartContainer:
         tensors: Sequence[torch.Tensor],
         peer_fractions: Sequence[float],
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        delta_buffers: Sequence[torch.Tensor] | None = None,
     ):
         _check_tensors(tensors)
         self.tensors = tuple(tensors)
@@ -257,7 +282,12 @@ class TensorPartContainer:
         )
         self.group_size = len(self.layout)
         self.num_parts_by_peer = tuple(len(parts) for parts in self.layout)
-        self._deltas = [_zeros_like(flat) for flat in self._flat]
+        if delta_buffers is None:
+            self._deltas = [_zeros_like(flat) for flat in self._flat]
+            self._zeroed = True
+        else:
+            self._deltas = _checked_buffers(delta_buffers, self._flat)
+            self._zeroed = False  # a reused buffer: parts without a delta are zeroed at the end
         self._received = [[False] * n for n in self.num_parts_by_peer]
         self._num_received = [0] * self.group_size
         self._failed = [False] * self.group_size
@@ -297,6 +327,8 @@ class TensorPartContainer:
             target = self._deltas[spec.tensor_index][spec.start : spec.stop]
             if target.data_ptr() != delta.data_ptr():  # not decoded in place already
                 copy_into(target, delta)
+        elif not self._zeroed:
+            self._deltas[spec.tensor_index][spec.start : spec.stop].zero_()
         self._received[peer_index][part_index] = True
         self._num_received[peer_index] += 1
 
@@ -321,8 +353,18 @@ class TensorPartContainer:
     def finished(self) -> bool:
         return all(self.reducer_done(i) for i in range(self.group_size))
 
+    @property
+    def delta_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The flat buffers the deltas live in (to reuse in a later round)."""
+        return tuple(self._deltas)
+
     def deltas(self) -> tuple[torch.Tensor, ...]:
         """``average - local`` for every tensor, in its shape and dtype."""
+        if not self._zeroed:  # reused buffers: parts never received keep the local values
+            for peer_index, parts in enumerate(self.layout):
+                for part_index, spec in enumerate(parts):
+                    if not self._received[peer_index][part_index]:
+                        self._deltas[spec.tensor_index][spec.start : spec.stop].zero_()
         return tuple(d.reshape(t.shape) for d, t in zip(self._deltas, self.tensors, strict=True))
 
 

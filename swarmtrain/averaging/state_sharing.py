@@ -275,6 +275,7 @@ class StateSharing:
             pb.StateDownloadResponse,
             next_message_timeout=self.message_timeout,
             max_message_size=self.max_message_size,
+            bulk=True,
         ) as responses:
             first = await _next_or_none(responses)
             if first is None or not first.HasField("header"):

@@ -250,7 +250,7 @@ class AutoNAT:
 
     async def _handle_dial_back(self, request: AutoNATDialRequest, context) -> AutoNATDialResponse:
         peer: ID = context.remote_id
-        observed = _observed_ips(self._p2p, peer)
+        observed = observed_ips(self._p2p, peer)
         if not observed:
             return self._refuse("dial-back requests over relayed connections are refused")
         candidates = dial_back_candidates(request.addrs, observed)
@@ -318,7 +318,7 @@ def _has_direct_connection(p2p: P2P, peer: ID) -> bool:
     return bool(_direct_connections(p2p, peer))
 
 
-def _observed_ips(p2p: P2P, peer: ID) -> set[str]:
+def observed_ips(p2p: P2P, peer: ID) -> set[str]:
     """IPs that ``peer``'s direct connections come from (our RPC layer does not tell which
     connection carried a call; a relayed one has no usable remote IP)."""
     ips: set[str] = set()

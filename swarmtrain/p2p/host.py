@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -36,9 +37,10 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from swarmtrain.p2p import rpc, rpc_client
 from swarmtrain.p2p._tuning import apply_libp2p_tuning
-from swarmtrain.p2p.autonat import AutoNAT, Reachability
+from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, RPCTimeoutError
 from swarmtrain.p2p.identity import load_or_create_identity
+from swarmtrain.p2p.lane import DataLanes
 from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
@@ -75,6 +77,10 @@ class P2PConfig:
     # AutoNAT (swarmtrain.p2p.autonat): a listening peer serves dial-backs and asks peers to
     # dial it back; judged unreachable, it reserves relay slots as if use_auto_relay were set.
     use_autonat: bool = True
+    # Direct data lanes (swarmtrain.p2p.lane): ``bulk=True`` calls travel over their own
+    # encrypted TCP connection (port ``data_lane_port``, 0 = any) when the callee offers one.
+    use_data_lanes: bool = True
+    data_lane_port: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -100,6 +106,8 @@ class P2PConfig:
             raise ValueError("max_message_size must be positive")
         if self.relay_max_reservations < 0:
             raise ValueError("relay_max_reservations must be non-negative")
+        if not 0 <= self.data_lane_port <= 65535:
+            raise ValueError("data_lane_port must be in 0..65535")
         if self.use_auto_relay and not self.use_relay:
             raise ValueError("use_auto_relay needs use_relay=True")
 
@@ -112,6 +120,22 @@ def as_peer_id(peer: ID | str | bytes) -> ID:
     if isinstance(peer, bytes):
         return ID(peer)
     raise TypeError(f"expected a peer id, got {type(peer).__name__}")
+
+
+def _lanes_disabled_by_env() -> bool:
+    """``SWARMTRAIN_DISABLE_DATA_LANES=1`` turns lanes off (benchmarks' A/B switch)."""
+    return os.environ.get("SWARMTRAIN_DISABLE_DATA_LANES") == "1"
+
+
+def _lane_listen_host(config: P2PConfig) -> str | None:
+    """The IP data lanes listen on: that of the first TCP listen address (None: no lanes)."""
+    if config.client_mode:
+        return None
+    for addr in config.host_maddrs:
+        parts = addr.split("/")
+        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+            return parts[2]
+    return None
 
 
 def _with_ws_port(addr: str) -> multiaddr.Multiaddr:
@@ -165,6 +189,8 @@ class P2P:
         self.peer_id: ID = host.get_id()
         self._rpc_server = rpc.RPCServer(config.max_message_size)
         self._stream_pool = rpc_client.StreamPool(self._open_rpc_stream)
+        self._bulk_pool = rpc_client.StreamPool(self._open_bulk_stream)
+        self.lanes: DataLanes | None = None  # set in create when use_data_lanes
         self._nursery: trio.Nursery | None = None
         self._dial_locks: dict[ID, trio.Lock] = {}
         self.relay: RelayManager | None = None  # set in create when relaying is enabled
@@ -205,6 +231,11 @@ class P2P:
                 async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
                     self._nursery = nursery
                     try:
+                        if config.use_data_lanes and not _lanes_disabled_by_env():
+                            self.lanes = DataLanes(
+                                self, _lane_listen_host(config), config.data_lane_port
+                            )
+                            await self.lanes.start(nursery)
                         if config.use_relay or config.relay_service:
                             self.relay = await RelayManager.start(self)
                         if config.use_autonat:
@@ -221,6 +252,7 @@ class P2P:
                         nursery.cancel_scope.cancel()
                         with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                             await self._stream_pool.aclose()
+                            await self._bulk_pool.aclose()
                             await self._rpc_server.wait_idle()  # let them say ERROR(CANCELLED)
                         await self._close_network()
         except OSError as e:
@@ -382,6 +414,23 @@ class P2P:
     async def _open_rpc_stream(self, peer_id: ID):
         return await self.new_stream(peer_id, rpc.RPC_PROTOCOL_ID)
 
+    async def _open_bulk_stream(self, peer_id: ID):
+        """A data lane to ``peer_id`` when it offers one, else a libp2p RPC stream."""
+        if self.lanes is not None:
+            await self.ensure_connected(peer_id)
+            ips = sorted(observed_ips(self, peer_id))
+            lane = await self.lanes.open(peer_id, ips[0] if ips else None)
+            if lane is not None:
+                return lane
+        return await self._open_rpc_stream(peer_id)
+
+    def lanes_offered(self) -> bool:
+        """Whether we hand out lane tickets: listening, and not known to be behind a NAT."""
+        return not self.config.client_mode and self.reachability != Reachability.PRIVATE
+
+    async def _serve_lane(self, lane, remote_id: ID) -> None:
+        await self._rpc_server.serve_stream(lane, remote_id)
+
     # ------------------------------------------------------------------- RPC
 
     def add_protobuf_handler(
@@ -426,13 +475,15 @@ class P2P:
         stream_input: bool = False,
         timeout: float | type[Ellipsis] | None = ...,  # noqa: ASYNC109 (public facade keyword)
         max_message_size: int | None = None,
+        bulk: bool = False,
     ) -> TOut:
         """Call a unary-output handler. ``request`` is a message, or an (async) iterable of
-        messages with ``stream_input=True``. ``timeout`` defaults to ``request_timeout``."""
+        messages with ``stream_input=True``. ``timeout`` defaults to ``request_timeout``.
+        ``bulk=True``: carry the call over a direct data lane when the peer offers one."""
         timeout = self.config.request_timeout if timeout is ... else timeout
         with trio.move_on_after(timeout if timeout is not None else math.inf) as scope:
             return await rpc_client.call_unary_output(
-                self._stream_pool,
+                self._bulk_pool if bulk else self._stream_pool,
                 as_peer_id(peer),
                 name,
                 request,
@@ -454,17 +505,21 @@ class P2P:
         stream_input: bool = False,
         next_message_timeout: float | type[Ellipsis] | None = ...,
         max_message_size: int | None = None,
+        bulk: bool = False,
     ) -> AsyncIterator[rpc_client.ResponseStream[TOut]]:
         """Call a stream-output handler: ``async with ... as responses: async for r in responses``.
 
         ``next_message_timeout`` (default ``request_timeout``) bounds the wait for each
         response, not the whole call. Leaving the block early cancels the remote handler.
+        ``bulk=True``: carry the call over a direct data lane (swarmtrain.p2p.lane: its own
+        encrypted TCP connection, several times the throughput of the libp2p muxer) when the
+        peer offers one; otherwise, or if the lane cannot be opened, over libp2p as usual.
         """
         timeout = (
             self.config.request_timeout if next_message_timeout is ... else next_message_timeout
         )
         async with rpc_client.open_call(
-            self._stream_pool,
+            self._bulk_pool if bulk else self._stream_pool,
             as_peer_id(peer),
             name,
             request,
@@ -486,4 +541,7 @@ class P2P:
             "calls_served": self._rpc_server.calls_served,
             "rpc_streams_opened": self._stream_pool.streams_opened,
             "rpc_streams_reused": self._stream_pool.streams_reused,
+            "lanes_opened": self.lanes.lanes_opened if self.lanes else 0,
+            "lanes_accepted": self.lanes.lanes_accepted if self.lanes else 0,
+            "lane_fallbacks": self.lanes.fallbacks if self.lanes else 0,
         }

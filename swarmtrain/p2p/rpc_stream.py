@@ -50,6 +50,9 @@ class RPCStream:
         """True if the stream is idle and open both ways (nothing buffered, no EOF or reset)."""
         if self._eof or self._pushed_back is not None or self._decoder.buffered_bytes:
             return False
+        own_check = getattr(self.stream, "is_reusable", None)
+        if own_check is not None:  # a data lane
+            return own_check()
         muxed = getattr(self.stream, "muxed_stream", None)
         return not any(
             getattr(muxed, flag, False)

@@ -1,0 +1,363 @@
+"""Direct data lanes: bulk RPCs over a plain TCP connection, encrypted, beside libp2p.
+
+py-libp2p's Noise + yamux path costs Python work per 64 KiB (see benchmarks/RESULTS.md), which
+caps a stream at ~10-20% of raw TCP. A lane moves one RPC stream's bytes over its own TCP
+connection in 1 MiB ChaCha20-Poly1305 records (``lane_records``) instead:
+
+1. the caller asks the callee for a ticket over their libp2p connection (Noise authenticates
+   both peers and encrypts the ticket: a random id and one fresh key per direction);
+2. it dials ``port`` on the IP its direct libp2p connection to the callee comes from and sends
+   the ticket id; the callee answers with an encrypted "ok" record, which proves it holds the
+   keys, and then serves RPC calls on the lane exactly as on a libp2p stream, attributed to
+   the peer the ticket was issued to.
+
+A ticket is single-use and expires after ``TICKET_TTL``. Only ``bulk=True`` calls use lanes,
+and every failure to get one (no direct connection, relayed peers, callees behind NAT or in
+client mode, a firewall, an old peer without the ticket method) falls back to the libp2p
+stream; a peer whose lane failed is not tried again for ``RETRY_AFTER`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import trio
+from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
+
+from swarmtrain.p2p.lane_records import (
+    HEADER_SIZE,
+    KEY_SIZE,
+    MAX_RECORD_CIPHERTEXT,
+    TICKET_ID_SIZE,
+    LaneRecordError,
+    RecordOpener,
+    RecordSealer,
+)
+from swarmtrain.proto import p2p_pb2
+
+logger = logging.getLogger(__name__)
+
+TICKET_METHOD = "swarmtrain::Lane.ticket"
+LANE_VERSION = 1
+TICKET_TTL = 10.0
+MAX_OUTSTANDING_TICKETS = 1024
+HANDSHAKE_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 2.0
+RETRY_AFTER = 300.0
+_ACCEPTED = b"swarmtrain-lane-ok"
+
+
+class LaneStream:
+    """One lane with the byte-stream interface ``RPCStream`` expects of a libp2p stream:
+    ``read`` (raises ``StreamEOF`` at the clean end), ``write``, ``close``, ``reset``."""
+
+    def __init__(self, raw: socket.socket, sock, sealer: RecordSealer, opener: RecordOpener):
+        """``raw`` is the connected stdlib socket and ``sock`` its trio wrapper."""
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._raw, self._sock = raw, sock
+        self._sealer, self._opener = sealer, opener
+        self._recv_buffer = bytearray(MAX_RECORD_CIPHERTEXT)
+        self._pending = b""  # plaintext of the last record not yet returned by read()
+        self._send_lock = trio.StrictFIFOLock()
+        self._recv_lock = trio.StrictFIFOLock()
+        self.closed = False
+        self.eof_received = False
+        self.bytes_on_wire = 0
+
+    # ---------------------------------------------------------------- reading
+
+    async def _receive_exactly(self, size: int) -> memoryview:
+        """The next ``size`` bytes, in the lane's one receive buffer (valid until the next
+        call)."""
+        view = memoryview(self._recv_buffer)[:size]
+        got = 0
+        while got < size:
+            try:
+                count = await self._sock.recv_into(view[got:], size - got)
+            except OSError as e:
+                raise StreamReset(f"the lane failed: {e!r}") from None
+            if count == 0:
+                raise StreamReset("the lane was cut without an end record")
+            got += count
+        self.bytes_on_wire += size
+        return view
+
+    async def _receive_record(self) -> bytes:
+        header = bytes(await self._receive_exactly(HEADER_SIZE))
+        try:
+            size = self._opener.ciphertext_size(header)
+            return self._opener.open(await self._receive_exactly(size))
+        except LaneRecordError as e:
+            raise StreamError(f"lane: {e}") from None
+
+    async def read(self, n: int | None = None) -> bytes:
+        """Up to ``n`` bytes (one record's worth when ``n`` is None)."""
+        if self.closed:
+            raise StreamClosed("the lane is closed")
+        async with self._recv_lock:
+            if not self._pending:
+                if self.eof_received:
+                    raise StreamEOF("the peer ended the lane")
+                self._pending = await self._receive_record()
+                if not self._pending:
+                    self.eof_received = True
+                    raise StreamEOF("the peer ended the lane")
+            if n is None or n >= len(self._pending):
+                data, self._pending = self._pending, b""
+            else:
+                data, self._pending = self._pending[:n], self._pending[n:]
+            return data
+
+    async def receive_accept(self) -> None:
+        """The callee's first record must be the accept marker (it holds the keys)."""
+        record = await self._receive_record()
+        if record != _ACCEPTED:
+            raise StreamError("the lane did not start with the accept record")
+
+    # ---------------------------------------------------------------- writing
+
+    async def _send_all(self, data) -> None:
+        view = memoryview(data)
+        sent = 0
+        while sent < len(view):
+            try:
+                sent += await self._sock.send(view[sent:])
+            except OSError as e:
+                raise StreamReset(f"the lane failed: {e!r}") from None
+        self.bytes_on_wire += len(data)
+
+    async def write(self, data) -> None:
+        if self.closed:
+            raise StreamClosed("the lane is closed")
+        if not len(data):
+            return
+        async with self._send_lock:
+            for record in self._sealer.seal(data):
+                await self._send_all(record)
+
+    async def send_accept(self) -> None:
+        async with self._send_lock:
+            for record in self._sealer.seal(_ACCEPTED):
+                await self._send_all(record)
+
+    # ---------------------------------------------------------------- ending
+
+    def is_reusable(self) -> bool:
+        """Open both ways, with nothing (not even an end of stream) waiting to be read."""
+        if self.closed or self.eof_received or self._pending or self._sealer.ended:
+            return False
+        try:
+            self._raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False  # an end of stream or stray bytes: either way not idle
+
+    async def close(self) -> None:
+        """End our direction with an end record, then close the connection."""
+        if self.closed:
+            return
+        try:
+            if not self._sealer.ended:
+                async with self._send_lock:
+                    await self._send_all(self._sealer.seal_end())
+        except (StreamError, LaneRecordError):
+            pass
+        finally:
+            self._close_socket()
+
+    async def reset(self) -> None:
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._sock.close()
+
+
+@dataclass
+class _Ticket:
+    peer_id: object
+    caller_key: bytes
+    callee_key: bytes
+    expires_at: float
+
+
+class TicketBook:
+    """Outstanding tickets (sans-IO): issued per peer, used once, expire after ``ttl``."""
+
+    def __init__(self, ttl: float = TICKET_TTL, capacity: int = MAX_OUTSTANDING_TICKETS):
+        self.ttl, self.capacity = ttl, capacity
+        self._tickets: dict[bytes, _Ticket] = {}
+
+    def issue(self, peer_id, now: float) -> tuple[bytes, _Ticket]:
+        self._tickets = {k: t for k, t in self._tickets.items() if t.expires_at > now}
+        if len(self._tickets) >= self.capacity:
+            raise RuntimeError("too many outstanding lane tickets")
+        ticket_id = os.urandom(TICKET_ID_SIZE)
+        ticket = _Ticket(peer_id, os.urandom(KEY_SIZE), os.urandom(KEY_SIZE), now + self.ttl)
+        self._tickets[ticket_id] = ticket
+        return ticket_id, ticket
+
+    def redeem(self, ticket_id: bytes, now: float) -> _Ticket | None:
+        ticket = self._tickets.pop(bytes(ticket_id), None)
+        if ticket is None or ticket.expires_at <= now:
+            return None
+        return ticket
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+
+class DataLanes:
+    """Both ends of the lanes of one ``P2P`` host: the listener + ticket handler (unless the
+    host is in client mode) and ``open(peer_id)`` for callers."""
+
+    def __init__(self, p2p, listen_host: str | None, port: int = 0):
+        self._p2p = p2p
+        self._listen_host = listen_host
+        self._port = port
+        self._listener: trio.socket.SocketType | None = None
+        self.tickets = TicketBook()
+        self._failed_until: dict[object, float] = {}
+        self.lanes_opened = 0
+        self.lanes_accepted = 0
+        self.fallbacks = 0
+
+    @property
+    def port(self) -> int | None:
+        return self._listener.getsockname()[1] if self._listener is not None else None
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Listen (when ``listen_host`` is set) and serve tickets; runs until the nursery ends."""
+        if self._listen_host is None:
+            return
+        family = socket.AF_INET6 if ":" in self._listen_host else socket.AF_INET
+        listener = trio.socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        await listener.bind((self._listen_host, self._port))
+        listener.listen(128)
+        self._listener = listener
+        self._p2p.add_protobuf_handler(TICKET_METHOD, self._issue_ticket, p2p_pb2.LaneTicketRequest)
+        nursery.start_soon(self._accept_loop, listener)
+
+    async def _issue_ticket(self, request, context) -> p2p_pb2.LaneTicket:
+        if self._listener is None or not self._p2p.lanes_offered():
+            return p2p_pb2.LaneTicket(version=LANE_VERSION)
+        ticket_id, ticket = self.tickets.issue(context.remote_id, trio.current_time())
+        return p2p_pb2.LaneTicket(
+            version=LANE_VERSION,
+            ticket_id=ticket_id,
+            caller_key=ticket.caller_key,
+            callee_key=ticket.callee_key,
+            port=self.port,
+            expires_in=self.tickets.ttl,
+        )
+
+    async def _accept_loop(self, listener) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    try:
+                        conn, _ = await listener.accept()
+                    except OSError as e:
+                        logger.debug("lane accept failed: %r", e)
+                        await trio.sleep(0.1)
+                        continue
+                    raw = socket.socket(fileno=conn.detach())
+                    raw.setblocking(False)
+                    nursery.start_soon(self._serve_connection, raw)
+        finally:
+            listener.close()
+
+    async def _serve_connection(self, raw: socket.socket) -> None:
+        sock = trio.socket.from_stdlib_socket(raw)
+        lane = None
+        try:
+            ticket = None
+            with trio.move_on_after(HANDSHAKE_TIMEOUT):
+                ticket_id = await _receive_ticket_id(sock)
+                ticket = self.tickets.redeem(ticket_id, trio.current_time())
+            if ticket is None:
+                return
+            lane = LaneStream(
+                raw, sock, RecordSealer(ticket.callee_key), RecordOpener(ticket.caller_key)
+            )
+            with trio.move_on_after(HANDSHAKE_TIMEOUT):
+                await lane.send_accept()
+            self.lanes_accepted += 1
+            await self._p2p._serve_lane(lane, ticket.peer_id)
+        except (OSError, StreamError) as e:
+            logger.debug("lane connection failed: %r", e)
+        finally:
+            if lane is not None:
+                await lane.reset()
+            else:
+                sock.close()
+
+    # ---------------------------------------------------------------- caller side
+
+    async def open(self, peer_id, remote_ip: str | None) -> LaneStream | None:
+        """A lane to ``peer_id`` at ``remote_ip``, or None (the caller falls back to libp2p)."""
+        now = trio.current_time()
+        if remote_ip is None or self._failed_until.get(peer_id, 0.0) > now:
+            return None
+        try:
+            lane = await self._open(peer_id, remote_ip)
+        except Exception as e:  # any failure: fall back, remember for a while
+            logger.debug("no data lane to %s (%s): %r", peer_id, remote_ip, e)
+            lane = None
+        if lane is None:
+            self.fallbacks += 1
+            self._failed_until[peer_id] = trio.current_time() + RETRY_AFTER
+            return None
+        self.lanes_opened += 1
+        return lane
+
+    async def _open(self, peer_id, remote_ip: str) -> LaneStream | None:
+        ticket = await self._p2p.call_protobuf_handler(
+            peer_id,
+            TICKET_METHOD,
+            p2p_pb2.LaneTicketRequest(version=LANE_VERSION),
+            p2p_pb2.LaneTicket,
+            timeout=HANDSHAKE_TIMEOUT,
+        )
+        if not ticket.ticket_id or ticket.version != LANE_VERSION:
+            return None
+        family = socket.AF_INET6 if ":" in remote_ip else socket.AF_INET
+        raw = socket.socket(family, socket.SOCK_STREAM)
+        raw.setblocking(False)
+        sock = trio.socket.from_stdlib_socket(raw)
+        lane = None
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                await sock.connect((remote_ip, ticket.port))
+                lane = LaneStream(
+                    raw,
+                    sock,
+                    RecordSealer(bytes(ticket.caller_key)),
+                    RecordOpener(bytes(ticket.callee_key)),
+                )
+                await lane._send_all(bytes(ticket.ticket_id))
+                await lane.receive_accept()
+            return lane
+        except BaseException:
+            if lane is not None:
+                await lane.reset()
+            else:
+                sock.close()
+            raise
+
+
+async def _receive_ticket_id(sock) -> bytes:
+    data = b""
+    while len(data) < TICKET_ID_SIZE:
+        chunk = await sock.recv(TICKET_ID_SIZE - len(data))
+        if not chunk:
+            raise StreamReset("the lane closed during the handshake")
+        data += chunk
+    return data
