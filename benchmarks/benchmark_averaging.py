@@ -81,10 +81,12 @@ def swarmtrain_worker(args) -> None:
     profiler = cProfile.Profile() if args.profile and index == 0 else None
     timings: list[float] = []
     cpu: list[float] = []
+    starts: list[float] = []  # wall-clock start of each all-reduce (to see how staggered)
 
     class TimedAverager(AsyncDecentralizedAverager):
         async def _run_allreduce(self, group, weight):
             started, cpu_started = time.perf_counter(), time.process_time()
+            starts.append(time.time())
             if profiler is not None and profile_on[0]:
                 profiler.enable()
             try:
@@ -124,6 +126,7 @@ def swarmtrain_worker(args) -> None:
                 min_group_size=num_peers,
                 min_matchmaking_time=args.min_matchmaking_time,
                 request_timeout=args.request_timeout,
+                **({"part_size_bytes": args.part_size_bytes} if args.part_size_bytes else {}),
             ) as averager,
             trio.open_nursery() as nursery,
         ):
@@ -144,6 +147,7 @@ def swarmtrain_worker(args) -> None:
                     tensor.fill_(index + cmd["round"])
                     profile_on[0] = cmd.get("profile", False)
                     timings.clear()
+                    starts.clear()
                     cpu.clear()
                     started = time.perf_counter()
                     error = None
@@ -158,6 +162,7 @@ def swarmtrain_worker(args) -> None:
                         {
                             "step_s": step_s,
                             "allreduce_s": timings[-1] if timings else None,
+                            "allreduce_start": starts[-1] if starts else None,
                             "cpu_s": cpu[-1] if cpu else None,
                             "error": error,
                             "max_err": max_err,
@@ -369,6 +374,7 @@ def run_block(impl: str, num_peers: int, numel: int, args, tmpdir: str, block: i
     base += ["--num-peers", str(num_peers), "--numel", str(numel), "--tmpdir", tmpdir]
     base += ["--min-matchmaking-time", str(args.min_matchmaking_time)]
     base += ["--request-timeout", str(args.request_timeout)]
+    base += ["--part-size-bytes", str(args.part_size_bytes)]
     base += ["--step-timeout", str(args.step_timeout)]
     if args.profile and impl == "swarmtrain":
         base += ["--profile", args.profile]
@@ -411,10 +417,17 @@ def run_block(impl: str, num_peers: int, numel: int, args, tmpdir: str, block: i
             ok = not errors and not bad and all(x["allreduce_s"] for x in replies)
             step = max(x["step_s"] for x in replies)
             allreduce = max(x["allreduce_s"] or float("nan") for x in replies)
+            begun = [x.get("allreduce_start") for x in replies]
+            stagger = (
+                f", starts within {1000 * (max(begun) - min(begun)):.0f} ms"
+                if all(b is not None for b in begun)
+                else ""
+            )
             if args.verbose:
                 print(
                     f"    {impl} round {r}: step {step:.3f} s, all-reduce {allreduce:.3f} s"
                     + (f", tcp {tcp:.3f} s" if impl == "swarmtrain" else "")
+                    + stagger
                     + ("" if ok else f"  FAILED errors={errors[:2]} max_err={bad[:2]}"),
                     flush=True,
                 )
@@ -532,6 +545,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternating blocks per impl")
     parser.add_argument("--min-matchmaking-time", type=float, default=2.0)
     parser.add_argument("--request-timeout", type=float, default=1.0)
+    parser.add_argument(
+        "--part-size-bytes", type=int, default=0, help="swarmtrain part size (0: its default)"
+    )
     parser.add_argument("--step-timeout", type=float, default=120.0)
     parser.add_argument("--start-timeout", type=float, default=120.0)
     parser.add_argument("--profile", default=None, help="swarmtrain: cProfile peer 0 into PATH")

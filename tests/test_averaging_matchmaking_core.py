@@ -648,9 +648,17 @@ def test_follower_ignores_stale_and_invalid_messages():
     stranger = MatchmakingGroup(b"g", "test.0b", pid(1), (GroupMember(pid(1)),))
     actions = core.handle_leader_message(pid(1), BeginAllReduce(stranger), 0.2)
     assert core.phase == Phase.SEARCHING and not core.done
-    assert actions == []  # nobody left to ask; the next read of the key is due at 1.0
-    assert core.next_deadline() == 1.0
-    assert core.tick(1.0) == [FetchDeclarations("test.0b")]
+    # nobody left to ask: the key is read again at once (the first re-read was due at 0.1)
+    assert actions == [FetchDeclarations("test.0b")]
+    assert core.receive_declarations([], 0.2) == []  # still nobody: next read in 0.2 s
+    assert core.next_deadline() == pytest.approx(0.4)
+    assert core.tick(0.4) == [FetchDeclarations("test.0b")]
+    core.receive_declarations([], 0.4)  # the wait doubles up to refresh_interval (1.0)
+    assert core.next_deadline() == pytest.approx(0.8)
+    for now in (0.8, 1.8):
+        assert core.tick(now) == [FetchDeclarations("test.0b")]
+        core.receive_declarations([], now)
+    assert core.next_deadline() == pytest.approx(2.8)
 
 
 def test_next_deadline_and_tick_are_idle_safe():

@@ -165,6 +165,7 @@ class MatchmakingCore:
         self._tried: set[tuple[PeerId, float]] = set()
         self._fetch_pending = False
         self._next_fetch = -math.inf
+        self._refresh_wait = self.config.first_refresh_interval  # doubles to refresh_interval
         # leader side
         self._followers: dict[PeerId, JoinRequest] = {}
         # for statistics and failure reasons
@@ -279,6 +280,7 @@ class MatchmakingCore:
                 actions += self._disband(None)
                 self._renew_expiration(now, actions)
                 self._next_fetch = -math.inf  # a new expiration may make new peers eligible
+                self._refresh_wait = self.config.first_refresh_interval
         # 3. the deadline
         if now >= self.deadline:
             return actions + self._fail(*self._failure_reason())
@@ -290,7 +292,9 @@ class MatchmakingCore:
         """The result of :class:`FetchDeclarations` (records of other keys are ignored by the
         shell; expired ones and our own are skipped here)."""
         self._fetch_pending = False
-        self._next_fetch = now + self.config.refresh_interval
+        wait = min(self._refresh_wait, self.config.refresh_interval)
+        self._next_fetch = now + wait
+        self._refresh_wait = wait * 2
         if self._phase not in _LOOKING:
             return []
         declarations = list(declarations)
@@ -313,7 +317,7 @@ class MatchmakingCore:
         return self._advance(now)
 
     def fetch_failed(self, now: float) -> list[Action]:
-        """The DHT read failed: try again after ``refresh_interval``."""
+        """The DHT read failed: try again later (as after an empty answer)."""
         return self.receive_declarations((), now)
 
     # ------------------------------------------------------------------ leader side

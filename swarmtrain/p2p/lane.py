@@ -45,6 +45,7 @@ LANE_VERSION = 1
 TICKET_TTL = 10.0
 MAX_OUTSTANDING_TICKETS = 1024
 HANDSHAKE_TIMEOUT = 5.0
+MAX_PENDING_HANDSHAKES = 64  # connections that have not shown a valid ticket yet
 CONNECT_TIMEOUT = 2.0
 RETRY_AFTER = 300.0
 _ACCEPTED = b"swarmtrain-lane-ok"
@@ -224,6 +225,7 @@ class DataLanes:
         self._listener: trio.socket.SocketType | None = None
         self.tickets = TicketBook()
         self._failed_until: dict[object, float] = {}
+        self._pending_handshakes = 0
         self.lanes_opened = 0
         self.lanes_accepted = 0
         self.fallbacks = 0
@@ -268,6 +270,9 @@ class DataLanes:
                         logger.debug("lane accept failed: %r", e)
                         await trio.sleep(0.1)
                         continue
+                    if self._pending_handshakes >= MAX_PENDING_HANDSHAKES:
+                        conn.close()  # a flood of connections without tickets
+                        continue
                     raw = socket.socket(fileno=conn.detach())
                     raw.setblocking(False)
                     nursery.start_soon(self._serve_connection, raw)
@@ -279,9 +284,13 @@ class DataLanes:
         lane = None
         try:
             ticket = None
-            with trio.move_on_after(HANDSHAKE_TIMEOUT):
-                ticket_id = await _receive_ticket_id(sock)
-                ticket = self.tickets.redeem(ticket_id, trio.current_time())
+            self._pending_handshakes += 1
+            try:
+                with trio.move_on_after(HANDSHAKE_TIMEOUT):
+                    ticket_id = await _receive_ticket_id(sock)
+                    ticket = self.tickets.redeem(ticket_id, trio.current_time())
+            finally:
+                self._pending_handshakes -= 1
             if ticket is None:
                 return
             lane = LaneStream(
