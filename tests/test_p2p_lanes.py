@@ -7,6 +7,7 @@ import trio
 from google.protobuf.wrappers_pb2 import BytesValue, Int64Value, StringValue
 
 from swarmtrain.p2p import P2P, RemoteError, RPCTimeoutError
+from swarmtrain.p2p import lane as lane_module
 from swarmtrain.p2p.lane import TICKET_METHOD, TicketBook
 from swarmtrain.p2p.lane_records import (
     HEADER_SIZE,
@@ -162,6 +163,33 @@ async def test_bulk_call_falls_back_to_libp2p_without_a_lane():
         stats = b.statistics()
         assert stats["lanes_opened"] == 0 and stats["lane_fallbacks"] == 1, stats
         assert TICKET_METHOD not in a.statistics()["handlers"]
+
+
+@pytest.mark.trio
+async def test_a_lane_slower_than_the_call_serves_the_next_call(monkeypatch):
+    monkeypatch.setattr(lane_module, "OPEN_WAIT", 0.0)  # no call waits for a new lane
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        serve(a)
+        payload = [BytesValue(value=b"q" * 500_000)] * 3
+        reply = await b.call_protobuf_handler(
+            a.peer_id, "t::L.total_size", payload, Int64Value, stream_input=True, bulk=True
+        )
+        assert reply.value == 1_500_000  # over libp2p, while the lane opens in the background
+        for _ in range(100):
+            if b.statistics()["lanes_opened"]:
+                break
+            await trio.sleep(0.05)
+        assert b.statistics()["lanes_opened"] == 1
+        reused_before = b._bulk_pool.streams_reused
+        reply = await b.call_protobuf_handler(
+            a.peer_id, "t::L.total_size", payload, Int64Value, stream_input=True, bulk=True
+        )
+        assert reply.value == 1_500_000
+        assert b._bulk_pool.streams_reused == reused_before + 1
+        idle = [s.stream for s, _ in b._bulk_pool._idle[a.peer_id]]
+        lanes = [s for s in idle if isinstance(s, lane_module.LaneStream)]
+        assert len(lanes) == 1 and lanes[0].bytes_on_wire > 1_500_000  # it went over the lane
+        assert a.statistics()["lanes_accepted"] == 1 and b.statistics()["lane_fallbacks"] == 0
 
 
 @pytest.mark.trio

@@ -40,8 +40,9 @@ from swarmtrain.p2p._tuning import apply_libp2p_tuning
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, RPCTimeoutError
 from swarmtrain.p2p.identity import load_or_create_identity
-from swarmtrain.p2p.lane import DataLanes
+from swarmtrain.p2p.lane import DataLanes, LaneStream
 from swarmtrain.p2p.relay import RelayManager
+from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,9 @@ class P2P:
         self.peer_id: ID = host.get_id()
         self._rpc_server = rpc.RPCServer(config.max_message_size)
         self._stream_pool = rpc_client.StreamPool(self._open_rpc_stream)
-        self._bulk_pool = rpc_client.StreamPool(self._open_bulk_stream)
+        self._bulk_pool = rpc_client.StreamPool(
+            self._open_bulk_stream, preferred=lambda s: isinstance(s.stream, LaneStream)
+        )
         self.lanes: DataLanes | None = None  # set in create when use_data_lanes
         self._nursery: trio.Nursery | None = None
         self._dial_locks: dict[ID, trio.Lock] = {}
@@ -419,10 +422,18 @@ class P2P:
         if self.lanes is not None:
             await self.ensure_connected(peer_id)
             ips = sorted(observed_ips(self, peer_id))
-            lane = await self.lanes.open(peer_id, ips[0] if ips else None)
+            lane = await self.lanes.open(
+                peer_id, ips[0] if ips else None, self.nursery, self._keep_late_lane
+            )
             if lane is not None:
                 return lane
         return await self._open_rpc_stream(peer_id)
+
+    def _keep_late_lane(self, peer_id: ID, lane) -> None:
+        """A lane that opened after its call went over libp2p: idle, for the next bulk call."""
+        stream = RPCStream(lane, self.config.max_message_size)
+        if self._closed or not self._bulk_pool.release(peer_id, stream):
+            lane.reset_now()
 
     def lanes_offered(self) -> bool:
         """Whether we hand out lane tickets: listening, and not known to be behind a NAT."""

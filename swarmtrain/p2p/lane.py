@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -47,6 +48,7 @@ MAX_OUTSTANDING_TICKETS = 1024
 HANDSHAKE_TIMEOUT = 5.0
 MAX_PENDING_HANDSHAKES = 64  # connections that have not shown a valid ticket yet
 CONNECT_TIMEOUT = 2.0
+OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
 RETRY_AFTER = 300.0
 _ACCEPTED = b"swarmtrain-lane-ok"
 
@@ -174,6 +176,10 @@ class LaneStream:
     async def reset(self) -> None:
         self._close_socket()
 
+    def reset_now(self) -> None:
+        """Close the connection at once (no end record), from synchronous code."""
+        self._close_socket()
+
     def _close_socket(self) -> None:
         if not self.closed:
             self.closed = True
@@ -225,6 +231,7 @@ class DataLanes:
         self._listener: trio.socket.SocketType | None = None
         self.tickets = TicketBook()
         self._failed_until: dict[object, float] = {}
+        self._opening: set[object] = set()
         self._pending_handshakes = 0
         self.lanes_opened = 0
         self.lanes_accepted = 0
@@ -296,8 +303,10 @@ class DataLanes:
             lane = LaneStream(
                 raw, sock, RecordSealer(ticket.callee_key), RecordOpener(ticket.caller_key)
             )
-            with trio.move_on_after(HANDSHAKE_TIMEOUT):
+            with trio.move_on_after(HANDSHAKE_TIMEOUT) as scope:
                 await lane.send_accept()
+            if scope.cancelled_caught:
+                return
             self.lanes_accepted += 1
             await self._p2p._serve_lane(lane, ticket.peer_id)
         except (OSError, StreamError) as e:
@@ -310,11 +319,53 @@ class DataLanes:
 
     # ---------------------------------------------------------------- caller side
 
-    async def open(self, peer_id, remote_ip: str | None) -> LaneStream | None:
-        """A lane to ``peer_id`` at ``remote_ip``, or None (the caller falls back to libp2p)."""
+    async def open(
+        self,
+        peer_id,
+        remote_ip: str | None,
+        nursery: trio.Nursery,
+        on_late_lane: Callable[[object, LaneStream], None],
+        wait: float | None = None,
+    ) -> LaneStream | None:
+        """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds (default
+        ``OPEN_WAIT``), else
+        None (the caller goes over libp2p). An attempt still running after ``wait`` goes on in
+        ``nursery`` and hands its lane to ``on_late_lane`` (e.g. the idle pool), so a slow
+        path or a firewall that drops packets never stalls a call for ``CONNECT_TIMEOUT``."""
         now = trio.current_time()
         if remote_ip is None or self._failed_until.get(peer_id, 0.0) > now:
             return None
+        if peer_id in self._opening:
+            return None  # an attempt is under way: this call goes over libp2p
+        self._opening.add(peer_id)
+        handover: list[LaneStream | None] = []
+        settled = trio.Event()
+        waiting = True
+
+        async def attempt() -> None:
+            try:
+                lane = await self._open_or_remember(peer_id, remote_ip)
+            finally:
+                self._opening.discard(peer_id)
+            if lane is not None and not waiting:
+                on_late_lane(peer_id, lane)
+            else:
+                handover.append(lane)
+            settled.set()
+
+        nursery.start_soon(attempt)
+        returning = False
+        try:
+            with trio.move_on_after(OPEN_WAIT if wait is None else wait):
+                await settled.wait()
+            returning = True
+        finally:
+            waiting = False
+            if not returning and handover and handover[0] is not None:
+                on_late_lane(peer_id, handover.pop())  # we were cancelled: keep it for later
+        return handover[0] if handover else None
+
+    async def _open_or_remember(self, peer_id, remote_ip: str) -> LaneStream | None:
         try:
             lane = await self._open(peer_id, remote_ip)
         except Exception as e:  # any failure: fall back, remember for a while

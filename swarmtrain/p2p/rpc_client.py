@@ -42,8 +42,10 @@ class StreamPool:
         *,
         reuse_time: float = CALLER_STREAM_REUSE_TIME,
         max_idle_per_peer: int = 8,
+        preferred: Callable[[RPCStream], bool] | None = None,
     ):
         self._open_stream = open_stream
+        self._preferred = preferred  # idle streams to hand out first (e.g. data lanes)
         self.reuse_time = reuse_time
         self.max_idle_per_peer = max_idle_per_peer
         self._idle: dict[Any, list[tuple[RPCStream, float]]] = {}
@@ -54,6 +56,11 @@ class StreamPool:
         """An idle stream to ``peer_id`` (reused=True) or a freshly opened one."""
         idle = self._idle.get(peer_id)
         now = trio.current_time()
+        if idle and self._preferred is not None:
+            for i in range(len(idle) - 1, -1, -1):
+                if self._preferred(idle[i][0]):
+                    idle.append(idle.pop(i))
+                    break
         while idle:
             stream, since = idle.pop()
             if now - since <= self.reuse_time and stream.is_reusable():
