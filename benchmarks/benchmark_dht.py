@@ -41,6 +41,9 @@ class Workload:
         self.store_ok, self.store_total, self.get_ok, self.get_total = 0, 0, 0, 0
         self.store_ms: list[float] = []
         self.get_ms: list[float] = []
+        self.get_timeouts = 0  # failed gets that ran out of time (the rest missed subkeys)
+        self.store_rpcs: list[int] = []
+        self.get_rpcs: list[int] = []
         self.per_round: list[list[tuple[bool, float]]] = [[]]
 
     def store_requests(self, round_index):
@@ -55,15 +58,20 @@ class Workload:
                 key = self.rng.choice(keys)
                 yield key, set(self.stored[key])
 
-    def record_store(self, key, subkey, ok, ms):
+    def record_store(self, key, subkey, ok, ms, rpcs=None):
         self.store_total += 1
+        if rpcs is not None:
+            self.store_rpcs.append(rpcs)
         self.store_ms.append(ms)
         if ok:
             self.store_ok += 1
             self.stored.setdefault(key, set()).add(subkey)
 
-    def record_get(self, expected, got_subkeys, ms):
+    def record_get(self, expected, got_subkeys, ms, rpcs=None, timed_out=False):
         self.get_total += 1
+        self.get_timeouts += bool(timed_out)
+        if rpcs is not None:
+            self.get_rpcs.append(rpcs)
         self.get_ms.append(ms)
         ok = got_subkeys is not None and expected <= set(got_subkeys)
         self.get_ok += ok
@@ -89,16 +97,38 @@ class Workload:
             "store_p95_ms": percentile(self.store_ms, 0.95),
             "get_p50_ms": percentile(self.get_ms, 0.5),
             "get_p95_ms": percentile(self.get_ms, 0.95),
+            # RPCs a request sent (all methods, from the requesting node's search and writes;
+            # swarmtrain only): mean per store / get
+            "store_rpcs": sum(self.store_rpcs) / len(self.store_rpcs) if self.store_rpcs else None,
+            "get_timeouts": self.get_timeouts,
+            "get_rpcs": sum(self.get_rpcs) / len(self.get_rpcs) if self.get_rpcs else None,
         }
 
 
 async def _worker_main() -> None:
     """A worker process: hosts some of the swarmtrain nodes; JSON-lines commands on stdin."""
+    import contextvars
     import os
 
     import trio
 
     from swarmtrain.dht import DHT, get_dht_time
+    from swarmtrain.dht.protocol import DHTProtocol
+
+    # Count the RPCs each request sends: the tasks of one request (search workers, stores)
+    # inherit its context, so a counter set there sees only that request's calls.
+    rpc_counter: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+        "rpc_counter", default=None
+    )
+    original_call = DHTProtocol._call
+
+    async def counting_call(self, peer_id, *args, **kwargs):
+        counter = rpc_counter.get()
+        if counter is not None and not self.blacklist.is_banned(peer_id, get_dht_time()):
+            counter[0] += 1
+        return await original_call(self, peer_id, *args, **kwargs)
+
+    DHTProtocol._call = counting_call
 
     host_kwargs = dict(use_relay=False, relay_service=False, use_autonat=False)
     nodes, stops = {}, {}
@@ -120,6 +150,8 @@ async def _worker_main() -> None:
     async def handle(cmd, nursery):
         op, rid = cmd["op"], cmd["id"]
         started = time.perf_counter()
+        counter = [0]
+        rpc_counter.set(counter)
         if op == "start":
             maddrs = await nursery.start(run_node, cmd["node"], cmd["initial"])
             await reply({"id": rid, "maddrs": maddrs})
@@ -129,15 +161,19 @@ async def _worker_main() -> None:
                 ok = await nodes[cmd["node"]].store(
                     cmd["key"], cmd["value"], get_dht_time() + 600, subkey=cmd["subkey"]
                 )
-            await reply({"id": rid, "ok": bool(ok), "ms": 1000 * (time.perf_counter() - started)})
+            ms = 1000 * (time.perf_counter() - started)
+            await reply({"id": rid, "ok": bool(ok), "ms": ms, "rpcs": counter[0]})
         elif op == "get":
             subkeys = None
-            with trio.move_on_after(cmd["timeout"]):
+            with trio.move_on_after(cmd["timeout"]) as scope:
                 result = await nodes[cmd["node"]].get(cmd["key"], latest=True)
                 if result is not None and isinstance(result.value, dict):
                     subkeys = list(result.value)
             ms = 1000 * (time.perf_counter() - started)
-            await reply({"id": rid, "subkeys": subkeys, "ms": ms})
+            timed_out = scope.cancelled_caught
+            await reply(
+                {"id": rid, "subkeys": subkeys, "ms": ms, "rpcs": counter[0], "late": timed_out}
+            )
         elif op == "stop":
             stops[cmd["node"]].set()
             await reply({"id": rid})
@@ -225,12 +261,14 @@ def run_swarmtrain(args) -> dict:
                         value=value,
                         timeout=args.timeout,
                     )
-                    workload.record_store(key, subkey, r["ok"], r["ms"])
+                    workload.record_store(key, subkey, r["ok"], r["ms"], r.get("rpcs"))
 
                 async def get(key, expected):
                     n = workload.rng.choice(alive)
                     r = await call(owner[n], op="get", node=n, key=key, timeout=args.timeout)
-                    workload.record_get(expected, r["subkeys"], r["ms"])
+                    workload.record_get(
+                        expected, r["subkeys"], r["ms"], r.get("rpcs"), r.get("late")
+                    )
 
                 async with trio.open_nursery() as round_nursery:
                     for request in workload.store_requests(round_index):
@@ -361,6 +399,11 @@ def main() -> None:
             f"{100 * r['get_success']:5.1f}% of {r['gets']}, p50 {r['get_p50_ms']:.0f} ms "
             f"p95 {r['get_p95_ms']:.0f} ms"
         )
+        if r.get("get_rpcs") is not None:
+            print(
+                f"{'':10s} RPCs sent per store {r['store_rpcs']:.1f}, per get "
+                f"{r['get_rpcs']:.1f}; gets timed out: {r['get_timeouts']}"
+            )
     if "hivemind" in results and "swarmtrain" in results:
         ratio = results["swarmtrain"]["get_p50_ms"] / results["hivemind"]["get_p50_ms"]
         print(f"get p50 ratio swarmtrain / hivemind: {ratio:.2f}")

@@ -19,6 +19,7 @@ from swarmtrain.dht import (
     DHTID,
     CompositeValidator,
     DHTNode,
+    DHTNodeConfig,
     Ed25519SignatureValidator,
     SchemaValidator,
     get_dht_time,
@@ -99,6 +100,25 @@ async def swarm(num_nodes: int = 0, **node_kwargs):
                 await result.kill_all()
 
 
+class FindCalls:
+    """Records the find RPCs a node sends (the real calls still go out over loopback)."""
+
+    def __init__(self, node: DHTNode):
+        self.calls: list[tuple[object, list[DHTID]]] = []
+        original = node.protocol.call_find
+
+        async def call_find(peer_id, key_ids):
+            self.calls.append((peer_id, list(key_ids)))
+            return await original(peer_id, key_ids)
+
+        node.protocol.call_find = call_find
+
+
+def plain(found):
+    """A found dictionary value as {subkey: value}."""
+    return {subkey: item.value for subkey, item in found.value.items()}
+
+
 def in_routing_table(node: DHTNode, other: DHTNode) -> bool:
     table = node.routing_table
     return other.node_id in table or table.get_node_id(other.p2p.peer_id) is not None
@@ -175,20 +195,91 @@ async def test_subkeys_merged_from_several_writers():
 
 
 @pytest.mark.trio
-async def test_latest_searches_the_whole_beam():
+async def test_latest_searches_all_replicas():
     async with swarm(8, num_replicas=3) as s:
         writer = s.nodes[0]
         assert await writer.store("model", "v1", get_dht_time() + 30)
         key = serialize("model")
         key_id = DHTID.from_serialized_key(key)
-        replicas = (await writer.find_nearest_nodes([key_id], k=3, exclude_self=True))[key_id]
+        # the farthest of the num_replicas nodes nearest to the key (the writer may be one)
+        replicas = (await writer.find_nearest_nodes([key_id], k=3))[key_id]
         _, farthest_peer = list(replicas.items())[-1]
         newer = StoreItem(key, None, serialize("v2"), get_dht_time() + 60)
-        assert await writer.protocol.call_store(farthest_peer, [newer]) == [True]
+        if farthest_peer == writer.p2p.peer_id:
+            assert writer.protocol.store_locally([newer]) == [True]
+        else:
+            assert await writer.protocol.call_store(farthest_peer, [newer]) == [True]
 
         reader = await s.add(client_mode=True)
         assert (await reader.get("model")).value in ("v1", "v2")
         assert (await reader.get("model", latest=True)).value == "v2"
+
+
+@pytest.mark.trio
+async def test_latest_reads_the_nearest_replicas_and_stops_there():
+    # no caches: every answer comes from a replica's storage
+    async with swarm(12, num_replicas=3, cache_locally=False, cache_nearest=0) as s:
+        expiration = get_dht_time() + 60
+        keys = [f"model{i}" for i in range(3)]
+        for i, key in enumerate(keys):
+            assert await s.nodes[i].store(key, "v1", expiration)
+            key_id = DHTID.from_serialized_key(serialize(key))
+            replicas = sorted(s.nodes, key=lambda node: node.node_id ^ key_id)[:3]
+            assert all(r.protocol.lookup_locally(key_id, get_dht_time()) for r in replicas)
+            # a newer value on one replica only, the nearest, the middle or the farthest
+            newer = StoreItem(serialize(key), None, serialize("v2"), expiration + 10)
+            assert replicas[i].protocol.store_locally([newer]) == [True]
+        num_calls = []
+        for reader in s.nodes:  # replicas among them: they count themselves without an RPC
+            spy = FindCalls(reader)
+            for key in keys:
+                spy.calls.clear()
+                assert (await reader.get(key, latest=True)).value == "v2"
+                called = [peer for peer, _ in spy.calls]
+                assert len(called) == len(set(called)) and reader.p2p.peer_id not in called
+                num_calls.append(len(called))
+        # the 3 replicas (fewer when the reader is one), not all 11 other nodes as before
+        assert max(num_calls) <= 6 and sum(num_calls) / len(num_calls) < 4
+
+
+def test_latest_beam_size_defaults_to_num_replicas():
+    assert DHTNodeConfig(num_replicas=4).latest_beam_size == 4
+    assert DHTNodeConfig(num_replicas=4, latest_beam_size=20).latest_beam_size == 20
+    for bad in (3, 21, 4.0, True):
+        with pytest.raises(ValueError, match="latest_beam_size"):
+            DHTNodeConfig(num_replicas=4, latest_beam_size=bad)
+
+
+@pytest.mark.trio
+async def test_get_many_asks_each_peer_about_several_keys():
+    async with swarm(10, num_replicas=3) as s:
+        expiration = get_dht_time() + 60
+        keys = [f"key{i}" for i in range(6)]
+        for i, key in enumerate(keys):
+            for j, writer in enumerate(s.nodes[:3]):  # subkeys from several writers
+                assert await writer.store(key, 10 * i + j, expiration + j, subkey=f"w{j}")
+        assert await s.nodes[3].store("plain", "value", expiration)
+        everything = [*keys, "plain", "missing"]
+        reader = await s.add(client_mode=True)
+        spy = FindCalls(reader)
+        found = await reader.get_many(everything, latest=True)
+        assert set(found) == set(everything)
+        assert found["missing"] is None and found["plain"].value == "value"
+        for i, key in enumerate(keys):
+            assert plain(found[key]) == {f"w{j}": 10 * i + j for j in range(3)}
+            assert found[key].expiration_time == expiration + 2
+        assert max(len(key_ids) for _, key_ids in spy.calls) > 1
+        batched = len(spy.calls)
+
+        spy.calls.clear()
+        for key in everything:
+            one = await reader.get(key, latest=True)
+            if key in keys:
+                assert plain(one) == plain(found[key])
+            else:
+                assert one == found[key]
+        assert batched < len(spy.calls)
+        assert await reader.get_many([]) == {}
 
 
 @pytest.mark.trio
@@ -442,6 +533,9 @@ def test_blocking_dht_facade():
         assert second.get("future", return_future=True).result(timeout=30).value == "yes"
         assert second.store("d", 1, get_dht_time() + 30, subkey="a")
         assert set(first.get("d", latest=True).value) == {"a"}
+        many = first.get_many(["d", "blocking", "none"], latest=True)
+        assert set(many["d"].value) == {"a"} and many["blocking"].value == [1, 2]
+        assert many["none"] is None
 
         async def count_nodes(dht, node):
             await trio.lowlevel.checkpoint()
@@ -451,6 +545,7 @@ def test_blocking_dht_facade():
 
         async def from_asyncio():
             assert await second.aio.store("aio", "ok", get_dht_time() + 30)
+            assert (await first.aio.get_many(["aio"]))["aio"].value == "ok"
             return (await first.aio.get("aio")).value
 
         assert asyncio.run(from_asyncio()) == "ok"

@@ -207,3 +207,55 @@ async def test_visited_nodes_edge_cases():
         kwargs = {"beam_size": 1, "num_workers": 1, "queries_per_call": 1} | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             await traverse_dht([query], NODES, get_neighbors=Network().get_neighbors, **kwargs)
+
+
+@pytest.mark.trio
+async def test_answered_nodes_take_a_place_without_a_call():
+    query = DHTID.generate("self is nearest")
+    myself = brute_force(query, 1)[0]
+    network = Network()
+    nearest, visited = await traverse_dht(
+        [query],
+        NODES[:3],
+        5,
+        2,
+        1,
+        network.get_neighbors,
+        visited_nodes={query: {myself}},
+        answered_nodes={query: {myself}},
+    )
+    assert nearest[query] == brute_force(query, 5)  # myself counted, first
+    assert myself in visited[query]
+    assert myself not in {peer for peer, _ in network.calls}
+
+
+@pytest.mark.trio
+async def test_farther_candidates_wait_for_calls_in_flight():
+    query = DHTID.generate("narrow beam")
+    ranked = brute_force(query, len(NODES))
+    network = Network()
+    # more workers than beam places: the 5 nearest are called, the 3 farther never are
+    nearest, _ = await traverse_dht([query], ranked[:8], 5, 8, 1, network.get_neighbors)
+    assert nearest[query] == ranked[:5]
+    assert sorted(peer for peer, _ in network.calls) == sorted(ranked[:5])
+
+    # a nearer call that fails lets the next candidate in
+    network = Network(dead={ranked[1]})
+    nearest, _ = await traverse_dht([query], ranked[:8], 5, 8, 1, network.get_neighbors)
+    assert nearest[query] == ranked[:1] + ranked[2:6]
+    assert {peer for peer, _ in network.calls} == set(ranked[:6])
+
+
+@pytest.mark.trio
+async def test_slow_calls_stop_holding_back_after_patience(autojump_clock):
+    query = DHTID.generate("slow peer")
+    ranked = brute_force(query, len(NODES))
+    for patience, called_sixth in ((1.0, True), (float("inf"), False)):
+        network = Network(delays={ranked[0]: 10.0})
+        start = anyio.current_time()
+        nearest, _ = await traverse_dht(
+            [query], ranked[:8], 5, 8, 1, network.get_neighbors, patience=patience
+        )
+        assert nearest[query] == ranked[:5]  # the slow peer answers in the end
+        assert anyio.current_time() - start == pytest.approx(10.0)
+        assert (ranked[5] in {peer for peer, _ in network.calls}) == called_sixth

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -59,6 +59,12 @@ class AsyncDHT:
     async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration[Any] | None:
         """See :meth:`DHTNode.get`."""
         return await self.node.get(key, latest=latest)
+
+    async def get_many(
+        self, keys: Collection[Any], latest: bool = False
+    ) -> dict[Any, ValueWithExpiration[Any] | None]:
+        """See :meth:`DHTNode.get_many`."""
+        return await self.node.get_many(keys, latest=latest)
 
     async def run_coroutine(self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]]) -> T:
         """``await coro_fn(self, node)``."""
@@ -155,6 +161,13 @@ class DHT(BackgroundService):
         dht = self._running()[1]
         return self._run(functools.partial(dht.get, key, latest), return_future)
 
+    def get_many(
+        self, keys: Collection[Any], latest: bool = False, return_future: bool = False
+    ) -> dict[Any, ValueWithExpiration[Any] | None] | Future:
+        """Blocking :meth:`DHTNode.get_many`: several keys in one search."""
+        dht = self._running()[1]
+        return self._run(functools.partial(dht.get_many, list(keys), latest), return_future)
+
     def run_coroutine(
         self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]], return_future: bool = False
     ) -> T | Future:
@@ -184,6 +197,12 @@ class AsyncioDHT:
     async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration[Any] | None:
         runtime, dht = self._owner._running()
         return await runtime.call_asyncio(functools.partial(dht.get, key, latest))
+
+    async def get_many(
+        self, keys: Collection[Any], latest: bool = False
+    ) -> dict[Any, ValueWithExpiration[Any] | None]:
+        runtime, dht = self._owner._running()
+        return await runtime.call_asyncio(functools.partial(dht.get_many, list(keys), latest))
 
     async def run_coroutine(self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]]) -> T:
         runtime, dht = self._owner._running()

@@ -65,6 +65,9 @@ class DHTNodeConfig:
     :param bucket_size: Kademlia k; also how many nearest nodes a find answer lists
     :param depth_modulo: split buckets not covering our id only at depths not divisible by it
     :param beam_size: nodes kept per search (default: ``bucket_size``); >= ``num_replicas``
+    :param latest_beam_size: nodes a ``latest`` get reads (default: ``num_replicas``, the nodes
+      every store writes to); it ends once this many nodes nearest to the key answered and no
+      nearer node is left to ask. Between ``num_replicas`` and ``beam_size``
     :param num_workers: concurrent RPCs per search
     :param client_mode: call others but serve nothing and stay out of their routing tables
     :param wait_timeout: seconds to wait for one RPC before counting the peer as unresponsive
@@ -78,6 +81,7 @@ class DHTNodeConfig:
     bucket_size: int = 20
     depth_modulo: int = 5
     beam_size: int | None = None
+    latest_beam_size: int | None = None
     num_workers: int = 4
     client_mode: bool = False
     wait_timeout: float = 3.0
@@ -102,6 +106,17 @@ class DHTNodeConfig:
         if self.beam_size < self.num_replicas:
             raise ValueError(
                 f"beam_size ({self.beam_size}) must be at least num_replicas ({self.num_replicas})"
+            )
+        if self.latest_beam_size is None:
+            object.__setattr__(self, "latest_beam_size", self.num_replicas)
+        if (
+            isinstance(self.latest_beam_size, bool)
+            or not isinstance(self.latest_beam_size, int)
+            or not self.num_replicas <= self.latest_beam_size <= self.beam_size
+        ):
+            raise ValueError(
+                f"latest_beam_size must be an integer between num_replicas ({self.num_replicas}) "
+                f"and beam_size ({self.beam_size}), got {self.latest_beam_size!r}"
             )
         if self.cache_nearest < 0:
             raise ValueError("cache_nearest must be non-negative")
@@ -242,24 +257,28 @@ class DHTNode:
         """
         k = k if k is not None else self.config.beam_size
         queries = list(dict.fromkeys(queries))
-        found, _ = await self._search(queries, k)
-        result = {}
-        for query in queries:
-            nearest = dict(found[query])
-            if not (exclude_self or self.config.client_mode):
-                nearest[self.node_id] = self.p2p.peer_id
-            ordered = sorted(nearest, key=lambda node_id: node_id ^ query)[:k]
-            result[query] = {node_id: nearest[node_id] for node_id in ordered}
-        return result
+        found, _ = await self._search(queries, k, include_self=not exclude_self)
+        return {
+            query: dict(sorted(found[query].items(), key=lambda item: item[0] ^ query)[:k])
+            for query in queries
+        }
 
     async def _search(
-        self, queries: list[DHTID], beam_size: int, on_result=None
+        self, queries: list[DHTID], beam_size: int, on_result=None, include_self: bool = False
     ) -> tuple[dict[DHTID, dict[DHTID, PeerID]], dict[DHTID, set[DHTID]]]:
-        """Beam search; ``on_result(query, node_id, FindResult) -> should_stop`` sees answers."""
-        peers: dict[DHTID, PeerID] = {}
+        """Beam search; ``on_result(query, node_id, FindResult) -> should_stop`` sees answers.
+
+        With ``include_self`` (ignored for a client), this node takes a place in the beam
+        without an RPC (the caller has read its own storage) and may be among the results.
+        """
+        peers: dict[DHTID, PeerID] = {self.node_id: self.p2p.peer_id}
         initial: list[DHTID] = []
+        # More starting points than the beam holds: the search calls the farther ones only if
+        # nearer ones fail, so a narrow search (a store, a latest get) survives a burst of
+        # unresponsive peers instead of ending with no node at all.
+        num_initial = max(beam_size, self.config.bucket_size)
         for query in queries:
-            for node_id, peer_id in self.routing_table.get_nearest_neighbors(query, beam_size):
+            for node_id, peer_id in self.routing_table.get_nearest_neighbors(query, num_initial):
                 peers[node_id] = peer_id
                 initial.append(node_id)
 
@@ -276,6 +295,7 @@ class DHTNode:
                 answer[query] = (list(result.nearest), should_stop)
             return answer
 
+        myself = {self.node_id} if include_self and not self.config.client_mode else set()
         nearest, visited = await traverse_dht(
             queries,
             initial,
@@ -284,6 +304,10 @@ class DHTNode:
             queries_per_call=min(len(queries), 8) or 1,
             get_neighbors=get_neighbors,
             visited_nodes={query: {self.node_id} for query in queries},
+            answered_nodes={query: myself for query in queries},
+            # a call slower than this stops holding back farther candidates (dead peers can
+            # take the whole wait_timeout to fail)
+            patience=self.config.wait_timeout / 4,
         )
         found = {q: {node_id: peers[node_id] for node_id in nearest[q]} for q in queries}
         return found, visited
@@ -346,29 +370,55 @@ class DHTNode:
         """The value under ``key``, or None if no live, valid value was found.
 
         Without ``latest``, the search stops at the first valid value (the local storage and
-        cache count); with ``latest``, it asks all ``beam_size`` nodes nearest to the key and
-        returns the value with the latest expiration. Dictionary values are merged across all
-        answers received; they come back as ``{subkey: ValueWithExpiration(value, expiration)}``.
+        cache count). With ``latest``, it reads the ``latest_beam_size`` (default
+        ``num_replicas``) live nodes nearest to the key -- the nodes stores write to, this node
+        included if it is one -- and returns the value with the latest expiration. Dictionary
+        values are merged across all answers received; they come back as
+        ``{subkey: ValueWithExpiration(value, expiration)}``.
         """
         serialized_key = serialize(key, max_size=self.config.limits.max_key_size)
-        key_id = DHTID.from_serialized_key(serialized_key)
+        found = await self._get_serialized([serialized_key], latest)
+        return self._decode(serialized_key, found[serialized_key])
+
+    async def get_many(
+        self, keys: Collection[Any], latest: bool = False
+    ) -> dict[Any, ValueWithExpiration[Any] | None]:
+        """:meth:`get` for several (hashable) keys in one search: each find RPC asks a peer
+        about up to 8 of the keys at once. Returns ``{key: value or None}``."""
+        keys = list(dict.fromkeys(keys))
+        max_size = self.config.limits.max_key_size
+        serialized = {key: serialize(key, max_size=max_size) for key in keys}
+        found = await self._get_serialized(list(serialized.values()), latest)
+        return {key: self._decode(serialized[key], found[serialized[key]]) for key in keys}
+
+    async def _get_serialized(
+        self, serialized_keys: list[bytes], latest: bool
+    ) -> dict[bytes, FoundValue | None]:
+        """Validated (still serialized) values of ``serialized_keys``, searched together."""
+        key_of = {DHTID.from_serialized_key(key): key for key in dict.fromkeys(serialized_keys)}
         now = get_dht_time()
-        best = self._validated(serialized_key, self.protocol.lookup_locally(key_id, now))
-        lacking: list[DHTID] = []
-        if best is None or latest:
+        best = {
+            key_id: self._validated(key, self.protocol.lookup_locally(key_id, now))
+            for key_id, key in key_of.items()
+        }
+        queries = [key_id for key_id in key_of if best[key_id] is None or latest]
+        if queries:
+            lacking: dict[DHTID, list[DHTID]] = {key_id: [] for key_id in queries}
 
             def on_result(query: DHTID, node_id: DHTID, result) -> bool:
-                nonlocal best
-                found = self._validated(serialized_key, result.value)
+                found = self._validated(key_of[query], result.value)
                 if found is None:
-                    lacking.append(node_id)
-                best = merge_found_values(best, found, get_dht_time())
-                return best is not None and not latest
+                    lacking[query].append(node_id)
+                best[query] = merge_found_values(best[query], found, get_dht_time())
+                return best[query] is not None and not latest
 
-            found_nodes, _ = await self._search([key_id], self.config.beam_size, on_result)
-            if best is not None:
-                self._cache(serialized_key, best, found_nodes[key_id], lacking)
-        return self._decode(serialized_key, best)
+            beam_size = self.config.latest_beam_size if latest else self.config.beam_size
+            assert beam_size is not None
+            found_nodes, _ = await self._search(queries, beam_size, on_result, include_self=True)
+            for key_id in queries:
+                if best[key_id] is not None:
+                    self._cache(key_of[key_id], best[key_id], found_nodes[key_id], lacking[key_id])
+        return {key: best[key_id] for key_id, key in key_of.items()}
 
     def _validated(self, serialized_key: bytes, found: FoundValue | None) -> FoundValue | None:
         """``found`` without the records the validators reject (None if nothing is left)."""

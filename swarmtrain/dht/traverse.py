@@ -39,27 +39,62 @@ def _check_positive(**kwargs: int) -> None:
 class _QueryState:
     """Search state of one query: candidate heap (nearest first) and beam of answered nodes."""
 
-    __slots__ = ("active", "beam", "candidates", "known", "query", "visited")
+    __slots__ = ("active", "beam", "candidates", "in_flight", "known", "query", "visited")
 
-    def __init__(self, query: DHTID, initial_nodes: list[DHTID], visited: Iterable[DHTID]):
+    def __init__(
+        self,
+        query: DHTID,
+        initial_nodes: list[DHTID],
+        visited: Iterable[DHTID],
+        answered: Iterable[DHTID] = (),
+        beam_size: int = 1,
+    ):
         self.query = query
-        self.visited: set[DHTID] = set(visited)
-        self.known: set[DHTID] = set(initial_nodes)
+        answered = list(dict.fromkeys(answered))
+        self.visited: set[DHTID] = set(visited) | set(answered)
+        self.known: set[DHTID] = set(initial_nodes) | set(answered)
         self.candidates = [(query ^ node, node) for node in self.known if node not in self.visited]
         heapq.heapify(self.candidates)
         self.beam: list[tuple[int, DHTID]] = []  # (-distance, node): farthest answered on top
+        for node in answered:
+            self.add_answer(node, (), beam_size)
         self.active = 0  # get_neighbors calls in flight that include this query
+        # node called for this query -> (its distance, when the call started)
+        self.in_flight: dict[DHTID, tuple[int, float]] = {}
 
     def upper_bound(self, beam_size: int) -> float:
         return -self.beam[0][0] if len(self.beam) >= beam_size else math.inf
 
-    def next_candidate_distance(self, beam_size: int, failed: set[DHTID]) -> float:
-        """Distance of the nearest candidate worth visiting (inf if none); drops stale entries."""
+    def optimistic_bound(self, beam_size: int, now: float, patience: float) -> float:
+        """The ``beam_size``-th distance among answered nodes and nodes whose call is in flight
+        for less than ``patience`` seconds.
+
+        A candidate at least that far would not enter the beam if those calls succeed, so it
+        waits for them; once none is in flight this equals :meth:`upper_bound`.
+        """
+        pending = [d for d, started in self.in_flight.values() if now - started < patience]
+        if not pending:
+            return self.upper_bound(beam_size)
+        if len(self.beam) + len(pending) < beam_size:
+            return math.inf
+        distances = [-distance for distance, _ in self.beam]
+        distances.extend(pending)
+        return heapq.nsmallest(beam_size, distances)[-1]
+
+    def next_candidate_distance(
+        self, beam_size: int, failed: set[DHTID], bound: float | None = None
+    ) -> float:
+        """Distance of the nearest candidate worth visiting (inf if none); drops stale entries.
+
+        :param bound: visit only candidates nearer than this (default: :meth:`upper_bound`)
+        """
         while self.candidates and (
             self.candidates[0][1] in self.visited or self.candidates[0][1] in failed
         ):
             heapq.heappop(self.candidates)
-        if self.candidates and self.candidates[0][0] < self.upper_bound(beam_size):
+        if bound is None:
+            bound = self.upper_bound(beam_size)
+        if self.candidates and self.candidates[0][0] < bound:
             return self.candidates[0][0]
         return math.inf
 
@@ -90,11 +125,19 @@ class _Search:
         queries_per_call: int,
         get_neighbors: GetNeighbors,
         visited_nodes: Mapping[DHTID, Collection[DHTID]],
+        answered_nodes: Mapping[DHTID, Collection[DHTID]],
         found_callback: FoundCallback | None,
+        patience: float,
     ):
         self.beam_size, self.queries_per_call = beam_size, queries_per_call
+        self.patience = patience
         self.get_neighbors, self.found_callback = get_neighbors, found_callback
-        self.states = {q: _QueryState(q, initial_nodes, visited_nodes.get(q, ())) for q in queries}
+        self.states = {
+            q: _QueryState(
+                q, initial_nodes, visited_nodes.get(q, ()), answered_nodes.get(q, ()), beam_size
+            )
+            for q in queries
+        }
         self.unfinished: dict[DHTID, _QueryState] = dict(self.states)
         self.failed: set[DHTID] = set()
         self._updated = anyio.Event()
@@ -125,8 +168,10 @@ class _Search:
     def _choose(self) -> _QueryState | None:
         """Finish exhausted queries, then pick the query to expand: fewest calls, then nearest."""
         best, best_priority = None, (math.inf, math.inf)
+        now = anyio.current_time()
         for state in list(self.unfinished.values()):
-            distance = state.next_candidate_distance(self.beam_size, self.failed)
+            bound = state.optimistic_bound(self.beam_size, now, self.patience)
+            distance = state.next_candidate_distance(self.beam_size, self.failed, bound)
             if distance == math.inf:
                 if state.active == 0:
                     self._finish(state)
@@ -135,12 +180,22 @@ class _Search:
                 best, best_priority = state, (state.active, distance)
         return best
 
+    def _time_until_a_call_turns_slow(self) -> float:
+        """Seconds until a call in flight stops holding back farther candidates (or inf)."""
+        now, deadline = anyio.current_time(), math.inf
+        for state in self.unfinished.values():
+            for _, started in state.in_flight.values():
+                if now - started < self.patience:
+                    deadline = min(deadline, started + self.patience)
+        return max(0.0, deadline - now)
+
     async def _worker(self) -> None:
         while self.unfinished:
             state = self._choose()
             if state is None:
                 if self.unfinished:  # some call is in flight and may bring new candidates
-                    await self._updated.wait()
+                    with anyio.move_on_after(self._time_until_a_call_turns_slow()):
+                        await self._updated.wait()
                 continue
             _, peer = heapq.heappop(state.candidates)
             others = [
@@ -150,14 +205,17 @@ class _Search:
                 state,
                 *heapq.nsmallest(self.queries_per_call - 1, others, key=lambda s: s.query ^ peer),
             ]
+            started = anyio.current_time()
             for member in batch:
                 member.visited.add(peer)
                 member.active += 1
+                member.in_flight[peer] = (member.query ^ peer, started)
             try:
                 response = await self.get_neighbors(peer, [member.query for member in batch])
             finally:
                 for member in batch:
                     member.active -= 1
+                    del member.in_flight[peer]
                 self._notify()
             if response is None:
                 self.failed.add(peer)
@@ -182,6 +240,8 @@ async def traverse_dht(
     visited_nodes: Mapping[DHTID, Collection[DHTID]] | None = None,
     found_callback: FoundCallback | None = None,
     callback_task_group: anyio.abc.TaskGroup | None = None,
+    answered_nodes: Mapping[DHTID, Collection[DHTID]] | None = None,
+    patience: float = math.inf,
 ) -> tuple[dict[DHTID, list[DHTID]], dict[DHTID, set[DHTID]]]:
     """Find the ``beam_size`` answering nodes nearest to each query, with concurrent workers.
 
@@ -191,7 +251,18 @@ async def traverse_dht(
     when ``get_neighbors`` says ``should_stop`` for it, or when no candidate nearer than its
     ``beam_size``-th answered node is left and none of its calls is in flight.
 
+    A candidate is called only if it is nearer than the ``beam_size``-th of the answered nodes
+    *and the nodes whose calls are in flight* (for less than ``patience`` seconds): while
+    nearer calls may still fill the beam, farther candidates wait; they are called if those
+    calls fail or turn slow. So a search calls few nodes beyond the ``beam_size`` nearest, at
+    the price of some parallelism near its end.
+
     :param visited_nodes: per query, nodes never to call nor return (e.g. already asked)
+    :param answered_nodes: per query, nodes that count as answered without a call: they take
+      a place in the beam (and are returned) but are never called, e.g. the searching node
+      itself, whose own answer the caller already has
+    :param patience: seconds a call in flight holds back farther candidates (default: until
+      it ends)
     :param found_callback: started once per query as soon as that query finishes, with
       ``(query, nearest_nodes, visited_nodes)``
     :param callback_task_group: where ``found_callback`` runs. If None (default), callbacks run
@@ -212,7 +283,9 @@ async def traverse_dht(
         queries_per_call,
         get_neighbors,
         visited_nodes or {},
+        answered_nodes or {},
         found_callback,
+        patience,
     )
     if found_callback is None or callback_task_group is not None:
         await search.run(num_workers, callback_task_group)
