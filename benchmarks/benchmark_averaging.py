@@ -78,7 +78,8 @@ def swarmtrain_worker(args) -> None:
     from swarmtrain.dht import DHT
 
     index, num_peers, numel = args.index, args.num_peers, args.numel
-    profiler = cProfile.Profile() if args.profile and index == 0 else None
+    # CPU time, not wall time: under contention wall-clock profiles blame whatever was preempted
+    profiler = cProfile.Profile(time.process_time) if args.profile and index == 0 else None
     timings: list[float] = []
     cpu: list[float] = []
     starts: list[float] = []  # wall-clock start of each all-reduce (to see how staggered)
