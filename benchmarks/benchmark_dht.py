@@ -97,8 +97,8 @@ class Workload:
             "store_p95_ms": percentile(self.store_ms, 0.95),
             "get_p50_ms": percentile(self.get_ms, 0.5),
             "get_p95_ms": percentile(self.get_ms, 0.95),
-            # RPCs a request sent (all methods, from the requesting node's search and writes;
-            # swarmtrain only): mean per store / get
+            # RPCs a request sent, mean per store / get: swarmtrain, all methods counted in the
+            # requesting node's tasks; hivemind, find RPCs of all nodes during the phase
             "store_rpcs": sum(self.store_rpcs) / len(self.store_rpcs) if self.store_rpcs else None,
             "get_timeouts": self.get_timeouts,
             "get_rpcs": sum(self.get_rpcs) / len(self.get_rpcs) if self.get_rpcs else None,
@@ -289,9 +289,27 @@ def run_swarmtrain(args) -> dict:
 
 def run_hivemind(args) -> dict:
     import asyncio
+    import multiprocessing
 
     import hivemind
+    from hivemind.dht.protocol import DHTProtocol
     from hivemind.utils.timed_storage import get_dht_time as hivemind_time
+
+    # Count find RPCs in every DHT process (forked after this patch) through a shared counter.
+    finds = multiprocessing.Value("l", 0)
+    original_call_find = DHTProtocol.call_find
+
+    async def counting_call_find(self, *call_args, **call_kwargs):
+        with finds.get_lock():
+            finds.value += 1
+        return await original_call_find(self, *call_args, **call_kwargs)
+
+    DHTProtocol.call_find = counting_call_find
+
+    def count_finds(requests, per_request):
+        before = finds.value
+        yield
+        per_request.extend([(finds.value - before) / max(1, len(requests))] * len(requests))
 
     workload = Workload(args)
     started = time.perf_counter()
@@ -343,8 +361,16 @@ def run_hivemind(args) -> dict:
                     pass
                 workload.record_get(expected, got, 1000 * (time.perf_counter() - t))
 
-            await asyncio.gather(*[store(*r) for r in workload.store_requests(round_index)])
-            await asyncio.gather(*[get(*r) for r in workload.get_requests()])
+            stores = list(workload.store_requests(round_index))
+            counting = count_finds(stores, workload.store_rpcs)
+            next(counting)
+            await asyncio.gather(*[store(*r) for r in stores])
+            next(counting, None)
+            gets = list(workload.get_requests())
+            counting = count_finds(gets, workload.get_rpcs)
+            next(counting)
+            await asyncio.gather(*[get(*r) for r in gets])
+            next(counting, None)
             workload.end_round(round_index)
 
     asyncio.run(main())
