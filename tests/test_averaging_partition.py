@@ -54,6 +54,23 @@ def test_partition_covers_every_value_once_without_crossing_tensors():
     assert slice_sizes == list(apportion(sum(numels), [0.3, 0.0, 0.2, 0.5]))
 
 
+def test_parts_of_large_slices_grow_up_to_the_cap():
+    mib = 1 << 20
+    # 4 peers x 64 MiB of float32: 16 MiB slices -> 8 parts of 2 MiB each
+    layout = partition_tensors([16 * mib], [4], [1, 1, 1, 1], mib // 2, 2 * mib)
+    for parts in layout:
+        assert len(parts) == 8 and all(p.numel * 4 == 2 * mib for p in parts)
+    # 8 peers x 16 MiB: 2 MiB slices -> parts stay at part_size_bytes (4 of 512 KiB)
+    layout = partition_tensors([4 * mib], [4], [1] * 8, mib // 2, 2 * mib)
+    assert all(len(parts) == 4 for parts in layout)
+    # in between: about PARTS_PER_SLICE parts; no growth without a cap or with a small cap
+    layout = partition_tensors([6 * mib], [4], [1, 1], mib // 2, 2 * mib)
+    assert all(len(parts) == 8 for parts in layout)
+    assert partition_tensors([16 * mib], [4], [1] * 4, mib // 2) == partition_tensors(
+        [16 * mib], [4], [1] * 4, mib // 2, mib // 4
+    )
+
+
 def test_partition_is_deterministic():
     args = ([5000, 77], [4, 4], [0.123456789, 0.3, 0.576543211], 512)
     assert partition_tensors(*args) == partition_tensors(*args)

@@ -49,7 +49,7 @@ from swarmtrain.averaging.allreduce_core import (
     Failure,
     Reject,
 )
-from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, LARGE_PART_SIZE_BYTES
 from swarmtrain.compression import (
     CompressionBase,
     CompressionInfo,
@@ -330,10 +330,12 @@ class AllReduceRunner:
         if weight is None:
             weight = 0.0 if self.mode == AveragingMode.AUX else 1.0
         self.weight = float(weight)
-        if self.config.part_size_bytes + _PART_OVERHEAD_BYTES > service.max_message_size:
+        largest_part = max(self.config.part_size_bytes, LARGE_PART_SIZE_BYTES)
+        if largest_part + _PART_OVERHEAD_BYTES > service.max_message_size:
             raise ValueError(
-                f"part_size_bytes={self.config.part_size_bytes} does not fit the service's "
-                f"max_message_size={service.max_message_size}"
+                f"parts of up to {largest_part} bytes (part_size_bytes="
+                f"{self.config.part_size_bytes}, grown for large slices) do not fit the "
+                f"service's max_message_size={service.max_message_size}"
             )
         self.tensors = tuple(tensors)
         self._core: AllReduceCore | None = None

@@ -38,6 +38,7 @@ import torch
 
 from swarmtrain.averaging.partition import (
     DEFAULT_PART_SIZE_BYTES,
+    LARGE_PART_SIZE_BYTES,
     TensorPartContainer,
     TensorPartReducer,
     difference,
@@ -219,7 +220,11 @@ class AllReduceCore:
         self.reducer_timeout = math.inf if reducer_timeout is None else float(reducer_timeout)
         self.start_time = now
         self.container = TensorPartContainer(
-            tensors, group.fractions, part_size_bytes, delta_buffers=delta_buffers
+            tensors,
+            group.fractions,
+            part_size_bytes,
+            delta_buffers=delta_buffers,
+            max_part_size_bytes=max(part_size_bytes, LARGE_PART_SIZE_BYTES),
         )
         self._sender_slot = {peer: slot for slot, peer in enumerate(group.sender_indices)}
 

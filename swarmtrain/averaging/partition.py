@@ -38,6 +38,10 @@ __all__ = [
     "partition_tensors",
 ]
 
+# A slice of a large round is cut into about this many parts, each at most
+# LARGE_PART_SIZE_BYTES (see partition_tensors).
+PARTS_PER_SLICE = 8
+LARGE_PART_SIZE_BYTES = 2 * 1024 * 1024
 DEFAULT_PART_SIZE_BYTES = 1 << 19
 
 
@@ -93,13 +97,18 @@ def partition_tensors(
     element_sizes: Sequence[int],
     fractions: Sequence[float],
     part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+    max_part_size_bytes: int | None = None,
 ) -> tuple[tuple[PartSpec, ...], ...]:
     """The parts of every peer, in order: ``result[peer][part]``.
 
     :param numels: number of values in each tensor
     :param element_sizes: bytes per value of each tensor (a part holds at most
-      ``max(1, part_size_bytes // element_size)`` values)
+      ``max(1, part_bytes // element_size)`` values)
     :param fractions: each peer's share of the values (zero: the peer reduces nothing)
+    :param part_size_bytes: the size of a part, unless the slice is large
+    :param max_part_size_bytes: parts of a large slice grow up to this size, keeping about
+      ``PARTS_PER_SLICE`` parts per slice (fewer per-part costs; enough parts to pipeline);
+      None: no growth
     """
     if len(numels) != len(element_sizes):
         raise ValueError("numels and element_sizes have different lengths")
@@ -115,14 +124,19 @@ def partition_tensors(
     layout: list[tuple[PartSpec, ...]] = []
     slice_start = 0
     tensor_index = 0
+    widest = max(element_sizes, default=1)
     for size in slice_sizes:
+        part_bytes = part_size_bytes
+        if max_part_size_bytes is not None and max_part_size_bytes > part_size_bytes:
+            wanted = -(-size * widest // PARTS_PER_SLICE)
+            part_bytes = min(max(wanted, part_size_bytes), max_part_size_bytes)
         slice_stop = slice_start + size
         parts: list[PartSpec] = []
         position = slice_start
         while position < slice_stop:
             while tensor_starts[tensor_index + 1] <= position:
                 tensor_index += 1
-            values_per_part = max(1, part_size_bytes // element_sizes[tensor_index])
+            values_per_part = max(1, part_bytes // element_sizes[tensor_index])
             offset = position - tensor_starts[tensor_index]
             stop = min(slice_stop, tensor_starts[tensor_index + 1], position + values_per_part)
             parts.append(PartSpec(tensor_index, offset, offset + stop - position))
@@ -270,6 +284,7 @@ class TensorPartContainer:
         peer_fractions: Sequence[float],
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
         delta_buffers: Sequence[torch.Tensor] | None = None,
+        max_part_size_bytes: int | None = None,
     ):
         _check_tensors(tensors)
         self.tensors = tuple(tensors)
@@ -279,6 +294,7 @@ class TensorPartContainer:
             [t.element_size() for t in self.tensors],
             peer_fractions,
             part_size_bytes,
+            max_part_size_bytes,
         )
         self.group_size = len(self.layout)
         self.num_parts_by_peer = tuple(len(parts) for parts in self.layout)
