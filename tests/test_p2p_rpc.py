@@ -257,6 +257,9 @@ async def test_unreachable_peers_fail_fast():
         with pytest.raises(PeerUnreachableError):
             await a.call_protobuf_handler(unknown, "x::Y.z", StringValue(), StringValue)
         assert time.monotonic() - started < 2.5
+        # a refused dial is retried once, quickly (py-libp2p's default: 3 times over 0.7 s)
+        retry = a.host.get_network().retry_config
+        assert retry.max_retries == 1 and retry.initial_delay <= 0.1
 
 
 async def test_garbage_on_a_stream_is_rejected_and_others_keep_working():

@@ -28,7 +28,7 @@ from google.protobuf.message import Message
 from libp2p import new_host
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
-from libp2p.network.config import ConnectionConfig
+from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
@@ -48,6 +48,8 @@ from swarmtrain.utils.exception_groups import collapse_exception_groups
 logger = logging.getLogger(__name__)
 TOut = TypeVar("TOut", bound=Message)
 PEERSTORE_ADDR_TTL = 3600.0
+DIAL_RETRIES = 1
+DIAL_RETRY_DELAY = 0.05
 
 
 @dataclass(frozen=True)
@@ -171,13 +173,21 @@ def _build_host(key_pair: KeyPair, config: P2PConfig):
         # py-libp2p's auto-connector dials peers from the peerstore until a host holds 50
         # connections; the DHT fills the peerstore, so that would dial half the swarm.
         kwargs["connection_config"] = ConnectionConfig(min_connections=0, low_watermark=0)
-    return new_host(
+    host = new_host(
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},  # never plaintext, which py-libp2p offers by default
         muxer_preference="YAMUX",
         listen_addrs=transport_kinds,
         **kwargs,
     )
+    # py-libp2p retries a failed dial 3 times over 0.7 s (0.1, 0.2, 0.4 s), even a refused one:
+    # a DHT lookup that met a dead peer waited that long. One quick retry; the layers above
+    # (DHT, averaging) have their own. (new_host takes no retry_config in 0.8.1.)
+    swarm = host.get_network()
+    if not isinstance(getattr(swarm, "retry_config", None), RetryConfig):
+        raise RuntimeError("libp2p internals changed: the swarm has no retry_config")
+    swarm.retry_config = RetryConfig(max_retries=DIAL_RETRIES, initial_delay=DIAL_RETRY_DELAY)
+    return host
 
 
 class P2P:
