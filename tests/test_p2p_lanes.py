@@ -79,6 +79,36 @@ def test_tickets_are_single_use_expire_and_are_capped():
     book.issue("peer-b", now=31.0)  # the expired ones made room
 
 
+@pytest.mark.trio
+async def test_a_lane_read_cancelled_midway_resumes_where_it_stopped():
+    import socket
+
+    key = os.urandom(32)
+    raw_a, raw_b = socket.socketpair()
+    for raw in (raw_a, raw_b):
+        raw.setblocking(False)
+    sock_a, sock_b = trio.socket.from_stdlib_socket(raw_a), trio.socket.from_stdlib_socket(raw_b)
+    lane = lane_module.LaneStream(raw_a, sock_a, RecordSealer(os.urandom(32)), RecordOpener(key))
+    try:
+        data = os.urandom(300_000)
+        wire = b"".join(bytes(r) for r in RecordSealer(key).seal(data))
+        await sock_b.send(wire[:2])  # half a header
+        with trio.move_on_after(0.2) as scope:
+            await lane.read(1 << 20)
+        assert scope.cancelled_caught
+        await sock_b.send(wire[2:100_000])  # the rest of the header, part of the body
+        with trio.move_on_after(0.2) as scope:
+            await lane.read(1 << 20)
+        assert scope.cancelled_caught
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sock_b.send, wire[100_000:])
+            received = await lane.read(1 << 20)
+        assert received == data
+    finally:
+        await lane.reset()
+        sock_b.close()
+
+
 # ------------------------------------------------------------------ real hosts
 
 

@@ -262,6 +262,38 @@ async def test_unreachable_peers_fail_fast():
         assert retry.max_retries == 1 and retry.initial_delay <= 0.1
 
 
+@pytest.mark.parametrize("bulk", [False, True])
+async def test_a_cancelled_stream_input_call_closes_its_request_generator(bulk):
+    closed = trio.Event()
+
+    async def requests():
+        try:
+            for _ in range(10_000):
+                yield BytesValue(value=b"x" * 100_000)
+        finally:
+            closed.set()
+
+    async def read_one_then_hang(incoming, context):
+        async for _ in incoming:
+            break
+        await trio.sleep_forever()
+        return Int64Value()
+
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        a.add_protobuf_handler("test::Demo.hang", read_one_then_hang, BytesValue, stream_input=True)
+        with trio.move_on_after(1.0):  # the sender is blocked by flow control by then
+            await b.call_protobuf_handler(
+                a.peer_id,
+                "test::Demo.hang",
+                requests(),
+                Int64Value,
+                stream_input=True,
+                timeout=None,
+                bulk=bulk,
+            )
+        assert closed.is_set()  # closed by the call, not left to the garbage collector
+
+
 async def test_garbage_on_a_stream_is_rejected_and_others_keep_working():
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         serve_all(a)

@@ -57,42 +57,60 @@ class LaneStream:
     """One lane with the byte-stream interface ``RPCStream`` expects of a libp2p stream:
     ``read`` (raises ``StreamEOF`` at the clean end), ``write``, ``close``, ``reset``."""
 
+    #: a cancelled write harms only this lane (RPCStream need not shield writes from
+    #: cancellation, as it must for Noise over a shared libp2p connection)
+    cancel_safe = True
+
     def __init__(self, raw: socket.socket, sock, sealer: RecordSealer, opener: RecordOpener):
         """``raw`` is the connected stdlib socket and ``sock`` its trio wrapper."""
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if raw.family in (socket.AF_INET, socket.AF_INET6):
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._raw, self._sock = raw, sock
         self._sealer, self._opener = sealer, opener
         self._recv_buffer = bytearray(MAX_RECORD_CIPHERTEXT)
         self._pending = b""  # plaintext of the last record not yet returned by read()
+        # the record being received: header bytes so far, then its size and body bytes so far
+        self._rx_header = bytearray(HEADER_SIZE)
+        self._rx_header_got = 0
+        self._rx_size: int | None = None
+        self._rx_got = 0
         self._send_lock = trio.StrictFIFOLock()
         self._recv_lock = trio.StrictFIFOLock()
         self.closed = False
+        self._broken = False
         self.eof_received = False
         self.bytes_on_wire = 0
 
     # ---------------------------------------------------------------- reading
 
-    async def _receive_exactly(self, size: int) -> memoryview:
-        """The next ``size`` bytes, in the lane's one receive buffer (valid until the next
-        call)."""
-        view = memoryview(self._recv_buffer)[:size]
-        got = 0
-        while got < size:
-            try:
-                count = await self._sock.recv_into(view[got:], size - got)
-            except OSError as e:
-                raise StreamReset(f"the lane failed: {e!r}") from None
-            if count == 0:
-                raise StreamReset("the lane was cut without an end record")
-            got += count
-        self.bytes_on_wire += size
-        return view
+    async def _fill(self, view: memoryview, got: int) -> int:
+        """Receive into ``view[got:]`` once; the new fill level. A cancelled receive takes no
+        bytes (trio cancels only while waiting), so progress kept in ``self`` is never lost."""
+        try:
+            count = await self._sock.recv_into(view[got:], len(view) - got)
+        except OSError as e:
+            raise StreamReset(f"the lane failed: {e!r}") from None
+        if count == 0:
+            raise StreamReset("the lane was cut without an end record")
+        self.bytes_on_wire += count
+        return got + count
 
     async def _receive_record(self) -> bytes:
-        header = bytes(await self._receive_exactly(HEADER_SIZE))
+        """The next record's plaintext. Resumable: a read cancelled midway (a timeout around
+        it) leaves the partial header or body in place for the next call."""
         try:
-            size = self._opener.ciphertext_size(header)
-            return self._opener.open(await self._receive_exactly(size))
+            while self._rx_size is None:
+                self._rx_header_got = await self._fill(
+                    memoryview(self._rx_header), self._rx_header_got
+                )
+                if self._rx_header_got == HEADER_SIZE:
+                    self._rx_size = self._opener.ciphertext_size(bytes(self._rx_header))
+                    self._rx_got = 0
+            body = memoryview(self._recv_buffer)[: self._rx_size]
+            while self._rx_got < self._rx_size:
+                self._rx_got = await self._fill(body, self._rx_got)
+            self._rx_size, self._rx_header_got = None, 0
+            return self._opener.open(body)
         except LaneRecordError as e:
             raise StreamError(f"lane: {e}") from None
 
@@ -133,13 +151,19 @@ class LaneStream:
         self.bytes_on_wire += len(data)
 
     async def write(self, data) -> None:
-        if self.closed:
+        """Send ``data``. Cancellation-safe for the connection as a whole: a write cancelled
+        midway breaks only this lane (it is then closed without an end record)."""
+        if self.closed or self._broken:
             raise StreamClosed("the lane is closed")
         if not len(data):
             return
         async with self._send_lock:
-            for record in self._sealer.seal(data):
-                await self._send_all(record)
+            try:
+                for record in self._sealer.seal(data):
+                    await self._send_all(record)
+            except BaseException:
+                self._broken = True  # a record may be cut: nothing more can follow it
+                raise
 
     async def send_accept(self) -> None:
         async with self._send_lock:
@@ -150,7 +174,7 @@ class LaneStream:
 
     def is_reusable(self) -> bool:
         """Open both ways, with nothing (not even an end of stream) waiting to be read."""
-        if self.closed or self.eof_received or self._pending or self._sealer.ended:
+        if self.closed or self._broken or self.eof_received or self._pending or self._sealer.ended:
             return False
         try:
             self._raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -165,7 +189,7 @@ class LaneStream:
         if self.closed:
             return
         try:
-            if not self._sealer.ended:
+            if not self._sealer.ended and not self._broken:
                 async with self._send_lock:
                     await self._send_all(self._sealer.seal_end())
         except (StreamError, LaneRecordError):

@@ -26,6 +26,7 @@ logger = logging.getLogger("swarmtrain.p2p.rpc")
 TOut = TypeVar("TOut", bound=Message)
 
 OpenStream = Callable[[Any], Awaitable[Any]]
+_ACLOSE_TIMEOUT = 1.0  # bound on closing a caller's request generator
 
 
 class StreamPool:
@@ -150,8 +151,17 @@ async def _send_requests(
         await stream.send_message(serialize_checked(request, max_message_size, what))
 
     if isinstance(requests, AsyncIterable):
-        async for request in requests:
-            await send(request)
+        iterator = aiter(requests)
+        try:
+            async for request in iterator:
+                await send(request)
+        finally:
+            # An async generator left suspended (the call ended or was cancelled first) would
+            # be finalized by the garbage collector, maybe after the loop is gone: close it.
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(_ACLOSE_TIMEOUT):
+                    await aclose()
     else:
         for request in requests:
             await send(request)

@@ -89,7 +89,8 @@ class RPCStream:
             self._decoder.feed(data)
 
     async def _write(self, data: bytes | memoryview) -> None:
-        with trio.CancelScope(shield=True):
+        # A data lane's write may be cancelled; a libp2p stream's must not (see the docstring).
+        with trio.CancelScope(shield=not getattr(self.stream, "cancel_safe", False)):
             try:
                 with trio.fail_after(WRITE_STALL_TIMEOUT):
                     await self.stream.write(data)
