@@ -366,10 +366,12 @@ async def test_peer_sending_wrong_shapes_is_excluded():
         check_averaged(tensors[i], results[i], want)
 
 
-async def test_absent_peer_times_out_and_unknown_groups_are_rejected():
+async def test_absent_peer_rejects_unknown_groups_and_is_banned_without_waiting():
     tensors = random_tensors(2, seed=6)
+    # a long sender_timeout: the absent peer's answer to our stream ("no such round") bans it
+    # as a sender at once, without waiting for its parts until the timeout
     config = AllReduceConfig(
-        part_size_bytes=16 * 1024, sender_timeout=0.5, reducer_timeout=1.0, allreduce_timeout=5.0
+        part_size_bytes=16 * 1024, sender_timeout=20.0, reducer_timeout=25.0, allreduce_timeout=30.0
     )
     async with swarm(3) as (hosts, services):
         # hosts[2] serves all-reduce but never starts this round: its streams wait, then fail
@@ -383,7 +385,7 @@ async def test_absent_peer_times_out_and_unknown_groups_are_rejected():
     want = weighted_mean(tensors, [1, 1], (0, 1))
     layout = TensorPartContainer(tensors[0], (1, 1, 1), 16 * 1024).layout
     for i in (0, 1):
-        assert results[i].banned_senders == {absent: Failure.TIMEOUT}
+        assert results[i].banned_senders == {absent: Failure.REJECTED}
         assert results[i].failed_reducers == {absent: Failure.REJECTED}
         for t, (local, delta) in enumerate(zip(tensors[i], results[i].deltas, strict=True)):
             expected = want[t].reshape(-1).clone()

@@ -513,6 +513,9 @@ class AllReduceRunner:
                 response.detail,
             )
             core.fail_reducer(reducer, Failure.REJECTED)
+            if response.code in (Code.AVERAGING_FINISHED, Code.AVERAGING_BAD_GROUP_ID):
+                # it has no live round for this group: it will not send us its parts either
+                self._notify(core.ban_absent_sender(reducer, Failure.REJECTED))
             return False
         self._notify()
         return ok

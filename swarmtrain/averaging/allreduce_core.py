@@ -398,6 +398,13 @@ class AllReduceCore:
                 completed += self.ban_sender(peer, Failure.TIMEOUT)
         return tuple(completed)
 
+    def ban_absent_sender(self, peer: int, reason: Failure) -> tuple[int, ...]:
+        """``peer`` said it runs no such round (it answered our stream so): stop waiting for
+        its parts if none came yet, instead of until ``sender_timeout``."""
+        if self._senders.get(peer) != _Sender.WAITING:
+            return ()
+        return self.ban_sender(peer, reason)
+
     def ban_sender(self, peer: int, reason: Failure) -> tuple[int, ...]:
         """Stop waiting for ``peer`` (see Failure); return the parts that became complete."""
         if self._senders.get(peer) in (None, _Sender.BANNED, _Sender.DONE):

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 _POLL_INTERVAL = 0.1  # seconds between looks at the swarm's epoch while a round runs
+_LATE_START_GRACE = 0.3  # how long a round started after the swarm left its epoch may look
 
 #: gradient rounds are told apart in the matchmaking key by their epoch modulo 2 ** EPOCH_BITS
 EPOCH_BITS = 8
@@ -210,6 +211,13 @@ class GradientRounds:
     def _wait(self, control: StepControl, epoch: int | None) -> Any:
         deadline = time.monotonic() + self.averaging_timeout
         moved_on_at = None  # when we saw the swarm past ``epoch`` while still looking
+        # Started after the swarm had already left ``epoch``: only a peer as late as us could
+        # still be looking, so wait briefly. (Waiting matchmaking_time here locked a late peer
+        # and the others, who waited for it in their next round, one epoch apart: each epoch
+        # took matchmaking_time until something broke the symmetry.)
+        grace = self.matchmaking_time
+        if epoch is not None and self.swarm_epoch is not None and self.swarm_epoch() > epoch:
+            grace = min(grace, _LATE_START_GRACE)
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -229,7 +237,7 @@ class GradientRounds:
                 # a model mismatch) move on too, and then our round should fail by itself
                 now = time.monotonic()
                 moved_on_at = now if moved_on_at is None else moved_on_at
-                if now - moved_on_at >= self.matchmaking_time:
+                if now - moved_on_at >= grace:
                     raise TimeoutError(f"the swarm moved past epoch {epoch} without this peer")
             else:
                 moved_on_at = None
