@@ -63,7 +63,7 @@ def test_add_deltas_and_snapshot_keep_torch_semantics():
     half = torch.ones(4, dtype=torch.float16)
     strided = torch.ones(4, 4).t()
     version = parameter._version
-    snapshot = _snapshot([parameter, half, strided])
+    snapshot, _ = _snapshot([parameter, half, strided])
     _add_deltas(
         [parameter, half, strided], [torch.full((2, 3), 0.5), torch.ones(4), torch.ones(4, 4)]
     )

@@ -343,7 +343,11 @@ async def test_lane_of_a_closed_peer_is_not_reused():
 
 
 def test_lane_listen_host_follows_the_first_tcp_address():
-    from swarmtrain.p2p.host import P2PConfig, _lane_listen_host
+    from swarmtrain.p2p.host import P2PConfig
+    from swarmtrain.p2p.lane import lane_listen_host
+
+    def _lane_listen_host(config: P2PConfig):
+        return lane_listen_host(config.host_maddrs, config.client_mode)
 
     assert _lane_listen_host(P2PConfig()) == "127.0.0.1"
     assert _lane_listen_host(P2PConfig(host_maddrs=("/ip4/0.0.0.0/tcp/0",))) == "0.0.0.0"

@@ -49,7 +49,7 @@ from swarmtrain.averaging.allreduce_core import (
     Failure,
     Reject,
 )
-from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, LARGE_PART_SIZE_BYTES
+from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, largest_part_size
 from swarmtrain.compression import (
     CompressionBase,
     CompressionInfo,
@@ -330,7 +330,7 @@ class AllReduceRunner:
         if weight is None:
             weight = 0.0 if self.mode == AveragingMode.AUX else 1.0
         self.weight = float(weight)
-        largest_part = max(self.config.part_size_bytes, LARGE_PART_SIZE_BYTES)
+        largest_part = largest_part_size(self.config.part_size_bytes)
         if largest_part + _PART_OVERHEAD_BYTES > service.max_message_size:
             raise ValueError(
                 f"parts of up to {largest_part} bytes (part_size_bytes="

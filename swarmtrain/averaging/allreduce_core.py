@@ -38,10 +38,10 @@ import torch
 
 from swarmtrain.averaging.partition import (
     DEFAULT_PART_SIZE_BYTES,
-    LARGE_PART_SIZE_BYTES,
     TensorPartContainer,
     TensorPartReducer,
     difference,
+    largest_part_size,
 )
 
 __all__ = [
@@ -224,7 +224,7 @@ class AllReduceCore:
             group.fractions,
             part_size_bytes,
             delta_buffers=delta_buffers,
-            max_part_size_bytes=max(part_size_bytes, LARGE_PART_SIZE_BYTES),
+            max_part_size_bytes=largest_part_size(part_size_bytes),
         )
         self._sender_slot = {peer: slot for slot, peer in enumerate(group.sender_indices)}
 

@@ -80,10 +80,11 @@ def _add_deltas(tensors: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor])
 
 def _snapshot(
     tensors: Sequence[torch.Tensor], into: Sequence[torch.Tensor] | None = None
-) -> list[torch.Tensor]:
+) -> tuple[list[torch.Tensor], bool]:
     """CPU copies of ``tensors`` (in numpy memory, copied on one thread, where the dtype
     allows: faster than ``clone`` for tens of MiB), written into ``into`` (a previous
-    snapshot) when its shapes and dtypes match: reused pages need no mapping."""
+    snapshot) when its shapes and dtypes match: reused pages need no mapping. Returns the
+    copies and whether ``into`` was reused."""
     if into is not None and len(into) == len(tensors):
         if all(
             c.shape == t.shape and c.dtype == t.dtype and c.device.type == "cpu"
@@ -95,7 +96,7 @@ def _snapshot(
                     copy.copy_(tensor.detach())
                 else:
                     np.copyto(target, source)
-            return list(into)
+            return list(into), True
     copies = []
     for tensor in tensors:
         source = as_numpy(tensor)
@@ -103,7 +104,7 @@ def _snapshot(
             copies.append(tensor.detach().cpu().clone())
         else:
             copies.append(torch.from_numpy(source.copy()))
-    return copies
+    return copies, False
 
 
 def _normalize_state(state: Any) -> State:
@@ -454,14 +455,11 @@ class AsyncDecentralizedAverager:
         # concurrent round could never share them).
         spare, self._spare_round_buffers = self._spare_round_buffers, None
         async with self._locked_tensors() as tensors:
-            snapshot = await trio.to_thread.run_sync(
+            snapshot, reused = await trio.to_thread.run_sync(
                 _snapshot, tensors, spare[0] if spare else None
             )
-        delta_buffers = spare[1] if spare else None
-        if delta_buffers is not None and [d.numel() for d in delta_buffers] != [
-            t.numel() for t in snapshot
-        ]:
-            delta_buffers = None
+        # the delta buffers fit whenever the snapshot they were made for did
+        delta_buffers = spare[1] if spare and reused else None
         runner = AllReduceRunner(
             self._allreduce,
             allreduce_group,

@@ -146,6 +146,12 @@ def partition_tensors(
     return tuple(layout)
 
 
+def largest_part_size(part_size_bytes: int) -> int:
+    """The largest part a round with this ``part_size_bytes`` may send (large slices grow
+    their parts up to ``LARGE_PART_SIZE_BYTES``, see ``partition_tensors``)."""
+    return max(part_size_bytes, LARGE_PART_SIZE_BYTES)
+
+
 def _check_tensors(tensors: Sequence[torch.Tensor]) -> None:
     if not tensors:
         raise ValueError("need at least one tensor to average")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -40,7 +39,12 @@ from swarmtrain.p2p._tuning import apply_libp2p_tuning
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, RPCTimeoutError
 from swarmtrain.p2p.identity import load_or_create_identity
-from swarmtrain.p2p.lane import DataLanes, LaneStream
+from swarmtrain.p2p.lane import (
+    DataLanes,
+    LaneStream,
+    lane_listen_host,
+    lanes_disabled_by_env,
+)
 from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.utils.exception_groups import collapse_exception_groups
@@ -123,22 +127,6 @@ def as_peer_id(peer: ID | str | bytes) -> ID:
     if isinstance(peer, bytes):
         return ID(peer)
     raise TypeError(f"expected a peer id, got {type(peer).__name__}")
-
-
-def _lanes_disabled_by_env() -> bool:
-    """``SWARMTRAIN_DISABLE_DATA_LANES=1`` turns lanes off (benchmarks' A/B switch)."""
-    return os.environ.get("SWARMTRAIN_DISABLE_DATA_LANES") == "1"
-
-
-def _lane_listen_host(config: P2PConfig) -> str | None:
-    """The IP data lanes listen on: that of the first TCP listen address (None: no lanes)."""
-    if config.client_mode:
-        return None
-    for addr in config.host_maddrs:
-        parts = addr.split("/")
-        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
-            return parts[2]
-    return None
 
 
 def _with_ws_port(addr: str) -> multiaddr.Multiaddr:
@@ -244,9 +232,11 @@ class P2P:
                 async with host.run(listen_addrs=listen), trio.open_nursery() as nursery:
                     self._nursery = nursery
                     try:
-                        if config.use_data_lanes and not _lanes_disabled_by_env():
+                        if config.use_data_lanes and not lanes_disabled_by_env():
                             self.lanes = DataLanes(
-                                self, _lane_listen_host(config), config.data_lane_port
+                                self,
+                                lane_listen_host(config.host_maddrs, config.client_mode),
+                                config.data_lane_port,
                             )
                             await self.lanes.start(nursery)
                         if config.use_relay or config.relay_service:

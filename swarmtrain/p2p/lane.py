@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -351,11 +351,11 @@ class DataLanes:
         on_late_lane: Callable[[object, LaneStream], None],
         wait: float | None = None,
     ) -> LaneStream | None:
-        """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds (default
-        ``OPEN_WAIT``), else
-        None (the caller goes over libp2p). An attempt still running after ``wait`` goes on in
-        ``nursery`` and hands its lane to ``on_late_lane`` (e.g. the idle pool), so a slow
-        path or a firewall that drops packets never stalls a call for ``CONNECT_TIMEOUT``."""
+        """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds
+        (default ``OPEN_WAIT``), else None (the caller goes over libp2p). An attempt still
+        running after ``wait`` goes on in ``nursery`` and hands its lane to ``on_late_lane``
+        (e.g. the idle pool), so a slow path or a firewall that drops packets never stalls a
+        call for ``CONNECT_TIMEOUT``."""
         now = trio.current_time()
         if remote_ip is None or self._failed_until.get(peer_id, 0.0) > now:
             return None
@@ -435,6 +435,22 @@ class DataLanes:
             else:
                 sock.close()
             raise
+
+
+def lanes_disabled_by_env() -> bool:
+    """``SWARMTRAIN_DISABLE_DATA_LANES=1`` turns lanes off (benchmarks' A/B switch)."""
+    return os.environ.get("SWARMTRAIN_DISABLE_DATA_LANES") == "1"
+
+
+def lane_listen_host(host_maddrs: Sequence[str], client_mode: bool) -> str | None:
+    """The IP lanes listen on: that of the first TCP listen address (None: no lanes)."""
+    if client_mode:
+        return None
+    for addr in host_maddrs:
+        parts = addr.split("/")
+        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+            return parts[2]
+    return None
 
 
 async def _receive_ticket_id(sock) -> bytes:

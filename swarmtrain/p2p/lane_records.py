@@ -30,6 +30,12 @@ class LaneRecordError(Exception):
     """A record that is too large, does not authenticate, or comes after the end marker."""
 
 
+def _aead(key: bytes) -> ChaCha20Poly1305:
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"a lane key has {KEY_SIZE} bytes, got {len(key)}")
+    return ChaCha20Poly1305(key)
+
+
 def _nonce(counter: int) -> bytes:
     return b"\x00\x00\x00\x00" + counter.to_bytes(8, "big")
 
@@ -38,9 +44,7 @@ class RecordSealer:
     """Encrypts one direction of a lane into records, in one reused buffer."""
 
     def __init__(self, key: bytes):
-        if len(key) != KEY_SIZE:
-            raise ValueError(f"a lane key has {KEY_SIZE} bytes, got {len(key)}")
-        self._aead = ChaCha20Poly1305(key)
+        self._aead = _aead(key)
         self._counter = 0
         self._buffer = bytearray(HEADER_SIZE + MAX_RECORD_CIPHERTEXT)
         self.ended = False
@@ -79,9 +83,7 @@ class RecordOpener:
     """Decrypts one direction of a lane, record by record."""
 
     def __init__(self, key: bytes):
-        if len(key) != KEY_SIZE:
-            raise ValueError(f"a lane key has {KEY_SIZE} bytes, got {len(key)}")
-        self._aead = ChaCha20Poly1305(key)
+        self._aead = _aead(key)
         self._counter = 0
         self.ended = False
 
