@@ -10,9 +10,9 @@ import trio
 from swarmtrain.averaging import AllReduceConfig, AllReduceGroup, AllReduceRunner
 from swarmtrain.averaging.allreduce import AllReduceService
 from swarmtrain.averaging.async_averager import _add_deltas, _snapshot
+from swarmtrain.averaging.part_reducer import TensorPartReducer
 from swarmtrain.averaging.partition import (
     TensorPartContainer,
-    TensorPartReducer,
     as_numpy,
     difference,
 )

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from swarmtrain.averaging.part_reducer import TensorPartReducer
 from swarmtrain.averaging.partition import (
     TensorPartContainer,
-    TensorPartReducer,
     apportion,
     partition_tensors,
 )

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmtrain.averaging.part_reducer import TensorPartReducer
 from swarmtrain.averaging.partition import (
     DEFAULT_PART_SIZE_BYTES,
     TensorPartContainer,
-    TensorPartReducer,
     difference,
     largest_part_size,
 )

@@ -1,16 +1,16 @@
-"""Splitting tensors into per-peer parts, reassembling results, and reducing one slice (pure).
+"""Splitting tensors into per-peer parts and reassembling the results (pure).
 
 Every peer of a group computes the same layout from the same inputs (tensor shapes and dtypes,
 peer fractions, part size), so parts are identified by ``(peer index, part index)`` alone:
 
 - the flat concatenation of all tensors is cut into one contiguous *slice* per peer, with sizes
   apportioned to the peer fractions (:func:`apportion`);
-- each slice is cut into *parts* of at most ``part_size_bytes`` raw bytes; a part never crosses
-  a tensor boundary, so it is a flat range of one tensor.
+- each slice is cut into *parts* of ``part_size_bytes`` raw bytes (up to 2 MiB for large
+  slices); a part never crosses a tensor boundary, so it is a flat range of one tensor.
 
 :class:`TensorPartContainer` holds one peer's view of a round: the parts it sends and the
-deltas (average minus local values) it receives back. :class:`TensorPartReducer` averages the
-local slice over all senders with weights, and knows which senders are banned.
+deltas (average minus local values) it receives back. ``part_reducer.TensorPartReducer``
+averages the local slice over all senders with weights, and knows which senders are banned.
 
 Nothing here does I/O or waits; the async shell is ``swarmtrain.averaging.allreduce``.
 
@@ -33,7 +33,6 @@ __all__ = [
     "DEFAULT_PART_SIZE_BYTES",
     "PartSpec",
     "TensorPartContainer",
-    "TensorPartReducer",
     "apportion",
     "partition_tensors",
 ]
@@ -388,122 +387,3 @@ class TensorPartContainer:
                     if not self._received[peer_index][part_index]:
                         self._deltas[spec.tensor_index][spec.start : spec.stop].zero_()
         return tuple(d.reshape(t.shape) for d, t in zip(self._deltas, self.tensors, strict=True))
-
-
-class TensorPartReducer:
-    """Weighted averaging of one peer's slice over all senders (pure bookkeeping).
-
-    :param part_numels: number of values in each part of the slice
-    :param part_dtypes: dtype of each part (sums are kept in float32, or float64 for float64)
-    :param num_senders: number of senders; each contributes every part once, or is banned
-
-    A part is *complete* when every sender that is not banned contributed it. Its result is the
-    weighted mean of the contributions, or None when their total weight is zero (then every
-    sender keeps its own values: no NaN). Contributions made before a sender was banned stay in.
-    """
-
-    def __init__(
-        self,
-        part_numels: Sequence[int],
-        part_dtypes: Sequence[torch.dtype],
-        num_senders: int,
-    ):
-        if len(part_numels) != len(part_dtypes):
-            raise ValueError("part_numels and part_dtypes have different lengths")
-        if num_senders < 0:
-            raise ValueError("num_senders must be non-negative")
-        self.part_numels = tuple(int(n) for n in part_numels)
-        self.part_dtypes = tuple(part_dtypes)
-        self.num_parts = len(self.part_numels)
-        self.num_senders = num_senders
-        self._sums: list[torch.Tensor | None] = [None] * self.num_parts
-        self._weights = [0.0] * self.num_parts
-        self._contributed: list[set[int]] = [set() for _ in range(self.num_parts)]
-        self._results: dict[int, torch.Tensor | None] = {}
-        self._banned: set[int] = set()
-
-    @property
-    def banned(self) -> frozenset[int]:
-        return frozenset(self._banned)
-
-    def is_banned(self, sender: int) -> bool:
-        return sender in self._banned
-
-    def is_complete(self, part_index: int) -> bool:
-        return part_index in self._results
-
-    @property
-    def num_complete(self) -> int:
-        return len(self._results)
-
-    @property
-    def finished(self) -> bool:
-        return len(self._results) == self.num_parts
-
-    def accumulate(
-        self, sender: int, part_index: int, tensor: torch.Tensor, weight: float
-    ) -> tuple[int, ...]:
-        """Add one sender's part; return the parts this completed (this one, or none).
-
-        :raises ValueError: unknown sender or part, a banned sender, a repeated part, a tensor
-          of the wrong size, or a weight that is negative or not finite
-        """
-        self._check_sender(sender)
-        if sender in self._banned:
-            raise ValueError(f"sender {sender} is banned")
-        if not 0 <= part_index < self.num_parts:
-            raise ValueError(f"no part {part_index} (the slice has {self.num_parts})")
-        if sender in self._contributed[part_index]:
-            raise ValueError(f"sender {sender} already contributed part {part_index}")
-        if tensor.numel() != self.part_numels[part_index]:
-            raise ValueError(
-                f"part {part_index} has {self.part_numels[part_index]} values, got {tensor.numel()}"
-            )
-        weight = float(weight)
-        if not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"weight must be finite and non-negative, got {weight}")
-        if self.is_complete(part_index):  # every active sender already contributed it
-            raise ValueError(f"part {part_index} is already complete")
-        dtype = accumulator_dtype(self.part_dtypes[part_index])
-        self._sums[part_index] = scaled_sum(self._sums[part_index], tensor, weight, dtype)
-        self._weights[part_index] += weight
-        self._contributed[part_index].add(sender)
-        return self._complete_ready((part_index,))
-
-    def ban(self, sender: int) -> tuple[int, ...]:
-        """Stop waiting for ``sender``; return the parts that became complete."""
-        self._check_sender(sender)
-        if sender in self._banned:
-            return ()
-        self._banned.add(sender)
-        return self._complete_ready(range(self.num_parts))
-
-    def result(self, part_index: int) -> torch.Tensor | None:
-        """The weighted mean of a complete part (float32/float64), or None for zero weight."""
-        if part_index not in self._results:
-            raise ValueError(f"part {part_index} is not complete")
-        return self._results[part_index]
-
-    def _complete_ready(self, candidates) -> tuple[int, ...]:
-        active = set(range(self.num_senders)) - self._banned
-        completed = []
-        for k in candidates:
-            if k in self._results or not active <= self._contributed[k]:
-                continue
-            total, weight = self._sums[k], self._weights[k]
-            self._results[k] = _divide(total, weight) if total is not None and weight > 0 else None
-            self._sums[k] = None
-            completed.append(k)
-        return tuple(completed)
-
-    def _check_sender(self, sender: int) -> None:
-        if not 0 <= sender < self.num_senders:
-            raise ValueError(f"no sender {sender} (there are {self.num_senders})")
-
-
-def _divide(total: torch.Tensor, weight: float) -> torch.Tensor:
-    total_np = as_numpy(total)
-    if total_np is None:
-        return total.div_(weight)
-    np.divide(total_np, weight, out=total_np)
-    return total
