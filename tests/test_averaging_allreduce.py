@@ -366,7 +366,8 @@ async def test_peer_sending_wrong_shapes_is_excluded():
         check_averaged(tensors[i], results[i], want)
 
 
-async def test_absent_peer_rejects_unknown_groups_and_is_banned_without_waiting():
+@pytest.mark.parametrize("absence", ["wait_expired", "not_joining", "released"])
+async def test_absent_peer_rejects_unknown_groups_and_is_banned_without_waiting(absence):
     tensors = random_tensors(2, seed=6)
     # a long sender_timeout: the absent peer's answer to our stream ("no such round") bans it
     # as a sender at once, without waiting for its parts until the timeout
@@ -375,7 +376,14 @@ async def test_absent_peer_rejects_unknown_groups_and_is_banned_without_waiting(
     )
     async with swarm(3) as (hosts, services):
         # hosts[2] serves all-reduce but never starts this round: its streams wait, then fail
-        services[2].group_wait_timeout = 0.2
+        services[2].group_wait_timeout = 0.2 if absence == "wait_expired" else 20.0
+        if absence == "not_joining":  # e.g. its step was cancelled while a join was in flight
+            services[2].may_join_unknown_groups = lambda: False
+        elif absence == "released":  # assembled, then its step was cancelled before the round
+            services[2].may_join_unknown_groups = lambda: False
+            services[2].expect(b"round-7")
+            assert services[2]._may_start(b"round-7")
+            services[2].release(b"round-7")
         group = AllReduceGroup(b"round-7", tuple(h.peer_id for h in hosts), (1, 1, 1))
         runners = [AllReduceRunner(services[i], group, tensors[i], config=config) for i in (0, 1)]
         start = time.monotonic()
@@ -394,6 +402,30 @@ async def test_absent_peer_rejects_unknown_groups_and_is_banned_without_waiting(
                     expected[spec.start : spec.stop] = local.reshape(-1)[spec.start : spec.stop]
             torch.testing.assert_close((local + delta).reshape(-1), expected)
     assert elapsed < 4
+
+
+async def test_expected_group_waits_for_its_late_round():
+    """A member that assembled the group but starts its round late is waited for, even when
+    it is not looking for another group (``may_join_unknown_groups`` says no)."""
+    tensors = random_tensors(3, seed=8)
+    async with swarm(3) as (hosts, services):
+        services[2].may_join_unknown_groups = lambda: False
+        services[2].expect(b"round-8")
+        group = AllReduceGroup(b"round-8", tuple(h.peer_id for h in hosts), (1, 1, 1))
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=FAST) for i in range(3)]
+        results = [None] * 3
+
+        async def run(i, delay):
+            await trio.sleep(delay)
+            results[i] = await runners[i].run()
+
+        async with trio.open_nursery() as nursery:
+            for i, delay in enumerate((0.0, 0.0, 1.0)):
+                nursery.start_soon(run, i, delay)
+    want = weighted_mean(tensors, [1, 1, 1], range(3))
+    for i in range(3):
+        assert results[i].complete, results[i]
+        check_averaged(tensors[i], results[i], want)
 
 
 async def test_allreduce_timeout_keeps_local_values():

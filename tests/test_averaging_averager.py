@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -314,6 +315,34 @@ async def test_trigger_weight_change_and_cancel():
         # the averager still works after a cancelled step
         results = await step_all([a, b], timeout=[10, 10])
         assert all(isinstance(r, dict) for r in results), results
+        swarm.stop_all()
+
+
+@pytest.mark.trio
+async def test_member_cancelled_after_assembly_is_dropped_at_once():
+    """A member that cancels between assembly and the all-reduce answers the others' streams
+    at once, so they finish without it instead of waiting ``sender_timeout`` (30 s here)."""
+    tensors = [random_tensors(40 + i) for i in range(3)]
+    slow = {"sender_timeout": 30.0, "target_group_size": 3, "min_group_size": 3}
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        a, b, x = [await swarm.add([t.clone() for t in tensors[i]], **slow) for i in range(3)]
+        x_control = x.start_step(require_trigger=True, timeout=60)
+        with trio.fail_after(20):  # well under the 30 s the others would otherwise wait
+            async with trio.open_nursery() as steps:
+                steps.start_soon(functools.partial(a.step, timeout=60))
+                steps.start_soon(functools.partial(b.step, timeout=60))
+                await wait_for(lambda: x_control.stage == AveragingStage.AWAITING_TRIGGER, 15)
+                assert x_control.cancel()
+        for t, (got_a, got_b) in enumerate(zip(local(a), local(b), strict=True)):
+            mean = (tensors[0][t] + tensors[1][t]) / 2
+            # a and b averaged their own slices without x; x's slice kept their local values
+            averaged = torch.isclose(got_a, mean) & torch.isclose(got_b, mean)
+            kept = torch.eq(got_a, tensors[0][t]) & torch.eq(got_b, tensors[1][t])
+            assert bool((averaged | kept).all())
+            assert bool(averaged.any()) or t > 0
+        for got, original in zip(local(x), tensors[2], strict=True):
+            assert torch.equal(got, original)
         swarm.stop_all()
 
 

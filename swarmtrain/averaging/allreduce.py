@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -79,6 +79,10 @@ logger = logging.getLogger(__name__)
 Code = averaging_pb2.AveragingCode
 # Room for codec metadata on top of a part's raw bytes (codebooks, block scales).
 _PART_OVERHEAD_BYTES = 1 << 16
+# group ids remembered as finished or expected (a stream for one is answered at once)
+_MAX_REMEMBERED_GROUPS = 1024
+# how often a stream for an unknown group re-checks ``may_join_unknown_groups``
+_HOOK_POLL_INTERVAL = 0.05
 # Codecs cheap enough (a memcpy or a cast) to run on the loop for parts up to this size. Exact
 # types only: a subclass or a selector may do anything, including block.
 _INLINE_CODECS = (NoCompression, Float16Compression)
@@ -221,6 +225,12 @@ class AllReduceService:
     :param group_wait_timeout: how long a stream for an unknown group waits for its round to
       start locally (members start a round at slightly different times)
     :param max_message_size: largest part message accepted (it bounds ``part_size_bytes``)
+    :param may_join_unknown_groups: whether a group this host has not heard of yet may still
+      include it (e.g. a join request is in flight: its leader may have assembled a group
+      whose start message has not arrived). A stream for an unknown group waits for its
+      round only while this holds or the group was announced with :meth:`expect`; otherwise
+      it is answered at once, so the sender bans us instead of waiting ``sender_timeout``.
+      None: always wait (up to ``group_wait_timeout``).
     """
 
     def __init__(
@@ -230,14 +240,17 @@ class AllReduceService:
         *,
         group_wait_timeout: float = 5.0,
         max_message_size: int = 4 * DEFAULT_PART_SIZE_BYTES + _PART_OVERHEAD_BYTES,
+        may_join_unknown_groups: Callable[[], bool] | None = None,
     ):
         self.p2p = p2p
+        self.may_join_unknown_groups = may_join_unknown_groups
         self.prefix = prefix
         self.handler_name = rpc_aggregate_part_name(prefix)
         self.group_wait_timeout = group_wait_timeout
         self.max_message_size = max_message_size
         self._runners: dict[bytes, AllReduceRunner] = {}
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._expected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = anyio.Event()
 
     @classmethod
@@ -258,26 +271,60 @@ class AllReduceService:
         finally:
             p2p.remove_protobuf_handler(self.handler_name)
 
+    def expect(self, group_id: bytes) -> None:
+        """A group with this id was assembled here: its round will start (or be released)."""
+        if group_id not in self._runners and group_id not in self._finished:
+            self._expected[group_id] = None
+            while len(self._expected) > _MAX_REMEMBERED_GROUPS:
+                self._expected.popitem(last=False)
+
+    def release(self, group_id: bytes) -> None:
+        """This host is done with the group: streams for it get ``AVERAGING_FINISHED`` unless
+        its round is running (call after the round, or instead of it when a step is
+        cancelled between assembly and the all-reduce)."""
+        self._expected.pop(group_id, None)
+        if group_id not in self._runners and group_id not in self._finished:
+            self._remember_finished(group_id)
+            self._wake_waiters()
+
+    def _remember_finished(self, group_id: bytes) -> None:
+        self._finished[group_id] = None
+        while len(self._finished) > _MAX_REMEMBERED_GROUPS:
+            self._finished.popitem(last=False)
+
+    def _wake_waiters(self) -> None:
+        self._registered.set()
+        self._registered = anyio.Event()
+
     def _register(self, runner: AllReduceRunner) -> None:
         group_id = runner.group.group_id
         if group_id in self._runners or group_id in self._finished:
             raise ValueError(f"a round with group_id {group_id.hex()} already ran here")
+        self._expected.pop(group_id, None)
         self._runners[group_id] = runner
-        self._registered.set()
-        self._registered = anyio.Event()
+        self._wake_waiters()
 
     def _unregister(self, runner: AllReduceRunner) -> None:
         group_id = runner.group.group_id
         if self._runners.get(group_id) is runner:
             del self._runners[group_id]
-            self._finished[group_id] = None
-            while len(self._finished) > 1024:
-                self._finished.popitem(last=False)
+            self._remember_finished(group_id)
+
+    def _may_start(self, group_id: bytes) -> bool:
+        """Whether a round for this unknown group may still start here."""
+        if group_id in self._expected:
+            return True
+        return self.may_join_unknown_groups is None or self.may_join_unknown_groups()
 
     async def _find_runner(self, group_id: bytes) -> AllReduceRunner | None:
+        # the hook has no event to wait on: re-check it every _HOOK_POLL_INTERVAL
+        poll = math.inf if self.may_join_unknown_groups is None else _HOOK_POLL_INTERVAL
         with anyio.move_on_after(self.group_wait_timeout):
             while group_id not in self._runners and group_id not in self._finished:
-                await self._registered.wait()
+                if not self._may_start(group_id):
+                    break
+                with anyio.move_on_after(poll):
+                    await self._registered.wait()
         return self._runners.get(group_id)
 
     async def _rpc_aggregate_part(self, requests, context):

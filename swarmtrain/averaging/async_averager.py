@@ -208,6 +208,11 @@ class AsyncDecentralizedAverager:
             ) as self._state_sharing,
             trio.open_nursery() as nursery,
         ):
+            # A stream for a group we have not heard of waits only while we may be in it; a
+            # step cancelled after its leader took us answers at once (no sender_timeout).
+            self._matchmaking.on_group_assembled = self._allreduce.expect
+            self._matchmaking.on_group_dropped = self._allreduce.release
+            self._allreduce.may_join_unknown_groups = lambda: self._matchmaking.awaiting_leader
             self._nursery = nursery
             try:
                 yield self
@@ -411,6 +416,21 @@ class AsyncDecentralizedAverager:
                 control._on_scheduled_time = None
             if own_bits:
                 self._rotate_group_bits(bits, assembled)
+            try:
+                return await self._average_in_group(control, assembled)
+            except AllReduceError as e:
+                if not control.allow_retries or get_dht_time() >= control.deadline:
+                    raise
+                logger.info("%s; retrying", e)
+                control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
+
+    async def _average_in_group(
+        self, control: StepControl, assembled: GroupAssembled
+    ) -> GatheredData:
+        """Wait for the trigger, then run the all-reduce; however this ends, the group is
+        released, so its members' streams to us are answered at once, not after a timeout."""
+        assert self._allreduce is not None
+        try:
             if not control.triggered:
                 control._set_stage(AveragingStage.AWAITING_TRIGGER)
                 with trio.move_on_at(_trio_deadline(control.deadline)):
@@ -421,13 +441,9 @@ class AsyncDecentralizedAverager:
                         "allow_allreduce() was not called before the deadline",
                     )
             weight = control._begin_allreduce()
-            try:
-                return await self._run_allreduce(assembled.group, weight)
-            except AllReduceError as e:
-                if not control.allow_retries or get_dht_time() >= control.deadline:
-                    raise
-                logger.info("%s; retrying", e)
-                control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
+            return await self._run_allreduce(assembled.group, weight)
+        finally:
+            self._allreduce.release(assembled.group.group_id)
 
     def _rotate_group_bits(self, bits: str, assembled: GroupAssembled) -> None:
         group = assembled.group

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -259,6 +259,10 @@ class Matchmaking:
         self._followers: dict[PeerId, trio.MemorySendChannel] = {}
         self._join_calls: dict[PeerId, trio.CancelScope] = {}
         self.rounds_started = 0
+        # told each assembled group's id at once, before ``look_for_group`` returns, and (the
+        # second) when ``look_for_group`` is cancelled after its group was assembled
+        self.on_group_assembled: Callable[[bytes], None] | None = None
+        self.on_group_dropped: Callable[[bytes], None] | None = None
 
     @classmethod
     @asynccontextmanager
@@ -288,6 +292,12 @@ class Matchmaking:
     @property
     def looking_for_group(self) -> bool:
         return self._core is not None and not self._core.done
+
+    @property
+    def awaiting_leader(self) -> bool:
+        """A join request is in flight: its leader may have put us in a group already (its
+        start message not here yet). False once the round ended, was cancelled or failed."""
+        return self.looking_for_group and bool(self._join_calls)
 
     def statistics(self) -> MatchmakingStatistics | None:
         """The current round's statistics (None between rounds)."""
@@ -338,6 +348,11 @@ class Matchmaking:
                     nursery.start_soon(self._run_timer, core)
                     await self._round_done.wait()
                     nursery.cancel_scope.cancel()
+            except BaseException:
+                assembled = core.result if core.done else None
+                if isinstance(assembled, GroupAssembled) and self.on_group_dropped is not None:
+                    self.on_group_dropped(assembled.group.group_id)  # cancelled just after
+                raise
             finally:
                 if not core.done:  # cancelled: disband followers, withdraw (no awaits here)
                     self._dispatch(core.cancel(get_dht_time()))
@@ -400,6 +415,8 @@ class Matchmaking:
                         del self._followers[action.follower]
                         channel.close()
             elif isinstance(action, (GroupAssembled, MatchmakingFailed)):
+                if isinstance(action, GroupAssembled) and self.on_group_assembled is not None:
+                    self.on_group_assembled(action.group.group_id)
                 self._round_done.set()
         self._wake.set()
 
