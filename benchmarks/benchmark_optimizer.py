@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -171,6 +172,15 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     sys.stdout = sys.stderr  # stdout carries the protocol only
+    # worker logs (shown with --verbose) carry the time and the peer; BENCH_DEBUG=a,b logs
+    # the loggers a and b (e.g. swarmtrain.optim,swarmtrain.averaging) at DEBUG level
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(asctime)s.%(msecs)03d p{args.index} %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for name in filter(None, os.environ.get("BENCH_DEBUG", "").split(",")):
+        logging.getLogger(name).setLevel(logging.DEBUG)
     model, (x, y), eval_set = make_workload(args.features, args.hidden, args.layers)
     shard = torch.arange(args.index, len(x), max(1, args.peers))
     x, y = x[shard], y[shard]

@@ -1,5 +1,6 @@
 """Typed RPC between real py-libp2p hosts on loopback (TCP + Noise + Yamux)."""
 
+import random
 import time
 
 import pytest
@@ -337,6 +338,55 @@ async def test_many_concurrent_calls():
                 nursery.start_soon(one, i)
                 nursery.start_soon(stream_one, i)
         assert results == {i: f"{i:04d}"[::-1] for i in range(100)}
+
+
+async def echo_bytes(request, context):
+    return BytesValue(value=request.value)
+
+
+async def test_calls_cancelled_at_random_moments_leave_the_connection_usable():
+    """A call cancelled while py-libp2p writes a frame used to kill the whole connection (a
+    skipped Noise nonce or a half-sent frame), after which every call to the peer failed."""
+    generator = random.Random(5)
+    payload = BytesValue(value=bytes(200_000))
+    errors: list[Exception] = []
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        b.add_protobuf_handler("test::Demo.echo", echo_bytes, BytesValue)
+        await a.call_protobuf_handler(b.peer_id, "test::Demo.echo", payload, BytesValue)
+        (connection,) = a._host.get_network().connections[b.peer_id]
+
+        async def call_cancelled_soon():
+            with trio.move_on_after(generator.random() * 0.01):
+                try:
+                    await a.call_protobuf_handler(b.peer_id, "test::Demo.echo", payload, BytesValue)
+                except Exception as e:
+                    errors.append(e)
+
+        for _ in range(30):
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(call_cancelled_soon)
+        reply = await a.call_protobuf_handler(b.peer_id, "test::Demo.echo", payload, BytesValue)
+        assert reply.value == payload.value
+        assert errors == []
+        assert a._host.get_network().connections[b.peer_id] == [connection]
+        assert not connection.is_closed
+
+
+async def test_a_dead_connection_is_redialled():
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        b.add_protobuf_handler("test::Demo.echo", echo_bytes, BytesValue)
+        request = BytesValue(value=b"ping")
+        await a.call_protobuf_handler(b.peer_id, "test::Demo.echo", request, BytesValue)
+        (connection,) = a._host.get_network().connections[b.peer_id]
+        # corrupt the connection as a lost frame would: spend one Noise nonce, so b cannot
+        # decrypt anything a sends on it and closes it
+        connection.muxed_conn.secured_conn.conn.encrypt(b"lost")
+        for _ in range(3):
+            reply = await a.call_protobuf_handler(b.peer_id, "test::Demo.echo", request, BytesValue)
+            assert reply.value == b"ping"
+        assert connection.is_closed
+        assert a.is_connected(b.peer_id)
 
 
 async def test_bad_registrations_raise():

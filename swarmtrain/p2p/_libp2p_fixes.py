@@ -4,6 +4,49 @@ from __future__ import annotations
 
 import trio
 
+#: a yamux frame whose socket write makes no progress for this long: the connection is dead
+FRAME_WRITE_TIMEOUT = 60.0
+
+
+def fix_cancelled_frame_writes() -> None:
+    """Make every yamux frame write all-or-nothing under cancellation, idempotently.
+
+    py-libp2p 0.8.1 writes each frame with ``await secured_conn.write(frame)``: Noise encrypts
+    it (spending a nonce), then sends it. A task cancelled inside that await (a timeout around
+    an RPC, a cancelled step) either drops an encrypted message or sends part of it; the peer
+    then fails to decrypt everything after it and the connection is dead for good (measured:
+    8 concurrent RPCs cancelled at random moments killed the connection within a few rounds,
+    and every later call failed "No valid connections available"). Here the wait for the
+    connection's write lock stays cancellable (nothing is sent yet) and the write itself is
+    shielded, bounded by ``FRAME_WRITE_TIMEOUT``; a frame that cannot be written in that time
+    closes the connection (it may be half-sent). Also drops the per-frame debug formatting.
+    """
+    from libp2p.stream_muxer.exceptions import MuxedConnUnavailable
+    from libp2p.stream_muxer.yamux import yamux as yamux_module
+
+    current = getattr(yamux_module.Yamux, "_write_frame", None)
+    if current is None:
+        raise RuntimeError("libp2p internals changed: Yamux._write_frame is missing")
+    if getattr(current, "swarmtrain_fixed", False):
+        return
+
+    async def write_frame(self, data: bytes) -> None:
+        async with self._write_lock:
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(FRAME_WRITE_TIMEOUT) as stalled:
+                    await self.secured_conn.write(data)
+                if stalled.cancelled_caught:
+                    with trio.move_on_after(1.0):
+                        await self.secured_conn.close()
+        if stalled.cancelled_caught:
+            raise MuxedConnUnavailable(
+                f"a yamux frame write made no progress for {FRAME_WRITE_TIMEOUT} s"
+            )
+        await trio.lowlevel.checkpoint()
+
+    write_frame.swarmtrain_fixed = True  # type: ignore[attr-defined]
+    yamux_module.Yamux._write_frame = write_frame
+
 
 def _fix_hole_punch_dial_leak() -> None:
     """Replace py-libp2p 0.8.1's source-bound TCP dial, which only DCUtR uses, idempotently.

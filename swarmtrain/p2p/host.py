@@ -326,7 +326,17 @@ class P2P:
         return list(self._host.get_connected_peers())
 
     def is_connected(self, peer: ID | str) -> bool:
-        return bool(self._host.get_network().connections.get(as_peer_id(peer)))
+        """Whether an open connection to ``peer`` exists."""
+        conns = self._host.get_network().connections.get(as_peer_id(peer), ())
+        return any(not conn.is_closed for conn in conns)
+
+    def _forget_closed_connections(self, peer_id: ID) -> None:
+        # py-libp2p 0.8.1 can keep a dead connection listed; its new_stream then fails "No
+        # valid connections available" instead of dialling
+        network = self._host.get_network()
+        for conn in list(network.connections.get(peer_id, ())):
+            if conn.is_closed:
+                network.remove_conn(conn)
 
     def add_addrs(self, peer: ID | str, addrs: Sequence[str]) -> None:
         """Remember addresses of a peer (without dialling it)."""
@@ -363,6 +373,7 @@ class P2P:
         async with lock:
             if self.is_connected(peer_id):
                 return
+            self._forget_closed_connections(peer_id)
             addrs = self._host.get_peerstore().addrs(peer_id) if self._known(peer_id) else []
             direct = [a for a in addrs if "/p2p-circuit" not in str(a)]
             relayed = [a for a in addrs if "/p2p-circuit" in str(a)]
@@ -403,6 +414,13 @@ class P2P:
         await self.ensure_connected(peer_id)
         try:
             with trio.fail_after(self.config.dial_timeout):
+                try:
+                    return await self._host.new_stream(peer_id, [protocol_id])
+                except Exception:
+                    if self.is_connected(peer_id):
+                        raise
+                # the connection died (e.g. the peer restarted): dial once more
+                await self.ensure_connected(peer_id)
                 return await self._host.new_stream(peer_id, [protocol_id])
         except trio.TooSlowError:
             raise PeerUnreachableError(
