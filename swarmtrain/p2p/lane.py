@@ -2,7 +2,7 @@
 
 py-libp2p's Noise + yamux path costs Python work per 64 KiB (see benchmarks/RESULTS.md), which
 caps a stream at ~10-20% of raw TCP. A lane moves one RPC stream's bytes over its own TCP
-connection in 1 MiB ChaCha20-Poly1305 records (``lane_records``) instead:
+connection in 1 MiB AES-256-GCM records (``lane_records``) instead:
 
 1. the caller asks the callee for a ticket over their libp2p connection (Noise authenticates
    both peers and encrypts the ticket: a random id and one fresh key per direction);
