@@ -404,14 +404,16 @@ async def test_absent_peer_rejects_unknown_groups_and_is_banned_without_waiting(
     assert elapsed < 4
 
 
-async def test_expected_group_waits_for_its_late_round():
+@pytest.mark.parametrize("suffix", [b"", b".p"], ids=["same_id", "derived_id"])
+async def test_expected_group_waits_for_its_late_round(suffix):
     """A member that assembled the group but starts its round late is waited for, even when
-    it is not looking for another group (``may_join_unknown_groups`` says no)."""
+    it is not looking for another group (``may_join_unknown_groups`` says no); so are rounds
+    whose ids extend the group's (PowerSGD runs two per group)."""
     tensors = random_tensors(3, seed=8)
     async with swarm(3) as (hosts, services):
         services[2].may_join_unknown_groups = lambda: False
         services[2].expect(b"round-8")
-        group = AllReduceGroup(b"round-8", tuple(h.peer_id for h in hosts), (1, 1, 1))
+        group = AllReduceGroup(b"round-8" + suffix, tuple(h.peer_id for h in hosts), (1, 1, 1))
         runners = [AllReduceRunner(services[i], group, tensors[i], config=FAST) for i in range(3)]
         results = [None] * 3
 

@@ -272,7 +272,9 @@ class AllReduceService:
             p2p.remove_protobuf_handler(self.handler_name)
 
     def expect(self, group_id: bytes) -> None:
-        """A group with this id was assembled here: its round will start (or be released)."""
+        """A group with this id was assembled here: its rounds will start (or it is released).
+        Until :meth:`release`, streams for this id and for ids extending it (a group may run
+        several rounds, e.g. PowerSGD's ``group_id + b".p"``) wait for their round."""
         if group_id not in self._runners and group_id not in self._finished:
             self._expected[group_id] = None
             while len(self._expected) > _MAX_REMEMBERED_GROUPS:
@@ -312,7 +314,7 @@ class AllReduceService:
 
     def _may_start(self, group_id: bytes) -> bool:
         """Whether a round for this unknown group may still start here."""
-        if group_id in self._expected:
+        if any(group_id.startswith(expected) for expected in self._expected):
             return True
         return self.may_join_unknown_groups is None or self.may_join_unknown_groups()
 
