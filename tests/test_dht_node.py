@@ -105,11 +105,13 @@ class FindCalls:
 
     def __init__(self, node: DHTNode):
         self.calls: list[tuple[object, list[DHTID]]] = []
+        self.max_nearest_peers: list[int | None] = []
         original = node.protocol.call_find
 
-        async def call_find(peer_id, key_ids):
+        async def call_find(peer_id, key_ids, max_nearest_peers=None):
             self.calls.append((peer_id, list(key_ids)))
-            return await original(peer_id, key_ids)
+            self.max_nearest_peers.append(max_nearest_peers)
+            return await original(peer_id, key_ids, max_nearest_peers)
 
         node.protocol.call_find = call_find
 
@@ -240,6 +242,38 @@ async def test_latest_reads_the_nearest_replicas_and_stops_there():
                 num_calls.append(len(called))
         # the 3 replicas (fewer when the reader is one), not all 11 other nodes as before
         assert max(num_calls) <= 6 and sum(num_calls) / len(num_calls) < 4
+
+
+@pytest.mark.trio
+async def test_find_lists_as_many_nearest_peers_as_the_caller_asks():
+    async with swarm(10) as s:
+        node = s.nodes[0]
+        find = node.protocol.method_name("rpc_find")
+        await s.nodes[1].find_nearest_nodes([node.node_id])  # everyone knows node 0
+        async with P2P.create(node.p2p.get_visible_maddrs(), **NO_RELAY) as raw:
+            keys = [DHTID.generate().to_bytes() for _ in range(3)]
+
+            async def nearest(**kwargs) -> list[list[bytes]]:
+                request = dht_pb2.DHTFindRequest(keys=keys, **kwargs)  # a client: no node id
+                response = await raw.call_protobuf_handler(
+                    node.p2p.peer_id, find, request, dht_pb2.DHTFindResponse
+                )
+                return [[peer.node_id for peer in r.nearest_peers] for r in response.results]
+
+            everyone = await nearest()  # an older caller: as many as the bucket holds
+            assert all(len(peers) == len(node.routing_table) >= 5 for peers in everyone)
+            assert await nearest(max_nearest_peers=3) == [peers[:3] for peers in everyone]
+            assert await nearest(max_nearest_peers=1000) == everyone
+
+        # a search asks each peer for as many nodes as it keeps: a latest get for num_replicas
+        reader = s.nodes[-1]
+        spy = FindCalls(reader)
+        assert await s.nodes[2].store("key", "value", get_dht_time() + 60)
+        assert (await reader.get("key", latest=True)).value == "value"
+        assert spy.max_nearest_peers and set(spy.max_nearest_peers) == {reader.config.num_replicas}
+        spy.max_nearest_peers.clear()
+        await reader.find_nearest_nodes([DHTID.generate()], k=7)
+        assert spy.max_nearest_peers and set(spy.max_nearest_peers) == {7}
 
 
 def test_latest_beam_size_defaults_to_num_replicas():

@@ -62,7 +62,8 @@ class DHTNodeConfig:
     """Validated settings of a :class:`DHTNode` (hivemind's keyword names).
 
     :param num_replicas: store each value on this many nodes nearest to its key
-    :param bucket_size: Kademlia k; also how many nearest nodes a find answer lists
+    :param bucket_size: Kademlia k; also the most nearest nodes a find answer lists (a search
+      asks each peer for as many as it keeps: ``beam_size`` or ``latest_beam_size``)
     :param depth_modulo: split buckets not covering our id only at depths not divisible by it
     :param beam_size: nodes kept per search (default: ``bucket_size``); >= ``num_replicas``
     :param latest_beam_size: nodes a ``latest`` get reads (default: ``num_replicas``, the nodes
@@ -283,7 +284,8 @@ class DHTNode:
                 initial.append(node_id)
 
         async def get_neighbors(node_id: DHTID, batch: list[DHTID]):
-            response = await self.protocol.call_find(peers[node_id], batch)
+            # a peer's nodes beyond the beam_size nearest to a query would not enter our beam
+            response = await self.protocol.call_find(peers[node_id], batch, beam_size)
             if response is None:
                 return None
             answer = {}

@@ -383,6 +383,8 @@ class DHTProtocol:
         now = get_dht_time()
         response = dht_pb2.DHTFindResponse(peer=self._node_info())
         k = min(self.bucket_size, self.limits.max_nearest_peers)
+        if request.max_nearest_peers:  # 0: the caller did not say (our bucket_size)
+            k = min(k, request.max_nearest_peers)
         for key_id in key_ids:
             result = response.results.add()
             found = self.lookup_locally(key_id, now)
@@ -485,11 +487,17 @@ class DHTProtocol:
         return list(response.store_ok)
 
     async def call_find(
-        self, peer_id: PeerID, key_ids: Sequence[DHTID]
+        self, peer_id: PeerID, key_ids: Sequence[DHTID], max_nearest_peers: int | None = None
     ) -> dict[DHTID, FindResult] | None:
-        """Ask ``peer_id`` about ``key_ids``; values in the answer are not validated yet."""
+        """Ask ``peer_id`` about ``key_ids``; values in the answer are not validated yet.
+
+        :param max_nearest_peers: list at most this many nearest peers per key (default: as
+          many as the callee's bucket_size)
+        """
         request = dht_pb2.DHTFindRequest(
-            keys=[key_id.to_bytes() for key_id in key_ids], peer=self._node_info()
+            keys=[key_id.to_bytes() for key_id in key_ids],
+            peer=self._node_info(),
+            max_nearest_peers=max_nearest_peers or 0,
         )
         response = await self._call(peer_id, "rpc_find", request, dht_pb2.DHTFindResponse)
         if response is None:
