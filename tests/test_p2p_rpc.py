@@ -389,33 +389,6 @@ async def test_a_dead_connection_is_redialled():
         assert a.is_connected(b.peer_id)
 
 
-async def test_small_calls_do_not_send_a_window_update_per_read(monkeypatch):
-    """Credit goes back once half the yamux window was consumed (go-yamux), not per read."""
-    from libp2p.stream_muxer.yamux.yamux import YamuxStream
-
-    sent: list[int] = []
-    original = YamuxStream.send_window_update
-
-    async def counting(self, increment, skip_lock=False):
-        sent.append(increment)
-        await original(self, increment, skip_lock=skip_lock)
-
-    monkeypatch.setattr(YamuxStream, "send_window_update", counting)
-    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
-        b.add_protobuf_handler("test::Demo.echo", echo_bytes, BytesValue)
-        small = BytesValue(value=bytes(300))
-        await a.call_protobuf_handler(b.peer_id, "test::Demo.echo", small, BytesValue)
-        sent.clear()
-        for _ in range(100):
-            reply = await a.call_protobuf_handler(b.peer_id, "test::Demo.echo", small, BytesValue)
-            assert reply.value == small.value
-        assert len(sent) < 10, len(sent)  # was two per call (one on each side)
-        # a large transfer still gets its credit back and completes
-        big = BytesValue(value=bytes(8 * 1024 * 1024))
-        reply = await a.call_protobuf_handler(b.peer_id, "test::Demo.echo", big, BytesValue)
-        assert reply.value == big.value and sent
-
-
 async def test_bad_registrations_raise():
     async with P2P.create() as a:
         with pytest.raises(TypeError):

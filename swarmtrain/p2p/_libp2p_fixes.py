@@ -104,39 +104,3 @@ def _fix_hole_punch_dial_leak() -> None:
 
     open_tcp_stream_from.swarmtrain_fixed = True  # type: ignore[attr-defined]
     tcp_module._open_tcp_stream_from = open_tcp_stream_from
-
-
-def batch_small_window_updates() -> None:
-    """Send a yamux WINDOW_UPDATE only once half the window was consumed, idempotently.
-
-    py-libp2p 0.8.1 grants the bytes of every read straight back, in a frame of its own, even
-    when far less than half the receive window was consumed (its "partial slack" and
-    release-on-read branches): every small RPC costs an extra encrypted frame and socket write
-    on each side. go-yamux (and this fix) grant credit when half the window was consumed:
-    small reads only add to the pending release, and the original method runs (growing the
-    window as it does) once the pending release or the consumed bytes reach its threshold.
-    Measured: CPU per small RPC on an open connection -16-40% (both ends).
-    """
-    from libp2p.stream_muxer.yamux import yamux as yamux_module
-
-    stream_class = yamux_module.YamuxStream
-    current = getattr(stream_class, "_auto_tune_and_send_window_update", None)
-    for name in ("_auto_tune_and_send_window_update", "_grow_threshold"):
-        if not hasattr(stream_class, name):
-            raise RuntimeError(f"libp2p internals changed: YamuxStream.{name} is missing")
-    if getattr(current, "swarmtrain_fixed", False):
-        return
-
-    async def send_window_update_when_due(self, *, bytes_read: int = 0) -> None:
-        async with self.window_lock:
-            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
-            consumed = self.target_recv_window - (self.recv_window + buffered)
-            threshold = self._grow_threshold()
-            pending = self._pending_recv_release + max(bytes_read, 0)
-            if consumed < threshold and pending < threshold:
-                self._pending_recv_release = pending
-                return
-        await current(self, bytes_read=bytes_read)
-
-    send_window_update_when_due.swarmtrain_fixed = True  # type: ignore[attr-defined]
-    stream_class._auto_tune_and_send_window_update = send_window_update_when_due
