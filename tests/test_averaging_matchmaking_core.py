@@ -637,7 +637,7 @@ def test_invalid_inputs_raise():
 
 
 def test_follower_ignores_stale_and_invalid_messages():
-    core = MatchmakingCore(config(), pid(5), SCHEMA, deadline=30.0)
+    core = MatchmakingCore(config(first_refresh_interval=0.1), pid(5), SCHEMA, deadline=30.0)
     core.start(0.0)
     actions = core.receive_declarations([Declaration(pid(1), 3.0, schema_hash=SCHEMA)], 0.0)
     assert actions == [SendJoinRequest(pid(1), request(5.0, gather=b""))]

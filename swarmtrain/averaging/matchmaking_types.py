@@ -168,7 +168,7 @@ class MatchmakingConfig:
     min_matchmaking_time: float = 5.0
     request_timeout: float = 3.0
     refresh_interval: float = 1.0
-    first_refresh_interval: float = 0.1
+    first_refresh_interval: float = 0.05
     max_redirects: int = 3
 
     def __post_init__(self):
