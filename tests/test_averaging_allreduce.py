@@ -366,7 +366,7 @@ async def test_peer_sending_wrong_shapes_is_excluded():
         check_averaged(tensors[i], results[i], want)
 
 
-@pytest.mark.parametrize("absence", ["wait_expired", "not_joining", "released"])
+@pytest.mark.parametrize("absence", ["wait_expired", "not_joining", "joining_another", "released"])
 async def test_absent_peer_rejects_unknown_groups_and_is_banned_without_waiting(absence):
     tensors = random_tensors(2, seed=6)
     # a long sender_timeout: the absent peer's answer to our stream ("no such round") bans it
@@ -378,13 +378,16 @@ async def test_absent_peer_rejects_unknown_groups_and_is_banned_without_waiting(
         # hosts[2] serves all-reduce but never starts this round: its streams wait, then fail
         services[2].group_wait_timeout = 0.2 if absence == "wait_expired" else 20.0
         if absence == "not_joining":  # e.g. its step was cancelled while a join was in flight
-            services[2].may_join_unknown_groups = lambda: False
+            services[2].may_join_unknown_groups = lambda leader: False
+        elif absence == "joining_another":  # looking again: a join request to another leader
+            services[2].may_join_unknown_groups = lambda leader: leader in (b"", b"another")
         elif absence == "released":  # assembled, then its step was cancelled before the round
-            services[2].may_join_unknown_groups = lambda: False
+            services[2].may_join_unknown_groups = lambda leader: False
             services[2].expect(b"round-7")
             assert services[2]._may_start(b"round-7")
             services[2].release(b"round-7")
-        group = AllReduceGroup(b"round-7", tuple(h.peer_id for h in hosts), (1, 1, 1))
+        peer_ids = tuple(h.peer_id for h in hosts)
+        group = AllReduceGroup(b"round-7", peer_ids, (1, 1, 1), leader=hosts[0].peer_id)
         runners = [AllReduceRunner(services[i], group, tensors[i], config=config) for i in (0, 1)]
         start = time.monotonic()
         results = await run_all(runners)
@@ -411,7 +414,7 @@ async def test_expected_group_waits_for_its_late_round(suffix):
     whose ids extend the group's (PowerSGD runs two per group)."""
     tensors = random_tensors(3, seed=8)
     async with swarm(3) as (hosts, services):
-        services[2].may_join_unknown_groups = lambda: False
+        services[2].may_join_unknown_groups = lambda leader: False
         services[2].expect(b"round-8")
         group = AllReduceGroup(b"round-8" + suffix, tuple(h.peer_id for h in hosts), (1, 1, 1))
         runners = [AllReduceRunner(services[i], group, tensors[i], config=FAST) for i in range(3)]

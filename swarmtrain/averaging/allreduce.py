@@ -225,12 +225,13 @@ class AllReduceService:
     :param group_wait_timeout: how long a stream for an unknown group waits for its round to
       start locally (members start a round at slightly different times)
     :param max_message_size: largest part message accepted (it bounds ``part_size_bytes``)
-    :param may_join_unknown_groups: whether a group this host has not heard of yet may still
-      include it (e.g. a join request is in flight: its leader may have assembled a group
-      whose start message has not arrived). A stream for an unknown group waits for its
-      round only while this holds or the group was announced with :meth:`expect`; otherwise
-      it is answered at once, so the sender bans us instead of waiting ``sender_timeout``.
-      None: always wait (up to ``group_wait_timeout``).
+    :param may_join_unknown_groups: called with the leader's peer id from the stream's
+      first request (b"" when the sender did not say): whether a group this host has not
+      heard of yet may still include it (e.g. a join request to that leader is in flight:
+      it may have assembled a group whose start message has not arrived). A stream for an
+      unknown group waits for its round only while this holds or the group was announced
+      with :meth:`expect`; otherwise it is answered at once, so the sender bans us instead
+      of waiting ``sender_timeout``. None: always wait (up to ``group_wait_timeout``).
     """
 
     def __init__(
@@ -240,7 +241,7 @@ class AllReduceService:
         *,
         group_wait_timeout: float = 5.0,
         max_message_size: int = 4 * DEFAULT_PART_SIZE_BYTES + _PART_OVERHEAD_BYTES,
-        may_join_unknown_groups: Callable[[], bool] | None = None,
+        may_join_unknown_groups: Callable[[bytes], bool] | None = None,
     ):
         self.p2p = p2p
         self.may_join_unknown_groups = may_join_unknown_groups
@@ -312,18 +313,18 @@ class AllReduceService:
             del self._runners[group_id]
             self._remember_finished(group_id)
 
-    def _may_start(self, group_id: bytes) -> bool:
-        """Whether a round for this unknown group may still start here."""
+    def _may_start(self, group_id: bytes, leader: bytes = b"") -> bool:
+        """Whether a round for this unknown group (led by ``leader``) may still start here."""
         if any(group_id.startswith(expected) for expected in self._expected):
             return True
-        return self.may_join_unknown_groups is None or self.may_join_unknown_groups()
+        return self.may_join_unknown_groups is None or self.may_join_unknown_groups(leader)
 
-    async def _find_runner(self, group_id: bytes) -> AllReduceRunner | None:
+    async def _find_runner(self, group_id: bytes, leader: bytes = b"") -> AllReduceRunner | None:
         # the hook has no event to wait on: re-check it every _HOOK_POLL_INTERVAL
         poll = math.inf if self.may_join_unknown_groups is None else _HOOK_POLL_INTERVAL
         with anyio.move_on_after(self.group_wait_timeout):
             while group_id not in self._runners and group_id not in self._finished:
-                if not self._may_start(group_id):
+                if not self._may_start(group_id, leader):
                     break
                 with anyio.move_on_after(poll):
                     await self._registered.wait()
@@ -334,7 +335,7 @@ class AllReduceService:
             first = await requests.__anext__()
         except StopAsyncIteration:
             return
-        runner = await self._find_runner(first.group_id)
+        runner = await self._find_runner(first.group_id, first.leader)
         if runner is None:
             if first.group_id in self._finished:
                 yield _response(Code.AVERAGING_FINISHED, "this round is over")
@@ -501,6 +502,8 @@ class AllReduceRunner:
             if k == 0:
                 request.group_id = self.group.group_id
                 request.weight = self.weight
+                if self.group.leader is not None:
+                    request.leader = self.group.leader.to_bytes()
             self.part_bytes_sent += len(request.part.buffer)
             yield request
 

@@ -93,12 +93,15 @@ class AllReduceGroup:
     :param peer_ids: members in order; the i-th reduces the i-th slice
     :param fractions: each member's share of the values to reduce (0 for clients)
     :param modes: each member's mode; default CLIENT for a zero fraction, else NODE
+    :param leader: the member that assembled the group, if known (told to the others with
+      the first request, see ``AllReduceService.may_join_unknown_groups``)
     """
 
     group_id: bytes
     peer_ids: tuple[Hashable, ...]
     fractions: tuple[float, ...]
     modes: tuple[AveragingMode, ...] = ()
+    leader: Hashable | None = None
 
     def __post_init__(self):
         if not isinstance(self.group_id, bytes) or not self.group_id:
@@ -116,6 +119,8 @@ class AllReduceGroup:
             raise ValueError("peer_ids must be unique")
         if len(self.fractions) != n or len(self.modes) != n:
             raise ValueError("peer_ids, fractions and modes must have the same length")
+        if self.leader is not None and self.leader not in self.peer_ids:
+            raise ValueError("the leader must be a member of the group")
         for peer, f, mode in zip(self.peer_ids, self.fractions, self.modes, strict=True):
             if not isinstance(mode, AveragingMode):
                 raise TypeError(f"mode of {peer} is {mode!r}, not an AveragingMode")

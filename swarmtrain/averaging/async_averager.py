@@ -212,7 +212,7 @@ class AsyncDecentralizedAverager:
             # step cancelled after its leader took us answers at once (no sender_timeout).
             self._matchmaking.on_group_assembled = self._allreduce.expect
             self._matchmaking.on_group_dropped = self._allreduce.release
-            self._allreduce.may_join_unknown_groups = lambda: self._matchmaking.awaiting_leader
+            self._allreduce.may_join_unknown_groups = self._matchmaking.may_be_in_group_of
             self._nursery = nursery
             try:
                 yield self
@@ -465,7 +465,11 @@ class AsyncDecentralizedAverager:
             self.total_size, bandwidths, senders=[m != AveragingMode.AUX for m in modes]
         )
         allreduce_group = AllReduceGroup(
-            group.group_id, tuple(PeerID(p) for p in group.peer_ids), counts, modes
+            group.group_id,
+            tuple(PeerID(p) for p in group.peer_ids),
+            counts,
+            modes,
+            leader=PeerID(group.leader) if group.leader in group.peer_ids else None,
         )
         # The previous round's snapshot and delta buffers, if it ended well (taken, so a
         # concurrent round could never share them).

@@ -293,11 +293,13 @@ class Matchmaking:
     def looking_for_group(self) -> bool:
         return self._core is not None and not self._core.done
 
-    @property
-    def awaiting_leader(self) -> bool:
-        """A join request is in flight: its leader may have put us in a group already (its
-        start message not here yet). False once the round ended, was cancelled or failed."""
-        return self.looking_for_group and bool(self._join_calls)
+    def may_be_in_group_of(self, leader: bytes) -> bool:
+        """A join request to ``leader`` (any leader if b"") is in flight: it may have put us in
+        a group already (its start message not here yet). False once the round ended, was
+        cancelled or failed."""
+        if not self.looking_for_group:
+            return False
+        return leader in self._join_calls if leader else bool(self._join_calls)
 
     def statistics(self) -> MatchmakingStatistics | None:
         """The current round's statistics (None between rounds)."""

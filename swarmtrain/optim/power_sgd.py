@@ -236,7 +236,10 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
             senders=[m != AveragingMode.AUX for m in modes],
         )
         peer_ids = tuple(PeerID(p) for p in group.peer_ids)
-        round_group = AllReduceGroup(group.group_id + suffix, peer_ids, counts, modes)
+        leader = PeerID(group.leader) if group.leader in group.peer_ids else None
+        round_group = AllReduceGroup(
+            group.group_id + suffix, peer_ids, counts, modes, leader=leader
+        )
         config = self.config.allreduce_config()
         codec = config.compression
         if isinstance(codec, TaggedCompression):
