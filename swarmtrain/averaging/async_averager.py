@@ -454,23 +454,31 @@ class AsyncDecentralizedAverager:
             bits, group.group_id, index, group.size, self.config.target_group_size
         )
 
-    async def _run_allreduce(self, group: MatchmakingGroup, weight: float) -> GatheredData:
-        assert self._allreduce is not None
+    @staticmethod
+    def _allreduce_group(
+        group: MatchmakingGroup, total_size: int, suffix: bytes = b""
+    ) -> AllReduceGroup:
+        """The all-reduce round of an assembled group over ``total_size`` values: slices by
+        bandwidth (none for clients; aux peers send nothing), id ``group_id + suffix``."""
         modes = group.modes
         bandwidths = [
             0.0 if m == AveragingMode.CLIENT else b
             for m, b in zip(modes, group.bandwidths, strict=True)
         ]
         counts = load_balance_peers(
-            self.total_size, bandwidths, senders=[m != AveragingMode.AUX for m in modes]
+            total_size, bandwidths, senders=[m != AveragingMode.AUX for m in modes]
         )
-        allreduce_group = AllReduceGroup(
-            group.group_id,
+        return AllReduceGroup(
+            group.group_id + suffix,
             tuple(PeerID(p) for p in group.peer_ids),
             counts,
             modes,
             leader=PeerID(group.leader) if group.leader in group.peer_ids else None,
         )
+
+    async def _run_allreduce(self, group: MatchmakingGroup, weight: float) -> GatheredData:
+        assert self._allreduce is not None
+        allreduce_group = self._allreduce_group(group, self.total_size)
         # The previous round's snapshot and delta buffers, if it ended well (taken, so a
         # concurrent round could never share them).
         spare, self._spare_round_buffers = self._spare_round_buffers, None

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import trio
 
-from swarmtrain.averaging import AllReduceGroup, AllReduceRunner, AveragingMode
+from swarmtrain.averaging import AllReduceRunner
 from swarmtrain.averaging.async_averager import (
     AsyncDecentralizedAverager,
     GatheredData,
@@ -49,7 +49,6 @@ from swarmtrain.averaging.async_averager import (
 )
 from swarmtrain.averaging.averager_config import compute_schema_hash
 from swarmtrain.averaging.errors import AllReduceError
-from swarmtrain.averaging.load_balancing import load_balance_peers
 from swarmtrain.averaging.matchmaking_types import MatchmakingGroup
 from swarmtrain.compression import CompressionInfo, TensorRole
 from swarmtrain.optim._tensor_infos import TaggedCompression, tag_compression
@@ -225,21 +224,7 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
     ) -> tuple[torch.Tensor, ...] | None:
         """One all-reduce round over ``tensors``; their deltas (None for an AUX peer)."""
         assert self._allreduce is not None
-        modes = group.modes
-        bandwidths = [
-            0.0 if m == AveragingMode.CLIENT else b
-            for m, b in zip(modes, group.bandwidths, strict=True)
-        ]
-        counts = load_balance_peers(
-            sum(t.numel() for t in tensors),
-            bandwidths,
-            senders=[m != AveragingMode.AUX for m in modes],
-        )
-        peer_ids = tuple(PeerID(p) for p in group.peer_ids)
-        leader = PeerID(group.leader) if group.leader in group.peer_ids else None
-        round_group = AllReduceGroup(
-            group.group_id + suffix, peer_ids, counts, modes, leader=leader
-        )
+        round_group = self._allreduce_group(group, sum(t.numel() for t in tensors), suffix)
         config = self.config.allreduce_config()
         codec = config.compression
         if isinstance(codec, TaggedCompression):
@@ -250,7 +235,7 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
         )
         result = await runner.run()
         failed = {*result.banned_senders, *result.failed_reducers}
-        others = {p for p in peer_ids if p != self.peer_id}
+        others = {p for p in round_group.peer_ids if p != self.peer_id}
         if others and others <= failed:
             raise AllReduceError(
                 f"PowerSGD round {suffix.decode()}: no other member of the group of "

@@ -1,8 +1,10 @@
 """A libp2p stream carrying RPC frames: buffered frame reads and cancellation-safe writes.
 
-Writes are shielded from cancellation piece by piece (at most ``WRITE_PIECE_SIZE`` bytes each):
-cancelling py-libp2p in the middle of a Noise write can kill the whole connection (see
-LIBP2P-NOTES), so a cancelled call stops *between* pieces and then closes the stream.
+Writes are shielded from cancellation piece by piece (at most ``WRITE_PIECE_SIZE`` bytes each),
+so a cancelled call stops *between* pieces and then closes the stream. (py-libp2p's own frame
+writes are made all-or-nothing too, ``_libp2p_fixes.fix_cancelled_frame_writes``: a frame cut
+by a cancellation killed the whole connection, see LIBP2P-NOTES.) Data lanes are
+``cancel_safe``: their writes are not shielded.
 """
 
 from __future__ import annotations
