@@ -10,10 +10,15 @@ implementations reached). hivemind runs the same worker code under ``--python`` 
 hivemind 1.1.12); swarmtrain is never imported there, nor hivemind here.
 
 ``utilization``: N peers (one process each) train a wider MLP; compute utilization is the time
-a peer spends in forward + backward over its wall time. The baseline is one process training
+a peer spends in forward + backward over the wall time of its training loop (the evaluation at
+each epoch's end, a benchmark artefact, is not counted). The baseline is one process training
 alone with plain ``torch.optim.Adam`` on the same model and batch, measured in the same run.
 ``--delay`` passes ``delay_optimizer_step`` and ``delay_grad_averaging`` (background averaging
-and optimizer step) when this swarmtrain's ``Optimizer`` has them.
+and optimizer step) when this swarmtrain's ``Optimizer`` has them. ``--accelerator-ms X`` adds a
+GIL-free wait of X ms to every forward + backward (in both arms): a stand-in for an accelerator,
+which computes while the host CPU is free for the network and the background step. Without it,
+on a box with fewer cores than peers, every peer's averaging and optimizer work competes with
+the others' forward + backward for the same cores.
 
 Every arm runs ``--repeats`` times; the tables show medians. Workers use one torch thread each.
 """
@@ -125,7 +130,6 @@ def _timed_methods(opt) -> dict[str, list[float]]:
         ("GradientRounds.maybe_schedule", getattr(opt, "_rounds", None), "maybe_schedule"),
         ("GradientRounds.begin", getattr(opt, "_rounds", None), "begin"),
         ("GradientRounds.finish (waits for the round)", getattr(opt, "_rounds", None), "finish"),
-        ("ProgressTracker._call (every blocking tracker call)", tracker, "_call"),
         ("grad_averager.step", getattr(opt, "grad_averager", None), "step"),
         ("state_averager.step", getattr(opt, "state_averager", None), "step"),
         ("tracker.report_local_progress", tracker, "report_local_progress"),
@@ -197,7 +201,7 @@ def worker(args) -> None:
     generator = torch.Generator().manual_seed(args.index)
     epoch_of = (lambda: getattr(opt, "local_epoch", 0)) if dht is not None else None
     epochs_at, eval_by_epoch, step_times = [], [], []
-    compute = samples = local_steps = 0
+    compute = samples = local_steps = evaluating = 0
     epoch = epoch_of() if epoch_of else 0
     started = time.perf_counter()
     while time.perf_counter() - started < args.duration:
@@ -205,6 +209,8 @@ def worker(args) -> None:
         t0 = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
         loss.backward()
+        if args.accelerator_ms > 0:
+            time.sleep(args.accelerator_ms / 1000)  # the accelerator computes; the CPU is free
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
@@ -219,7 +225,8 @@ def worker(args) -> None:
             epoch = epoch_of()
             epochs_at.append(round(t2 - started, 3))
             eval_by_epoch.append((epoch, _evaluate(model, eval_set)))
-    wall = time.perf_counter() - started
+            evaluating += time.perf_counter() - t2
+    wall = time.perf_counter() - started - evaluating  # the training loop's time
     step_times.sort()
     result = {
         "event": "result",
@@ -256,6 +263,7 @@ def run_swarm(args, impl: str, peers: int, workload: dict, opts: dict) -> list[d
     command = [python, HERE, "--worker", "--impl", impl, "--peers", str(peers)]
     command += ["--duration", str(args.duration), "--opts", json.dumps(opts)]
     command += ["--run-id", f"bench{os.getpid()}_{time.monotonic_ns()}"]
+    command += ["--accelerator-ms", str(getattr(args, "accelerator_ms", 0.0))]
     for key, value in workload.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -332,6 +340,7 @@ def summarize(results: list[dict], duration: float) -> dict:
         "utilization": statistics.median(r["compute"] / r["wall"] for r in results),
         "eval_loss": statistics.median(r["eval_loss"] for r in results),
         "step_p50_ms": 1000 * statistics.median(r["step_p50"] for r in results),
+        "step_share": statistics.median(r["step_total"] / r["wall"] for r in results),
         "eval_by_epoch": dict(results[0]["eval_by_epoch"]),
     }
     gaps = [b - a for r in results for a, b in itertools.pairwise(r["epochs_at"])]
@@ -447,17 +456,21 @@ def bench_utilization(args) -> dict:
             print(f"    per peer: {json.dumps(swarm['timings'])}")
     solo_m, swarm_m = medians(solo_runs), medians(swarm_runs)
     flags = ", ".join(f"{k}=True" for k in opts) or "no delay options"
+    if args.accelerator_ms > 0:
+        flags += f", accelerator stand-in {args.accelerator_ms:g} ms per forward + backward"
     print(f"\nMLP {UTILIZATION_WORKLOAD}, {args.duration:g} s, {flags}, median of {args.repeats}")
     print(f"(this machine has {os.cpu_count()} cores shared by all peers)\n")
-    print("| arm | samples/s | utilization | epochs | optimizer step p50 (ms) |")
-    print("|---|---|---|---|---|")
+    print("| arm | samples/s | utilization | epochs | step() p50 (ms) | step() share of wall |")
+    print("|---|---|---|---|---|---|")
     print(
         f"| 1 peer alone (torch.optim.Adam) | {solo_m['samples_per_s']:.0f} | "
-        f"{solo_m['utilization']:.1%} | - | {solo_m['step_p50_ms']:.2f} |"
+        f"{solo_m['utilization']:.1%} | - | {solo_m['step_p50_ms']:.2f} | "
+        f"{solo_m['step_share']:.1%} |"
     )
     print(
         f"| {args.peers} peers (swarmtrain) | {swarm_m['samples_per_s']:.0f} | "
-        f"{swarm_m['utilization']:.1%} | {swarm_m['epochs']:g} | {swarm_m['step_p50_ms']:.2f} |"
+        f"{swarm_m['utilization']:.1%} | {swarm_m['epochs']:g} | {swarm_m['step_p50_ms']:.2f} | "
+        f"{swarm_m['step_share']:.1%} |"
     )
     ratio = swarm_m["samples_per_s"] / solo_m["samples_per_s"]
     print(f"\nsamples/s {args.peers} peers / 1 peer: {ratio:.2f}x")
@@ -474,6 +487,12 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4, help="utilization: number of peers")
     parser.add_argument("--delay", action="store_true", help="utilization: delay_* options")
     parser.add_argument("--duration", type=float, default=40.0, help="seconds of training")
+    parser.add_argument(
+        "--accelerator-ms",
+        type=float,
+        default=0.0,
+        help="utilization: a GIL-free wait per forward + backward standing in for a device",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--verbose", action="store_true", help="worker logs and timings")
     parser.add_argument("--json", default=None, help="also write the results here")

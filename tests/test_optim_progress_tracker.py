@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -237,3 +238,42 @@ def test_blocking_facade_over_the_blocking_dht():
         second.shutdown()
         first.shutdown()
     assert time.perf_counter() - start < 30
+
+
+def test_blocking_reports_do_not_wait_for_a_busy_loop():
+    """A training step reports progress from its own thread: while the background loop is
+    busy (here: blocked outright), the report returns at once, the local view is current, and
+    the record goes out once the loop is free."""
+    first = DHT(**FAST_DHT)
+    second = DHT(first.get_visible_maddrs(), **FAST_DHT)
+    try:
+        with (
+            ProgressTracker(first, "busy", 100, **QUICK_REFRESH) as a,
+            ProgressTracker(second, "busy", 100, **QUICK_REFRESH) as b,
+        ):
+            runtime, _ = a._running()
+            started, released = threading.Event(), threading.Event()
+
+            def block_the_loop() -> None:
+                started.set()
+                released.wait(10)
+
+            blocker = threading.Thread(target=runtime.call_sync, args=(block_the_loop,))
+            blocker.start()
+            try:
+                assert started.wait(10)
+                for samples in range(1, 21):
+                    a.report_local_progress(0, samples)
+                assert a.local_progress.samples_accumulated == 20
+                assert a.global_progress.samples_accumulated == 20
+                with a.pause_updates():
+                    assert a.update_epoch() == 1
+                assert a.global_epoch == 1 and a.local_progress.epoch == 1
+                assert blocker.is_alive()  # all of the above ran while the loop was blocked
+            finally:
+                released.set()
+                blocker.join(10)
+            assert b.wait_global_epoch(1, timeout=10).epoch == 1  # published afterwards
+    finally:
+        second.shutdown()
+        first.shutdown()

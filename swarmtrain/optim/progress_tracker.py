@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import Annotated, Any, TypeVar
@@ -104,6 +105,9 @@ class AsyncProgressTracker:
     """The trio tracker; build it with ``async with ProgressTracker.create(dht, ...)``.
 
     Methods that cannot block are plain functions; ``wait_*`` and :meth:`refresh` are async.
+    The plain ones may also be called from other threads (the blocking facade calls them from
+    the trainer's thread, so a training step never waits for a busy loop): a lock guards the
+    core, and a change made outside the loop wakes the loop's tasks without waiting for it.
     """
 
     def __init__(
@@ -129,6 +133,9 @@ class AsyncProgressTracker:
         self._status_loglevel = status_loglevel
         self._shutdown_timeout = shutdown_timeout
         self._changed = trio.Event()
+        self._lock = threading.Lock()  # the core: the loop's tasks and the trainer's thread
+        self._trio_token = trio.lowlevel.current_trio_token()
+        self._loop_thread = threading.get_ident()
         self._fetch_failures = self._stores = self._store_failures = 0
         self._gossip_sent = self._gossip_received = self._gossip_rejected = 0
 
@@ -238,7 +245,9 @@ class AsyncProgressTracker:
 
     async def _say_goodbye(self) -> None:
         """Tell the swarm this peer left (hivemind stores None under its subkey)."""
-        if not self._core.has_published:
+        with self._lock:
+            published = self._core.has_published
+        if not published:
             return
         expiration = get_dht_time() + self.config.metadata_expiration
         if self._pubsub is not None:
@@ -276,12 +285,14 @@ class AsyncProgressTracker:
     @property
     def ready_to_update_epoch(self) -> bool:
         """The swarm is ahead of us, reached ``target_batch_size``, or its ETA passed."""
-        return self._core.ready_to_update_epoch(get_dht_time())
+        with self._lock:
+            return self._core.ready_to_update_epoch(get_dht_time())
 
     @property
     def estimated_next_update_time(self) -> float:
         """DHT time at which this peer should move to the next epoch (now if ready)."""
-        return self._core.estimated_next_update_time(get_dht_time())
+        with self._lock:
+            return self._core.estimated_next_update_time(get_dht_time())
 
     @property
     def fetched_global_progress_this_epoch(self) -> bool:
@@ -290,15 +301,19 @@ class AsyncProgressTracker:
 
     def peers(self) -> dict[bytes, LocalProgress]:
         """Live progress records of the other peers, by owner marker."""
-        return self._core.peers(get_dht_time())
+        with self._lock:
+            return self._core.peers(get_dht_time())
 
     def statistics(self) -> ProgressTrackerStatistics:
         core = self._core
+        with self._lock:
+            global_progress, local_progress = core.global_progress, core.local_progress
+            num_peers_seen, fetches = len(core.peers(get_dht_time())), core.num_fetches
         return ProgressTrackerStatistics(
-            global_progress=core.global_progress,
-            local_progress=core.local_progress,
-            num_peers_seen=len(core.peers(get_dht_time())),
-            fetches=core.num_fetches,
+            global_progress=global_progress,
+            local_progress=local_progress,
+            num_peers_seen=num_peers_seen,
+            fetches=fetches,
             fetch_failures=self._fetch_failures,
             stores=self._stores,
             store_failures=self._store_failures,
@@ -312,31 +327,36 @@ class AsyncProgressTracker:
     def report_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
         """This peer is at ``local_epoch`` with ``samples_accumulated`` samples toward the
         target; published in the background."""
-        self._core.report_local_progress(local_epoch, samples_accumulated, get_dht_time())
-        self._notify()
+        with self._lock:
+            self._core.report_local_progress(local_epoch, samples_accumulated, get_dht_time())
+        self._notify_threadsafe()
 
     def announce(self) -> None:
         """Publish this peer's record (zero samples) now, so that the others count it before it
         reports samples, e.g. while the trainers wait for each other at start-up."""
-        self._core.announce(get_dht_time())
-        self._notify()
+        with self._lock:
+            self._core.announce(get_dht_time())
+        self._notify_threadsafe()
 
     def update_epoch(self, new_epoch: int | None = None) -> int:
         """Move to ``new_epoch`` (default: the next one) with no samples; return it. The new
         epoch is gossiped at once."""
-        epoch = self._core.update_epoch(new_epoch, get_dht_time())
-        self._notify()
+        with self._lock:
+            epoch = self._core.update_epoch(new_epoch, get_dht_time())
+        self._notify_threadsafe()
         return epoch
 
     @contextmanager
     def pause_updates(self) -> Iterator[None]:
         """Do not count the time spent inside (averaging, an optimizer step) against this
         peer's samples/s."""
-        self._core.pause(get_dht_time())
+        with self._lock:
+            self._core.pause(get_dht_time())
         try:
             yield
         finally:
-            self._core.resume(get_dht_time())
+            with self._lock:
+                self._core.resume(get_dht_time())
 
     # ---------------------------------------------------------------- waits
 
@@ -366,6 +386,16 @@ class AsyncProgressTracker:
         self._changed.set()
         self._changed = trio.Event()
 
+    def _notify_threadsafe(self) -> None:
+        """:meth:`_notify` from any thread; from outside the loop it runs there soon."""
+        if threading.get_ident() == self._loop_thread:
+            self._notify()
+            return
+        try:
+            self._trio_token.run_sync_soon(self._notify)
+        except trio.RunFinishedError:
+            pass  # the loop is gone: nobody waits for the change
+
     async def _wait_changed(self) -> None:
         await self._changed.wait()
 
@@ -374,12 +404,13 @@ class AsyncProgressTracker:
     async def _store_loop(self) -> None:
         while True:
             now = get_dht_time()
-            due = self._core.next_store_time(now)
+            with self._lock:
+                due = self._core.next_store_time(now)
+                record = self._core.take_store(now) if due <= now else None
             if due > now:
                 with trio.move_on_after(due - now):
                     await self._wait_changed()
                 continue
-            record = self._core.take_store(now)
             if record is None:
                 continue
             expiration = now + self.config.metadata_expiration
@@ -416,7 +447,8 @@ class AsyncProgressTracker:
         except Exception:
             self._fetch_failures += 1
             logger.warning("could not fetch progress of %s", self.prefix, exc_info=True)
-            self._core.on_fetch_failed(get_dht_time())
+            with self._lock:
+                self._core.on_fetch_failed(get_dht_time())
             self._notify()
             return
         entries: dict[bytes, tuple[LocalProgress | None, float]] = {}
@@ -428,7 +460,8 @@ class AsyncProgressTracker:
                 if parsed is not _INVALID:
                     entries[subkey] = (parsed, item.expiration_time)  # type: ignore[assignment]
         now = get_dht_time()
-        progress = self._core.on_fetch(entries, now)
+        with self._lock:
+            progress = self._core.on_fetch(entries, now)
         logger.log(
             self._status_loglevel,
             "%s: %d samples of %d for epoch #%d from %d peers; ETA %.2f s (next fetch in %.2f s)",
@@ -448,12 +481,14 @@ class AsyncProgressTracker:
     async def _gossip_loop(self) -> None:
         while True:
             now = get_dht_time()
-            due = self._core.next_gossip_time(now)
-            if due is None or due > now:
+            with self._lock:
+                due = self._core.next_gossip_time(now)
+                ready = due is not None and due <= now
+                record = self._core.take_gossip(now) if ready else None
+            if not ready:
                 with trio.move_on_after(math.inf if due is None else due - now):
                     await self._wait_changed()
                 continue
-            record = self._core.take_gossip(now)
             if record is not None:
                 await self._publish(record, now + self.config.metadata_expiration)
 
@@ -497,12 +532,15 @@ class AsyncProgressTracker:
         if parsed is _INVALID or not isinstance(subkey, bytes):
             self._gossip_rejected += 1
             return
-        if self._core.on_gossip(subkey, parsed, expiration, now):  # type: ignore[arg-type]
+        with self._lock:
+            changed = self._core.on_gossip(subkey, parsed, expiration, now)  # type: ignore[arg-type]
+        if changed:
             self._gossip_received += 1
             self._log_warnings(now)
             self._notify()
 
     def _log_warnings(self, now: float) -> None:
-        warnings: list[ProgressWarning] = self._core.warnings(now)
+        with self._lock:
+            warnings: list[ProgressWarning] = self._core.warnings(now)
         for warning in warnings:
             logger.warning("%s: %s", self.prefix, warning)

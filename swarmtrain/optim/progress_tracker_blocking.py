@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from swarmtrain.dht import DHT, AsyncDHT, get_dht_time
+from swarmtrain.dht import DHT, AsyncDHT
 from swarmtrain.dht.node import DHTNode
 from swarmtrain.utils.background import BackgroundService
 
@@ -61,15 +61,12 @@ class ProgressTracker(BackgroundService):
         """Publish a departure record, stop the background tasks."""
         super().shutdown()
 
-    def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        runtime, _ = self._running()
-        return runtime.call_sync(fn, *args)
-
     def _tracker(self) -> AsyncProgressTracker:
         return self._running()[1]
 
-    # Reads take the core's current snapshots directly (frozen objects, replaced whole on the
-    # trio thread): no hop into the loop, so a training step that reads progress stays cheap.
+    # Reads take the core's current snapshots directly (frozen objects, replaced whole), and
+    # reports run in this thread under the tracker's lock, waking the loop without waiting for
+    # it: a training step never waits for a loop busy with averaging or the DHT.
 
     @property
     def global_progress(self) -> GlobalProgress:
@@ -85,31 +82,27 @@ class ProgressTracker(BackgroundService):
 
     @property
     def ready_to_update_epoch(self) -> bool:
-        return self._tracker()._core.ready_to_update_epoch(get_dht_time())
+        return self._tracker().ready_to_update_epoch
 
     @property
     def estimated_next_update_time(self) -> float:
-        return self._tracker()._core.estimated_next_update_time(get_dht_time())
+        return self._tracker().estimated_next_update_time
 
     def announce(self) -> None:
         """Publish this peer's record now, before it reports samples (see
         :meth:`AsyncProgressTracker.announce`)."""
-        self._call(self._tracker().announce)
+        self._tracker().announce()
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int) -> None:
-        self._call(self._tracker().report_local_progress, local_epoch, samples_accumulated)
+        self._tracker().report_local_progress(local_epoch, samples_accumulated)
 
     def update_epoch(self, new_epoch: int | None = None) -> int:
-        return self._call(self._tracker().update_epoch, new_epoch)
+        return self._tracker().update_epoch(new_epoch)
 
     @contextmanager
     def pause_updates(self) -> Iterator[None]:
-        core = self._tracker()._core
-        self._call(lambda: core.pause(get_dht_time()))
-        try:
+        with self._tracker().pause_updates():
             yield
-        finally:
-            self._call(lambda: core.resume(get_dht_time()))
 
     def wait_global_epoch(self, epoch: int, timeout: float | None = None) -> GlobalProgress:
         """Block until the swarm's epoch is at least ``epoch``; ``TimeoutError`` after
@@ -136,4 +129,4 @@ class ProgressTracker(BackgroundService):
         return runtime.call(bounded)
 
     def statistics(self) -> ProgressTrackerStatistics:
-        return self._call(lambda: self._tracker().statistics())
+        return self._tracker().statistics()
