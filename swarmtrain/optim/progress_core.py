@@ -25,11 +25,6 @@ Global progress (hivemind's semantics):
   (never before the last fetch plus the period computed now), so a steady flow of gossip
   never postpones the DHT fallback.
 
-A peer that stops to average (:meth:`ProgressCore.pause`) publishes at once a record with
-samples/s 0: the others then count its samples as they are instead of extrapolating samples it
-will not add this epoch (which ended epochs early, short of the target). Its next report, or
-:meth:`ProgressCore.resume`, publishes its speed again.
-
 A peer publishes only while it is active: it reported samples during the global epoch or the
 one before (hivemind's rule, so auxiliary peers that never accumulate samples stay out of the
 counts). ``ready_to_update_epoch`` holds when the swarm is ahead of us, the target was reached,
