@@ -358,35 +358,3 @@ def test_global_progress_is_frozen():
     with pytest.raises(AttributeError):
         core.global_progress.epoch = 3  # type: ignore[misc]
     assert isinstance(core.global_progress, GlobalProgress)
-
-
-def test_a_paused_peer_publishes_that_it_adds_no_samples():
-    """A peer that stops to average publishes samples/s 0 at once (not throttled), so the
-    others stop extrapolating its samples; resuming publishes its speed again."""
-    a, b = make_core(target=100, gossip_period=0.5), make_core(target=100)
-    a.report_local_progress(0, 10, now=T0 + 1)
-    a.report_local_progress(0, 20, now=T0 + 2)  # 10 samples/s
-    assert a.take_gossip(T0 + 2).samples_per_second == pytest.approx(10)
-    b.report_local_progress(0, 10, now=T0 + 1)
-    b.report_local_progress(0, 20, now=T0 + 2)  # 10 samples/s
-    fetch(b, T0 + 3, record(b"a", 0, 20, sps=10, time=T0 + 2))
-    # at T0 + 3 both are extrapolated to 30: 40 remaining at 20 samples/s
-    assert b.global_progress.eta_next_epoch == pytest.approx(T0 + 3 + 2)
-
-    a.pause(T0 + 2.1)
-    assert a.next_gossip_time(T0 + 2.1) == T0 + 2.1  # at once, despite gossip_period
-    paused = a.take_gossip(T0 + 2.1)
-    assert (paused.samples_accumulated, paused.samples_per_second) == (20, 0.0)
-    assert b.on_gossip(b"[owner:a]", paused, T0 + 70, now=T0 + 3)
-    # only b's samples grow now (30 by T0 + 3): 50 remaining at 10 samples/s
-    assert b.global_progress.eta_next_epoch == pytest.approx(T0 + 3 + 5)
-    assert b.global_progress.samples_accumulated == 40
-
-    a.resume(T0 + 4)  # the interval that was running when paused goes on
-    resumed = a.take_gossip(T0 + 4.5)
-    assert resumed.samples_per_second == pytest.approx(10) and resumed.time == T0 + 4
-    a.pause(T0 + 5)
-    a.update_epoch(None, now=T0 + 5.5)  # the usual end of a pause: the next epoch's record
-    assert a.local_progress.samples_per_second == pytest.approx(10)
-    a.resume(T0 + 6)
-    assert a.local_progress.time == T0 + 5.5  # nothing hidden, nothing to publish again

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Union
 
 __all__ = [
@@ -350,7 +350,7 @@ class ProgressCore:
         self._fetched_this_epoch = False
         self._num_fetches = self._num_merged = 0
         # publishing
-        self._store_pending = self._gossip_pending = self._gossip_now = False
+        self._store_pending = self._gossip_pending = self._epoch_changed = False
         self._last_store_time = self._last_gossip_time = -math.inf
         self._has_published = False
         # warnings
@@ -444,7 +444,7 @@ class ProgressCore:
         if samples_accumulated > 0:
             self._last_active_epoch = max(self._global.epoch, epoch)
         if epoch != previous.epoch:
-            self._gossip_now = True
+            self._epoch_changed = True
         self._store_pending = self._gossip_pending = True
         self._recompute(now)
         return self._local
@@ -464,24 +464,11 @@ class ProgressCore:
         return new_epoch
 
     def pause(self, now: float) -> None:
-        """Stop counting time for this peer's samples/s (while it averages, for example), and
-        publish at once that it adds no samples meanwhile: a record with samples/s 0, so that
-        the others stop extrapolating its samples (else they end the epoch early, counting
-        samples a peer busy averaging will never add)."""
+        """Stop counting time for this peer's samples/s (while it averages, for example)."""
         self._ema.pause(now)
-        if self._local.samples_per_second != 0.0:
-            self._local = replace(self._local, samples_per_second=0.0, time=now)
-            self._store_pending = self._gossip_pending = self._gossip_now = True
-            self._recompute(now)
 
     def resume(self, now: float) -> None:
-        """Count time again; publish this peer's samples/s again if :meth:`pause` hid it."""
         self._ema.resume(now)
-        if self._local.samples_per_second == 0.0 and self._ema.num_updates > 0:
-            rate = self._ema.samples_per_second
-            self._local = replace(self._local, samples_per_second=rate, time=now)
-            self._store_pending = self._gossip_pending = True
-            self._recompute(now)
 
     # -------------------------------------------------------- network events
 
@@ -576,14 +563,14 @@ class ProgressCore:
         """DHT time at which to call :meth:`take_gossip`; None if there is nothing to say."""
         if not self._gossip_pending:
             return None
-        if self._gossip_now:
+        if self._epoch_changed:
             return now
         return max(now, self._last_gossip_time + self.config.gossip_period)
 
     def take_gossip(self, now: float) -> LocalProgress | None:
         """The record to gossip now (None: nothing new, or this peer is not active)."""
         pending = self._gossip_pending
-        self._gossip_pending = self._gossip_now = False
+        self._gossip_pending = self._epoch_changed = False
         self._last_gossip_time = now
         if not (pending and self.is_active):
             return None
