@@ -366,15 +366,18 @@ class AllReduceCore:
     def is_part_ready(self, part_index: int) -> bool:
         return self.reducer.is_complete(part_index)
 
-    def delta_for(self, peer: int, part_index: int, sent: torch.Tensor) -> torch.Tensor | None:
+    def delta_for(
+        self, peer: int, part_index: int, sent: torch.Tensor, *, in_place: bool = False
+    ) -> torch.Tensor | None:
         """``average - sent`` for a complete part (None: keep local values), in ``sent``'s dtype.
 
         Call once the sender's result is about to go out; :meth:`result_sent` afterwards.
+        ``in_place``: write it into ``sent`` (a received part nothing else reads any more).
         """
         average = self.reducer.result(part_index)
         if average is None:
             return None
-        return difference(average, sent)
+        return difference(average, sent, out=sent if in_place else None)
 
     def result_sent(self, peer: int, part_index: int, now: float) -> None:
         """The result of ``part_index`` went out to ``peer``: its next part is now due."""

@@ -32,6 +32,7 @@ from swarmtrain.p2p.lane_records import (
     HEADER_SIZE,
     KEY_SIZE,
     MAX_RECORD_CIPHERTEXT,
+    TAG_SIZE,
     TICKET_ID_SIZE,
     LaneRecordError,
     RecordOpener,
@@ -68,7 +69,8 @@ class LaneStream:
         self._raw, self._sock = raw, sock
         self._sealer, self._opener = sealer, opener
         self._recv_buffer = bytearray(MAX_RECORD_CIPHERTEXT)
-        self._pending = b""  # plaintext of the last record not yet returned by read()
+        # plaintext of the last record not yet returned by read() / read_into()
+        self._pending: bytes | memoryview = b""
         # the record being received: header bytes so far, then its size and body bytes so far
         self._rx_header = bytearray(HEADER_SIZE)
         self._rx_header_got = 0
@@ -95,9 +97,10 @@ class LaneStream:
         self.bytes_on_wire += count
         return got + count
 
-    async def _receive_record(self) -> bytes:
-        """The next record's plaintext. Resumable: a read cancelled midway (a timeout around
-        it) leaves the partial header or body in place for the next call."""
+    async def _receive_body(self) -> memoryview:
+        """The next record's ciphertext (a view of the receive buffer, valid until the next
+        call). Resumable: a read cancelled midway (a timeout around it) leaves the partial
+        header or body in place for the next call."""
         try:
             while self._rx_size is None:
                 self._rx_header_got = await self._fill(
@@ -106,10 +109,18 @@ class LaneStream:
                 if self._rx_header_got == HEADER_SIZE:
                     self._rx_size = self._opener.ciphertext_size(bytes(self._rx_header))
                     self._rx_got = 0
-            body = memoryview(self._recv_buffer)[: self._rx_size]
-            while self._rx_got < self._rx_size:
-                self._rx_got = await self._fill(body, self._rx_got)
-            self._rx_size, self._rx_header_got = None, 0
+        except LaneRecordError as e:
+            raise StreamError(f"lane: {e}") from None
+        body = memoryview(self._recv_buffer)[: self._rx_size]
+        while self._rx_got < self._rx_size:
+            self._rx_got = await self._fill(body, self._rx_got)
+        self._rx_size, self._rx_header_got = None, 0
+        return body
+
+    async def _receive_record(self) -> bytes:
+        """The next record's plaintext (b"" for the end record)."""
+        body = await self._receive_body()
+        try:
             return self._opener.open(body)
         except LaneRecordError as e:
             raise StreamError(f"lane: {e}") from None
@@ -130,7 +141,34 @@ class LaneStream:
                 data, self._pending = self._pending, b""
             else:
                 data, self._pending = self._pending[:n], self._pending[n:]
-            return data
+            return bytes(data)
+
+    async def read_into(self, view: memoryview) -> int:
+        """Receive up to ``len(view)`` bytes into ``view``; the count. A record that fits is
+        decrypted straight into ``view`` (no copy). Raises ``StreamEOF`` at the clean end."""
+        if self.closed:
+            raise StreamClosed("the lane is closed")
+        if not len(view):
+            return 0
+        async with self._recv_lock:
+            if not self._pending:
+                if self.eof_received:
+                    raise StreamEOF("the peer ended the lane")
+                body = await self._receive_body()
+                size = len(body) - TAG_SIZE
+                try:
+                    if 0 < size <= len(view):
+                        return self._opener.open_into(body, view[:size])
+                    self._pending = memoryview(self._opener.open(body))
+                except LaneRecordError as e:
+                    raise StreamError(f"lane: {e}") from None
+                if not self._pending:
+                    self.eof_received = True
+                    raise StreamEOF("the peer ended the lane")
+            count = min(len(view), len(self._pending))
+            view[:count] = self._pending[:count]
+            self._pending = self._pending[count:]
+            return count
 
     async def receive_accept(self) -> None:
         """The callee's first record must be the accept marker (it holds the keys)."""
