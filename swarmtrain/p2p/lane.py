@@ -50,8 +50,28 @@ HANDSHAKE_TIMEOUT = 5.0
 MAX_PENDING_HANDSHAKES = 64  # connections that have not shown a valid ticket yet
 CONNECT_TIMEOUT = 2.0
 OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
+WRITE_STALL_TIMEOUT = 60.0  # a write that makes no progress this long fails (TooSlowError)
 RETRY_AFTER = 300.0
 _ACCEPTED = b"swarmtrain-lane-ok"
+
+
+class _Held:
+    """``async with _Held(lock)``: holds a trio lock, without yielding when it is free
+    (``trio.Lock.acquire`` always yields to the scheduler, once per record read or written)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: trio.StrictFIFOLock):
+        self._lock = lock
+
+    async def __aenter__(self) -> None:
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._lock.release()
 
 
 class LaneStream:
@@ -87,11 +107,23 @@ class LaneStream:
 
     async def _fill(self, view: memoryview, got: int) -> int:
         """Receive into ``view[got:]`` once; the new fill level. A cancelled receive takes no
-        bytes (trio cancels only while waiting), so progress kept in ``self`` is never lost."""
-        try:
-            count = await self._sock.recv_into(view[got:], len(view) - got)
-        except OSError as e:
-            raise StreamReset(f"the lane failed: {e!r}") from None
+        bytes (it is cancelled only while waiting), so progress kept in ``self`` is never lost.
+
+        The socket is read directly (trio waits only when it has no data): trio's socket
+        methods yield to the scheduler after every successful call, several times per record.
+        """
+        while True:
+            try:
+                count = self._raw.recv_into(view[got:])
+                break
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise StreamReset(f"the lane failed: {e!r}") from None
+            try:
+                await trio.lowlevel.wait_readable(self._raw)
+            except trio.ClosedResourceError:
+                raise StreamClosed("the lane was closed") from None
         if count == 0:
             raise StreamReset("the lane was cut without an end record")
         self.bytes_on_wire += count
@@ -129,7 +161,8 @@ class LaneStream:
         """Up to ``n`` bytes (one record's worth when ``n`` is None)."""
         if self.closed:
             raise StreamClosed("the lane is closed")
-        async with self._recv_lock:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with _Held(self._recv_lock):
             if not self._pending:
                 if self.eof_received:
                     raise StreamEOF("the peer ended the lane")
@@ -150,7 +183,8 @@ class LaneStream:
             raise StreamClosed("the lane is closed")
         if not len(view):
             return 0
-        async with self._recv_lock:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with _Held(self._recv_lock):
             if not self._pending:
                 if self.eof_received:
                     raise StreamEOF("the peer ended the lane")
@@ -179,13 +213,23 @@ class LaneStream:
     # ---------------------------------------------------------------- writing
 
     async def _send_all(self, data) -> None:
+        """Send all of ``data`` (directly, like ``_fill``); ``trio.TooSlowError`` when the
+        peer takes nothing for ``WRITE_STALL_TIMEOUT`` seconds."""
         view = memoryview(data)
         sent = 0
         while sent < len(view):
             try:
-                sent += await self._sock.send(view[sent:])
+                sent += self._raw.send(view[sent:])
+                continue
+            except BlockingIOError:
+                pass
             except OSError as e:
                 raise StreamReset(f"the lane failed: {e!r}") from None
+            try:
+                with trio.fail_after(WRITE_STALL_TIMEOUT):
+                    await trio.lowlevel.wait_writable(self._raw)
+            except trio.ClosedResourceError:
+                raise StreamClosed("the lane was closed") from None
         self.bytes_on_wire += len(data)
 
     async def write(self, data) -> None:
@@ -195,7 +239,8 @@ class LaneStream:
             raise StreamClosed("the lane is closed")
         if not len(data):
             return
-        async with self._send_lock:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with _Held(self._send_lock):
             try:
                 for record in self._sealer.seal(data):
                     await self._send_all(record)

@@ -40,6 +40,7 @@ class RPCStream:
 
     def __init__(self, stream, max_message_size: int):
         self.stream = stream
+        self._cancel_safe = getattr(stream, "cancel_safe", False)
         self._decoder = FrameDecoder(max_message_size)
         self._eof = False
         self._pushed_back: Frame | None = None
@@ -122,8 +123,22 @@ class RPCStream:
         self._decoder.feed(data)
 
     async def _write(self, data: bytes | memoryview) -> None:
-        # A data lane's write may be cancelled; a libp2p stream's must not (see the docstring).
-        with trio.CancelScope(shield=not getattr(self.stream, "cancel_safe", False)):
+        # A data lane's write may be cancelled (and bounds its own stalls); a libp2p stream's
+        # must not be (see the docstring).
+        if self._cancel_safe:
+            try:
+                await self.stream.write(data)
+            except trio.TooSlowError:
+                raise RPCTimeoutError(
+                    f"the peer did not accept data for {WRITE_STALL_TIMEOUT} s"
+                ) from None
+            except (StreamClosed, StreamReset) as e:
+                raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
+            except StreamError as e:
+                raise RPCCancelledError(f"the stream failed: {e!r}") from None
+            self.bytes_sent += len(data)
+            return
+        with trio.CancelScope(shield=True):
             try:
                 with trio.fail_after(WRITE_STALL_TIMEOUT):
                     await self.stream.write(data)
@@ -157,7 +172,7 @@ class RPCStream:
         attachment starts a new record, so the receiver can decrypt it in place."""
         view = memoryview(attachment).cast("B")
         await self._write(attached_message_header(len(payload), view.nbytes) + payload)
-        if getattr(self.stream, "cancel_safe", False):  # a lane: one write, records of 1 MiB
+        if self._cancel_safe:  # a lane: one write, records of 1 MiB
             if view.nbytes:
                 await self._write(view)
             return
