@@ -278,6 +278,31 @@ def _response(code: int, detail: str = "", **kwargs) -> averaging_pb2.AveragingR
     return averaging_pb2.AveragingResponse(code=code, detail=detail[:1024], **kwargs)
 
 
+class _BufferPool:
+    """Spare uint8 arrays by size, for received parts: a fresh multi-megabyte array costs a
+    page fault per 4 KiB on first touch, one reused from an earlier part none."""
+
+    def __init__(self, max_cached_bytes: int):
+        self.max_cached_bytes = max_cached_bytes
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._cached_bytes = 0
+
+    def take(self, size: int) -> np.ndarray:
+        spare = self._free.get(size)
+        if spare:
+            self._cached_bytes -= size
+            return spare.pop()
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, buffer) -> None:
+        """Keep ``buffer`` for a later part (its contents are no longer read by anyone)."""
+        if not isinstance(buffer, np.ndarray) or buffer.base is not None:
+            return  # not one of ours (a view, or the protobuf's bytes)
+        if self._cached_bytes + buffer.nbytes <= self.max_cached_bytes:
+            self._free.setdefault(buffer.nbytes, []).append(buffer)
+            self._cached_bytes += buffer.nbytes
+
+
 class AllReduceService:
     """Serves ``rpc_aggregate_part`` for every round on one host; see the module docstring.
 
@@ -315,6 +340,7 @@ class AllReduceService:
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._expected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = anyio.Event()
+        self._part_buffers = _BufferPool(max_cached_bytes=max(64 << 20, 8 * max_message_size))
 
     @classmethod
     @asynccontextmanager
@@ -333,12 +359,16 @@ class AllReduceService:
                 stream_output=True,
                 max_message_size=self.max_message_size,
                 attachments=attachments,
+                attachment_buffer=self._part_buffer if attachments else None,
             )
         try:
             yield self
         finally:
             p2p.remove_protobuf_handler(self.handler_name)
             p2p.remove_protobuf_handler(self.handler_v2_name)
+
+    def _part_buffer(self, request: averaging_pb2.AveragingRequest, size: int) -> np.ndarray:
+        return self._part_buffers.take(size)
 
     def speaks_v2(self, peer_id: Hashable) -> bool:
         """Whether parts go to ``peer_id`` as attachments (it did not lack the v2 method)."""
@@ -749,6 +779,9 @@ class AllReduceRunner:
                     return
                 yield await self._result(peer, k, sent, request.part.compression, attached)
                 core.result_sent(peer, k, anyio.current_time())
+                # the delta went out: nothing reads the received part any more
+                sent = None
+                self.service._part_buffers.give(payload)
                 self._notify()
         finally:
             self._notify(core.ban_sender(peer, Failure.DISCONNECTED))  # no-op once it is done
@@ -784,7 +817,7 @@ class AllReduceRunner:
         self, peer: int, k: int, sent: torch.Tensor, compression: int, attached: bool
     ) -> averaging_pb2.AveragingResponse | Attached:
         # ``sent`` was decoded for this call alone (into memory of its own): reuse it
-        delta = self.core.delta_for(peer, k, sent, in_place=True)
+        delta = self.core.delta_for(peer, k, sent, out=sent)
         if delta is None:
             return _response(Code.AVERAGING_PART_UNCHANGED, part_index=k)
         nbytes = delta.numel() * delta.element_size()

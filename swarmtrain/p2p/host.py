@@ -474,6 +474,7 @@ class P2P:
         timeout: float | None = None,
         replace: bool = False,
         attachments: bool = False,
+        attachment_buffer: Callable[[Message, int], Any] | None = None,
     ) -> None:
         """Serve ``name`` (by convention ``{prefix}::Service.method``).
 
@@ -481,7 +482,9 @@ class P2P:
         messages if ``stream_input``; it returns one message, or is an async generator of
         messages if ``stream_output``. Exceptions reach the caller as ``RemoteError``.
         ``attachments=True``: requests and responses may also be ``rpc.Attached`` (a message
-        plus raw bytes sent without protobuf copies; callers must opt in as well).
+        plus raw bytes sent without protobuf copies; callers must opt in as well);
+        ``attachment_buffer(request, size)`` may return the writable buffer of exactly
+        ``size`` bytes a request's attachment is received into (None: a new numpy array).
         """
         self._rpc_server.add_handler(
             name,
@@ -493,6 +496,7 @@ class P2P:
             timeout=timeout,
             replace=replace,
             attachments=attachments,
+            attachment_buffer=attachment_buffer,
         )
 
     def remove_protobuf_handler(self, name: str) -> None:

@@ -98,6 +98,7 @@ class HandlerSpec:
     max_message_size: int
     timeout: float | None
     attachments: bool = False
+    attachment_buffer: Callable[[Message, int], Any] | None = None
 
 
 def serialize_checked(message: Message, max_message_size: int, what: str) -> bytes:
@@ -190,6 +191,7 @@ class _IncomingMessages:
                     self._spec.input_type,
                     "the request",
                     self._spec.attachments,
+                    self._spec.attachment_buffer,
                 )
         if scope.cancelled_caught:
             raise RPCTimeoutError(f"no request message for {self._idle_timeout} s")
@@ -225,6 +227,7 @@ class RPCServer:
         timeout: float | None = None,
         replace: bool = False,
         attachments: bool = False,
+        attachment_buffer: Callable[[Message, int], Any] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError("handler name must be a non-empty string")
@@ -246,6 +249,7 @@ class RPCServer:
             max_message_size=max_message_size or self.default_max_message_size,
             timeout=timeout,
             attachments=attachments,
+            attachment_buffer=attachment_buffer,
         )
 
     def remove_handler(self, name: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Generic, TypeVar
@@ -147,7 +146,12 @@ class ResponseStream(Generic[TOut]):
         return self
 
     async def __anext__(self) -> TOut:
-        with trio.move_on_after(self._timeout if self._timeout else math.inf) as scope:
+        if not self._timeout:  # no cancel scope to set up per message
+            message = await self._reader.next_message()
+            if message is None:
+                raise StopAsyncIteration
+            return message
+        with trio.move_on_after(self._timeout) as scope:
             message = await self._reader.next_message()
         if scope.cancelled_caught:
             raise RPCTimeoutError(f"{self._reader.method}: no response for {self._timeout} s")
