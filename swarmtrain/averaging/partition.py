@@ -38,8 +38,11 @@ __all__ = [
 ]
 
 # A slice of a large round is cut into about this many parts, each at most
-# LARGE_PART_SIZE_BYTES (see partition_tensors).
-PARTS_PER_SLICE = 8
+# LARGE_PART_SIZE_BYTES (see partition_tensors). Two, not more: a sender streams to every
+# other reducer at once, which overlaps sending and reducing already, while each part costs
+# a fixed amount of CPU (8 x 4M fp32 on 2 cores: 2 parts of 1 MiB per slice took 15-20% less
+# CPU than 4 of 512 KiB; benchmarks/RESULTS.md).
+PARTS_PER_SLICE = 2
 LARGE_PART_SIZE_BYTES = 2 * 1024 * 1024
 DEFAULT_PART_SIZE_BYTES = 1 << 19
 
