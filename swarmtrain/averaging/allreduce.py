@@ -640,8 +640,15 @@ class AllReduceRunner:
                 if not attached or core.container.num_received(reducer):
                     raise
                 logger.debug("reducer %s has no v2 all-reduce: parts go inside protobufs", peer_id)
-                self.service._remember_v1_peer(peer_id)
-                await self._call_reducer(reducer, attached=False)
+                serves_v1 = True
+                try:
+                    await self._call_reducer(reducer, attached=False)
+                except NoSuchMethodError:
+                    serves_v1 = False  # neither (e.g. it is leaving): nothing to remember
+                    raise
+                finally:
+                    if serves_v1:
+                        self.service._remember_v1_peer(peer_id)
         except P2PError as e:
             logger.debug("reducer %s failed: %r", peer_id, e)
             core.fail_reducer(reducer, Failure.DISCONNECTED)
