@@ -61,15 +61,12 @@ def test_parts_of_large_slices_grow_up_to_the_cap():
     layout = partition_tensors([16 * mib], [4], [1, 1, 1, 1], mib // 2, 2 * mib)
     for parts in layout:
         assert len(parts) == 8 and all(p.numel * 4 == 2 * mib for p in parts)
-    # 8 peers x 16 MiB: 2 MiB slices -> PARTS_PER_SLICE (1) part each
+    # 8 peers x 16 MiB: 2 MiB slices -> parts stay at part_size_bytes (4 of 512 KiB)
     layout = partition_tensors([4 * mib], [4], [1] * 8, mib // 2, 2 * mib)
-    assert all(len(parts) == 1 and parts[0].numel * 4 == 2 * mib for parts in layout)
-    # 1.5 MiB slices: one part of 1.5 MiB; below part_size_bytes the slice is one part anyway
-    layout = partition_tensors([3 * mib], [4], [1] * 8, mib // 2, 2 * mib)
-    assert all(len(parts) == 1 and parts[0].numel * 4 == 3 * mib // 2 for parts in layout)
-    # 6 MiB slices: 3 parts of 2 MiB (the cap); no growth without a cap or with a small cap
-    layout = partition_tensors([3 * mib], [4], [1, 1], mib // 2, 2 * mib)
-    assert all(len(parts) == 3 for parts in layout)
+    assert all(len(parts) == 4 for parts in layout)
+    # in between: about PARTS_PER_SLICE parts; no growth without a cap or with a small cap
+    layout = partition_tensors([6 * mib], [4], [1, 1], mib // 2, 2 * mib)
+    assert all(len(parts) == 8 for parts in layout)
     assert partition_tensors([16 * mib], [4], [1] * 4, mib // 2) == partition_tensors(
         [16 * mib], [4], [1] * 4, mib // 2, mib // 4
     )

@@ -511,6 +511,7 @@ class AllReduceRunner:
         self._started = False
         self._deadline = math.inf
         self.part_bytes_sent = self.delta_bytes_sent = 0  #: see ``AllReduceResult``
+        self._v2_bytes: dict[int, int] = {}  # part bytes sent per reducer over v2
 
     @property
     def core(self) -> AllReduceCore:
@@ -627,6 +628,8 @@ class AllReduceRunner:
                 if self.group.leader is not None:
                     request.leader = self.group.leader.to_bytes()
             self.part_bytes_sent += message.nbytes
+            if attached:  # taken back if the reducer turns out to lack v2
+                self._v2_bytes[reducer] = self._v2_bytes.get(reducer, 0) + message.nbytes
             yield Attached(request, message.buffer) if attached else request
 
     async def _communicate_with_reducer(self, reducer: int) -> None:
@@ -640,6 +643,7 @@ class AllReduceRunner:
                 if not attached or core.container.num_received(reducer):
                     raise
                 logger.debug("reducer %s has no v2 all-reduce: parts go inside protobufs", peer_id)
+                self.part_bytes_sent -= self._v2_bytes.pop(reducer, 0)
                 serves_v1 = True
                 try:
                     await self._call_reducer(reducer, attached=False)

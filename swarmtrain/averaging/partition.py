@@ -38,11 +38,8 @@ __all__ = [
 ]
 
 # A slice of a large round is cut into about this many parts, each at most
-# LARGE_PART_SIZE_BYTES (see partition_tensors). One: a sender streams to every other
-# reducer at once, which overlaps sending and reducing already, while each part costs a
-# fixed amount of CPU (8 x 4M fp32 on 2 cores, 2 MiB slices: one part per slice 0.47-0.55 s
-# a round, 2 parts of 1 MiB 0.35-0.92 s, 4 of 512 KiB 0.69-0.74 s; benchmarks/RESULTS.md).
-PARTS_PER_SLICE = 1
+# LARGE_PART_SIZE_BYTES (see partition_tensors).
+PARTS_PER_SLICE = 8
 LARGE_PART_SIZE_BYTES = 2 * 1024 * 1024
 DEFAULT_PART_SIZE_BYTES = 1 << 19
 
@@ -109,7 +106,7 @@ def partition_tensors(
     :param fractions: each peer's share of the values (zero: the peer reduces nothing)
     :param part_size_bytes: the size of a part, unless the slice is large
     :param max_part_size_bytes: parts of a large slice grow up to this size, keeping about
-      ``PARTS_PER_SLICE`` parts per slice (fewer per-part costs);
+      ``PARTS_PER_SLICE`` parts per slice (fewer per-part costs; enough parts to pipeline);
       None: no growth
     """
     if len(numels) != len(element_sizes):
