@@ -6,6 +6,7 @@ import threading
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import numpy as np
 import pytest
 import torch
 import trio
@@ -18,7 +19,7 @@ from swarmtrain.averaging import (
     AveragingMode,
     Failure,
 )
-from swarmtrain.averaging.allreduce import rpc_aggregate_part_name
+from swarmtrain.averaging.allreduce import rpc_aggregate_part_name, rpc_aggregate_part_v2_name
 from swarmtrain.averaging.partition import TensorPartContainer
 from swarmtrain.compression import (
     CompressionBase,
@@ -28,7 +29,7 @@ from swarmtrain.compression import (
     TopKSparsification,
     serialize_torch_tensor,
 )
-from swarmtrain.p2p import P2P
+from swarmtrain.p2p import P2P, Attached
 from swarmtrain.proto import averaging_pb2
 
 pytestmark = pytest.mark.trio
@@ -363,6 +364,94 @@ async def test_peer_sending_wrong_shapes_is_excluded():
             garbage.peer_id: Failure.BAD_DATA,
         }
         assert not results[i].failed_reducers and not results[i].timed_out
+        check_averaged(tensors[i], results[i], want)
+
+
+@pytest.mark.parametrize("codec", [NoCompression(), Float16Compression()], ids=["fp32", "fp16"])
+async def test_peer_of_the_v1_wire_takes_part(codec):
+    """A peer without rpc_aggregate_part_v2 (an older version): the others send it parts
+    inside protobufs (after one NoSuchMethodError), and it sends them its parts so too."""
+    tensors = random_tensors(3, seed=8)
+    config = dataclasses.replace(FAST, compression=codec)
+    async with swarm(3) as (hosts, services):
+        old = hosts[2]
+        old.remove_protobuf_handler(rpc_aggregate_part_v2_name("test"))
+        for host in hosts[:2]:  # what an old peer does: call v1 everywhere
+            services[2]._remember_v1_peer(host.peer_id)
+        group = AllReduceGroup(b"round-v1", tuple(h.peer_id for h in hosts), (1, 1, 1))
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=config) for i in range(3)]
+        results = await run_all(runners)
+        assert not services[0].speaks_v2(old.peer_id) and not services[1].speaks_v2(old.peer_id)
+        assert services[0].speaks_v2(hosts[1].peer_id)
+        # the next round goes to v1 at once
+        runners = [
+            AllReduceRunner(
+                services[i], dataclasses.replace(group, group_id=b"round-v1b"), tensors[i]
+            )
+            for i in range(3)
+        ]
+        again = await run_all(runners)
+    if isinstance(codec, NoCompression):  # parts of the refused v2 attempt are not counted
+        numel = sum(t.numel() for t in tensors[0])
+        assert sum(r.payload_bytes_sent for r in results) == 2 * numel * 4 * 2
+    want = weighted_mean(tensors, [1] * 3, range(3))
+    tolerance = {} if isinstance(codec, NoCompression) else {"atol": 5e-3, "rtol": 0}
+    for result, local in zip(results + again, tensors + tensors, strict=True):
+        assert result.complete, result
+        check_averaged(local, result, want, **tolerance)
+
+
+async def test_malformed_attached_parts_are_rejected():
+    tensors = random_tensors(2, seed=9)
+    async with swarm(3) as (hosts, services):
+        bad = hosts[2]
+        group = AllReduceGroup(
+            b"round-v2-bad", tuple(h.peer_id for h in hosts), (1, 1, 0), (NODE, NODE, CLIENT)
+        )
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=FAST) for i in range(2)]
+        layout = TensorPartContainer(tensors[0], group.fractions, FAST.part_size_bytes).layout
+        codes = []
+
+        async def send_bad(reducer, make_item):
+            numel = layout[reducer][0].numel
+            request = averaging_pb2.AveragingRequest(
+                group_id=group.group_id,
+                weight=1.0,
+                part_index=0,
+                part=averaging_pb2.AveragingTensorPart(size=[numel], dtype="float32"),
+            )
+            async with bad.iterate_protobuf_handler(
+                hosts[reducer].peer_id,
+                rpc_aggregate_part_v2_name("test"),
+                [make_item(request, numel)],
+                averaging_pb2.AveragingResponse,
+                stream_input=True,
+                attachments=True,
+                bulk=True,
+            ) as responses:
+                async for response in responses:
+                    assert not isinstance(response, Attached)
+                    codes.append(response.code)
+
+        def short(request, numel):  # three bytes missing
+            return Attached(request, np.zeros(4 * numel - 3, np.uint8))
+
+        def no_attachment(request, numel):
+            return request
+
+        results = [None] * 2
+
+        async def run_honest(i):
+            results[i] = await runners[i].run()
+
+        async with trio.open_nursery() as nursery:
+            for i, make_item in enumerate((short, no_attachment)):
+                nursery.start_soon(run_honest, i)
+                nursery.start_soon(send_bad, i, make_item)
+    assert codes == [averaging_pb2.AVERAGING_BAD_PART] * 2
+    want = weighted_mean(tensors, [1] * 2, range(2))
+    for i in range(2):
+        assert results[i].banned_senders == {bad.peer_id: Failure.BAD_DATA}
         check_averaged(tensors[i], results[i], want)
 
 

@@ -9,6 +9,7 @@ from swarmtrain.averaging.part_reducer import TensorPartReducer
 from swarmtrain.averaging.partition import (
     TensorPartContainer,
     apportion,
+    difference,
     partition_tensors,
 )
 
@@ -134,6 +135,44 @@ def test_container_reused_delta_buffers_never_leak_old_values():
         TensorPartContainer(tensors, [1, 1], delta_buffers=[torch.zeros(999), stale[1]])
     with pytest.raises(ValueError, match="2 tensors"):
         TensorPartContainer(tensors, [1, 1], delta_buffers=stale[:1])
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reused"])
+def test_container_zeroes_delta_regions_written_in_place_but_never_registered(reuse):
+    tensors = [torch.randn(1000)]
+    buffers = [torch.full((1000,), 5.0)] if reuse else None
+    container = TensorPartContainer(tensors, [1, 1], part_size_bytes=400, delta_buffers=buffers)
+    n0 = container.num_parts_by_peer[0]
+    region = container.delta_target(0, 0)  # decoded straight into place, then registered
+    region.fill_(2.0)
+    container.register_delta(0, 0, region)
+    assert container.delta_target(0, 0) is None  # registered already
+    container.delta_target(0, 1).fill_(3.0)  # a decode that failed midway: never registered
+    container.delta_target(1, 0).fill_(4.0)  # its reducer then failed
+    container.register_failed_reducer(1)
+    assert container.delta_target(1, 1) is None  # a failed reducer gets no more regions
+    container.delta_target(0, 2).fill_(6.0)
+    container.register_delta(0, 2, None)  # then "unchanged": zero, not the bytes written
+    for k in range(3, n0):
+        container.register_delta(0, k, torch.ones(container.part_spec(0, k).numel))
+    delta = container.deltas()[0]
+    assert torch.equal(delta[:100], torch.full((100,), 2.0))
+    assert not delta[100:300].any()  # parts 1 and 2 of reducer 0
+    assert torch.equal(delta[300:500], torch.ones(200))
+    assert not delta[500:].any()  # reducer 1's slice keeps the local values
+
+
+def test_difference_in_place_and_into_another_dtype():
+    average = torch.tensor([1.0, 2.0, 3.0])
+    local = torch.tensor([0.5, 0.5, 0.5])
+    assert difference(average, local, out=local) is local
+    assert torch.equal(local, torch.tensor([0.5, 1.5, 2.5]))
+    half = torch.tensor([0.25, 0.5, 1.0], dtype=torch.float16)
+    difference(average, half, out=half)  # computed in float32, stored as float16
+    assert half.dtype == torch.float16 and torch.equal(half.float(), torch.tensor([0.75, 1.5, 2.0]))
+    bf16 = torch.tensor([1.0, 1.0, 1.0], dtype=torch.bfloat16)  # no numpy dtype: torch path
+    difference(average, bf16, out=bf16)
+    assert torch.equal(bf16.float(), torch.tensor([0.0, 1.0, 2.0]))
 
 
 def test_container_rejects_wrong_delta_size_and_bad_tensors():

@@ -19,6 +19,12 @@ ones with ``AVERAGING_FINISHED``.
 Error handling: no failure of another peer raises. A sender that fails (disconnects, is too
 slow, sends bad data) is banned and the local slice is averaged without it; a reducer that
 fails leaves our local values in its slice. ``AllReduceResult`` says who failed and why.
+Wire versions: ``rpc_aggregate_part_v2`` carries each part's and delta's bytes as an RPC
+attachment (``swarmtrain.p2p.Attached``: sent from the tensor's memory, received into a numpy
+array the reducer adds from, or straight into the round's delta buffer), the original
+``rpc_aggregate_part`` inside the protobuf (``AveragingTensorPart.buffer``, five copies each
+way). Both are served; a sender calls v2 and falls back to v1 for a peer without it
+(``NoSuchMethodError``), remembered per service.
 Codec work: lossless and float16 parts of at most ``_INLINE_MAX_BYTES`` are encoded and
 decoded on the loop (a worker-thread hop per part cost more CPU than the memcpy or cast it
 ran); any other codec, e.g. a user's or a quantizer, and larger parts go to worker threads, so
@@ -61,8 +67,14 @@ from swarmtrain.compression import (
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
-from swarmtrain.compression.wire import TensorMessage
-from swarmtrain.p2p import P2P, P2PError
+from swarmtrain.compression.wire import (
+    TensorMessage,
+    check_header,
+    dtype_name,
+    numpy_dtype,
+    tensor_to_numpy,
+)
+from swarmtrain.p2p import P2P, Attached, NoSuchMethodError, P2PError
 from swarmtrain.proto import averaging_pb2
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
@@ -72,6 +84,7 @@ __all__ = [
     "AllReduceRunner",
     "AllReduceService",
     "rpc_aggregate_part_name",
+    "rpc_aggregate_part_v2_name",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,6 +94,8 @@ Code = averaging_pb2.AveragingCode
 _PART_OVERHEAD_BYTES = 1 << 16
 # group ids remembered as finished or expected (a stream for one is answered at once)
 _MAX_REMEMBERED_GROUPS = 1024
+# peers remembered as serving only the v1 wire (parts inside the protobuf)
+_MAX_REMEMBERED_V1_PEERS = 4096
 # how often a stream for an unknown group re-checks ``may_join_unknown_groups``
 _HOOK_POLL_INTERVAL = 0.05
 # Codecs cheap enough (a memcpy or a cast) to run on the loop for parts up to this size. Exact
@@ -100,7 +115,13 @@ _REJECT_CODES = {
 
 
 def rpc_aggregate_part_name(prefix: str) -> str:
+    """The v1 method: each part's bytes inside the protobuf (``AveragingTensorPart.buffer``)."""
     return f"{prefix}::Averaging.rpc_aggregate_part"
+
+
+def rpc_aggregate_part_v2_name(prefix: str) -> str:
+    """The v2 method: the same messages, each part's bytes as the message's attachment."""
+    return f"{prefix}::Averaging.rpc_aggregate_part_v2"
 
 
 @dataclass(frozen=True)
@@ -170,6 +191,7 @@ class AllReduceResult:
 
 
 def _part_to_proto(message: TensorMessage) -> averaging_pb2.AveragingTensorPart:
+    """A v1 part: the payload inside the protobuf."""
     return averaging_pb2.AveragingTensorPart(
         buffer=message.buffer.tobytes(),
         size=message.size,
@@ -178,20 +200,57 @@ def _part_to_proto(message: TensorMessage) -> averaging_pb2.AveragingTensorPart:
     )
 
 
-def _part_from_proto(part: averaging_pb2.AveragingTensorPart) -> TensorMessage:
-    return TensorMessage(
-        np.frombuffer(part.buffer, dtype=np.uint8),
-        tuple(part.size),
-        part.dtype,
-        part.compression,  # validated by check_header when decoded
+def _part_header(message: TensorMessage) -> averaging_pb2.AveragingTensorPart:
+    """A v2 part: the header only (the payload travels as the attachment)."""
+    return averaging_pb2.AveragingTensorPart(
+        size=message.size, dtype=message.dtype, compression=int(message.compression)
     )
 
 
-def _decode(part: averaging_pb2.AveragingTensorPart, shape, dtype) -> torch.Tensor | None:
-    """Decode a part against the shape and dtype we expect; None if it does not fit."""
+def _unwrap(item) -> tuple:
+    """``(message, attachment or None)`` of a received item."""
+    if isinstance(item, Attached):
+        return item.message, item.attachment
+    return item, None
+
+
+def _encode(codec: CompressionBase, part: torch.Tensor, info=None) -> TensorMessage:
+    """Encode a part; lossless parts of a contiguous CPU tensor are a view of its memory (for
+    attachments, which are sent from memory that stays unchanged until they are out)."""
+    if type(codec) is NoCompression and part.device.type == "cpu" and part.is_contiguous():
+        payload = tensor_to_numpy(part).view(np.uint8)
+        return TensorMessage(
+            payload, tuple(part.shape), dtype_name(part.dtype), CompressionType.NONE
+        )
+    return codec.compress(part, info)
+
+
+def _decode(
+    part: averaging_pb2.AveragingTensorPart,
+    payload,
+    shape,
+    dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Decode a part against the shape and dtype we expect; None if it does not fit.
+
+    :param payload: its bytes (an attachment), or None for the protobuf's own ``buffer``
+    :param out: decode into this tensor; else a lossless payload in writable, aligned memory
+      (an attachment) becomes the tensor itself, without a copy
+    """
+    if payload is None:
+        payload = part.buffer
+    buffer = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, np.uint8)
+    message = TensorMessage(buffer, tuple(part.size), part.dtype, part.compression)
     try:
+        if out is None and part.compression == CompressionType.NONE and buffer.flags.writeable:
+            header = check_header(message, expected_shape=shape, expected_dtype=dtype)
+            values = numpy_dtype(header.dtype_name)
+            if buffer.ctypes.data % values.itemsize == 0:
+                tensor = torch.from_numpy(buffer.view(values))
+                return tensor.view(dtype) if tensor.dtype != dtype else tensor
         return deserialize_torch_tensor(
-            _part_from_proto(part), expected_shape=shape, expected_dtype=dtype
+            message, expected_shape=shape, expected_dtype=dtype, out=out
         )
     except (WireFormatError, ValueError):
         return None
@@ -217,6 +276,31 @@ def _inline_decode(part: averaging_pb2.AveragingTensorPart, numel: int) -> bool:
 
 def _response(code: int, detail: str = "", **kwargs) -> averaging_pb2.AveragingResponse:
     return averaging_pb2.AveragingResponse(code=code, detail=detail[:1024], **kwargs)
+
+
+class _BufferPool:
+    """Spare uint8 arrays by size, for received parts: a fresh multi-megabyte array costs a
+    page fault per 4 KiB on first touch, one reused from an earlier part none."""
+
+    def __init__(self, max_cached_bytes: int):
+        self.max_cached_bytes = max_cached_bytes
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._cached_bytes = 0
+
+    def take(self, size: int) -> np.ndarray:
+        spare = self._free.get(size)
+        if spare:
+            self._cached_bytes -= size
+            return spare.pop()
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, buffer) -> None:
+        """Keep ``buffer`` for a later part (its contents are no longer read by anyone)."""
+        if not isinstance(buffer, np.ndarray) or buffer.base is not None:
+            return  # not one of ours (a view, or the protobuf's bytes)
+        if self._cached_bytes + buffer.nbytes <= self.max_cached_bytes:
+            self._free.setdefault(buffer.nbytes, []).append(buffer)
+            self._cached_bytes += buffer.nbytes
 
 
 class AllReduceService:
@@ -247,30 +331,53 @@ class AllReduceService:
         self.may_join_unknown_groups = may_join_unknown_groups
         self.prefix = prefix
         self.handler_name = rpc_aggregate_part_name(prefix)
+        self.handler_v2_name = rpc_aggregate_part_v2_name(prefix)
+        # peers without the v2 method (older versions): parts go to them inside the protobuf
+        self._v1_peers: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self.group_wait_timeout = group_wait_timeout
         self.max_message_size = max_message_size
         self._runners: dict[bytes, AllReduceRunner] = {}
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._expected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = anyio.Event()
+        self._part_buffers = _BufferPool(max_cached_bytes=max(64 << 20, 8 * max_message_size))
 
     @classmethod
     @asynccontextmanager
     async def create(cls, p2p: P2P, prefix: str, **kwargs) -> AsyncIterator[AllReduceService]:
         """Register the handler on ``p2p``; remove it on exit."""
         self = cls(p2p, prefix, **kwargs)
-        p2p.add_protobuf_handler(
-            self.handler_name,
-            self._rpc_aggregate_part,
-            averaging_pb2.AveragingRequest,
-            stream_input=True,
-            stream_output=True,
-            max_message_size=self.max_message_size,
-        )
+        for name, handler, attachments in (
+            (self.handler_name, self._rpc_aggregate_part, False),
+            (self.handler_v2_name, self._rpc_aggregate_part_v2, True),
+        ):
+            p2p.add_protobuf_handler(
+                name,
+                handler,
+                averaging_pb2.AveragingRequest,
+                stream_input=True,
+                stream_output=True,
+                max_message_size=self.max_message_size,
+                attachments=attachments,
+                attachment_buffer=self._part_buffer if attachments else None,
+            )
         try:
             yield self
         finally:
             p2p.remove_protobuf_handler(self.handler_name)
+            p2p.remove_protobuf_handler(self.handler_v2_name)
+
+    def _part_buffer(self, request: averaging_pb2.AveragingRequest, size: int) -> np.ndarray:
+        return self._part_buffers.take(size)
+
+    def speaks_v2(self, peer_id: Hashable) -> bool:
+        """Whether parts go to ``peer_id`` as attachments (it did not lack the v2 method)."""
+        return peer_id not in self._v1_peers
+
+    def _remember_v1_peer(self, peer_id: Hashable) -> None:
+        self._v1_peers[peer_id] = None
+        while len(self._v1_peers) > _MAX_REMEMBERED_V1_PEERS:
+            self._v1_peers.popitem(last=False)
 
     def expect(self, group_id: bytes) -> None:
         """A group with this id was assembled here: its rounds will start (or it is released).
@@ -330,19 +437,27 @@ class AllReduceService:
                     await self._registered.wait()
         return self._runners.get(group_id)
 
-    async def _rpc_aggregate_part(self, requests, context):
+    def _rpc_aggregate_part(self, requests, context):
+        return self._serve_call(requests, context, attached=False)
+
+    def _rpc_aggregate_part_v2(self, requests, context):
+        return self._serve_call(requests, context, attached=True)
+
+    async def _serve_call(self, requests, context, attached: bool):
         try:
             first = await requests.__anext__()
         except StopAsyncIteration:
             return
-        runner = await self._find_runner(first.group_id, first.leader)
+        request, _ = _unwrap(first)
+        runner = await self._find_runner(request.group_id, request.leader)
         if runner is None:
-            if first.group_id in self._finished:
+            if request.group_id in self._finished:
                 yield _response(Code.AVERAGING_FINISHED, "this round is over")
             else:
                 yield _response(Code.AVERAGING_BAD_GROUP_ID, "no round with this group_id")
             return
-        async with aclosing(runner._serve_sender(first, requests, context.remote_id)) as replies:
+        replies = runner._serve_sender(first, requests, context.remote_id, attached)
+        async with aclosing(replies):
             async for reply in replies:
                 yield reply
 
@@ -396,6 +511,7 @@ class AllReduceRunner:
         self._started = False
         self._deadline = math.inf
         self.part_bytes_sent = self.delta_bytes_sent = 0  #: see ``AllReduceResult``
+        self._v2_bytes: dict[int, int] = {}  # part bytes sent per reducer over v2
 
     @property
     def core(self) -> AllReduceCore:
@@ -484,7 +600,9 @@ class AllReduceRunner:
 
     # ------------------------------------------------------------------ as a sender
 
-    async def _requests_for(self, reducer: int) -> AsyncIterator[averaging_pb2.AveragingRequest]:
+    async def _requests_for(
+        self, reducer: int, attached: bool
+    ) -> AsyncIterator[averaging_pb2.AveragingRequest | Attached]:
         core, compression = self.core, self.config.compression
         for k in range(core.num_parts_for(reducer)):
             spec = core.container.part_spec(reducer, k)
@@ -497,35 +615,44 @@ class AllReduceRunner:
                 part_offset=spec.start,
             )
             inline = _inline_encode(compression, part)
-            message = await _run_codec(inline, compression.compress, part, info)
-            request = averaging_pb2.AveragingRequest(part_index=k, part=_part_to_proto(message))
+            if attached:  # lossless parts are views of our tensors: no copy before the wire
+                message = await _run_codec(inline, _encode, compression, part, info)
+                part_proto = _part_header(message)
+            else:
+                message = await _run_codec(inline, compression.compress, part, info)
+                part_proto = _part_to_proto(message)
+            request = averaging_pb2.AveragingRequest(part_index=k, part=part_proto)
             if k == 0:
                 request.group_id = self.group.group_id
                 request.weight = self.weight
                 if self.group.leader is not None:
                     request.leader = self.group.leader.to_bytes()
-            self.part_bytes_sent += len(request.part.buffer)
-            yield request
+            self.part_bytes_sent += message.nbytes
+            if attached:  # taken back if the reducer turns out to lack v2
+                self._v2_bytes[reducer] = self._v2_bytes.get(reducer, 0) + message.nbytes
+            yield Attached(request, message.buffer) if attached else request
 
     async def _communicate_with_reducer(self, reducer: int) -> None:
         core = self.core
         peer_id = self.group.peer_ids[reducer]
         try:
-            async with self.service.p2p.iterate_protobuf_handler(
-                peer_id,
-                self.service.handler_name,
-                self._requests_for(reducer),
-                averaging_pb2.AveragingResponse,
-                stream_input=True,
-                next_message_timeout=None,
-                max_message_size=self.service.max_message_size,
-                bulk=True,
-            ) as responses:
-                for k in range(core.num_parts_for(reducer)):
-                    if not await self._receive_result(reducer, k, responses):
-                        return
-                with anyio.move_on_after(1.0):  # let the reducer end the call cleanly
-                    await _next_or_none(responses)
+            attached = self.service.speaks_v2(peer_id)
+            try:
+                await self._call_reducer(reducer, attached)
+            except NoSuchMethodError:
+                if not attached or core.container.num_received(reducer):
+                    raise
+                logger.debug("reducer %s has no v2 all-reduce: parts go inside protobufs", peer_id)
+                self.part_bytes_sent -= self._v2_bytes.pop(reducer, 0)
+                serves_v1 = True
+                try:
+                    await self._call_reducer(reducer, attached=False)
+                except NoSuchMethodError:
+                    serves_v1 = False  # neither (e.g. it is leaving): nothing to remember
+                    raise
+                finally:
+                    if serves_v1:
+                        self.service._remember_v1_peer(peer_id)
         except P2PError as e:
             logger.debug("reducer %s failed: %r", peer_id, e)
             core.fail_reducer(reducer, Failure.DISCONNECTED)
@@ -535,10 +662,57 @@ class AllReduceRunner:
             core.fail_reducer(reducer, Failure.DEADLINE if past_deadline else Failure.DISCONNECTED)
             self._notify()
 
+    async def _call_reducer(self, reducer: int, attached: bool) -> None:
+        """One call that sends the parts of ``reducer``'s slice and receives their deltas."""
+        core = self.core
+        service = self.service
+        async with service.p2p.iterate_protobuf_handler(
+            self.group.peer_ids[reducer],
+            service.handler_v2_name if attached else service.handler_name,
+            self._requests_for(reducer, attached),
+            averaging_pb2.AveragingResponse,
+            stream_input=True,
+            next_message_timeout=None,
+            max_message_size=service.max_message_size,
+            bulk=True,
+            attachments=attached,
+            attachment_buffer=self._delta_buffer_chooser(reducer) if attached else None,
+        ) as responses:
+            for k in range(core.num_parts_for(reducer)):
+                if not await self._receive_result(reducer, k, responses):
+                    return
+            with anyio.move_on_after(1.0):  # let the reducer end the call cleanly
+                await _next_or_none(responses)
+
+    def _delta_buffer_chooser(self, reducer: int):
+        """Where a lossless delta of ``reducer`` is received: straight into the round's delta
+        buffer when it is the part due next and its header fits, else None (a new array)."""
+        container = self.core.container
+
+        def choose(response: averaging_pb2.AveragingResponse, size: int):
+            k = response.part_index
+            if (
+                response.code != Code.AVERAGING_AVERAGED_PART
+                or response.delta.compression != CompressionType.NONE
+                or k != container.num_received(reducer)
+                or container.reducer_done(reducer)
+            ):
+                return None
+            dtype = container.part_dtype(reducer, k)
+            numel = container.part_spec(reducer, k).numel
+            if response.delta.dtype != dtype_name(dtype) or tuple(response.delta.size) != (numel,):
+                return None
+            if size != numel * dtype.itemsize:
+                return None
+            region = container.delta_target(reducer, k)
+            return None if region is None else tensor_to_numpy(region).view(np.uint8)
+
+        return choose
+
     async def _receive_result(self, reducer: int, k: int, responses) -> bool:
         core = self.core
         with anyio.CancelScope(deadline=core.reducer_deadline(reducer)) as scope:
-            response = await _next_or_none(responses)
+            response, attachment = _unwrap(await _next_or_none(responses))
         if scope.cancelled_caught:
             core.fail_reducer(reducer, Failure.TIMEOUT)
             return False
@@ -553,7 +727,10 @@ class AllReduceRunner:
             shape = (core.container.part_spec(reducer, k).numel,)
             dtype = core.container.part_dtype(reducer, k)
             inline = _inline_decode(response.delta, shape[0])
-            delta = await _run_codec(inline, _decode, response.delta, shape, dtype)
+            out = None  # a lossless attachment may already be in place (_delta_buffer_chooser)
+            if response.delta.compression != CompressionType.NONE and response.part_index == k:
+                out = core.container.delta_target(reducer, k)  # decode straight into place
+            delta = await _run_codec(inline, _decode, response.delta, attachment, shape, dtype, out)
             ok = core.receive_delta(
                 reducer, response.part_index, delta, unchanged=False, now=anyio.current_time()
             )
@@ -575,15 +752,17 @@ class AllReduceRunner:
     # ------------------------------------------------------------------ as a reducer
 
     async def _serve_sender(
-        self, first: averaging_pb2.AveragingRequest, requests, remote_id
-    ) -> AsyncIterator[averaging_pb2.AveragingResponse]:
-        """Average one sender's parts with the others' and stream back the deltas."""
+        self, first, requests, remote_id, attached: bool = False
+    ) -> AsyncIterator[averaging_pb2.AveragingResponse | Attached]:
+        """Average one sender's parts with the others' and stream back the deltas
+        (``attached``: a v2 call, the deltas go back as attachments)."""
         core = self.core
         peer = self.group.index_of(remote_id)
         if self._closed:
             yield _response(Code.AVERAGING_FINISHED, "this round is over")
             return
-        reject = core.open_sender(peer, first.group_id, first.weight, anyio.current_time())
+        request, payload = _unwrap(first)
+        reject = core.open_sender(peer, request.group_id, request.weight, anyio.current_time())
         if reject is not None:
             self._notify()
             yield _response(_REJECT_CODES[reject], f"rejected: {reject.value}")
@@ -591,16 +770,15 @@ class AllReduceRunner:
         if peer is None:  # unreachable: open_sender rejects non-members
             return
         try:
-            request: averaging_pb2.AveragingRequest | None = first
             for k in range(core.num_local_parts):
                 if k > 0:
-                    request = await self._next_part(peer, requests)
+                    request, payload = _unwrap(await self._next_part(peer, requests))
                     if request is None:
                         yield self._why_stopped(peer)
                         return
                 shape, dtype = core.local_part_shape(k)
                 inline = _inline_decode(request.part, shape[0])
-                sent = await _run_codec(inline, _decode, request.part, shape, dtype)
+                sent = await _run_codec(inline, _decode, request.part, payload, shape, dtype)
                 outcome = core.receive_part(peer, request.part_index, sent, anyio.current_time())
                 self._notify(outcome.completed)
                 if outcome.reject is not None:
@@ -610,13 +788,16 @@ class AllReduceRunner:
                 if self._closed or core.sender_banned(peer):
                     yield self._why_stopped(peer)
                     return
-                yield await self._result(peer, k, sent, request.part.compression)
+                yield await self._result(peer, k, sent, request.part.compression, attached)
                 core.result_sent(peer, k, anyio.current_time())
+                # the delta went out: nothing reads the received part any more
+                sent = None
+                self.service._part_buffers.give(payload)
                 self._notify()
         finally:
             self._notify(core.ban_sender(peer, Failure.DISCONNECTED))  # no-op once it is done
 
-    async def _next_part(self, peer: int, requests) -> averaging_pb2.AveragingRequest | None:
+    async def _next_part(self, peer: int, requests):
         """The sender's next request, or None (then it is banned, or the round is over)."""
         core = self.core
         with anyio.CancelScope(deadline=core.sender_deadline(peer)) as scope:
@@ -644,19 +825,27 @@ class AllReduceRunner:
         return _response(Code.AVERAGING_BANNED, f"banned: {reason.value}")
 
     async def _result(
-        self, peer: int, k: int, sent: torch.Tensor, compression: int
-    ) -> averaging_pb2.AveragingResponse:
-        delta = self.core.delta_for(peer, k, sent)
+        self, peer: int, k: int, sent: torch.Tensor, compression: int, attached: bool
+    ) -> averaging_pb2.AveragingResponse | Attached:
+        # ``sent`` was decoded for this call alone (into memory of its own): reuse it
+        delta = self.core.delta_for(peer, k, sent, out=sent)
         if delta is None:
             return _response(Code.AVERAGING_PART_UNCHANGED, part_index=k)
         nbytes = delta.numel() * delta.element_size()
         inline = compression in _INLINE_WIRE_TYPES and nbytes <= _INLINE_MAX_BYTES
-        message = await _run_codec(inline, serialize_torch_tensor, delta, compression)
+        if attached and compression == CompressionType.NONE:
+            message = _encode(NoCompression(), delta)  # a view: sent before it can change
+        else:
+            message = await _run_codec(inline, serialize_torch_tensor, delta, compression)
+        self.delta_bytes_sent += message.nbytes
+        if not attached:
+            return _response(
+                Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_to_proto(message)
+            )
         response = _response(
-            Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_to_proto(message)
+            Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_header(message)
         )
-        self.delta_bytes_sent += len(response.delta.buffer)
-        return response
+        return Attached(response, message.buffer)
 
 
 async def _next_or_none(iterator):

@@ -366,15 +366,19 @@ class AllReduceCore:
     def is_part_ready(self, part_index: int) -> bool:
         return self.reducer.is_complete(part_index)
 
-    def delta_for(self, peer: int, part_index: int, sent: torch.Tensor) -> torch.Tensor | None:
+    def delta_for(
+        self, peer: int, part_index: int, sent: torch.Tensor, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """``average - sent`` for a complete part (None: keep local values), in ``sent``'s dtype.
 
         Call once the sender's result is about to go out; :meth:`result_sent` afterwards.
+        ``out``: write it there (e.g. into ``sent``, a received part nothing else reads any
+        more) instead of a new tensor.
         """
         average = self.reducer.result(part_index)
         if average is None:
             return None
-        return difference(average, sent)
+        return difference(average, sent, out=out)
 
     def result_sent(self, peer: int, part_index: int, now: float) -> None:
         """The result of ``part_index`` went out to ``peer``: its next part is now due."""
@@ -425,7 +429,10 @@ class AllReduceCore:
         if not completed or self._senders.get(local) != _Sender.ACTIVE:
             return
         for k in completed:
-            self.container.register_delta(local, k, self.delta_for(local, k, self._local_parts[k]))
+            # written straight into the round's delta buffer (registering it copies nothing)
+            out = None if self.reducer.result(k) is None else self.container.delta_target(local, k)
+            delta = self.delta_for(local, k, self._local_parts[k], out=out)
+            self.container.register_delta(local, k, delta)
         if self.reducer.finished:
             self._senders[local] = _Sender.DONE
 

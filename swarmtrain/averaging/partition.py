@@ -257,10 +257,23 @@ def scaled_sum(
     return current
 
 
-def difference(average: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``average - local`` (flat) in ``local``'s dtype, computed in ``average``'s."""
+def difference(
+    average: torch.Tensor, local: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``average - local`` (flat) in ``local``'s dtype, computed in ``average``'s.
+
+    :param out: a flat tensor of ``local``'s size and dtype to write the result into (it may
+      be ``local`` itself); a new tensor when None
+    """
     local = local.detach().reshape(-1)
     average_np, local_np = as_numpy(average), as_numpy(local)
+    if out is not None:
+        out_np = as_numpy(out)
+        if average_np is None or local_np is None or out_np is None:
+            out.copy_((average - local.to(average.dtype)).to(local.dtype))
+        else:
+            np.subtract(average_np, local_np, out=out_np, dtype=average_np.dtype)
+        return out
     if average_np is None or local_np is None:
         return (average - local.to(average.dtype)).to(local.dtype)
     result = np.subtract(average_np, local_np, dtype=average_np.dtype)
@@ -312,6 +325,8 @@ class TensorPartContainer:
         self._received = [[False] * n for n in self.num_parts_by_peer]
         self._num_received = [0] * self.group_size
         self._failed = [False] * self.group_size
+        # parts whose delta region was handed out to be written in place (delta_target)
+        self._written: set[tuple[int, int]] = set()
 
     def part_spec(self, peer_index: int, part_index: int) -> PartSpec:
         return self.layout[peer_index][part_index]
@@ -326,6 +341,24 @@ class TensorPartContainer:
 
     def part_dtype(self, peer_index: int, part_index: int) -> torch.dtype:
         return self.tensors[self.layout[peer_index][part_index].tensor_index].dtype
+
+    def delta_target(self, peer_index: int, part_index: int) -> torch.Tensor | None:
+        """Where the delta of one part lives, to decode it straight there (a flat contiguous
+        CPU tensor; None when the buffers are elsewhere or the part was registered already).
+
+        The region counts as written from now on: unless the part is then registered with
+        that delta, :meth:`deltas` zeroes it (a failed decode never leaves bytes behind).
+        """
+        if not 0 <= part_index < self.num_parts_by_peer[peer_index]:
+            return None
+        if self._failed[peer_index] or self._received[peer_index][part_index]:
+            return None
+        spec = self.layout[peer_index][part_index]
+        region = self._deltas[spec.tensor_index][spec.start : spec.stop]
+        if region.device.type != "cpu" or not region.is_contiguous():
+            return None
+        self._written.add((peer_index, part_index))
+        return region
 
     def register_delta(self, peer_index: int, part_index: int, delta: torch.Tensor | None) -> None:
         """Record ``average - local`` for one part (None: keep the local values).
@@ -348,7 +381,7 @@ class TensorPartContainer:
             target = self._deltas[spec.tensor_index][spec.start : spec.stop]
             if target.data_ptr() != delta.data_ptr():  # not decoded in place already
                 copy_into(target, delta)
-        elif not self._zeroed:
+        elif not self._zeroed or (peer_index, part_index) in self._written:
             self._deltas[spec.tensor_index][spec.start : spec.stop].zero_()
         self._received[peer_index][part_index] = True
         self._num_received[peer_index] += 1
@@ -381,9 +414,12 @@ class TensorPartContainer:
 
     def deltas(self) -> tuple[torch.Tensor, ...]:
         """``average - local`` for every tensor, in its shape and dtype."""
-        if not self._zeroed:  # reused buffers: parts never received keep the local values
-            for peer_index, parts in enumerate(self.layout):
-                for part_index, spec in enumerate(parts):
-                    if not self._received[peer_index][part_index]:
-                        self._deltas[spec.tensor_index][spec.start : spec.stop].zero_()
+        # parts never received keep the local values: zero them in reused buffers, and
+        # wherever a delta was being written in place (delta_target) but never registered
+        for peer_index, parts in enumerate(self.layout):
+            for part_index, spec in enumerate(parts):
+                if self._received[peer_index][part_index]:
+                    continue
+                if not self._zeroed or (peer_index, part_index) in self._written:
+                    self._deltas[spec.tensor_index][spec.start : spec.stop].zero_()
         return tuple(d.reshape(t.shape) for d, t in zip(self._deltas, self.tensors, strict=True))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -473,12 +473,18 @@ class P2P:
         max_message_size: int | None = None,
         timeout: float | None = None,
         replace: bool = False,
+        attachments: bool = False,
+        attachment_buffer: Callable[[Message, int], Any] | None = None,
     ) -> None:
         """Serve ``name`` (by convention ``{prefix}::Service.method``).
 
         ``handler(request, context)``: ``request`` is one message, or an async iterator of
         messages if ``stream_input``; it returns one message, or is an async generator of
         messages if ``stream_output``. Exceptions reach the caller as ``RemoteError``.
+        ``attachments=True``: requests and responses may also be ``rpc.Attached`` (a message
+        plus raw bytes sent without protobuf copies; callers must opt in as well);
+        ``attachment_buffer(request, size)`` may return the writable buffer of exactly
+        ``size`` bytes a request's attachment is received into (None: a new numpy array).
         """
         self._rpc_server.add_handler(
             name,
@@ -489,6 +495,8 @@ class P2P:
             max_message_size=max_message_size,
             timeout=timeout,
             replace=replace,
+            attachments=attachments,
+            attachment_buffer=attachment_buffer,
         )
 
     def remove_protobuf_handler(self, name: str) -> None:
@@ -535,6 +543,8 @@ class P2P:
         next_message_timeout: float | type[Ellipsis] | None = ...,
         max_message_size: int | None = None,
         bulk: bool = False,
+        attachments: bool = False,
+        attachment_buffer: Callable[[Message, int], Any] | None = None,
     ) -> AsyncIterator[rpc_client.ResponseStream[TOut]]:
         """Call a stream-output handler: ``async with ... as responses: async for r in responses``.
 
@@ -543,6 +553,9 @@ class P2P:
         ``bulk=True``: carry the call over a direct data lane (swarmtrain.p2p.lane: its own
         encrypted TCP connection, several times the throughput of the libp2p muxer) when the
         peer offers one; otherwise, or if the lane cannot be opened, over libp2p as usual.
+        ``attachments=True`` (the handler must be registered so too): requests and responses
+        may be ``rpc.Attached``; ``attachment_buffer(message, size)`` may return the buffer a
+        response's attachment is received into (None: a new numpy array).
         """
         timeout = (
             self.config.request_timeout if next_message_timeout is ... else next_message_timeout
@@ -555,6 +568,8 @@ class P2P:
             output_protobuf_type,
             stream_input=stream_input,
             max_message_size=max_message_size or self.config.max_message_size,
+            attachments=attachments,
+            attachment_buffer=attachment_buffer,
         ) as reader:
             yield rpc_client.ResponseStream(reader, timeout)
 

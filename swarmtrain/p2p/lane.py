@@ -32,6 +32,7 @@ from swarmtrain.p2p.lane_records import (
     HEADER_SIZE,
     KEY_SIZE,
     MAX_RECORD_CIPHERTEXT,
+    TAG_SIZE,
     TICKET_ID_SIZE,
     LaneRecordError,
     RecordOpener,
@@ -49,8 +50,28 @@ HANDSHAKE_TIMEOUT = 5.0
 MAX_PENDING_HANDSHAKES = 64  # connections that have not shown a valid ticket yet
 CONNECT_TIMEOUT = 2.0
 OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
+WRITE_STALL_TIMEOUT = 60.0  # a write that makes no progress this long fails (TooSlowError)
 RETRY_AFTER = 300.0
 _ACCEPTED = b"swarmtrain-lane-ok"
+
+
+class _Held:
+    """``async with _Held(lock)``: holds a trio lock, without yielding when it is free
+    (``trio.Lock.acquire`` always yields to the scheduler, once per record read or written)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: trio.StrictFIFOLock):
+        self._lock = lock
+
+    async def __aenter__(self) -> None:
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._lock.release()
 
 
 class LaneStream:
@@ -68,7 +89,8 @@ class LaneStream:
         self._raw, self._sock = raw, sock
         self._sealer, self._opener = sealer, opener
         self._recv_buffer = bytearray(MAX_RECORD_CIPHERTEXT)
-        self._pending = b""  # plaintext of the last record not yet returned by read()
+        # plaintext of the last record not yet returned by read() / read_into()
+        self._pending: bytes | memoryview = b""
         # the record being received: header bytes so far, then its size and body bytes so far
         self._rx_header = bytearray(HEADER_SIZE)
         self._rx_header_got = 0
@@ -85,19 +107,32 @@ class LaneStream:
 
     async def _fill(self, view: memoryview, got: int) -> int:
         """Receive into ``view[got:]`` once; the new fill level. A cancelled receive takes no
-        bytes (trio cancels only while waiting), so progress kept in ``self`` is never lost."""
-        try:
-            count = await self._sock.recv_into(view[got:], len(view) - got)
-        except OSError as e:
-            raise StreamReset(f"the lane failed: {e!r}") from None
+        bytes (it is cancelled only while waiting), so progress kept in ``self`` is never lost.
+
+        The socket is read directly (trio waits only when it has no data): trio's socket
+        methods yield to the scheduler after every successful call, several times per record.
+        """
+        while True:
+            try:
+                count = self._raw.recv_into(view[got:])
+                break
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise StreamReset(f"the lane failed: {e!r}") from None
+            try:
+                await trio.lowlevel.wait_readable(self._raw)
+            except trio.ClosedResourceError:
+                raise StreamClosed("the lane was closed") from None
         if count == 0:
             raise StreamReset("the lane was cut without an end record")
         self.bytes_on_wire += count
         return got + count
 
-    async def _receive_record(self) -> bytes:
-        """The next record's plaintext. Resumable: a read cancelled midway (a timeout around
-        it) leaves the partial header or body in place for the next call."""
+    async def _receive_body(self) -> memoryview:
+        """The next record's ciphertext (a view of the receive buffer, valid until the next
+        call). Resumable: a read cancelled midway (a timeout around it) leaves the partial
+        header or body in place for the next call."""
         try:
             while self._rx_size is None:
                 self._rx_header_got = await self._fill(
@@ -106,10 +141,18 @@ class LaneStream:
                 if self._rx_header_got == HEADER_SIZE:
                     self._rx_size = self._opener.ciphertext_size(bytes(self._rx_header))
                     self._rx_got = 0
-            body = memoryview(self._recv_buffer)[: self._rx_size]
-            while self._rx_got < self._rx_size:
-                self._rx_got = await self._fill(body, self._rx_got)
-            self._rx_size, self._rx_header_got = None, 0
+        except LaneRecordError as e:
+            raise StreamError(f"lane: {e}") from None
+        body = memoryview(self._recv_buffer)[: self._rx_size]
+        while self._rx_got < self._rx_size:
+            self._rx_got = await self._fill(body, self._rx_got)
+        self._rx_size, self._rx_header_got = None, 0
+        return body
+
+    async def _receive_record(self) -> bytes:
+        """The next record's plaintext (b"" for the end record)."""
+        body = await self._receive_body()
+        try:
             return self._opener.open(body)
         except LaneRecordError as e:
             raise StreamError(f"lane: {e}") from None
@@ -118,7 +161,8 @@ class LaneStream:
         """Up to ``n`` bytes (one record's worth when ``n`` is None)."""
         if self.closed:
             raise StreamClosed("the lane is closed")
-        async with self._recv_lock:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with _Held(self._recv_lock):
             if not self._pending:
                 if self.eof_received:
                     raise StreamEOF("the peer ended the lane")
@@ -130,7 +174,35 @@ class LaneStream:
                 data, self._pending = self._pending, b""
             else:
                 data, self._pending = self._pending[:n], self._pending[n:]
-            return data
+            return bytes(data)
+
+    async def read_into(self, view: memoryview) -> int:
+        """Receive up to ``len(view)`` bytes into ``view``; the count. A record that fits is
+        decrypted straight into ``view`` (no copy). Raises ``StreamEOF`` at the clean end."""
+        if self.closed:
+            raise StreamClosed("the lane is closed")
+        if not len(view):
+            return 0
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with _Held(self._recv_lock):
+            if not self._pending:
+                if self.eof_received:
+                    raise StreamEOF("the peer ended the lane")
+                body = await self._receive_body()
+                size = len(body) - TAG_SIZE
+                try:
+                    if 0 < size <= len(view):
+                        return self._opener.open_into(body, view[:size])
+                    self._pending = memoryview(self._opener.open(body))
+                except LaneRecordError as e:
+                    raise StreamError(f"lane: {e}") from None
+                if not self._pending:
+                    self.eof_received = True
+                    raise StreamEOF("the peer ended the lane")
+            count = min(len(view), len(self._pending))
+            view[:count] = self._pending[:count]
+            self._pending = self._pending[count:]
+            return count
 
     async def receive_accept(self) -> None:
         """The callee's first record must be the accept marker (it holds the keys)."""
@@ -141,13 +213,23 @@ class LaneStream:
     # ---------------------------------------------------------------- writing
 
     async def _send_all(self, data) -> None:
+        """Send all of ``data`` (directly, like ``_fill``); ``trio.TooSlowError`` when the
+        peer takes nothing for ``WRITE_STALL_TIMEOUT`` seconds."""
         view = memoryview(data)
         sent = 0
         while sent < len(view):
             try:
-                sent += await self._sock.send(view[sent:])
+                sent += self._raw.send(view[sent:])
+                continue
+            except BlockingIOError:
+                pass
             except OSError as e:
                 raise StreamReset(f"the lane failed: {e!r}") from None
+            try:
+                with trio.fail_after(WRITE_STALL_TIMEOUT):
+                    await trio.lowlevel.wait_writable(self._raw)
+            except trio.ClosedResourceError:
+                raise StreamClosed("the lane was closed") from None
         self.bytes_on_wire += len(data)
 
     async def write(self, data) -> None:
@@ -157,7 +239,8 @@ class LaneStream:
             raise StreamClosed("the lane is closed")
         if not len(data):
             return
-        async with self._send_lock:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with _Held(self._send_lock):
             try:
                 for record in self._sealer.seal(data):
                     await self._send_all(record)

@@ -9,6 +9,15 @@ finished cancels the call on the other side:
   the end of stream before the call finished and cancels the handler;
 - the callee cancels (shutdown, handler deadline): it sends ERROR(CANCELLED) and closes; the
   caller raises ``RPCCancelledError``.
+
+Attachments: a method registered with ``attachments=True`` (and called with
+``attachments=True``) may exchange ``Attached(message, attachment)`` items besides plain
+messages, in both directions. The attachment (a numpy array, bytes, any contiguous buffer)
+travels after the serialized message as raw bytes (an ATTACHED_MESSAGE frame, see framing.py):
+sent from its own memory, received into a numpy array (or a buffer the caller picks), never
+copied into or out of a protobuf field. A side that did not opt in rejects such frames as a
+protocol error, and a peer of an older version rejects the frame kind: opt in per method, so
+callers can tell old peers by ``NoSuchMethodError`` and fall back.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ SERVER_STREAM_IDLE_TIMEOUT = 30.0
 CALLER_STREAM_REUSE_TIME = 15.0
 
 ErrorCode = p2p_pb2.RPCErrorCode
+_MESSAGE_KINDS = (FrameKind.MESSAGE, FrameKind.ATTACHED_MESSAGE)
 TOut = TypeVar("TOut", bound=Message)
 
 
@@ -61,6 +71,23 @@ class RPCContext:
     method: str
 
 
+@dataclass(frozen=True, slots=True)
+class Attached:
+    """A protobuf message plus raw bytes that travel with it (see the module docstring).
+
+    :param message: the message
+    :param attachment: a contiguous buffer (numpy array, bytes, memoryview); received
+      attachments are uint8 numpy arrays unless the receiver supplied the buffer
+    """
+
+    message: Message
+    attachment: Any
+
+    @property
+    def nbytes(self) -> int:
+        return memoryview(self.attachment).nbytes
+
+
 @dataclass(frozen=True)
 class HandlerSpec:
     name: str
@@ -70,6 +97,8 @@ class HandlerSpec:
     stream_output: bool
     max_message_size: int
     timeout: float | None
+    attachments: bool = False
+    attachment_buffer: Callable[[Message, int], Any] | None = None
 
 
 def serialize_checked(message: Message, max_message_size: int, what: str) -> bytes:
@@ -83,9 +112,46 @@ def serialize_checked(message: Message, max_message_size: int, what: str) -> byt
 
 def parse_message(message_type: type[Message], payload, what: str) -> Message:
     try:
-        return message_type.FromString(bytes(payload))
+        return message_type.FromString(payload)
     except DecodeError as e:
         raise RPCProtocolError(f"{what} is not a valid {message_type.__name__}: {e}") from None
+
+
+async def send_item(stream: RPCStream, item, max_message_size: int, what: str, attachments: bool):
+    """Send a message, or an ``Attached`` one where ``attachments`` are allowed."""
+    if not isinstance(item, Attached):
+        await stream.send_message(serialize_checked(item, max_message_size, what))
+        return
+    if not attachments:
+        raise TypeError(f"{what} is Attached, but the method was not set up for attachments")
+    payload = serialize_checked(item.message, max_message_size, what)
+    size = len(payload) + item.nbytes
+    if size > max_message_size:
+        raise MessageTooLargeError(
+            f"{what} is {size} bytes with its attachment, over the max_message_size of "
+            f"{max_message_size}"
+        )
+    await stream.send_attached(payload, item.attachment)
+
+
+async def receive_item(
+    stream: RPCStream,
+    frame,
+    message_type: type[Message],
+    what: str,
+    attachments: bool,
+    attachment_buffer: Callable[[Message, int], Any] | None = None,
+):
+    """The message of a MESSAGE or ATTACHED_MESSAGE frame (``Attached``, with the attachment
+    received into ``attachment_buffer(message, size)`` or a new numpy array)."""
+    message = parse_message(message_type, frame.payload, what)
+    if frame.kind == FrameKind.MESSAGE:
+        return message
+    if not attachments:
+        raise RPCProtocolError(f"{what} came with an attachment, which this method does not take")
+    size = frame.attachment_size
+    buffer = attachment_buffer(message, size) if attachment_buffer is not None else None
+    return Attached(message, await stream.receive_attachment(buffer))
 
 
 def _remote_failure(method: str, header: p2p_pb2.RPCFrameHeader) -> RPCError:
@@ -118,6 +184,15 @@ class _IncomingMessages:
             raise StopAsyncIteration
         with trio.move_on_after(self._idle_timeout) as scope:
             frame = await self._stream.receive_frame()
+            if frame is not None and frame.kind in _MESSAGE_KINDS:
+                return await receive_item(
+                    self._stream,
+                    frame,
+                    self._spec.input_type,
+                    "the request",
+                    self._spec.attachments,
+                    self._spec.attachment_buffer,
+                )
         if scope.cancelled_caught:
             raise RPCTimeoutError(f"no request message for {self._idle_timeout} s")
         if frame is None:
@@ -125,9 +200,7 @@ class _IncomingMessages:
         if frame.kind == FrameKind.END:
             self.finished.set()
             raise StopAsyncIteration
-        if frame.kind != FrameKind.MESSAGE:
-            raise RPCProtocolError(f"unexpected frame {FrameKind.Name(frame.kind)} in a request")
-        return parse_message(self._spec.input_type, frame.payload, "the request")
+        raise RPCProtocolError(f"unexpected frame {FrameKind.Name(frame.kind)} in a request")
 
 
 class RPCServer:
@@ -153,6 +226,8 @@ class RPCServer:
         max_message_size: int | None = None,
         timeout: float | None = None,
         replace: bool = False,
+        attachments: bool = False,
+        attachment_buffer: Callable[[Message, int], Any] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError("handler name must be a non-empty string")
@@ -173,6 +248,8 @@ class RPCServer:
             stream_output=stream_output,
             max_message_size=max_message_size or self.default_max_message_size,
             timeout=timeout,
+            attachments=attachments,
+            attachment_buffer=attachment_buffer,
         )
 
     def remove_handler(self, name: str) -> None:
@@ -334,10 +411,13 @@ class RPCServer:
                 responses = spec.handler(request, context)
                 try:
                     async for response in responses:
-                        payload = serialize_checked(
-                            response, spec.max_message_size, f"a response of {spec.name}"
+                        await send_item(
+                            stream,
+                            response,
+                            spec.max_message_size,
+                            f"a response of {spec.name}",
+                            spec.attachments,
                         )
-                        await stream.send_message(payload)
                 finally:
                     aclose = getattr(responses, "aclose", None)
                     if aclose is not None:
@@ -345,6 +425,16 @@ class RPCServer:
                             await aclose()
             else:
                 response = await spec.handler(request, context)
+                if isinstance(response, Attached):
+                    await send_item(
+                        stream,
+                        response,
+                        spec.max_message_size,
+                        f"the response of {spec.name}",
+                        spec.attachments,
+                    )
+                    await stream.send_end()
+                    return True
                 if not isinstance(response, Message):
                     raise TypeError(
                         f"handler {spec.name} returned {type(response).__name__}, "

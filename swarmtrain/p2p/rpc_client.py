@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Generic, TypeVar
@@ -15,8 +14,10 @@ from swarmtrain.p2p.errors import RPCCancelledError, RPCProtocolError, RPCTimeou
 from swarmtrain.p2p.framing import FrameKind
 from swarmtrain.p2p.rpc import (
     CALLER_STREAM_REUSE_TIME,
+    Attached,
     _remote_failure,
-    parse_message,
+    receive_item,
+    send_item,
     serialize_checked,
 )
 from swarmtrain.p2p.rpc_stream import RPCStream
@@ -89,15 +90,25 @@ class StreamPool:
 
 
 class _ResponseReader(Generic[TOut]):
-    def __init__(self, stream: RPCStream, method: str, output_type: type[TOut], reused: bool):
+    def __init__(
+        self,
+        stream: RPCStream,
+        method: str,
+        output_type: type[TOut],
+        reused: bool,
+        attachments: bool = False,
+        attachment_buffer: Callable[[Message, int], Any] | None = None,
+    ):
         self.stream, self.method, self.output_type = stream, method, output_type
         self.reused = reused
+        self.attachments, self.attachment_buffer = attachments, attachment_buffer
         self.frames_before = stream.frames_received
         self.finished = False
         self.ended_with_end = False
 
-    async def next_message(self) -> TOut | None:
-        """The next response, or None after END. Raises the remote error, if any."""
+    async def next_message(self) -> TOut | Attached | None:
+        """The next response (``Attached`` when it came with an attachment), or None after
+        END. Raises the remote error, if any."""
         if self.finished:
             return None
         frame = await self.stream.receive_frame()
@@ -109,9 +120,16 @@ class _ResponseReader(Generic[TOut]):
         if frame.kind == FrameKind.ERROR:
             self.finished = True
             raise _remote_failure(self.method, frame.header)
-        if frame.kind != FrameKind.MESSAGE:
+        if frame.kind not in (FrameKind.MESSAGE, FrameKind.ATTACHED_MESSAGE):
             raise RPCProtocolError(f"{self.method}: unexpected {FrameKind.Name(frame.kind)} frame")
-        return parse_message(self.output_type, frame.payload, f"a response of {self.method}")
+        return await receive_item(
+            self.stream,
+            frame,
+            self.output_type,
+            f"a response of {self.method}",
+            self.attachments,
+            self.attachment_buffer,
+        )
 
 
 class ResponseStream(Generic[TOut]):
@@ -128,7 +146,12 @@ class ResponseStream(Generic[TOut]):
         return self
 
     async def __anext__(self) -> TOut:
-        with trio.move_on_after(self._timeout if self._timeout else math.inf) as scope:
+        if not self._timeout:  # no cancel scope to set up per message
+            message = await self._reader.next_message()
+            if message is None:
+                raise StopAsyncIteration
+            return message
+        with trio.move_on_after(self._timeout) as scope:
             message = await self._reader.next_message()
         if scope.cancelled_caught:
             raise RPCTimeoutError(f"{self._reader.method}: no response for {self._timeout} s")
@@ -138,7 +161,12 @@ class ResponseStream(Generic[TOut]):
 
 
 async def _send_requests(
-    stream: RPCStream, method: str, requests, max_message_size: int, stream_input: bool
+    stream: RPCStream,
+    method: str,
+    requests,
+    max_message_size: int,
+    stream_input: bool,
+    attachments: bool = False,
 ) -> None:
     """Send OPEN, the request(s) and END. A unary request arrives already serialized."""
     if not stream_input:
@@ -147,8 +175,7 @@ async def _send_requests(
     await stream.send_open(method)
 
     async def send(request) -> None:
-        what = f"a request of {method}"
-        await stream.send_message(serialize_checked(request, max_message_size, what))
+        await send_item(stream, request, max_message_size, f"a request of {method}", attachments)
 
     if isinstance(requests, AsyncIterable):
         iterator = aiter(requests)
@@ -178,11 +205,16 @@ async def open_call(
     *,
     stream_input: bool,
     max_message_size: int,
+    attachments: bool = False,
+    attachment_buffer: Callable[[Message, int], Any] | None = None,
 ) -> AsyncIterator[_ResponseReader[TOut]]:
     """Start a call, send the request(s) in a background task, yield the response reader.
 
     On any exit before the responses ended (error, cancellation) the stream is closed, which
     cancels the handler on the callee; after a clean END it goes back to ``pool``.
+    ``attachments``: requests and responses may be ``Attached`` (see rpc.py); a response's
+    attachment is received into ``attachment_buffer(message, size)`` when that returns a
+    buffer, else into a new numpy array.
     """
     if not stream_input and not isinstance(requests, Message):
         raise TypeError(f"the request must be a protobuf message, got {type(requests).__name__}")
@@ -194,7 +226,9 @@ async def open_call(
         # Serialized once, before dialling: a request over our own limit fails here.
         requests = serialize_checked(requests, max_message_size, f"the request of {method}")
     stream, reused = await pool.acquire(peer_id, max_message_size)
-    reader = _ResponseReader(stream, method, output_type, reused)
+    reader = _ResponseReader(
+        stream, method, output_type, reused, attachments, attachment_buffer if attachments else None
+    )
     sent_all = reusable = False
     try:
         with collapse_exception_groups():
@@ -204,7 +238,7 @@ async def open_call(
                     nonlocal sent_all
                     try:
                         await _send_requests(
-                            stream, method, requests, max_message_size, stream_input
+                            stream, method, requests, max_message_size, stream_input, attachments
                         )
                         sent_all = True
                     except RPCCancelledError:

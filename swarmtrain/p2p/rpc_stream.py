@@ -17,7 +17,14 @@ from swarmtrain.p2p.errors import (
     RPCProtocolError,
     RPCTimeoutError,
 )
-from swarmtrain.p2p.framing import Frame, FrameDecoder, FrameKind, encode_header, message_header
+from swarmtrain.p2p.framing import (
+    Frame,
+    FrameDecoder,
+    FrameKind,
+    attached_message_header,
+    encode_header,
+    message_header,
+)
 from swarmtrain.proto import p2p_pb2
 
 READ_SIZE = 1024 * 1024
@@ -33,6 +40,7 @@ class RPCStream:
 
     def __init__(self, stream, max_message_size: int):
         self.stream = stream
+        self._cancel_safe = getattr(stream, "cancel_safe", False)
         self._decoder = FrameDecoder(max_message_size)
         self._eof = False
         self._pushed_back: Frame | None = None
@@ -50,7 +58,7 @@ class RPCStream:
 
     def is_reusable(self) -> bool:
         """True if the stream is idle and open both ways (nothing buffered, no EOF or reset)."""
-        if self._eof or self._pushed_back is not None or self._decoder.buffered_bytes:
+        if self._eof or self._pushed_back is not None or self._decoder.in_frame:
             return False
         own_check = getattr(self.stream, "is_reusable", None)
         if own_check is not None:  # a data lane
@@ -62,7 +70,8 @@ class RPCStream:
         )
 
     async def receive_frame(self) -> Frame | None:
-        """The next frame, or None on a clean end of stream between frames."""
+        """The next frame, or None on a clean end of stream between frames. After a frame
+        with an attachment, call ``receive_attachment`` before the next frame."""
         if self._pushed_back is not None:
             frame, self._pushed_back = self._pushed_back, None
             return frame
@@ -72,27 +81,64 @@ class RPCStream:
                 self.frames_received += 1
                 return frame
             if self._eof:
-                if self._decoder.buffered_bytes:
+                if self._decoder.in_frame:
                     raise RPCProtocolError("the stream ended in the middle of a frame")
                 return None
-            try:
-                data = await self.stream.read(max(READ_SIZE, self._decoder.bytes_wanted))
-            except StreamEOF:
-                self._eof = True
-                continue
-            except StreamReset:
-                raise RPCCancelledError("the peer reset the stream") from None
-            except StreamError as e:
-                raise RPCCancelledError(f"the stream failed: {e!r}") from None
-            if not data:
-                self._eof = True
-                continue
-            self.bytes_received += len(data)
-            self._decoder.feed(data)
+            await self._receive_more()
+
+    async def receive_attachment(self, buffer=None):
+        """The attachment of the frame just received, filled into ``buffer`` (a writable
+        buffer of exactly ``frame.attachment_size`` bytes; None: a new uint8 numpy array).
+        On a data lane, whole records are decrypted straight into it."""
+        self._decoder.begin_attachment(buffer)
+        while not self._decoder.attachment_complete:
+            if self._eof:
+                raise RPCProtocolError("the stream ended in the middle of an attachment")
+            await self._receive_more()
+        return self._decoder.take_attachment()
+
+    async def _receive_more(self) -> None:
+        """Read once from the stream into the decoder (straight into the payload or
+        attachment being received, when the stream can do that)."""
+        target = self._decoder.writable()
+        read_into = getattr(self.stream, "read_into", None)
+        try:
+            if target is not None and read_into is not None:
+                count = await read_into(target)
+                self.bytes_received += count
+                self._decoder.advance(count)
+                return
+            data = await self.stream.read(max(READ_SIZE, self._decoder.bytes_wanted))
+        except StreamEOF:
+            self._eof = True
+            return
+        except StreamReset:
+            raise RPCCancelledError("the peer reset the stream") from None
+        except StreamError as e:
+            raise RPCCancelledError(f"the stream failed: {e!r}") from None
+        if not data:
+            self._eof = True
+            return
+        self.bytes_received += len(data)
+        self._decoder.feed(data)
 
     async def _write(self, data: bytes | memoryview) -> None:
-        # A data lane's write may be cancelled; a libp2p stream's must not (see the docstring).
-        with trio.CancelScope(shield=not getattr(self.stream, "cancel_safe", False)):
+        # A data lane's write may be cancelled (and bounds its own stalls); a libp2p stream's
+        # must not be (see the docstring).
+        if self._cancel_safe:
+            try:
+                await self.stream.write(data)
+            except trio.TooSlowError:
+                raise RPCTimeoutError(
+                    f"the peer did not accept data for {WRITE_STALL_TIMEOUT} s"
+                ) from None
+            except (StreamClosed, StreamReset) as e:
+                raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
+            except StreamError as e:
+                raise RPCCancelledError(f"the stream failed: {e!r}") from None
+            self.bytes_sent += len(data)
+            return
+        with trio.CancelScope(shield=True):
             try:
                 with trio.fail_after(WRITE_STALL_TIMEOUT):
                     await self.stream.write(data)
@@ -119,6 +165,20 @@ class RPCStream:
             await self._write(view[start : start + WRITE_PIECE_SIZE])
         if end:
             await self._write(_END_FRAME)
+
+    async def send_attached(self, payload: bytes, attachment) -> None:
+        """Send one message with an attachment (any contiguous buffer, e.g. a numpy array:
+        its memory goes to the stream as it is, without a copy). On a data lane the
+        attachment starts a new record, so the receiver can decrypt it in place."""
+        view = memoryview(attachment).cast("B")
+        await self._write(attached_message_header(len(payload), view.nbytes) + payload)
+        if self._cancel_safe:  # a lane: one write, records of 1 MiB
+            if view.nbytes:
+                await self._write(view)
+            return
+        for start in range(0, view.nbytes, WRITE_PIECE_SIZE):
+            await trio.lowlevel.checkpoint_if_cancelled()
+            await self._write(view[start : start + WRITE_PIECE_SIZE])
 
     async def send_control(self, header: p2p_pb2.RPCFrameHeader) -> None:
         await self._write(encode_header(header))
