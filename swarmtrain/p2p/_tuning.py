@@ -9,7 +9,8 @@
 - Window updates: py-libp2p sends a yamux WINDOW_UPDATE frame after every read (two extra
   encrypted frames per small RPC); credit goes back once half the window was consumed, as in
   go-yamux (``batch_window_updates``), and a writer blocked on a closed send window waits for
-  the update instead of polling every 10 ms (``wake_writers_on_window_updates``).
+  the update instead of polling every 10 ms (``wake_writers_on_window_updates``);
+  ``SWARMTRAIN_YAMUX_UPDATE_PER_READ=1`` keeps py-libp2p's per-read updates.
 - Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values) and reports
   routine events (a peer closing during identify) as errors; its loggers stay at CRITICAL
   unless the user configures them or sets ``SWARMTRAIN_LIBP2P_LOG_LEVEL``.
