@@ -6,6 +6,11 @@
   (sender side only: an unpatched receiver accepts frames up to its 16 MiB window cap).
 - Cancelled frame writes: a task cancelled while py-libp2p writes a yamux frame killed the
   whole connection; frame writes are made all-or-nothing (``fix_cancelled_frame_writes``).
+- Window updates: py-libp2p sends a yamux WINDOW_UPDATE frame after every read (two extra
+  encrypted frames per small RPC); credit goes back once half the window was consumed, as in
+  go-yamux (``batch_window_updates``), and a writer blocked on a closed send window waits for
+  the update instead of polling every 10 ms (``wake_writers_on_window_updates``);
+  ``SWARMTRAIN_YAMUX_UPDATE_PER_READ=1`` keeps py-libp2p's per-read updates.
 - Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values) and reports
   routine events (a peer closing during identify) as errors; its loggers stay at CRITICAL
   unless the user configures them or sets ``SWARMTRAIN_LIBP2P_LOG_LEVEL``.
@@ -49,10 +54,17 @@ def apply_libp2p_tuning(*, quiet_logging: bool = True) -> None:
     swarm_module._HAPPY_EYEBALLS_DELAY = 0.0
     yamux_module.MAX_MESSAGE_SIZE = YAMUX_MAX_FRAME_SIZE
     from swarmtrain.p2p._io_tuning import apply_io_tuning
-    from swarmtrain.p2p._libp2p_fixes import fix_cancelled_frame_writes
+    from swarmtrain.p2p._libp2p_fixes import (
+        batch_window_updates,
+        fix_cancelled_frame_writes,
+        wake_writers_on_window_updates,
+    )
 
     apply_io_tuning()
     fix_cancelled_frame_writes()  # a correctness fix: always on
+    wake_writers_on_window_updates()
+    if os.environ.get("SWARMTRAIN_YAMUX_UPDATE_PER_READ") != "1":
+        batch_window_updates()
     if quiet_logging:
         # py-libp2p logs expected events (a peer closing during identify) at ERROR level.
         # (py-libp2p itself sets WARNING with no handler, so Python's last-resort handler prints

@@ -1,0 +1,154 @@
+"""Yamux flow control between real py-libp2p hosts on loopback (swarmtrain's patches of 0.8.1).
+
+Receive credit goes back in batches (half the window, as in go-yamux) instead of one
+WINDOW_UPDATE frame per read, and a writer blocked on a closed send window is woken by the
+update instead of polling every 10 ms.
+"""
+
+import sys
+
+import pytest
+import trio
+from google.protobuf.wrappers_pb2 import BytesValue, Int64Value
+
+from swarmtrain.p2p import P2P
+
+pytestmark = pytest.mark.trio
+
+RAW_PROTOCOL = "/swarmtrain-test/raw/1.0.0"
+QUIET = {"use_relay": False, "relay_service": False, "use_autonat": False}
+MIB = 1024 * 1024
+
+
+async def echo_bytes(request, context):
+    return request
+
+
+async def slow_total(requests, context):
+    total = 0
+    async for request in requests:
+        total += len(request.value)
+        await trio.sleep(0.005)  # a slow consumer: the sender's window closes again and again
+    return Int64Value(value=total)
+
+
+@pytest.fixture
+def window_updates(monkeypatch):
+    """Increments of every WINDOW_UPDATE frame sent for data read (not SYN/ACK/FIN)."""
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+    sent: list[int] = []
+    original = YamuxStream.send_window_update
+
+    async def counting(self, increment, skip_lock=False):
+        sent.append(increment)
+        await original(self, increment, skip_lock=skip_lock)
+
+    monkeypatch.setattr(YamuxStream, "send_window_update", counting)
+    return sent
+
+
+@pytest.fixture
+def window_polls(monkeypatch):
+    """10 ms sleeps in py-libp2p's yamux module: its writer's closed-window poll."""
+    polls: list[float] = []
+    original = trio.sleep
+
+    async def spying_sleep(seconds):
+        caller = sys._getframe(1).f_globals.get("__name__")
+        if seconds == 0.01 and caller == "libp2p.stream_muxer.yamux.yamux":
+            polls.append(seconds)
+        await original(seconds)
+
+    monkeypatch.setattr(trio, "sleep", spying_sleep)
+    return polls
+
+
+async def test_small_calls_do_not_send_a_window_update_per_read(window_updates):
+    async with (
+        P2P.create(**QUIET) as a,
+        P2P.create(a.get_visible_maddrs(), **QUIET) as b,
+    ):
+        a.add_protobuf_handler("test::Yamux.echo", echo_bytes, BytesValue)
+        small = BytesValue(value=bytes(300))
+        await b.call_protobuf_handler(a.peer_id, "test::Yamux.echo", small, BytesValue)
+        window_updates.clear()
+
+        async def calls():
+            for _ in range(50):
+                reply = await b.call_protobuf_handler(
+                    a.peer_id, "test::Yamux.echo", small, BytesValue
+                )
+                assert reply.value == small.value
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(calls)
+        assert len(window_updates) < 10, len(window_updates)  # py-libp2p: 2 per call (400)
+
+        # a large message still gets its credit back (through many closed windows) and arrives
+        big = BytesValue(value=bytes(range(256)) * (32 * 1024))
+        reply = await b.call_protobuf_handler(a.peer_id, "test::Yamux.echo", big, BytesValue)
+        assert reply.value == big.value and window_updates
+        reply = await b.call_protobuf_handler(a.peer_id, "test::Yamux.echo", small, BytesValue)
+        assert reply.value == small.value
+
+
+async def test_a_writer_on_a_closed_window_waits_for_the_update_not_a_poll(window_polls):
+    async with (
+        P2P.create(use_data_lanes=False, **QUIET) as a,
+        P2P.create(a.get_visible_maddrs(), use_data_lanes=False, **QUIET) as b,
+    ):
+        a.add_protobuf_handler("test::Yamux.total", slow_total, BytesValue, stream_input=True)
+        chunk = BytesValue(value=b"\x07" * MIB)
+        with trio.fail_after(60):
+            reply = await b.call_protobuf_handler(
+                a.peer_id, "test::Yamux.total", [chunk] * 24, Int64Value, stream_input=True
+            )
+        assert reply.value == 24 * MIB
+        assert window_polls == []  # py-libp2p's writer: a 10 ms sleep per closed window
+
+
+async def _blocked_writer(a: P2P, b: P2P, on_stream):
+    """``b`` writes more than yamux's largest window (16 MiB) to a reader that does not read."""
+    a.host.set_stream_handler(RAW_PROTOCOL, on_stream)
+    stream = await b.new_stream(a.peer_id, RAW_PROTOCOL)
+    await stream.write(bytes(32 * MIB))
+
+
+async def test_a_blocked_writer_wakes_up_when_the_peer_resets_the_stream():
+    from libp2p.network.stream.exceptions import StreamReset
+
+    async def reset_later(stream):
+        await trio.sleep(0.3)
+        await stream.reset()
+
+    async with (
+        P2P.create(use_data_lanes=False, **QUIET) as a,
+        P2P.create(a.get_visible_maddrs(), use_data_lanes=False, **QUIET) as b,
+    ):
+        started = trio.current_time()
+        with pytest.raises(StreamReset), trio.fail_after(3):  # not the 5 s window timeout
+            await _blocked_writer(a, b, reset_later)
+        assert trio.current_time() - started < 3
+
+
+async def test_a_writer_without_credit_times_out(monkeypatch):
+    from libp2p.network.stream.exceptions import StreamReset
+
+    from swarmtrain.p2p import _libp2p_fixes
+
+    monkeypatch.setattr(_libp2p_fixes, "WINDOW_WAIT_TIMEOUT", 0.3)  # read when a wait starts
+    never_read = trio.Event()
+
+    async def hold(stream):
+        await never_read.wait()
+
+    async with (
+        P2P.create(use_data_lanes=False, **QUIET) as a,
+        P2P.create(a.get_visible_maddrs(), use_data_lanes=False, **QUIET) as b,
+    ):
+        with pytest.raises(StreamReset) as raised, trio.fail_after(5):
+            await _blocked_writer(a, b, hold)
+        assert "window update" in str(raised.value.__cause__)
+        never_read.set()
