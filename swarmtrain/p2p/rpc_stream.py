@@ -125,31 +125,20 @@ class RPCStream:
     async def _write(self, data: bytes | memoryview) -> None:
         # A data lane's write may be cancelled (and bounds its own stalls); a libp2p stream's
         # must not be (see the docstring).
-        if self._cancel_safe:
-            try:
+        try:
+            if self._cancel_safe:
                 await self.stream.write(data)
-            except trio.TooSlowError:
-                raise RPCTimeoutError(
-                    f"the peer did not accept data for {WRITE_STALL_TIMEOUT} s"
-                ) from None
-            except (StreamClosed, StreamReset) as e:
-                raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
-            except StreamError as e:
-                raise RPCCancelledError(f"the stream failed: {e!r}") from None
-            self.bytes_sent += len(data)
-            return
-        with trio.CancelScope(shield=True):
-            try:
-                with trio.fail_after(WRITE_STALL_TIMEOUT):
+            else:
+                with trio.CancelScope(shield=True), trio.fail_after(WRITE_STALL_TIMEOUT):
                     await self.stream.write(data)
-            except trio.TooSlowError:
-                raise RPCTimeoutError(
-                    f"the peer did not accept data for {WRITE_STALL_TIMEOUT} s"
-                ) from None
-            except (StreamClosed, StreamReset) as e:
-                raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
-            except StreamError as e:
-                raise RPCCancelledError(f"the stream failed: {e!r}") from None
+        except trio.TooSlowError:
+            raise RPCTimeoutError(
+                f"the peer did not accept data for {WRITE_STALL_TIMEOUT} s"
+            ) from None
+        except (StreamClosed, StreamReset) as e:
+            raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
+        except StreamError as e:
+            raise RPCCancelledError(f"the stream failed: {e!r}") from None
         self.bytes_sent += len(data)
 
     async def send_message(self, payload: bytes, *, end: bool = False) -> None:
