@@ -2,15 +2,14 @@
 buffer, and real hosts exchanging ``Attached`` items over libp2p streams and data lanes."""
 
 import os
-import socket
 
 import numpy as np
 import pytest
 import trio
 from google.protobuf.wrappers_pb2 import Int64Value
+from lane_util import lane_over_socketpair
 
 from swarmtrain.p2p import P2P, Attached, MessageTooLargeError, RPCError, RPCProtocolError
-from swarmtrain.p2p import lane as lane_module
 from swarmtrain.p2p.framing import (
     FrameDecoder,
     FrameKind,
@@ -18,7 +17,7 @@ from swarmtrain.p2p.framing import (
     encode_header,
     message_header,
 )
-from swarmtrain.p2p.lane_records import MAX_RECORD_PLAINTEXT, RecordOpener, RecordSealer
+from swarmtrain.p2p.lane_records import MAX_RECORD_PLAINTEXT, RecordSealer
 from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.proto import p2p_pb2
 
@@ -137,11 +136,7 @@ async def _send_all(sock, data):
 @pytest.mark.trio
 async def test_lane_decrypts_records_straight_into_the_buffer():
     key = os.urandom(32)
-    raw_a, raw_b = socket.socketpair()
-    for raw in (raw_a, raw_b):
-        raw.setblocking(False)
-    sock_a, sock_b = trio.socket.from_stdlib_socket(raw_a), trio.socket.from_stdlib_socket(raw_b)
-    lane = lane_module.LaneStream(raw_a, sock_a, RecordSealer(os.urandom(32)), RecordOpener(key))
+    lane, sock_b = lane_over_socketpair(key)
     sealer = RecordSealer(key)
     try:
         data = os.urandom(2 * MAX_RECORD_PLAINTEXT + 300)

@@ -5,6 +5,7 @@ import os
 import pytest
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue, Int64Value, StringValue
+from lane_util import lane_over_socketpair
 
 from swarmtrain.p2p import P2P, RemoteError, RPCTimeoutError
 from swarmtrain.p2p import lane as lane_module
@@ -81,14 +82,8 @@ def test_tickets_are_single_use_expire_and_are_capped():
 
 @pytest.mark.trio
 async def test_a_lane_read_cancelled_midway_resumes_where_it_stopped():
-    import socket
-
     key = os.urandom(32)
-    raw_a, raw_b = socket.socketpair()
-    for raw in (raw_a, raw_b):
-        raw.setblocking(False)
-    sock_a, sock_b = trio.socket.from_stdlib_socket(raw_a), trio.socket.from_stdlib_socket(raw_b)
-    lane = lane_module.LaneStream(raw_a, sock_a, RecordSealer(os.urandom(32)), RecordOpener(key))
+    lane, sock_b = lane_over_socketpair(key)
     try:
         data = os.urandom(300_000)
         wire = b"".join(bytes(r) for r in RecordSealer(key).seal(data))
