@@ -25,10 +25,11 @@ array the reducer adds from, or straight into the round's delta buffer), the ori
 ``rpc_aggregate_part`` inside the protobuf (``AveragingTensorPart.buffer``, five copies each
 way). Both are served; a sender calls v2 and falls back to v1 for a peer without it
 (``NoSuchMethodError``), remembered per service.
-Codec work: lossless and float16 parts of at most ``_INLINE_MAX_BYTES`` are encoded and
-decoded on the loop (a worker-thread hop per part cost more CPU than the memcpy or cast it
-ran); any other codec, e.g. a user's or a quantizer, and larger parts go to worker threads, so
-a codec that blocks never stalls the loop. Averaging happens on the loop in parts of at most
+Codec work (how a part is encoded and decoded: :mod:`swarmtrain.averaging.allreduce_parts`):
+lossless and float16 parts of at most ``INLINE_MAX_BYTES`` are encoded and decoded on the loop
+(a worker-thread hop per part cost more CPU than the memcpy or cast it ran); any other codec,
+e.g. a user's or a quantizer, and larger parts go to worker threads, so a codec that blocks
+never stalls the loop. Averaging happens on the loop in parts of at most
 ``part_size_bytes``.
 """
 
@@ -55,23 +56,30 @@ from swarmtrain.averaging.allreduce_core import (
     Failure,
     Reject,
 )
+from swarmtrain.averaging.allreduce_parts import (
+    INLINE_MAX_BYTES,
+    INLINE_WIRE_TYPES,
+    BufferPool,
+    decode_part,
+    encode_part,
+    inline_decode,
+    inline_encode,
+    part_header,
+    part_to_proto,
+    run_codec,
+    unwrap,
+)
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, largest_part_size
 from swarmtrain.compression import (
     CompressionBase,
     CompressionInfo,
     CompressionType,
-    Float16Compression,
     NoCompression,
     TensorDescriptor,
-    WireFormatError,
-    deserialize_torch_tensor,
     serialize_torch_tensor,
 )
 from swarmtrain.compression.wire import (
-    TensorMessage,
-    check_header,
     dtype_name,
-    numpy_dtype,
     tensor_to_numpy,
 )
 from swarmtrain.p2p import P2P, Attached, NoSuchMethodError, P2PError
@@ -98,11 +106,6 @@ _MAX_REMEMBERED_GROUPS = 1024
 _MAX_REMEMBERED_V1_PEERS = 4096
 # how often a stream for an unknown group re-checks ``may_join_unknown_groups``
 _HOOK_POLL_INTERVAL = 0.05
-# Codecs cheap enough (a memcpy or a cast) to run on the loop for parts up to this size. Exact
-# types only: a subclass or a selector may do anything, including block.
-_INLINE_CODECS = (NoCompression, Float16Compression)
-_INLINE_WIRE_TYPES = frozenset({int(CompressionType.NONE), int(CompressionType.FLOAT16)})
-_INLINE_MAX_BYTES = 4 << 20
 _REJECT_CODES = {
     Reject.BAD_GROUP_ID: Code.AVERAGING_BAD_GROUP_ID,
     Reject.NOT_A_SENDER: Code.AVERAGING_NOT_A_SENDER,
@@ -190,117 +193,8 @@ class AllReduceResult:
         return not (self.banned_senders or self.failed_reducers or self.timed_out)
 
 
-def _part_to_proto(message: TensorMessage) -> averaging_pb2.AveragingTensorPart:
-    """A v1 part: the payload inside the protobuf."""
-    return averaging_pb2.AveragingTensorPart(
-        buffer=message.buffer.tobytes(),
-        size=message.size,
-        dtype=message.dtype,
-        compression=int(message.compression),
-    )
-
-
-def _part_header(message: TensorMessage) -> averaging_pb2.AveragingTensorPart:
-    """A v2 part: the header only (the payload travels as the attachment)."""
-    return averaging_pb2.AveragingTensorPart(
-        size=message.size, dtype=message.dtype, compression=int(message.compression)
-    )
-
-
-def _unwrap(item) -> tuple:
-    """``(message, attachment or None)`` of a received item."""
-    if isinstance(item, Attached):
-        return item.message, item.attachment
-    return item, None
-
-
-def _encode(codec: CompressionBase, part: torch.Tensor, info=None) -> TensorMessage:
-    """Encode a part; lossless parts of a contiguous CPU tensor are a view of its memory (for
-    attachments, which are sent from memory that stays unchanged until they are out)."""
-    if type(codec) is NoCompression and part.device.type == "cpu" and part.is_contiguous():
-        payload = tensor_to_numpy(part).view(np.uint8)
-        return TensorMessage(
-            payload, tuple(part.shape), dtype_name(part.dtype), CompressionType.NONE
-        )
-    return codec.compress(part, info)
-
-
-def _decode(
-    part: averaging_pb2.AveragingTensorPart,
-    payload,
-    shape,
-    dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Decode a part against the shape and dtype we expect; None if it does not fit.
-
-    :param payload: its bytes (an attachment), or None for the protobuf's own ``buffer``
-    :param out: decode into this tensor; else a lossless payload in writable, aligned memory
-      (an attachment) becomes the tensor itself, without a copy
-    """
-    if payload is None:
-        payload = part.buffer
-    buffer = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, np.uint8)
-    message = TensorMessage(buffer, tuple(part.size), part.dtype, part.compression)
-    try:
-        if out is None and part.compression == CompressionType.NONE and buffer.flags.writeable:
-            header = check_header(message, expected_shape=shape, expected_dtype=dtype)
-            values = numpy_dtype(header.dtype_name)
-            if buffer.ctypes.data % values.itemsize == 0:
-                tensor = torch.from_numpy(buffer.view(values))
-                return tensor.view(dtype) if tensor.dtype != dtype else tensor
-        return deserialize_torch_tensor(
-            message, expected_shape=shape, expected_dtype=dtype, out=out
-        )
-    except (WireFormatError, ValueError):
-        return None
-
-
-async def _run_codec(inline: bool, function, *args):
-    """``function(*args)`` on the loop (after a checkpoint, as a thread hop would give) if
-    ``inline``, else in a worker thread."""
-    if inline:
-        await anyio.lowlevel.checkpoint()
-        return function(*args)
-    return await anyio.to_thread.run_sync(function, *args)
-
-
-def _inline_encode(codec: CompressionBase, part: torch.Tensor) -> bool:
-    return type(codec) in _INLINE_CODECS and part.numel() * part.element_size() <= _INLINE_MAX_BYTES
-
-
-def _inline_decode(part: averaging_pb2.AveragingTensorPart, numel: int) -> bool:
-    """Whether to decode on the loop (``numel``: what we expect; a part of another size fails)."""
-    return part.compression in _INLINE_WIRE_TYPES and numel * 8 <= _INLINE_MAX_BYTES
-
-
 def _response(code: int, detail: str = "", **kwargs) -> averaging_pb2.AveragingResponse:
     return averaging_pb2.AveragingResponse(code=code, detail=detail[:1024], **kwargs)
-
-
-class _BufferPool:
-    """Spare uint8 arrays by size, for received parts: a fresh multi-megabyte array costs a
-    page fault per 4 KiB on first touch, one reused from an earlier part none."""
-
-    def __init__(self, max_cached_bytes: int):
-        self.max_cached_bytes = max_cached_bytes
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._cached_bytes = 0
-
-    def take(self, size: int) -> np.ndarray:
-        spare = self._free.get(size)
-        if spare:
-            self._cached_bytes -= size
-            return spare.pop()
-        return np.empty(size, dtype=np.uint8)
-
-    def give(self, buffer) -> None:
-        """Keep ``buffer`` for a later part (its contents are no longer read by anyone)."""
-        if not isinstance(buffer, np.ndarray) or buffer.base is not None:
-            return  # not one of ours (a view, or the protobuf's bytes)
-        if self._cached_bytes + buffer.nbytes <= self.max_cached_bytes:
-            self._free.setdefault(buffer.nbytes, []).append(buffer)
-            self._cached_bytes += buffer.nbytes
 
 
 class AllReduceService:
@@ -340,7 +234,7 @@ class AllReduceService:
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._expected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = anyio.Event()
-        self._part_buffers = _BufferPool(max_cached_bytes=max(64 << 20, 8 * max_message_size))
+        self._part_buffers = BufferPool(max_cached_bytes=max(64 << 20, 8 * max_message_size))
 
     @classmethod
     @asynccontextmanager
@@ -448,7 +342,7 @@ class AllReduceService:
             first = await requests.__anext__()
         except StopAsyncIteration:
             return
-        request, _ = _unwrap(first)
+        request, _ = unwrap(first)
         runner = await self._find_runner(request.group_id, request.leader)
         if runner is None:
             if request.group_id in self._finished:
@@ -614,13 +508,13 @@ class AllReduceRunner:
                 part_size=spec.numel,
                 part_offset=spec.start,
             )
-            inline = _inline_encode(compression, part)
+            inline = inline_encode(compression, part)
             if attached:  # lossless parts are views of our tensors: no copy before the wire
-                message = await _run_codec(inline, _encode, compression, part, info)
-                part_proto = _part_header(message)
+                message = await run_codec(inline, encode_part, compression, part, info)
+                part_proto = part_header(message)
             else:
-                message = await _run_codec(inline, compression.compress, part, info)
-                part_proto = _part_to_proto(message)
+                message = await run_codec(inline, compression.compress, part, info)
+                part_proto = part_to_proto(message)
             request = averaging_pb2.AveragingRequest(part_index=k, part=part_proto)
             if k == 0:
                 request.group_id = self.group.group_id
@@ -712,7 +606,7 @@ class AllReduceRunner:
     async def _receive_result(self, reducer: int, k: int, responses) -> bool:
         core = self.core
         with anyio.CancelScope(deadline=core.reducer_deadline(reducer)) as scope:
-            response, attachment = _unwrap(await _next_or_none(responses))
+            response, attachment = unwrap(await _next_or_none(responses))
         if scope.cancelled_caught:
             core.fail_reducer(reducer, Failure.TIMEOUT)
             return False
@@ -726,11 +620,13 @@ class AllReduceRunner:
         elif response.code == Code.AVERAGING_AVERAGED_PART:
             shape = (core.container.part_spec(reducer, k).numel,)
             dtype = core.container.part_dtype(reducer, k)
-            inline = _inline_decode(response.delta, shape[0])
+            inline = inline_decode(response.delta, shape[0])
             out = None  # a lossless attachment may already be in place (_delta_buffer_chooser)
             if response.delta.compression != CompressionType.NONE and response.part_index == k:
                 out = core.container.delta_target(reducer, k)  # decode straight into place
-            delta = await _run_codec(inline, _decode, response.delta, attachment, shape, dtype, out)
+            delta = await run_codec(
+                inline, decode_part, response.delta, attachment, shape, dtype, out
+            )
             ok = core.receive_delta(
                 reducer, response.part_index, delta, unchanged=False, now=anyio.current_time()
             )
@@ -761,7 +657,7 @@ class AllReduceRunner:
         if self._closed:
             yield _response(Code.AVERAGING_FINISHED, "this round is over")
             return
-        request, payload = _unwrap(first)
+        request, payload = unwrap(first)
         reject = core.open_sender(peer, request.group_id, request.weight, anyio.current_time())
         if reject is not None:
             self._notify()
@@ -772,13 +668,13 @@ class AllReduceRunner:
         try:
             for k in range(core.num_local_parts):
                 if k > 0:
-                    request, payload = _unwrap(await self._next_part(peer, requests))
+                    request, payload = unwrap(await self._next_part(peer, requests))
                     if request is None:
                         yield self._why_stopped(peer)
                         return
                 shape, dtype = core.local_part_shape(k)
-                inline = _inline_decode(request.part, shape[0])
-                sent = await _run_codec(inline, _decode, request.part, payload, shape, dtype)
+                inline = inline_decode(request.part, shape[0])
+                sent = await run_codec(inline, decode_part, request.part, payload, shape, dtype)
                 outcome = core.receive_part(peer, request.part_index, sent, anyio.current_time())
                 self._notify(outcome.completed)
                 if outcome.reject is not None:
@@ -832,19 +728,17 @@ class AllReduceRunner:
         if delta is None:
             return _response(Code.AVERAGING_PART_UNCHANGED, part_index=k)
         nbytes = delta.numel() * delta.element_size()
-        inline = compression in _INLINE_WIRE_TYPES and nbytes <= _INLINE_MAX_BYTES
+        inline = compression in INLINE_WIRE_TYPES and nbytes <= INLINE_MAX_BYTES
         if attached and compression == CompressionType.NONE:
-            message = _encode(NoCompression(), delta)  # a view: sent before it can change
+            message = encode_part(NoCompression(), delta)  # a view: sent before it can change
         else:
-            message = await _run_codec(inline, serialize_torch_tensor, delta, compression)
+            message = await run_codec(inline, serialize_torch_tensor, delta, compression)
         self.delta_bytes_sent += message.nbytes
         if not attached:
             return _response(
-                Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_to_proto(message)
+                Code.AVERAGING_AVERAGED_PART, part_index=k, delta=part_to_proto(message)
             )
-        response = _response(
-            Code.AVERAGING_AVERAGED_PART, part_index=k, delta=_part_header(message)
-        )
+        response = _response(Code.AVERAGING_AVERAGED_PART, part_index=k, delta=part_header(message))
         return Attached(response, message.buffer)
 
 
