@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -108,7 +109,6 @@ class Workload:
 async def _worker_main() -> None:
     """A worker process: hosts some of the swarmtrain nodes; JSON-lines commands on stdin."""
     import contextvars
-    import os
 
     import trio
 
@@ -129,6 +129,37 @@ async def _worker_main() -> None:
         return await original_call(self, peer_id, *args, **kwargs)
 
     DHTProtocol._call = counting_call
+
+    # Per-process costs for --verbose: CPU seconds, dials, RPCs sent, cyclic GC pauses.
+    from swarmtrain.p2p.host import P2P
+
+    costs = {"dials": 0, "rpcs": 0, "gc_s": 0.0}
+    original_ensure_connected = P2P.ensure_connected
+
+    async def counting_ensure_connected(self, peer):
+        if not self.is_connected(peer):
+            costs["dials"] += 1
+        return await original_ensure_connected(self, peer)
+
+    P2P.ensure_connected = counting_ensure_connected
+    original_call_counted = DHTProtocol._call
+
+    async def costed_call(self, *args, **kwargs):
+        costs["rpcs"] += 1
+        return await original_call_counted(self, *args, **kwargs)
+
+    DHTProtocol._call = costed_call
+    gc_started = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_started[0] = time.process_time()
+        else:
+            costs["gc_s"] += time.process_time() - gc_started[0]
+
+    import gc
+
+    gc.callbacks.append(on_gc)
 
     host_kwargs = dict(use_relay=False, relay_service=False, use_autonat=False)
     nodes, stops = {}, {}
@@ -173,6 +204,25 @@ async def _worker_main() -> None:
             timed_out = scope.cancelled_caught
             await reply(
                 {"id": rid, "subkeys": subkeys, "ms": ms, "rpcs": counter[0], "late": timed_out}
+            )
+        elif op == "costs":
+            tasks, stack = 0, [trio.lowlevel.current_root_task()]
+            names: dict[str, int] = {}
+            while stack:
+                task = stack.pop()
+                tasks += 1
+                names[task.name] = names.get(task.name, 0) + 1
+                for child_nursery in task.child_nurseries:
+                    stack.extend(child_nursery.child_tasks)
+            await reply(
+                {
+                    "id": rid,
+                    "cpu_s": time.process_time(),
+                    "objects": len(gc.get_objects()),
+                    "tasks": tasks,
+                    "task_names": sorted(names.items(), key=lambda kv: -kv[1])[:12],
+                    **costs,
+                }
             )
         elif op == "stop":
             stops[cmd["node"]].set()
@@ -242,6 +292,21 @@ def run_swarmtrain(args) -> dict:
                 f"{time.perf_counter() - started:.1f} s"
             )
             alive = list(range(args.num_peers))
+            last_costs: dict[str, float] = {}
+
+            async def report_costs(phase):
+                """--verbose: what the workers spent since the last report (all processes)."""
+                costs = [await call(w, op="costs") for w in workers]
+                totals = {k: sum(c[k] for c in costs) for k in ("cpu_s", "dials", "rpcs", "gc_s")}
+                totals["wall_s"] = time.perf_counter()
+                if last_costs:
+                    spent = ", ".join(f"{k} {totals[k] - last_costs[k]:.2f}" for k in totals)
+                    print(f"    {phase}: {spent}")
+                last_costs.update(totals)
+                return costs
+
+            if args.verbose:
+                await report_costs("start")
             for round_index in range(args.rounds):
                 if round_index == args.rounds // 2:
                     victims = workload.rng.sample(alive[1:], max(1, args.num_peers // 10))
@@ -273,10 +338,20 @@ def run_swarmtrain(args) -> dict:
                 async with trio.open_nursery() as round_nursery:
                     for request in workload.store_requests(round_index):
                         round_nursery.start_soon(store, *request)
+                if args.verbose:
+                    await report_costs("stores")
                 async with trio.open_nursery() as round_nursery:
                     for request in workload.get_requests():
                         round_nursery.start_soon(get, *request)
                 workload.end_round(round_index)
+                if args.verbose:
+                    costs = await report_costs("gets")
+                    print(
+                        f"    gc objects {[c['objects'] for c in costs]}, trio tasks "
+                        f"{[c['tasks'] for c in costs]}"
+                    )
+                    if os.environ.get("BENCH_TASKS"):
+                        print(f"    task names (worker 0): {costs[0]['task_names']}")
             for proc in workers:
                 await proc.stdin.send_all(b'{"op": "exit", "id": 0}\n')
                 await proc.stdin.aclose()

@@ -9,6 +9,7 @@ import trio
 from google.protobuf.wrappers_pb2 import Int64Value
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.utils import encode_varint_prefixed
+from polling import wait_until
 
 from swarmtrain.p2p import P2P, MessageTooLargeError, P2PError
 from swarmtrain.p2p.pubsub import (
@@ -51,13 +52,6 @@ async def receive_all(sub, count: int, within: float = 10.0) -> list:
         while len(messages) < count:
             messages.append(await sub.receive())
     return messages
-
-
-async def wait_until(predicate) -> None:
-    while True:
-        if predicate():
-            return
-        await trio.sleep(0.02)
 
 
 def pubsub_tasks() -> list[str]:

@@ -7,12 +7,12 @@ only ever told the target's ``/p2p-circuit`` address, never its direct one.
 
 import gc
 import logging
-import time
 
 import multiaddr
 import pytest
 import trio
 from google.protobuf.wrappers_pb2 import StringValue
+from polling import wait_until
 
 from swarmtrain.p2p import P2P, PeerUnreachableError
 from swarmtrain.p2p._libp2p_fixes import _fix_hole_punch_dial_leak
@@ -35,14 +35,6 @@ async def reverse(request, context):
 
 def circuits(p2p: P2P) -> list[str]:
     return [a for a in p2p.get_visible_maddrs() if "/p2p-circuit" in a]
-
-
-async def wait_until(predicate) -> float:
-    """Poll ``predicate`` (libp2p has no event for it) until it holds; return the seconds."""
-    started = time.perf_counter()
-    while not predicate():  # noqa: ASYNC110 (the caller bounds it with fail_after)
-        await trio.sleep(0.02)
-    return time.perf_counter() - started
 
 
 # -------------------------------------------------------------- pure helpers

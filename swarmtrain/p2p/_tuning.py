@@ -11,6 +11,15 @@
   go-yamux (``batch_window_updates``), and a writer blocked on a closed send window waits for
   the update instead of polling every 10 ms (``wake_writers_on_window_updates``);
   ``SWARMTRAIN_YAMUX_UPDATE_PER_READ=1`` keeps py-libp2p's per-read updates.
+- Multistream-select: the client sends the header and the protocol in one write (one round
+  trip per stream instead of two; ``_multistream.pipeline_multistream_select``).
+- Identify: py-libp2p runs identify both ways on every new connection (two extra streams,
+  a signed peer record built and verified each way: ~30-50% of the CPU of a dial here). A
+  peer now identifies the peers *it* dialled only (``identify_dialled_peers_only``): what
+  the listener would learn (the dialer's listen addresses and protocols) swarmtrain's
+  protocols carry themselves (the DHT's node info, relay reservations), and py-libp2p still
+  identifies a peer before it caches protocols for it. ``SWARMTRAIN_IDENTIFY_INBOUND=1``
+  restores identify on inbound connections.
 - Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values) and reports
   routine events (a peer closing during identify) as errors; its loggers stay at CRITICAL
   unless the user configures them or sets ``SWARMTRAIN_LIBP2P_LOG_LEVEL``.
@@ -59,12 +68,16 @@ def apply_libp2p_tuning(*, quiet_logging: bool = True) -> None:
         fix_cancelled_frame_writes,
         wake_writers_on_window_updates,
     )
+    from swarmtrain.p2p._multistream import pipeline_multistream_select
 
     apply_io_tuning()
     fix_cancelled_frame_writes()  # a correctness fix: always on
     wake_writers_on_window_updates()
     if os.environ.get("SWARMTRAIN_YAMUX_UPDATE_PER_READ") != "1":
         batch_window_updates()
+    pipeline_multistream_select()
+    if os.environ.get("SWARMTRAIN_IDENTIFY_INBOUND") != "1":
+        identify_dialled_peers_only()
     if quiet_logging:
         # py-libp2p logs expected events (a peer closing during identify) at ERROR level.
         # (py-libp2p itself sets WARNING with no handler, so Python's last-resort handler prints
@@ -73,3 +86,33 @@ def apply_libp2p_tuning(*, quiet_logging: bool = True) -> None:
             level = os.environ.get("SWARMTRAIN_LIBP2P_LOG_LEVEL", "CRITICAL").upper()
             logging.getLogger("libp2p").setLevel(getattr(logging, level, logging.CRITICAL))
     _applied = True
+
+
+def identify_dialled_peers_only() -> None:
+    """Skip py-libp2p's identify toward peers that dialled us (see the module docstring)."""
+    from libp2p.host.basic_host import BasicHost
+
+    current = getattr(BasicHost, "_schedule_identify", None)
+    if current is None:
+        raise RuntimeError("libp2p internals changed: BasicHost._schedule_identify is missing")
+    if getattr(current, "swarmtrain_fixed", False):
+        return
+
+    def schedule_identify(self, peer_id, *, reason: str) -> None:
+        # "notifee-connected" fires for every new connection, inbound or outbound (our dials
+        # also schedule "connect"); the other reasons are requests for this very peer.
+        if reason == "notifee-connected" and not _dialled(self, peer_id):
+            return
+        current(self, peer_id, reason=reason)
+
+    schedule_identify.swarmtrain_fixed = True  # type: ignore[attr-defined]
+    BasicHost._schedule_identify = schedule_identify
+
+
+def _dialled(host, peer_id) -> bool:
+    """Whether one of our connections to ``peer_id`` is one we opened (or of unknown origin)."""
+    try:
+        connections = host.get_network().get_connections(peer_id)
+    except Exception:
+        return True
+    return any(str(getattr(conn, "direction", "unknown")) != "inbound" for conn in connections)

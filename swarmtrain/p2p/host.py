@@ -194,6 +194,7 @@ class P2P:
         self.lanes: DataLanes | None = None  # set in create when use_data_lanes
         self._nursery: trio.Nursery | None = None
         self._dial_locks: dict[ID, trio.Lock] = {}
+        self._addresses_checked: set[ID] = set()  # peers _learn_addrs_of looked at
         self.relay: RelayManager | None = None  # set in create when relaying is enabled
         self.autonat: AutoNAT | None = None  # set in create when use_autonat
         self._closed = False
@@ -402,6 +403,18 @@ class P2P:
                 errors.append("only /p2p-circuit addresses are known and relaying is disabled")
             raise PeerUnreachableError(f"cannot reach {peer_id}: " + "; ".join(errors))
 
+    def _learn_addrs_of(self, peer_id: ID) -> None:
+        """Identify a peer that dialled us (we skip that on connect, see ``_tuning``) the first
+        time we open a stream to it without knowing its addresses: we can then dial it again
+        should the connection drop."""
+        if peer_id in self._addresses_checked:
+            return
+        if len(self._addresses_checked) > 65536:
+            self._addresses_checked.clear()
+        self._addresses_checked.add(peer_id)
+        if not self.known_addrs(peer_id):
+            self._host._schedule_identify(peer_id, reason="swarmtrain-first-stream")
+
     def _known(self, peer_id: ID) -> bool:
         try:
             return peer_id in self._host.get_peerstore().peer_ids()
@@ -412,6 +425,7 @@ class P2P:
         """Open a libp2p stream to ``peer`` (dialling first if needed)."""
         peer_id = as_peer_id(peer)
         await self.ensure_connected(peer_id)
+        self._learn_addrs_of(peer_id)
         try:
             with trio.fail_after(self.config.dial_timeout):
                 try:
