@@ -224,6 +224,7 @@ def batch_window_updates() -> None:
     512 KiB on loopback, and a writer of an older version (polling a closed window every
     10 ms) then moved 42 MiB/s instead of ~140. Needs ``wake_writers_on_window_updates``: a
     sender whose window closes between batches must resume at once, not at its next poll.
+    Also stops py-libp2p's round-trip-time pings, which fed only the replaced auto-tuning.
     """
     from libp2p.stream_muxer.yamux import yamux as yamux_module
 
@@ -251,3 +252,15 @@ def batch_window_updates() -> None:
 
     send_window_update_when_due.swarmtrain_fixed = True  # type: ignore[attr-defined]
     stream_class._auto_tune_and_send_window_update = send_window_update_when_due
+    # The round-trip time py-libp2p measures (a ping 0.5 s after every connection opens, then
+    # every 30 s) feeds only the auto-tuning replaced above, and a missing pong changes
+    # nothing; with ~50 connections per DHT node the pings were ~2% of a node's CPU.
+    # (Pings from the other side are still answered by the connection's read loop.)
+    connection_class = yamux_module.Yamux
+    if not hasattr(connection_class, "_measure_rtt_loop"):
+        raise RuntimeError("libp2p internals changed: Yamux._measure_rtt_loop is missing")
+
+    async def measure_no_rtt(self) -> None:
+        return None
+
+    connection_class._measure_rtt_loop = measure_no_rtt

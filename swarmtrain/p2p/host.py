@@ -255,7 +255,7 @@ class P2P:
                         self._rpc_server.cancel_all()
                         nursery.cancel_scope.cancel()
                         with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                            await self._stream_pool.aclose()
+                            self._stream_pool.forget()  # libp2p streams: closed with the network
                             await self._bulk_pool.aclose()
                             await self._rpc_server.wait_idle()  # let them say ERROR(CANCELLED)
                         await self._close_network()

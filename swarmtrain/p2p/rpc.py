@@ -287,11 +287,13 @@ class RPCServer:
                         idle_timeout = SERVER_STREAM_IDLE_TIMEOUT
             except trio.Cancelled:
                 # py-libp2p itself is being cancelled (host shutdown): still tell the caller.
-                await self._send_error_quietly(
-                    stream, ErrorCode.CANCELLED, "Cancelled", "the callee is shutting down"
-                )
+                if stream.serving_call:
+                    await self._send_error_quietly(
+                        stream, ErrorCode.CANCELLED, "Cancelled", "the callee is shutting down"
+                    )
                 raise
-            if scope.cancelled_caught:
+            if scope.cancelled_caught and stream.serving_call:
+                # (an idle stream waiting for its next call learns it from the connection)
                 await self._send_error_quietly(
                     stream, ErrorCode.CANCELLED, "Cancelled", "the callee is shutting down"
                 )
@@ -327,6 +329,12 @@ class RPCServer:
             frame = await stream.receive_frame()
         if open_scope.cancelled_caught or frame is None:
             return False
+        stream.serving_call = True  # stays set if the call is cancelled: see serve_stream
+        ended_cleanly = await self._serve_call(stream, remote_id, frame)
+        stream.serving_call = False
+        return ended_cleanly
+
+    async def _serve_call(self, stream: RPCStream, remote_id, frame) -> bool:
         if frame.kind != FrameKind.OPEN:
             raise RPCProtocolError(f"a call must start with OPEN, got {FrameKind.Name(frame.kind)}")
         spec = self._handlers.get(frame.header.method)

@@ -83,10 +83,16 @@ class StreamPool:
         return True
 
     async def aclose(self) -> None:
+        """Half-close every idle stream (lanes are sockets of their own: close them this way)."""
         idle, self._idle = self._idle, {}
         for streams in idle.values():
             for stream, _ in streams:
                 await stream.aclose()
+
+    def forget(self) -> None:
+        """Drop the idle streams without a word: for a host about to close its connections,
+        which ends their streams anyway (a FIN per stream cost a frame write each)."""
+        self._idle = {}
 
 
 class _ResponseReader(Generic[TOut]):

@@ -45,6 +45,7 @@ class RPCStream:
         self._eof = False
         self._pushed_back: Frame | None = None
         self.frames_received = 0
+        self.serving_call = False  # server side: a call's OPEN arrived and it has not ended
         self.bytes_sent = 0
         self.bytes_received = 0
 
