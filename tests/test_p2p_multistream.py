@@ -78,3 +78,14 @@ async def test_real_hosts_negotiate_and_refuse_unknown_protocols():
             a.peer_id, "test::Echo.echo", BytesValue(value=b"ok"), BytesValue
         )
         assert reply.value == b"ok"
+
+
+async def test_a_lazily_negotiated_stream_reports_a_refusal_on_its_first_read():
+    from libp2p.network.stream.exceptions import StreamError
+
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        stream = await b.new_stream(a.peer_id, "/not/served/1.0.0", lazily=True)
+        await stream.write(b"\x05hello")  # reaches a's multistream-select reader
+        with trio.fail_after(10), pytest.raises(StreamError, match="does not serve"):
+            await stream.read(100)
+        await stream.reset()

@@ -7,6 +7,9 @@ writes both lines in one write and then reads both answers: the same bytes on th
 the order every multistream-select listener (py-libp2p's, go-libp2p's) reads them, one round
 trip fewer. Only single-protocol selections (all of swarmtrain's) are pipelined; a list of
 protocols keeps py-libp2p's one-at-a-time negotiation.
+
+RPC streams go one step further (``open_lazily_negotiated_stream``): the call's first frame
+follows the two lines without waiting, and the answers are checked when the reply is read.
 """
 
 from __future__ import annotations
@@ -76,3 +79,74 @@ def pipeline_multistream_select() -> None:
 
     select_one_of.swarmtrain_fixed = True  # type: ignore[attr-defined]
     client_class.select_one_of = select_one_of
+
+
+async def open_lazily_negotiated_stream(network, peer_id, protocol_id: str):
+    """A new stream to ``peer_id`` that speaks ``protocol_id`` without waiting for the peer's
+    agreement: the header and the protocol go out at once, our first message may follow
+    right behind them, and the answers are checked on the first read (0 round trips instead
+    of 1). For protocols every peer we call serves (swarmtrain's RPC): a peer that refuses
+    fails the first read with ``StreamError`` (our first message then reached its
+    multistream-select reader, which answers ``na`` to it or closes the stream)."""
+    from libp2p.protocol_muxer.multiselect_client import MULTISELECT_PROTOCOL_ID
+    from libp2p.utils import encode_delim
+
+    stream = await network.new_stream(peer_id)
+    try:
+        await stream.write(
+            encode_delim(MULTISELECT_PROTOCOL_ID.encode()) + encode_delim(protocol_id.encode())
+        )
+    except BaseException:
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            try:
+                await stream.reset()
+            except Exception:
+                pass
+        raise
+    stream.set_protocol(protocol_id)
+    return LazilyNegotiatedStream(stream, protocol_id)
+
+
+class LazilyNegotiatedStream:
+    """A py-libp2p stream whose multistream-select answers are read before its first byte."""
+
+    def __init__(self, stream, protocol_id: str):
+        self._stream = stream
+        self._protocol_id = protocol_id
+        self._confirmed = False
+
+    def __getattr__(self, name):  # everything else as the stream itself (muxed_stream, ...)
+        return getattr(self._stream, name)
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self._confirmed:
+            await self._confirm()
+        return await self._stream.read(n)
+
+    async def _confirm(self) -> None:
+        from libp2p.exceptions import ParseError
+        from libp2p.network.stream.exceptions import StreamError
+        from libp2p.protocol_muxer.multiselect_client import MULTISELECT_PROTOCOL_ID
+        from libp2p.utils import read_delim
+
+        try:
+            header = await read_delim(self._stream)
+            answer = await read_delim(self._stream)
+        except ParseError as e:
+            raise StreamError(f"malformed multistream-select answer: {e}") from None
+        if header.decode(errors="replace") != MULTISELECT_PROTOCOL_ID:
+            raise StreamError(f"multistream-select header mismatch: {header[:64]!r}")
+        if answer.decode(errors="replace") != self._protocol_id:
+            raise StreamError(
+                f"the peer does not serve {self._protocol_id} (answered {answer[:64]!r})"
+            )
+        self._confirmed = True
+
+    async def write(self, data: bytes) -> None:
+        await self._stream.write(data)
+
+    async def close(self) -> None:
+        await self._stream.close()
+
+    async def reset(self) -> None:
+        await self._stream.reset()

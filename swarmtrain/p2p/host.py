@@ -35,6 +35,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from swarmtrain.p2p import rpc, rpc_client
+from swarmtrain.p2p._multistream import open_lazily_negotiated_stream
 from swarmtrain.p2p._tuning import apply_libp2p_tuning
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, RPCTimeoutError
@@ -421,21 +422,23 @@ class P2P:
         except Exception:
             return False
 
-    async def new_stream(self, peer: ID | str, protocol_id: str):
-        """Open a libp2p stream to ``peer`` (dialling first if needed)."""
+    async def new_stream(self, peer: ID | str, protocol_id: str, *, lazily: bool = False):
+        """Open a libp2p stream to ``peer`` (dialling first if needed). ``lazily``: do not wait
+        for the peer to agree to ``protocol_id`` (checked on the first read; for protocols
+        every peer we call serves, see ``_multistream.open_lazily_negotiated_stream``)."""
         peer_id = as_peer_id(peer)
         await self.ensure_connected(peer_id)
         self._learn_addrs_of(peer_id)
         try:
             with trio.fail_after(self.config.dial_timeout):
                 try:
-                    return await self._host.new_stream(peer_id, [protocol_id])
+                    return await self._negotiated_stream(peer_id, protocol_id, lazily)
                 except Exception:
                     if self.is_connected(peer_id):
                         raise
                 # the connection died (e.g. the peer restarted): dial once more
                 await self.ensure_connected(peer_id)
-                return await self._host.new_stream(peer_id, [protocol_id])
+                return await self._negotiated_stream(peer_id, protocol_id, lazily)
         except trio.TooSlowError:
             raise PeerUnreachableError(
                 f"{peer_id} did not accept a {protocol_id} stream within "
@@ -446,8 +449,14 @@ class P2P:
                 f"cannot open a {protocol_id} stream to {peer_id}: {e}"
             ) from e
 
+    async def _negotiated_stream(self, peer_id: ID, protocol_id: str, lazily: bool):
+        if lazily:
+            network = self._host.get_network()
+            return await open_lazily_negotiated_stream(network, peer_id, protocol_id)
+        return await self._host.new_stream(peer_id, [protocol_id])
+
     async def _open_rpc_stream(self, peer_id: ID):
-        return await self.new_stream(peer_id, rpc.RPC_PROTOCOL_ID)
+        return await self.new_stream(peer_id, rpc.RPC_PROTOCOL_ID, lazily=True)
 
     async def _open_bulk_stream(self, peer_id: ID):
         """A data lane to ``peer_id`` when it offers one, else a libp2p RPC stream."""
