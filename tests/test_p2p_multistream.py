@@ -89,3 +89,27 @@ async def test_a_lazily_negotiated_stream_reports_a_refusal_on_its_first_read():
         with trio.fail_after(10), pytest.raises(StreamError, match="does not serve"):
             await stream.read(100)
         await stream.reset()
+
+
+async def test_a_lazy_stream_sends_the_lines_with_its_first_write_and_checks_the_answers():
+    from libp2p.network.stream.exceptions import StreamError
+
+    from swarmtrain.p2p._multistream import LazilyNegotiatedStream
+
+    protocol = "/swarmtrain/rpc/1.0.0"
+    lines = encode_delim(HEADER) + encode_delim(protocol.encode())
+    peer = ScriptedPeer(lines + b"reply")
+    stream = LazilyNegotiatedStream(peer, protocol)
+    await stream.write(b"first")
+    await stream.write(b"second")
+    assert peer.writes == [lines + b"first", b"second"]
+    assert await stream.read(100) == b"reply"
+    # a large first write is not copied behind the lines: two writes
+    peer = ScriptedPeer(lines)
+    await LazilyNegotiatedStream(peer, protocol).write(bytes(1 << 20))
+    assert [len(w) for w in peer.writes] == [len(lines), 1 << 20]
+    # a read before any write sends the lines first; a refusal fails that read
+    peer = ScriptedPeer(encode_delim(HEADER) + encode_delim(b"na"))
+    with pytest.raises(StreamError, match="does not serve"):
+        await LazilyNegotiatedStream(peer, protocol).read(10)
+    assert peer.writes == [lines]

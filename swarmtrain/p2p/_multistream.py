@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import trio
 
+_COALESCE_LIMIT = 64 * 1024  # a first write up to this size goes out with the two lines
+
 
 def pipeline_multistream_select() -> None:
     """Patch ``MultiselectClient.select_one_of`` (idempotent)."""
@@ -83,43 +85,47 @@ def pipeline_multistream_select() -> None:
 
 async def open_lazily_negotiated_stream(network, peer_id, protocol_id: str):
     """A new stream to ``peer_id`` that speaks ``protocol_id`` without waiting for the peer's
-    agreement: the header and the protocol go out at once, our first message may follow
-    right behind them, and the answers are checked on the first read (0 round trips instead
-    of 1). For protocols every peer we call serves (swarmtrain's RPC): a peer that refuses
-    fails the first read with ``StreamError`` (our first message then reached its
-    multistream-select reader, which answers ``na`` to it or closes the stream)."""
-    from libp2p.protocol_muxer.multiselect_client import MULTISELECT_PROTOCOL_ID
-    from libp2p.utils import encode_delim
-
+    agreement: the header and the protocol go out with our first write, and the answers are
+    checked on the first read (0 round trips instead of 1, and one frame fewer). For
+    protocols every peer we call serves (swarmtrain's RPC): a peer that refuses fails the
+    first read with ``StreamError`` (our first message then reached its multistream-select
+    reader, which answers ``na`` to it or closes the stream)."""
     stream = await network.new_stream(peer_id)
-    try:
-        await stream.write(
-            encode_delim(MULTISELECT_PROTOCOL_ID.encode()) + encode_delim(protocol_id.encode())
-        )
-    except BaseException:
-        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-            try:
-                await stream.reset()
-            except Exception:
-                pass
-        raise
     stream.set_protocol(protocol_id)
     return LazilyNegotiatedStream(stream, protocol_id)
 
 
 class LazilyNegotiatedStream:
-    """A py-libp2p stream whose multistream-select answers are read before its first byte."""
+    """A py-libp2p stream whose multistream-select lines go out with its first write and
+    whose answers are read before its first byte."""
 
     def __init__(self, stream, protocol_id: str):
+        from libp2p.protocol_muxer.multiselect_client import MULTISELECT_PROTOCOL_ID
+        from libp2p.utils import encode_delim
+
         self._stream = stream
         self._protocol_id = protocol_id
+        self._unsent = encode_delim(MULTISELECT_PROTOCOL_ID.encode()) + encode_delim(
+            protocol_id.encode()
+        )
         self._confirmed = False
 
     def __getattr__(self, name):  # everything else as the stream itself (muxed_stream, ...)
         return getattr(self._stream, name)
 
+    async def write(self, data: bytes) -> None:
+        if self._unsent:
+            unsent, self._unsent = self._unsent, b""
+            if len(data) > _COALESCE_LIMIT:  # not worth a copy: two frames
+                await self._stream.write(unsent)
+            else:
+                data = unsent + bytes(data)
+        await self._stream.write(data)
+
     async def read(self, n: int | None = None) -> bytes:
         if not self._confirmed:
+            if self._unsent:
+                await self.write(b"")
             await self._confirm()
         return await self._stream.read(n)
 
@@ -141,9 +147,6 @@ class LazilyNegotiatedStream:
                 f"the peer does not serve {self._protocol_id} (answered {answer[:64]!r})"
             )
         self._confirmed = True
-
-    async def write(self, data: bytes) -> None:
-        await self._stream.write(data)
 
     async def close(self) -> None:
         await self._stream.close()
