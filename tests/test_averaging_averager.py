@@ -13,6 +13,7 @@ import torch
 import trio
 
 from swarmtrain.averaging import (
+    AsyncDecentralizedAverager,
     AveragerConfig,
     AveragingStage,
     DecentralizedAverager,
@@ -20,6 +21,7 @@ from swarmtrain.averaging import (
     MatchmakingError,
     StepControl,
 )
+from swarmtrain.averaging.partition import PART_LAYOUT
 from swarmtrain.compression import Float16Compression, NoCompression
 from swarmtrain.dht import DHT
 from swarmtrain.utils.background import BackgroundRuntime
@@ -131,6 +133,42 @@ async def test_four_peers_average_exactly(weights):
             assert averager.get_group_bits() == ""
         swarm.stop_all()
     assert elapsed < 10, elapsed  # a full group assembles at once (no waiting for expiry)
+
+
+@pytest.mark.trio
+async def test_group_agrees_on_the_part_layout_of_its_oldest_member(monkeypatch):
+    """Members cut slices into parts the same way: the newest layout all of them speak (one
+    part per small slice here), or the original one as soon as one member is older."""
+    layouts: list[int] = []
+    make_group = AsyncDecentralizedAverager._allreduce_group
+
+    def recording(group, total_size, suffix=b""):
+        allreduce_group = make_group(group, total_size, suffix)
+        layouts.append(allreduce_group.part_layout)
+        return allreduce_group
+
+    monkeypatch.setattr(AsyncDecentralizedAverager, "_allreduce_group", staticmethod(recording))
+    tensors = [random_tensors(20 + i) for i in range(4)]
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        # 64-byte parts: ~5 parts per slice in layout 0, one (or two, at a tensor's end) in 1
+        averagers = [
+            await swarm.add([t.clone() for t in tensors[i]], part_size_bytes=64, **FULL4)
+            for i in range(4)
+        ]
+        for old in (None, averagers[2]):
+            if old is not None:
+                old._matchmaking.part_layout = 0  # as a peer of an older version says
+            layouts.clear()
+            before = [local(a) for a in averagers]
+            want = [sum(b[t] for b in before) / 4 for t in range(len(SHAPES))]
+            results = await step_all(averagers, timeout=[10] * 4)
+            assert all(isinstance(r, dict) and len(r) == 4 for r in results), results
+            assert layouts == [0 if old is not None else PART_LAYOUT] * 4
+            for averager in averagers:
+                for got, expected in zip(local(averager), want, strict=True):
+                    torch.testing.assert_close(got, expected)
+        swarm.stop_all()
 
 
 @pytest.mark.trio

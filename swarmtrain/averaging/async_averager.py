@@ -35,7 +35,7 @@ from swarmtrain.averaging.matchmaking_types import (
     GroupAssembled,
     MatchmakingGroup,
 )
-from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, as_numpy
+from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, PART_LAYOUT, as_numpy
 from swarmtrain.averaging.state_sharing import State, StateSharing
 from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
 from swarmtrain.p2p import PeerID
@@ -459,7 +459,8 @@ class AsyncDecentralizedAverager:
         group: MatchmakingGroup, total_size: int, suffix: bytes = b""
     ) -> AllReduceGroup:
         """The all-reduce round of an assembled group over ``total_size`` values: slices by
-        bandwidth (none for clients; aux peers send nothing), id ``group_id + suffix``."""
+        bandwidth (none for clients; aux peers send nothing), parts cut with the part layout
+        of the group (its members' lowest), id ``group_id + suffix``."""
         modes = group.modes
         bandwidths = [
             0.0 if m == AveragingMode.CLIENT else b
@@ -474,6 +475,7 @@ class AsyncDecentralizedAverager:
             counts,
             modes,
             leader=PeerID(group.leader) if group.leader in group.peer_ids else None,
+            part_layout=min(group.part_layout, PART_LAYOUT),
         )
 
     async def _run_allreduce(self, group: MatchmakingGroup, weight: float) -> GatheredData:
