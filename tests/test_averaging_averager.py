@@ -13,13 +13,16 @@ import torch
 import trio
 
 from swarmtrain.averaging import (
+    AsyncDecentralizedAverager,
     AveragerConfig,
     AveragingStage,
     DecentralizedAverager,
     FailureReason,
     MatchmakingError,
     StepControl,
+    async_averager,
 )
+from swarmtrain.averaging.partition import PART_LAYOUT
 from swarmtrain.compression import Float16Compression, NoCompression
 from swarmtrain.dht import DHT
 from swarmtrain.utils.background import BackgroundRuntime
@@ -131,6 +134,74 @@ async def test_four_peers_average_exactly(weights):
             assert averager.get_group_bits() == ""
         swarm.stop_all()
     assert elapsed < 10, elapsed  # a full group assembles at once (no waiting for expiry)
+
+
+@pytest.mark.trio
+async def test_group_agrees_on_the_part_layout_of_its_oldest_member(monkeypatch):
+    """Members cut slices into parts the same way: the newest layout all of them speak (one
+    part per small slice here), or the original one as soon as one member is older."""
+    layouts: list[int] = []
+    make_group = AsyncDecentralizedAverager._allreduce_group
+
+    def recording(group, total_size, suffix=b""):
+        allreduce_group = make_group(group, total_size, suffix)
+        layouts.append(allreduce_group.part_layout)
+        return allreduce_group
+
+    monkeypatch.setattr(AsyncDecentralizedAverager, "_allreduce_group", staticmethod(recording))
+    tensors = [random_tensors(20 + i) for i in range(4)]
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        # 64-byte parts: ~5 parts per slice in layout 0, one (or two, at a tensor's end) in 1
+        averagers = [
+            await swarm.add([t.clone() for t in tensors[i]], part_size_bytes=64, **FULL4)
+            for i in range(4)
+        ]
+        for old in (None, averagers[2]):
+            if old is not None:
+                old._matchmaking.part_layout = 0  # as a peer of an older version says
+            layouts.clear()
+            before = [local(a) for a in averagers]
+            want = [sum(b[t] for b in before) / 4 for t in range(len(SHAPES))]
+            results = await step_all(averagers, timeout=[10] * 4)
+            assert all(isinstance(r, dict) and len(r) == 4 for r in results), results
+            assert layouts == [0 if old is not None else PART_LAYOUT] * 4
+            for averager in averagers:
+                for got, expected in zip(local(averager), want, strict=True):
+                    torch.testing.assert_close(got, expected)
+        swarm.stop_all()
+
+
+def test_small_cpu_tensors_are_copied_on_the_loop():
+    limit = async_averager.INLINE_COPY_MAX_BYTES
+    assert async_averager._copies_on_loop([torch.zeros(10), torch.zeros(3, 3).double()])
+    assert async_averager._copies_on_loop([torch.zeros(limit // 8), torch.zeros(limit // 8)])
+    assert not async_averager._copies_on_loop([torch.zeros(limit // 4 + 1)])
+    assert not async_averager._copies_on_loop([torch.zeros(4, device="meta")])
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("on_loop", [True, False], ids=["loop", "thread"])
+async def test_snapshot_and_deltas_on_the_loop_or_in_threads(monkeypatch, on_loop):
+    if not on_loop:
+        monkeypatch.setattr(async_averager, "INLINE_COPY_MAX_BYTES", 0)
+    tensors = [random_tensors(30 + i) for i in range(2)]
+    pair = {"target_group_size": 2, "min_group_size": 2}
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        averagers = [await swarm.add([t.clone() for t in tensors[i]], **pair) for i in range(2)]
+        assert all(async_averager._copies_on_loop(local(a)) == on_loop for a in averagers)
+        for _ in range(2):  # the second round reuses the first one's buffers
+            before = [local(a) for a in averagers]
+            want = [(before[0][t] + before[1][t]) / 2 for t in range(len(SHAPES))]
+            results = await step_all(averagers, timeout=[10] * 2)
+            assert all(isinstance(r, dict) and len(r) == 2 for r in results), results
+            for averager in averagers:
+                for got, expected in zip(local(averager), want, strict=True):
+                    torch.testing.assert_close(got, expected)
+                with averager.get_tensors() as live:
+                    live[0].add_(1.0)  # the next round starts from other values
+        swarm.stop_all()
 
 
 @pytest.mark.trio

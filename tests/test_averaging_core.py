@@ -217,6 +217,12 @@ def test_group_and_core_validation():
         AllReduceGroup(b"", ("a",), (1.0,))
     with pytest.raises(ValueError):
         AllReduceGroup(b"g", ("a", "a"), (1.0, 1.0))
+    with pytest.raises(ValueError):
+        AllReduceGroup(b"g", ("a",), (1.0,), part_layout=99)
+    one_part = AllReduceCore(
+        AllReduceGroup(b"g", ("a",), (1.0,), part_layout=1), 0, [torch.zeros(99)]
+    )
+    assert one_part.num_local_parts == 1
     group = make_group([1.0])
     with pytest.raises(ValueError):
         AllReduceCore(group, 0, [torch.zeros(3)], sender_timeout=2.0, reducer_timeout=1.0)

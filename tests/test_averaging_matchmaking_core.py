@@ -250,6 +250,42 @@ def test_four_peers_target_four_form_one_group():
     assert all(d.looking_for_group for d in swarm.dht["test.0b"].values())
 
 
+@pytest.mark.parametrize("layouts, want", [((1, 1, 1, 1), 1), ((1, 0, 1, 1), 0), ((0,) * 4, 0)])
+def test_group_part_layout_is_the_lowest_its_members_speak(layouts, want):
+    swarm = Swarm(config())
+    for i, layout in enumerate(layouts):
+        swarm.add(pid(i), part_layout=layout)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert {m.peer_id: m.part_layout for m in group.members} == {
+        pid(i): layout for i, layout in enumerate(layouts)
+    }
+    assert group.part_layout == want
+
+
+def test_part_layout_survives_the_wire_and_older_peers_read_as_zero():
+    from swarmtrain.averaging.matchmaking import (
+        decode_join_request,
+        decode_leader_message,
+        encode_join_request,
+        encode_leader_message,
+    )
+
+    request = JoinRequest("p.0b", SCHEMA, 1.0, part_layout=1)
+    assert decode_join_request(encode_join_request(request)) == request
+    members = (GroupMember(pid(0), part_layout=1), GroupMember(pid(1), part_layout=1))
+    group = MatchmakingGroup(b"g", "p.0b", pid(0), members)
+    wire = encode_leader_message(BeginAllReduce(group))
+    assert decode_leader_message(pid(0), wire).group.part_layout == 1
+    # an older joiner or leader does not know the field: it reads (and relays) nothing
+    for member in wire.members:
+        member.ClearField("part_layout")
+    assert decode_leader_message(pid(0), wire).group.part_layout == 0
+    old_request = encode_join_request(request)
+    old_request.ClearField("part_layout")
+    assert decode_join_request(old_request).part_layout == 0
+
+
 def test_eight_peers_target_four_form_two_groups():
     swarm = Swarm(config())
     for i in range(8):
@@ -626,6 +662,10 @@ def test_invalid_inputs_raise():
         JoinRequest("p.0b", SCHEMA, math.inf)
     with pytest.raises(ValueError):
         JoinRequest("p.0b", SCHEMA, 1.0, bandwidth=-1.0)
+    with pytest.raises(ValueError):
+        JoinRequest("p.0b", SCHEMA, 1.0, part_layout=-1)
+    with pytest.raises(TypeError):
+        GroupMember(pid(1), part_layout=1.0)
     with pytest.raises(ValueError):
         MatchmakingGroup(b"g", "p.0b", pid(0), (GroupMember(pid(1)),))
     with pytest.raises(ValueError):

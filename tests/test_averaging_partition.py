@@ -7,6 +7,7 @@ import torch
 
 from swarmtrain.averaging.part_reducer import TensorPartReducer
 from swarmtrain.averaging.partition import (
+    PART_LAYOUTS,
     TensorPartContainer,
     apportion,
     difference,
@@ -70,6 +71,23 @@ def test_parts_of_large_slices_grow_up_to_the_cap():
     assert partition_tensors([16 * mib], [4], [1] * 4, mib // 2) == partition_tensors(
         [16 * mib], [4], [1] * 4, mib // 2, mib // 4
     )
+
+
+def test_part_layout_1_cuts_slices_of_up_to_2_mib_into_one_part():
+    mib = 1 << 20
+    one = PART_LAYOUTS[1]
+    # 8 peers x 16 MiB: one part of 2 MiB per slice (layout 0: 4 of 512 KiB, above)
+    layout = partition_tensors([4 * mib], [4], [1] * 8, mib // 2, 2 * mib, one)
+    assert all(len(parts) == 1 and parts[0].numel * 4 == 2 * mib for parts in layout)
+    # larger slices: parts of 2 MiB, as in layout 0
+    layout = partition_tensors([16 * mib], [4], [1, 1, 1, 1], mib // 2, 2 * mib, one)
+    assert all(len(parts) == 8 for parts in layout)
+    # small slices and parts: one part each, still never across a tensor boundary
+    layout = partition_tensors([100, 7], [4, 4], [1, 1], 64, 2 * mib, one)
+    assert [len(parts) for parts in layout] == [1, 2]
+    assert partition_tensors([100, 7], [4, 4], [1, 1], 64, 2 * mib) != layout
+    with pytest.raises(ValueError):
+        partition_tensors([100], [4], [1], 64, 2 * mib, 0)
 
 
 def test_partition_is_deterministic():

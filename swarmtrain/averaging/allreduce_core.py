@@ -39,6 +39,7 @@ import torch
 from swarmtrain.averaging.part_reducer import TensorPartReducer
 from swarmtrain.averaging.partition import (
     DEFAULT_PART_SIZE_BYTES,
+    PART_LAYOUTS,
     TensorPartContainer,
     difference,
     largest_part_size,
@@ -95,6 +96,8 @@ class AllReduceGroup:
     :param modes: each member's mode; default CLIENT for a zero fraction, else NODE
     :param leader: the member that assembled the group, if known (told to the others with
       the first request, see ``AllReduceService.may_join_unknown_groups``)
+    :param part_layout: how slices are cut into parts (``partition.PART_LAYOUTS``); every
+      member must use the same (the averager takes it from matchmaking)
     """
 
     group_id: bytes
@@ -102,6 +105,7 @@ class AllReduceGroup:
     fractions: tuple[float, ...]
     modes: tuple[AveragingMode, ...] = ()
     leader: Hashable | None = None
+    part_layout: int = 0
 
     def __post_init__(self):
         if not isinstance(self.group_id, bytes) or not self.group_id:
@@ -121,6 +125,8 @@ class AllReduceGroup:
             raise ValueError("peer_ids, fractions and modes must have the same length")
         if self.leader is not None and self.leader not in self.peer_ids:
             raise ValueError("the leader must be a member of the group")
+        if self.part_layout not in PART_LAYOUTS:
+            raise ValueError(f"unknown part layout {self.part_layout!r}")
         for peer, f, mode in zip(self.peer_ids, self.fractions, self.modes, strict=True):
             if not isinstance(mode, AveragingMode):
                 raise TypeError(f"mode of {peer} is {mode!r}, not an AveragingMode")
@@ -230,6 +236,7 @@ class AllReduceCore:
             part_size_bytes,
             delta_buffers=delta_buffers,
             max_part_size_bytes=largest_part_size(part_size_bytes),
+            parts_per_slice=PART_LAYOUTS[group.part_layout],
         )
         self._sender_slot = {peer: slot for slot, peer in enumerate(group.sender_indices)}
 

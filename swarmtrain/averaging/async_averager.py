@@ -35,7 +35,7 @@ from swarmtrain.averaging.matchmaking_types import (
     GroupAssembled,
     MatchmakingGroup,
 )
-from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, as_numpy
+from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, PART_LAYOUT, as_numpy
 from swarmtrain.averaging.state_sharing import State, StateSharing
 from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
 from swarmtrain.p2p import PeerID
@@ -44,12 +44,23 @@ __all__ = ["AsyncDecentralizedAverager", "GatheredData"]
 
 logger = logging.getLogger(__name__)
 GatheredData = dict  # {PeerID: what that peer passed as ``gather``}
+# CPU tensors of up to this many bytes in all are snapshotted before a round, and get their
+# deltas added after it, on the loop (a single-threaded memcpy / add of a few ms); larger ones
+# in a worker thread. Under load each thread hop cost 2-46 ms of a 8 x 4M round's ~250 ms
+# (GIL hand-offs while the loop serves the round's streams), more than the copy itself.
+INLINE_COPY_MAX_BYTES = 16 << 20
 
 
 def _check_group_bits(bits: str) -> str:
     if not isinstance(bits, str) or any(bit not in "01" for bit in bits):
         raise ValueError(f"group bits must be a string of 0 and 1, got {bits!r}")
     return bits
+
+
+def _copies_on_loop(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the snapshot and delta addition of ``tensors`` run on the loop (small, CPU)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return nbytes <= INLINE_COPY_MAX_BYTES and all(t.device.type == "cpu" for t in tensors)
 
 
 def _trio_deadline(dht_deadline: float) -> float:
@@ -459,7 +470,8 @@ class AsyncDecentralizedAverager:
         group: MatchmakingGroup, total_size: int, suffix: bytes = b""
     ) -> AllReduceGroup:
         """The all-reduce round of an assembled group over ``total_size`` values: slices by
-        bandwidth (none for clients; aux peers send nothing), id ``group_id + suffix``."""
+        bandwidth (none for clients; aux peers send nothing), parts cut with the part layout
+        of the group (its members' lowest), id ``group_id + suffix``."""
         modes = group.modes
         bandwidths = [
             0.0 if m == AveragingMode.CLIENT else b
@@ -474,6 +486,7 @@ class AsyncDecentralizedAverager:
             counts,
             modes,
             leader=PeerID(group.leader) if group.leader in group.peer_ids else None,
+            part_layout=min(group.part_layout, PART_LAYOUT),
         )
 
     async def _run_allreduce(self, group: MatchmakingGroup, weight: float) -> GatheredData:
@@ -482,10 +495,14 @@ class AsyncDecentralizedAverager:
         # The previous round's snapshot and delta buffers, if it ended well (taken, so a
         # concurrent round could never share them).
         spare, self._spare_round_buffers = self._spare_round_buffers, None
+        on_loop = _copies_on_loop(self._averaged_tensors)
         async with self._locked_tensors() as tensors:
-            snapshot, reused = await trio.to_thread.run_sync(
-                _snapshot, tensors, spare[0] if spare else None
-            )
+            if on_loop:
+                snapshot, reused = _snapshot(tensors, spare[0] if spare else None)
+            else:
+                snapshot, reused = await trio.to_thread.run_sync(
+                    _snapshot, tensors, spare[0] if spare else None
+                )
         # the delta buffers fit whenever the snapshot they were made for did
         delta_buffers = spare[1] if spare and reused else None
         runner = AllReduceRunner(
@@ -517,6 +534,9 @@ class AsyncDecentralizedAverager:
             )
         if result.deltas is not None:
             async with self._locked_tensors() as tensors:
-                await trio.to_thread.run_sync(_add_deltas, tensors, result.deltas)
+                if on_loop:
+                    _add_deltas(tensors, result.deltas)
+                else:
+                    await trio.to_thread.run_sync(_add_deltas, tensors, result.deltas)
         self._spare_round_buffers = (snapshot, runner.delta_buffers)
         return {PeerID(m.peer_id): _load_gathered(m.gather) for m in group.members}

@@ -66,6 +66,7 @@ from swarmtrain.averaging.matchmaking_types import (
     SendJoinRequest,
     SendToFollower,
 )
+from swarmtrain.averaging.partition import PART_LAYOUT
 from swarmtrain.dht import get_dht_time
 from swarmtrain.p2p import P2PError, PeerID
 from swarmtrain.proto import matchmaking_pb2 as pb
@@ -145,6 +146,7 @@ def encode_join_request(r: JoinRequest) -> pb.MatchmakingJoinRequest:
         expiration=r.expiration,
         mode=_MODES[r.mode],
         gather=r.gather,
+        part_layout=r.part_layout,
     )
     if r.bandwidth is not None:
         message.bandwidth = r.bandwidth
@@ -160,6 +162,7 @@ def decode_join_request(m: pb.MatchmakingJoinRequest) -> JoinRequest:
         _mode(m.mode),
         m.bandwidth if m.HasField("bandwidth") else None,
         m.gather,
+        m.part_layout,
     )
 
 
@@ -179,7 +182,9 @@ def encode_leader_message(message: LeaderMessage) -> pb.MatchmakingResponse:
     group = message.group
     members = []
     for m in group.members:
-        member = pb.MatchmakingGroupMember(peer_id=m.peer_id, mode=_MODES[m.mode], gather=m.gather)
+        member = pb.MatchmakingGroupMember(
+            peer_id=m.peer_id, mode=_MODES[m.mode], gather=m.gather, part_layout=m.part_layout
+        )
         if m.bandwidth is not None:
             member.bandwidth = m.bandwidth
         members.append(member)
@@ -203,6 +208,7 @@ def decode_leader_message(leader: PeerId, m: pb.MatchmakingResponse) -> LeaderMe
                 _mode(p.mode),
                 p.bandwidth if p.HasField("bandwidth") else None,
                 p.gather,
+                p.part_layout,
             )
             for p in m.members
         )
@@ -226,6 +232,8 @@ class Matchmaking:
     :param mode: NODE, CLIENT (never leads, serves nothing) or AUX
     :param bandwidth: ours, for load balancing (None: unknown)
     :param dht_timeout: bound on each DHT read or store (default: ``min_matchmaking_time``)
+    :param part_layout: the newest all-reduce part layout we speak (tests pass 0 to act as
+      an older version)
     """
 
     def __init__(
@@ -237,6 +245,7 @@ class Matchmaking:
         mode: AveragingMode = AveragingMode.NODE,
         bandwidth: float | None = None,
         dht_timeout: float | None = None,
+        part_layout: int = PART_LAYOUT,
     ):
         self.dht = dht
         self.p2p = dht.p2p
@@ -244,6 +253,7 @@ class Matchmaking:
         self.schema_hash = schema_hash
         self.mode = mode
         self.bandwidth = bandwidth
+        self.part_layout = part_layout
         # A declaration lasts min_matchmaking_time: a store or a read slower than that is stale.
         self.dht_timeout = dht_timeout if dht_timeout is not None else config.min_matchmaking_time
         self._warned_slow_dht = False
@@ -340,6 +350,7 @@ class Matchmaking:
                 scheduled_time=scheduled_time,
                 nonce=os.urandom(16),
                 expected_group_size=expected_group_size,
+                part_layout=self.part_layout,
             )
             self.rounds_started += 1
             self._core, self._round_done = core, trio.Event()

@@ -86,6 +86,7 @@ from swarmtrain.averaging.matchmaking_types import (  # noqa: F401
     SendToFollower,
     _check_bandwidth,
     _check_mode,
+    _check_part_layout,
     _check_peer_id,
     is_valid_group_key,
     make_group_key,
@@ -107,6 +108,9 @@ class MatchmakingCore:
     :param gather: bytes to share with the group (``data_for_gather``)
     :param scheduled_time: when we intend to average (our first expiration is no earlier)
     :param nonce: mixed into the group id if we lead (the shell passes random bytes)
+    :param part_layout: the newest all-reduce part layout we speak; told to our leader, or to
+      our followers in the group (the group uses its members' lowest,
+      ``MatchmakingGroup.part_layout``)
 
     Usage: ``start(now)``, then pass every event in; after every call, carry out the returned
     actions in order, then call ``tick(now)`` once ``now >= next_deadline()``. Stop after a
@@ -127,6 +131,7 @@ class MatchmakingCore:
         scheduled_time: float | None = None,
         nonce: bytes = b"",
         expected_group_size: int | None = None,
+        part_layout: int = 0,
     ):
         if not isinstance(config, MatchmakingConfig):
             raise TypeError("config must be a MatchmakingConfig")
@@ -149,6 +154,8 @@ class MatchmakingCore:
         self.gather = gather
         self.scheduled_time = scheduled_time
         self.nonce = nonce
+        _check_part_layout(part_layout)
+        self.part_layout = part_layout
         # A leader assembles once its group reaches this size (the config's target, or the
         # caller's smaller estimate of the peers present: no wait for the declaration to lapse).
         self.assemble_at = _assemble_at(config, expected_group_size)
@@ -382,10 +389,13 @@ class MatchmakingCore:
         return _is_viable(members)
 
     def _own_member(self) -> GroupMember:
-        return GroupMember(self.peer_id, self.mode, self.bandwidth, self.gather)
+        return GroupMember(self.peer_id, self.mode, self.bandwidth, self.gather, self.part_layout)
 
     def _follower_members(self) -> list[GroupMember]:
-        return [GroupMember(p, r.mode, r.bandwidth, r.gather) for p, r in self._followers.items()]
+        return [
+            GroupMember(p, r.mode, r.bandwidth, r.gather, r.part_layout)
+            for p, r in self._followers.items()
+        ]
 
     def _assemble(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -491,6 +501,7 @@ class MatchmakingCore:
             self.mode,
             self.bandwidth,
             self.gather,
+            self.part_layout,
         )
         return [SendJoinRequest(leader, request)]
 

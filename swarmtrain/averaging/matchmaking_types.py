@@ -123,6 +123,13 @@ _TERMINAL = (Phase.ASSEMBLED, Phase.FAILED)
 # ---------------------------------------------------------------------------------- records
 
 
+def _check_part_layout(part_layout: int) -> None:
+    if isinstance(part_layout, bool) or not isinstance(part_layout, int):
+        raise TypeError(f"part_layout must be an int, got {part_layout!r}")
+    if part_layout < 0:
+        raise ValueError(f"part_layout must be non-negative, got {part_layout}")
+
+
 def _check_bandwidth(bandwidth: float | None) -> float | None:
     if bandwidth is None:
         return None
@@ -234,6 +241,8 @@ class JoinRequest:
 
     :param expiration: the joiner's own expiration; the leader must expire no later
     :param gather: opaque bytes the leader hands to every member (``data_for_gather``)
+    :param part_layout: the newest all-reduce part layout the joiner speaks (0: unknown, an
+      older version)
     """
 
     group_key: str
@@ -242,6 +251,7 @@ class JoinRequest:
     mode: AveragingMode = AveragingMode.NODE
     bandwidth: float | None = None
     gather: bytes = b""
+    part_layout: int = 0
 
     def __post_init__(self):
         if not is_valid_group_key(self.group_key):
@@ -254,6 +264,7 @@ class JoinRequest:
         object.__setattr__(self, "bandwidth", _check_bandwidth(self.bandwidth))
         if not isinstance(self.gather, bytes):
             raise TypeError("gather must be bytes")
+        _check_part_layout(self.part_layout)
 
 
 @dataclass(frozen=True)
@@ -262,6 +273,7 @@ class GroupMember:
     mode: AveragingMode = AveragingMode.NODE
     bandwidth: float | None = None
     gather: bytes = b""
+    part_layout: int = 0  # the newest part layout the member speaks (see JoinRequest)
 
     def __post_init__(self):
         _check_peer_id(self.peer_id)
@@ -269,6 +281,7 @@ class GroupMember:
         object.__setattr__(self, "bandwidth", _check_bandwidth(self.bandwidth))
         if not isinstance(self.gather, bytes):
             raise TypeError("gather must be bytes")
+        _check_part_layout(self.part_layout)
 
 
 @dataclass(frozen=True)
@@ -316,6 +329,13 @@ class MatchmakingGroup:
     @property
     def bandwidths(self) -> tuple[float | None, ...]:
         return tuple(m.bandwidth for m in self.members)
+
+    @property
+    def part_layout(self) -> int:
+        """The all-reduce part layout of the group: the lowest its members speak (a member
+        of an older version says 0, and so does every member under a leader that does not
+        relay the field), so every member computes the same."""
+        return min(m.part_layout for m in self.members)
 
     @property
     def gathered(self) -> tuple[bytes, ...]:

@@ -6,7 +6,9 @@ peer fractions, part size), so parts are identified by ``(peer index, part index
 - the flat concatenation of all tensors is cut into one contiguous *slice* per peer, with sizes
   apportioned to the peer fractions (:func:`apportion`);
 - each slice is cut into *parts* of ``part_size_bytes`` raw bytes (up to 2 MiB for large
-  slices); a part never crosses a tensor boundary, so it is a flat range of one tensor.
+  slices); a part never crosses a tensor boundary, so it is a flat range of one tensor. How
+  far parts grow is the group's *part layout* (:data:`PART_LAYOUTS`), which every member must
+  use alike: the averager takes the lowest layout its group's members speak (matchmaking).
 
 :class:`TensorPartContainer` holds one peer's view of a round: the parts it sends and the
 deltas (average minus local values) it receives back. ``part_reducer.TensorPartReducer``
@@ -31,6 +33,8 @@ import torch
 
 __all__ = [
     "DEFAULT_PART_SIZE_BYTES",
+    "PART_LAYOUT",
+    "PART_LAYOUTS",
     "PartSpec",
     "TensorPartContainer",
     "apportion",
@@ -42,6 +46,12 @@ __all__ = [
 PARTS_PER_SLICE = 8
 LARGE_PART_SIZE_BYTES = 2 * 1024 * 1024
 DEFAULT_PART_SIZE_BYTES = 1 << 19
+# Part layouts: the number of parts a slice is cut into, about (fewer where parts would pass
+# LARGE_PART_SIZE_BYTES). 0, the original: ~PARTS_PER_SLICE (8 x 4M fp32: 4 parts of 512 KiB
+# per 2 MiB slice). 1: one part per slice of up to 2 MiB: per-part costs (messages, wakeups,
+# bookkeeping) were the most of an all-reduce's CPU at 8 x 4M (benchmarks/RESULTS.md).
+PART_LAYOUTS = {0: PARTS_PER_SLICE, 1: 1}
+PART_LAYOUT = max(PART_LAYOUTS)  # the newest layout this version speaks
 
 
 def apportion(total: int, fractions: Sequence[float]) -> tuple[int, ...]:
@@ -97,6 +107,7 @@ def partition_tensors(
     fractions: Sequence[float],
     part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
     max_part_size_bytes: int | None = None,
+    parts_per_slice: int = PARTS_PER_SLICE,
 ) -> tuple[tuple[PartSpec, ...], ...]:
     """The parts of every peer, in order: ``result[peer][part]``.
 
@@ -106,13 +117,16 @@ def partition_tensors(
     :param fractions: each peer's share of the values (zero: the peer reduces nothing)
     :param part_size_bytes: the size of a part, unless the slice is large
     :param max_part_size_bytes: parts of a large slice grow up to this size, keeping about
-      ``PARTS_PER_SLICE`` parts per slice (fewer per-part costs; enough parts to pipeline);
+      ``parts_per_slice`` parts per slice (fewer per-part costs; enough parts to pipeline);
       None: no growth
+    :param parts_per_slice: see ``max_part_size_bytes`` (:data:`PART_LAYOUTS`)
     """
     if len(numels) != len(element_sizes):
         raise ValueError("numels and element_sizes have different lengths")
     if part_size_bytes <= 0:
         raise ValueError(f"part_size_bytes must be positive, got {part_size_bytes}")
+    if parts_per_slice <= 0:
+        raise ValueError(f"parts_per_slice must be positive, got {parts_per_slice}")
     if any(n < 0 for n in numels) or any(s <= 0 for s in element_sizes):
         raise ValueError("numels must be non-negative and element sizes positive")
     slice_sizes = apportion(sum(numels), fractions)
@@ -127,7 +141,7 @@ def partition_tensors(
     for size in slice_sizes:
         part_bytes = part_size_bytes
         if max_part_size_bytes is not None and max_part_size_bytes > part_size_bytes:
-            wanted = -(-size * widest // PARTS_PER_SLICE)
+            wanted = -(-size * widest // parts_per_slice)
             part_bytes = min(max(wanted, part_size_bytes), max_part_size_bytes)
         slice_stop = slice_start + size
         parts: list[PartSpec] = []
@@ -288,6 +302,8 @@ class TensorPartContainer:
     :param tensors: the local tensors (floating point, any shape; read, never written)
     :param peer_fractions: each peer's share of the values, in group order
     :param part_size_bytes: largest raw size of one part
+    :param max_part_size_bytes: parts of large slices grow up to this size (see
+      :func:`partition_tensors`, also for ``parts_per_slice``)
     :param delta_buffers: flat tensors to write the deltas into (one per tensor, same numel and
       dtype, any content: the container never reads them before writing), e.g. the previous
       round's; fresh zeroed buffers when None. Reusing buffers saves mapping fresh pages.
@@ -303,6 +319,7 @@ class TensorPartContainer:
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
         delta_buffers: Sequence[torch.Tensor] | None = None,
         max_part_size_bytes: int | None = None,
+        parts_per_slice: int = PARTS_PER_SLICE,
     ):
         _check_tensors(tensors)
         self.tensors = tuple(tensors)
@@ -313,6 +330,7 @@ class TensorPartContainer:
             peer_fractions,
             part_size_bytes,
             max_part_size_bytes,
+            parts_per_slice,
         )
         self.group_size = len(self.layout)
         self.num_parts_by_peer = tuple(len(parts) for parts in self.layout)
