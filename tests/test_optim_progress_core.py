@@ -129,14 +129,15 @@ def test_global_epoch_samples_and_eta_from_peers():
         T0 + 1,
         record(b"a", 1, 20, sps=10, time=T0 + 1),
         record(b"b", 1, 30, sps=20, time=T0),  # 1 s old: +20 estimated samples
-        record(b"c", 0, 50, sps=10, time=T0 + 1),  # behind: speed counts, samples do not
+        record(b"c", 0, 50, sps=10, time=T0 + 1),  # behind (still averaging): not counted
         record(b"d", 5, 90, sps=10, time=T0 + 1, client_mode=True),  # clients set no epoch
     )
     assert progress.epoch == 1
     assert progress.samples_accumulated == 50
     assert (progress.num_peers, progress.num_clients) == (5, 1)
-    # estimated 20 + 30 + 20 = 70; 30 remaining at 10+10+20+10+10 = 60 samples/s
-    assert progress.eta_next_epoch == pytest.approx(T0 + 1 + 0.5)
+    # estimated 20 + 30 + 20 = 70; 30 remaining at the 10 + 20 samples/s of a and b (we, c and
+    # the client report other epochs)
+    assert progress.eta_next_epoch == pytest.approx(T0 + 1 + 1.0)
     assert core.ready_to_update_epoch(T0 + 1)  # the swarm is ahead of us
     assert core.estimated_next_update_time(T0 + 1) == T0 + 1
 

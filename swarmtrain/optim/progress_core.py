@@ -16,8 +16,10 @@ Global progress (hivemind's semantics):
 - the global epoch is the largest epoch among our own and the live records of non-client peers;
 - ``samples_accumulated`` sums the samples that peers at the global epoch reported;
 - the ETA extrapolates each such peer's samples from its report time at its samples/s, and
-  divides what remains of ``target_batch_size`` by the samples/s of all peers (peers behind
-  are counted for speed: they will catch up and contribute);
+  divides what remains of ``target_batch_size`` by the samples/s of those peers. (hivemind
+  counts peers behind for speed too, "they will catch up"; but a peer behind is usually still
+  averaging the last epoch, and counting its speed ended epochs at ~55-80% of the target on
+  a loaded box. It counts from its first report in the current epoch.)
 - the next DHT fetch comes after ``default_refresh_period`` when we see no other peer, else
   after ``eta * n / max(n + expected_drift_peers, n * (1 + expected_drift_rate))`` clipped to
   ``[min_refresh_period, max_refresh_period]``: the more peers may join before the epoch ends,
@@ -630,8 +632,8 @@ class ProgressCore:
 
         samples, estimated, rate = 0, 0.0, 0.0
         for peer in participants:
-            rate += peer.samples_per_second
             if peer.epoch == epoch:
+                rate += peer.samples_per_second
                 samples += peer.samples_accumulated
                 elapsed = max(0.0, now - peer.time)
                 estimated += peer.samples_accumulated + elapsed * peer.samples_per_second
