@@ -1,0 +1,163 @@
+"""How a ``P2P`` host reaches peers: address bookkeeping, dialling (direct, then through a
+relay), and opening negotiated streams (``Dialling``, a base class of ``swarmtrain.p2p.P2P``).
+
+It expects the host's attributes: ``_host`` (the py-libp2p host), ``config`` (``P2PConfig``),
+``peer_id``, ``relay`` (``RelayManager`` or None), ``_dial_locks`` and ``_addresses_checked``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import multiaddr
+import trio
+from libp2p.network.exceptions import SwarmException
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+
+from swarmtrain.p2p._multistream import open_lazily_negotiated_stream
+from swarmtrain.p2p.errors import P2PError, PeerUnreachableError
+
+PEERSTORE_ADDR_TTL = 3600.0
+
+
+def as_peer_id(peer: ID | str | bytes) -> ID:
+    if isinstance(peer, ID):
+        return peer
+    if isinstance(peer, str):
+        return ID.from_base58(peer)
+    if isinstance(peer, bytes):
+        return ID(peer)
+    raise TypeError(f"expected a peer id, got {type(peer).__name__}")
+
+
+class Dialling:
+    """Address bookkeeping, dialling and stream opening of a ``P2P`` host."""
+
+    def is_connected(self, peer: ID | str) -> bool:
+        """Whether an open connection to ``peer`` exists."""
+        conns = self._host.get_network().connections.get(as_peer_id(peer), ())
+        return any(not conn.is_closed for conn in conns)
+
+    def _forget_closed_connections(self, peer_id: ID) -> None:
+        # py-libp2p 0.8.1 can keep a dead connection listed; its new_stream then fails "No
+        # valid connections available" instead of dialling
+        network = self._host.get_network()
+        for conn in list(network.connections.get(peer_id, ())):
+            if conn.is_closed:
+                network.remove_conn(conn)
+
+    def add_addrs(self, peer: ID | str, addrs: Sequence[str]) -> None:
+        """Remember addresses of a peer (without dialling it)."""
+        self._host.get_peerstore().add_addrs(
+            as_peer_id(peer), [multiaddr.Multiaddr(a) for a in addrs], PEERSTORE_ADDR_TTL
+        )
+
+    def known_addrs(self, peer: ID | str) -> list[str]:
+        try:
+            return [str(a) for a in self._host.get_peerstore().addrs(as_peer_id(peer))]
+        except Exception:
+            return []
+
+    # --------------------------------------------------------------- dialling
+
+    async def connect(self, maddr: str) -> ID:
+        """Dial the peer at ``maddr`` (``.../p2p/<id>``, possibly a ``/p2p-circuit`` address)."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(maddr))
+        except Exception as e:
+            raise ValueError(f"{maddr!r} is not a dialable multiaddr with /p2p/<id>: {e}") from None
+        self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, PEERSTORE_ADDR_TTL)
+        await self.ensure_connected(info.peer_id)
+        return info.peer_id
+
+    async def ensure_connected(self, peer: ID | str) -> None:
+        """Connect to ``peer`` unless already connected. Raises ``PeerUnreachableError``."""
+        peer_id = as_peer_id(peer)
+        if peer_id == self.peer_id:
+            raise PeerUnreachableError("a peer cannot dial itself")
+        if self.is_connected(peer_id):
+            return
+        lock = self._dial_locks.setdefault(peer_id, trio.Lock())
+        async with lock:
+            if self.is_connected(peer_id):
+                return
+            self._forget_closed_connections(peer_id)
+            addrs = self._host.get_peerstore().addrs(peer_id) if self._known(peer_id) else []
+            direct = [a for a in addrs if "/p2p-circuit" not in str(a)]
+            relayed = [a for a in addrs if "/p2p-circuit" in str(a)]
+            if not addrs:
+                raise PeerUnreachableError(f"no known addresses for peer {peer_id}")
+            errors: list[str] = []
+            if direct:
+                try:
+                    with trio.fail_after(self.config.dial_timeout):
+                        await self._host.connect(PeerInfo(peer_id, direct))
+                    return
+                except trio.TooSlowError:
+                    errors.append(f"direct dial timed out after {self.config.dial_timeout} s")
+                except (SwarmException, OSError) as e:
+                    errors.append(f"direct dial failed: {e}")
+            if relayed and self.relay is not None:
+                try:
+                    with trio.fail_after(self.config.dial_timeout):
+                        await self.relay.dial_through_relay(peer_id, relayed)
+                    return
+                except trio.TooSlowError:
+                    errors.append(f"relayed dial timed out after {self.config.dial_timeout} s")
+                except (SwarmException, OSError, P2PError) as e:
+                    errors.append(f"relayed dial failed: {e}")
+            elif relayed:
+                errors.append("only /p2p-circuit addresses are known and relaying is disabled")
+            raise PeerUnreachableError(f"cannot reach {peer_id}: " + "; ".join(errors))
+
+    def _learn_addrs_of(self, peer_id: ID) -> None:
+        """Identify a peer that dialled us (we skip that on connect, see ``_tuning``) the first
+        time we open a stream to it without knowing its addresses: we can then dial it again
+        should the connection drop."""
+        if peer_id in self._addresses_checked:
+            return
+        if len(self._addresses_checked) > 65536:
+            self._addresses_checked.clear()
+        self._addresses_checked.add(peer_id)
+        if not self.known_addrs(peer_id):
+            self._host._schedule_identify(peer_id, reason="swarmtrain-first-stream")
+
+    def _known(self, peer_id: ID) -> bool:
+        try:
+            return peer_id in self._host.get_peerstore().peer_ids()
+        except Exception:
+            return False
+
+    async def new_stream(self, peer: ID | str, protocol_id: str, *, lazily: bool = False):
+        """Open a libp2p stream to ``peer`` (dialling first if needed). ``lazily``: do not wait
+        for the peer to agree to ``protocol_id`` (checked on the first read; for protocols
+        every peer we call serves, see ``_multistream.open_lazily_negotiated_stream``)."""
+        peer_id = as_peer_id(peer)
+        await self.ensure_connected(peer_id)
+        self._learn_addrs_of(peer_id)
+        try:
+            with trio.fail_after(self.config.dial_timeout):
+                try:
+                    return await self._negotiated_stream(peer_id, protocol_id, lazily)
+                except Exception:
+                    if self.is_connected(peer_id):
+                        raise
+                # the connection died (e.g. the peer restarted): dial once more
+                await self.ensure_connected(peer_id)
+                return await self._negotiated_stream(peer_id, protocol_id, lazily)
+        except trio.TooSlowError:
+            raise PeerUnreachableError(
+                f"{peer_id} did not accept a {protocol_id} stream within "
+                f"{self.config.dial_timeout} s"
+            ) from None
+        except Exception as e:
+            raise PeerUnreachableError(
+                f"cannot open a {protocol_id} stream to {peer_id}: {e}"
+            ) from e
+
+    async def _negotiated_stream(self, peer_id: ID, protocol_id: str, lazily: bool):
+        if lazily:
+            network = self._host.get_network()
+            return await open_lazily_negotiated_stream(network, peer_id, protocol_id)
+        return await self._host.new_stream(peer_id, [protocol_id])
