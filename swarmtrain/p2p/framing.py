@@ -19,6 +19,9 @@ from swarmtrain.p2p.errors import MessageTooLargeError, RPCProtocolError
 from swarmtrain.proto import p2p_pb2
 
 FrameKind = p2p_pb2.RPCFrameHeader.Kind
+#: the frame kinds that carry a message (and, for ATTACHED_MESSAGE, an attachment after it)
+MESSAGE_KINDS = frozenset((FrameKind.MESSAGE, FrameKind.ATTACHED_MESSAGE))
+_KNOWN_KINDS = frozenset(FrameKind.values()) - {FrameKind.KIND_UNSPECIFIED}
 MAX_HEADER_SIZE = 64 * 1024
 _VARINT_MAX_BYTES = 10
 
@@ -225,10 +228,9 @@ class FrameDecoder:
             header.ParseFromString(bytes(self._buffer[offset : offset + header_size]))
         except DecodeError as e:
             raise RPCProtocolError(f"malformed frame header: {e}") from None
-        if header.kind not in FrameKind.values() or header.kind == FrameKind.KIND_UNSPECIFIED:
+        if header.kind not in _KNOWN_KINDS:
             raise RPCProtocolError(f"malformed frame: unknown kind {header.kind}")
-        carries_payload = header.kind in (FrameKind.MESSAGE, FrameKind.ATTACHED_MESSAGE)
-        if header.payload_size and not carries_payload:
+        if header.payload_size and header.kind not in MESSAGE_KINDS:
             raise RPCProtocolError("malformed frame: only MESSAGE frames carry a payload")
         if header.attachment_size and header.kind != FrameKind.ATTACHED_MESSAGE:
             raise RPCProtocolError("malformed frame: only ATTACHED_MESSAGE frames have attachments")

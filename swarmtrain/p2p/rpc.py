@@ -41,7 +41,7 @@ from swarmtrain.p2p.errors import (
     RPCProtocolError,
     RPCTimeoutError,
 )
-from swarmtrain.p2p.framing import FrameKind
+from swarmtrain.p2p.framing import MESSAGE_KINDS, FrameKind
 from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.proto import p2p_pb2
 from swarmtrain.utils.exception_groups import collapse_exception_groups
@@ -59,7 +59,6 @@ SERVER_STREAM_IDLE_TIMEOUT = 30.0
 CALLER_STREAM_REUSE_TIME = 15.0
 
 ErrorCode = p2p_pb2.RPCErrorCode
-_MESSAGE_KINDS = (FrameKind.MESSAGE, FrameKind.ATTACHED_MESSAGE)
 TOut = TypeVar("TOut", bound=Message)
 
 
@@ -184,7 +183,7 @@ class _IncomingMessages:
             raise StopAsyncIteration
         with trio.move_on_after(self._idle_timeout) as scope:
             frame = await self._stream.receive_frame()
-            if frame is not None and frame.kind in _MESSAGE_KINDS:
+            if frame is not None and frame.kind in MESSAGE_KINDS:
                 return await receive_item(
                     self._stream,
                     frame,

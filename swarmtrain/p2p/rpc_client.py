@@ -11,7 +11,7 @@ import trio
 from google.protobuf.message import Message
 
 from swarmtrain.p2p.errors import RPCCancelledError, RPCProtocolError, RPCTimeoutError
-from swarmtrain.p2p.framing import FrameKind
+from swarmtrain.p2p.framing import MESSAGE_KINDS, FrameKind
 from swarmtrain.p2p.rpc import (
     CALLER_STREAM_REUSE_TIME,
     Attached,
@@ -126,7 +126,7 @@ class _ResponseReader(Generic[TOut]):
         if frame.kind == FrameKind.ERROR:
             self.finished = True
             raise _remote_failure(self.method, frame.header)
-        if frame.kind not in (FrameKind.MESSAGE, FrameKind.ATTACHED_MESSAGE):
+        if frame.kind not in MESSAGE_KINDS:
             raise RPCProtocolError(f"{self.method}: unexpected {FrameKind.Name(frame.kind)} frame")
         return await receive_item(
             self.stream,
