@@ -15,32 +15,43 @@ follows the two lines without waiting, and the answers are checked when the repl
 from __future__ import annotations
 
 import trio
+from libp2p.exceptions import ParseError
+from libp2p.io.exceptions import IOException
+from libp2p.network.stream.exceptions import StreamError
+from libp2p.protocol_muxer import multiselect_client as client_module
+from libp2p.protocol_muxer.exceptions import MultiselectClientError, MultiselectCommunicatorError
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+from libp2p.utils import encode_delim, read_delim
 
+HEADER = client_module.MULTISELECT_PROTOCOL_ID
+NOT_FOUND = client_module.PROTOCOL_NOT_FOUND_MSG
 _COALESCE_LIMIT = 64 * 1024  # a first write up to this size goes out with the two lines
+
+
+def selection_lines(protocol: str) -> bytes:
+    """What a client sends to select ``protocol``: the header line, then the protocol line."""
+    return encode_delim(HEADER.encode()) + encode_delim(protocol.encode())
+
+
+def answer_problem(header: str, answer: str, protocol: str) -> str | None:
+    """Why the answers to ``selection_lines(protocol)`` refuse it, or None if they accept."""
+    if header != HEADER:
+        return f"multistream-select protocol ID mismatch: expected {HEADER}, got {header[:64]!r}"
+    if answer == protocol:
+        return None
+    if answer == NOT_FOUND:
+        return f"the peer does not serve {protocol} (protocols not supported)"
+    return f"unrecognized response {answer[:64]!r} to {protocol}"
 
 
 def pipeline_multistream_select() -> None:
     """Patch ``MultiselectClient.select_one_of`` (idempotent)."""
-    from libp2p.io.exceptions import IOException
-    from libp2p.protocol_muxer import multiselect_client as client_module
-    from libp2p.protocol_muxer.exceptions import (
-        MultiselectClientError,
-        MultiselectCommunicatorError,
-    )
-    from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
-    from libp2p.utils import encode_delim
-
     client_class = client_module.MultiselectClient
     current = getattr(client_class, "select_one_of", None)
-    for name in ("MULTISELECT_PROTOCOL_ID", "PROTOCOL_NOT_FOUND_MSG"):
-        if not hasattr(client_module, name):
-            raise RuntimeError(f"libp2p internals changed: multiselect_client.{name} is missing")
     if current is None:
         raise RuntimeError("libp2p internals changed: MultiselectClient.select_one_of is missing")
     if getattr(current, "swarmtrain_fixed", False):
         return
-    header = client_module.MULTISELECT_PROTOCOL_ID
-    not_found = client_module.PROTOCOL_NOT_FOUND_MSG
 
     async def select_one_of(self, protocols, communicator, negotiate_timeout=30):
         if len(protocols) != 1 or type(communicator) is not MultiselectCommunicator:
@@ -49,32 +60,20 @@ def pipeline_multistream_select() -> None:
         wanted = protocol if protocol is not None else ""
         with trio.move_on_after(negotiate_timeout):
             try:
-                await communicator.read_writer.write(
-                    encode_delim(header.encode()) + encode_delim(wanted.encode())
-                )
+                await communicator.read_writer.write(selection_lines(wanted))
             except (IOException, AssertionError, ValueError) as error:
                 raise MultiselectClientError(f"handshake write failed: {error}") from error
             try:
-                answered_header = await communicator.read()
+                header = await communicator.read()
                 answer = await communicator.read()
             except MultiselectCommunicatorError as error:
                 raise MultiselectClientError(
                     f"protocol read failed: {error}, protocol={protocol}"
                 ) from error
-            if answered_header != header:
-                raise MultiselectClientError(
-                    f"multiselect protocol ID mismatch: expected {header}, got {answered_header!r}"
-                )
-            if answer == wanted:
-                return protocol
-            if answer == not_found:
-                raise MultiselectClientError(
-                    f"protocols not supported: tried {[protocol]}, timeout={negotiate_timeout}s"
-                )
-            raise MultiselectClientError(
-                f"unrecognized response: {answer!r}, expected {wanted!r} or {not_found!r}, "
-                f"protocol={protocol}"
-            )
+            problem = answer_problem(header, answer, wanted)
+            if problem is not None:
+                raise MultiselectClientError(problem)
+            return protocol
         raise MultiselectClientError(
             f"response timed out after {negotiate_timeout}s, protocols tried: {[protocol]}"
         )
@@ -100,14 +99,9 @@ class LazilyNegotiatedStream:
     whose answers are read before its first byte."""
 
     def __init__(self, stream, protocol_id: str):
-        from libp2p.protocol_muxer.multiselect_client import MULTISELECT_PROTOCOL_ID
-        from libp2p.utils import encode_delim
-
         self._stream = stream
         self._protocol_id = protocol_id
-        self._unsent = encode_delim(MULTISELECT_PROTOCOL_ID.encode()) + encode_delim(
-            protocol_id.encode()
-        )
+        self._unsent = selection_lines(protocol_id)
         self._confirmed = False
 
     def __getattr__(self, name):  # everything else as the stream itself (muxed_stream, ...)
@@ -130,22 +124,16 @@ class LazilyNegotiatedStream:
         return await self._stream.read(n)
 
     async def _confirm(self) -> None:
-        from libp2p.exceptions import ParseError
-        from libp2p.network.stream.exceptions import StreamError
-        from libp2p.protocol_muxer.multiselect_client import MULTISELECT_PROTOCOL_ID
-        from libp2p.utils import read_delim
-
         try:
             header = await read_delim(self._stream)
             answer = await read_delim(self._stream)
         except ParseError as e:
             raise StreamError(f"malformed multistream-select answer: {e}") from None
-        if header.decode(errors="replace") != MULTISELECT_PROTOCOL_ID:
-            raise StreamError(f"multistream-select header mismatch: {header[:64]!r}")
-        if answer.decode(errors="replace") != self._protocol_id:
-            raise StreamError(
-                f"the peer does not serve {self._protocol_id} (answered {answer[:64]!r})"
-            )
+        problem = answer_problem(
+            header.decode(errors="replace"), answer.decode(errors="replace"), self._protocol_id
+        )
+        if problem is not None:
+            raise StreamError(problem)
         self._confirmed = True
 
     async def close(self) -> None:
