@@ -116,24 +116,24 @@ async def _worker_main() -> None:
     from swarmtrain.dht.protocol import DHTProtocol
 
     # Count the RPCs each request sends: the tasks of one request (search workers, stores)
-    # inherit its context, so a counter set there sees only that request's calls.
+    # inherit its context, so a counter set there sees only that request's calls. ``costs``
+    # (for --verbose) counts every RPC of the process, dials, and cyclic-GC time.
     rpc_counter: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
         "rpc_counter", default=None
     )
+    costs = {"dials": 0, "rpcs": 0, "gc_s": 0.0}
     original_call = DHTProtocol._call
 
     async def counting_call(self, peer_id, *args, **kwargs):
+        costs["rpcs"] += 1
         counter = rpc_counter.get()
         if counter is not None and not self.blacklist.is_banned(peer_id, get_dht_time()):
             counter[0] += 1
         return await original_call(self, peer_id, *args, **kwargs)
 
     DHTProtocol._call = counting_call
-
-    # Per-process costs for --verbose: CPU seconds, dials, RPCs sent, cyclic GC pauses.
     from swarmtrain.p2p.host import P2P
 
-    costs = {"dials": 0, "rpcs": 0, "gc_s": 0.0}
     original_ensure_connected = P2P.ensure_connected
 
     async def counting_ensure_connected(self, peer):
@@ -142,13 +142,6 @@ async def _worker_main() -> None:
         return await original_ensure_connected(self, peer)
 
     P2P.ensure_connected = counting_ensure_connected
-    original_call_counted = DHTProtocol._call
-
-    async def costed_call(self, *args, **kwargs):
-        costs["rpcs"] += 1
-        return await original_call_counted(self, *args, **kwargs)
-
-    DHTProtocol._call = costed_call
     gc_started = [0.0]
 
     def on_gc(phase, info):
