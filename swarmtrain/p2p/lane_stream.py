@@ -1,0 +1,260 @@
+"""One data lane's byte stream: 1 MiB AES-256-GCM records over a plain TCP socket
+(``LaneStream``), with the interface ``RPCStream`` expects of a libp2p stream. How lanes are
+set up (tickets, dialling, accepting) is ``lane.py``'s job."""
+
+from __future__ import annotations
+
+import socket
+
+import trio
+from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
+
+from swarmtrain.p2p.lane_records import (
+    HEADER_SIZE,
+    MAX_RECORD_CIPHERTEXT,
+    TAG_SIZE,
+    LaneRecordError,
+    RecordOpener,
+    RecordSealer,
+)
+
+WRITE_STALL_TIMEOUT = 60.0  # a write that makes no progress this long fails (TooSlowError)
+ACCEPTED = b"swarmtrain-lane-ok"
+
+
+class _Held:
+    """``async with _Held(lock)``: holds a trio lock, without yielding when it is free
+    (``trio.Lock.acquire`` always yields to the scheduler, once per record read or written)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: trio.StrictFIFOLock):
+        self._lock = lock
+
+    async def __aenter__(self) -> None:
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._lock.release()
+
+
+class LaneStream:
+    """One lane with the byte-stream interface ``RPCStream`` expects of a libp2p stream:
+    ``read`` (raises ``StreamEOF`` at the clean end), ``write``, ``close``, ``reset``."""
+
+    #: a cancelled write harms only this lane (RPCStream need not shield writes from
+    #: cancellation, as it must for Noise over a shared libp2p connection)
+    cancel_safe = True
+
+    def __init__(self, raw: socket.socket, sock, sealer: RecordSealer, opener: RecordOpener):
+        """``raw`` is the connected stdlib socket and ``sock`` its trio wrapper."""
+        if raw.family in (socket.AF_INET, socket.AF_INET6):
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._raw, self._sock = raw, sock
+        self._sealer, self._opener = sealer, opener
+        self._recv_buffer = bytearray(MAX_RECORD_CIPHERTEXT)
+        # plaintext of the last record not yet returned by read() / read_into()
+        self._pending: bytes | memoryview = b""
+        # the record being received: header bytes so far, then its size and body bytes so far
+        self._rx_header = bytearray(HEADER_SIZE)
+        self._rx_header_got = 0
+        self._rx_size: int | None = None
+        self._rx_got = 0
+        self._send_lock = trio.StrictFIFOLock()
+        self._recv_lock = trio.StrictFIFOLock()
+        self.closed = False
+        self._broken = False
+        self.eof_received = False
+        self.bytes_on_wire = 0
+
+    # ---------------------------------------------------------------- reading
+
+    async def _fill(self, view: memoryview, got: int) -> int:
+        """Receive into ``view[got:]`` once; the new fill level. A cancelled receive takes no
+        bytes (it is cancelled only while waiting), so progress kept in ``self`` is never lost.
+
+        The socket is read directly (trio waits only when it has no data): trio's socket
+        methods yield to the scheduler after every successful call, several times per record.
+        """
+        while True:
+            try:
+                count = self._raw.recv_into(view[got:])
+                break
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise StreamReset(f"the lane failed: {e!r}") from None
+            try:
+                await trio.lowlevel.wait_readable(self._raw)
+            except trio.ClosedResourceError:
+                raise StreamClosed("the lane was closed") from None
+        if count == 0:
+            raise StreamReset("the lane was cut without an end record")
+        self.bytes_on_wire += count
+        return got + count
+
+    async def _receive_body(self) -> memoryview:
+        """The next record's ciphertext (a view of the receive buffer, valid until the next
+        call). Resumable: a read cancelled midway (a timeout around it) leaves the partial
+        header or body in place for the next call."""
+        try:
+            while self._rx_size is None:
+                self._rx_header_got = await self._fill(
+                    memoryview(self._rx_header), self._rx_header_got
+                )
+                if self._rx_header_got == HEADER_SIZE:
+                    self._rx_size = self._opener.ciphertext_size(bytes(self._rx_header))
+                    self._rx_got = 0
+        except LaneRecordError as e:
+            raise StreamError(f"lane: {e}") from None
+        body = memoryview(self._recv_buffer)[: self._rx_size]
+        while self._rx_got < self._rx_size:
+            self._rx_got = await self._fill(body, self._rx_got)
+        self._rx_size, self._rx_header_got = None, 0
+        return body
+
+    async def _receive_record(self) -> bytes:
+        """The next record's plaintext (b"" for the end record)."""
+        body = await self._receive_body()
+        try:
+            return self._opener.open(body)
+        except LaneRecordError as e:
+            raise StreamError(f"lane: {e}") from None
+
+    async def read(self, n: int | None = None) -> bytes:
+        """Up to ``n`` bytes (one record's worth when ``n`` is None)."""
+        if self.closed:
+            raise StreamClosed("the lane is closed")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with _Held(self._recv_lock):
+            if not self._pending:
+                if self.eof_received:
+                    raise StreamEOF("the peer ended the lane")
+                self._pending = await self._receive_record()
+                if not self._pending:
+                    self.eof_received = True
+                    raise StreamEOF("the peer ended the lane")
+            if n is None or n >= len(self._pending):
+                data, self._pending = self._pending, b""
+            else:
+                data, self._pending = self._pending[:n], self._pending[n:]
+            return bytes(data)
+
+    async def read_into(self, view: memoryview) -> int:
+        """Receive up to ``len(view)`` bytes into ``view``; the count. A record that fits is
+        decrypted straight into ``view`` (no copy). Raises ``StreamEOF`` at the clean end."""
+        if self.closed:
+            raise StreamClosed("the lane is closed")
+        if not len(view):
+            return 0
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with _Held(self._recv_lock):
+            if not self._pending:
+                if self.eof_received:
+                    raise StreamEOF("the peer ended the lane")
+                body = await self._receive_body()
+                size = len(body) - TAG_SIZE
+                try:
+                    if 0 < size <= len(view):
+                        return self._opener.open_into(body, view[:size])
+                    self._pending = memoryview(self._opener.open(body))
+                except LaneRecordError as e:
+                    raise StreamError(f"lane: {e}") from None
+                if not self._pending:
+                    self.eof_received = True
+                    raise StreamEOF("the peer ended the lane")
+            count = min(len(view), len(self._pending))
+            view[:count] = self._pending[:count]
+            self._pending = self._pending[count:]
+            return count
+
+    async def receive_accept(self) -> None:
+        """The callee's first record must be the accept marker (it holds the keys)."""
+        record = await self._receive_record()
+        if record != ACCEPTED:
+            raise StreamError("the lane did not start with the accept record")
+
+    # ---------------------------------------------------------------- writing
+
+    async def _send_all(self, data) -> None:
+        """Send all of ``data`` (directly, like ``_fill``); ``trio.TooSlowError`` when the
+        peer takes nothing for ``WRITE_STALL_TIMEOUT`` seconds."""
+        view = memoryview(data)
+        sent = 0
+        while sent < len(view):
+            try:
+                sent += self._raw.send(view[sent:])
+                continue
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise StreamReset(f"the lane failed: {e!r}") from None
+            try:
+                with trio.fail_after(WRITE_STALL_TIMEOUT):
+                    await trio.lowlevel.wait_writable(self._raw)
+            except trio.ClosedResourceError:
+                raise StreamClosed("the lane was closed") from None
+        self.bytes_on_wire += len(data)
+
+    async def write(self, data) -> None:
+        """Send ``data``. Cancellation-safe for the connection as a whole: a write cancelled
+        midway breaks only this lane (it is then closed without an end record)."""
+        if self.closed or self._broken:
+            raise StreamClosed("the lane is closed")
+        if not len(data):
+            return
+        await trio.lowlevel.checkpoint_if_cancelled()
+        async with _Held(self._send_lock):
+            try:
+                for record in self._sealer.seal(data):
+                    await self._send_all(record)
+            except BaseException:
+                self._broken = True  # a record may be cut: nothing more can follow it
+                raise
+
+    async def send_accept(self) -> None:
+        async with self._send_lock:
+            for record in self._sealer.seal(ACCEPTED):
+                await self._send_all(record)
+
+    # ---------------------------------------------------------------- ending
+
+    def is_reusable(self) -> bool:
+        """Open both ways, with nothing (not even an end of stream) waiting to be read."""
+        if self.closed or self._broken or self.eof_received or self._pending or self._sealer.ended:
+            return False
+        try:
+            self._raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False  # an end of stream or stray bytes: either way not idle
+
+    async def close(self) -> None:
+        """End our direction with an end record, then close the connection."""
+        if self.closed:
+            return
+        try:
+            if not self._sealer.ended and not self._broken:
+                async with self._send_lock:
+                    await self._send_all(self._sealer.seal_end())
+        except (StreamError, LaneRecordError):
+            pass
+        finally:
+            self._close_socket()
+
+    async def reset(self) -> None:
+        self._close_socket()
+
+    def reset_now(self) -> None:
+        """Close the connection at once (no end record), from synchronous code."""
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._sock.close()
