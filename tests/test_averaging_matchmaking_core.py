@@ -589,11 +589,10 @@ def test_every_mix_of_modes(mix, order):
     peers = [(pid(i), LETTER_MODES[letter]) for i, letter in enumerate(mix)]
     if order == "together":
         starts = {p: 0.0 for p, _ in peers}
+        for p, mode in peers:
+            swarm.add(p, mode=mode, deadline=deadline)
     else:
-        ranked = sorted(range(len(mix)), key=lambda i: (order.index(mix[i]), i))
-        starts = {pid(i): 0.1 * rank for rank, i in enumerate(ranked)}
-    for p, mode in peers:
-        swarm.add(p, mode=mode, start=starts[p], deadline=deadline)
+        starts = start_in_order(swarm, mix, order, deadline=deadline)
     results = swarm.run()
     assert set(results) == {p for p, _ in peers}
     finished_at = {
@@ -613,6 +612,33 @@ def test_every_mix_of_modes(mix, order):
             assert results[p].reason == want, results[p]
             # fast: at the end of its first window, not at the deadline
             assert finished_at[p] <= starts[p] + mmt + 1e-9
+
+
+def start_in_order(swarm: Swarm, mix: str, order: str, **kwargs) -> dict[bytes, float]:
+    """Add a peer per letter of ``mix``, starting 0.1 s apart, modes in ``order`` first."""
+    ranked = sorted(range(len(mix)), key=lambda i: (order.index(mix[i]), i))
+    starts = {pid(i): 0.1 * rank for rank, i in enumerate(ranked)}
+    for i, letter in enumerate(mix):
+        swarm.add(pid(i), mode=LETTER_MODES[letter], start=starts[pid(i)], **kwargs)
+    return starts
+
+
+@pytest.mark.parametrize("order", START_ORDERS[1:])
+@pytest.mark.parametrize("mix", ["AAAAC", "AAAACC"])
+def test_full_group_of_auxiliary_peers_makes_room_for_a_sender(mix, order):
+    """Four auxiliary peers fill a group of target 4 that can never average; a client that asks
+    to join replaces one of them instead of being told GROUP_FULL until the deadline."""
+    swarm = Swarm(config(target_group_size=4, min_group_size=2, min_matchmaking_time=5.0))
+    start_in_order(swarm, mix, order)
+    results = swarm.run()
+    groups = swarm.check_consistent()
+    clients = {pid(i) for i, letter in enumerate(mix) if letter == "C"}
+    assert clients <= {p for g in groups for p in g.peer_ids}  # every client averages
+    assert all(CLIENT in g.modes for g in groups)
+    left_out = [r for r in results.values() if isinstance(r, MatchmakingFailed)]
+    assert all(r.reason == FailureReason.AUXILIARY_ONLY for r in left_out)
+    assert len(left_out) == len(mix) - sum(g.size for g in groups)
+    assert swarm.now <= 0.1 * len(mix) + 5.0  # nobody waits for the deadline
 
 
 def test_client_joins_a_leader_that_declared_after_its_step_began():
@@ -768,13 +794,20 @@ def test_group_full_and_not_declared():
     aux_leader.start(0.0)
     aux_leader.handle_join_request(pid(3), request(mode=AUX), 0.1)
     assert not aux_leader.done  # two AUX peers: nobody sends, so no group
-    assert reject_reason(aux_leader.handle_join_request(pid(4), request(), 0.1)) == (
+    assert reject_reason(aux_leader.handle_join_request(pid(4), request(mode=AUX), 0.1)) == (
         RejectReason.GROUP_FULL
     )
     # past its expiration (before tick ran) a leader no longer leads
     assert reject_reason(aux_leader.handle_join_request(pid(4), request(), 5.0)) == (
         RejectReason.NOT_DECLARED
     )
+    # a peer with tensors replaces the (latest) AUX follower of a full group that cannot average
+    actions = aux_leader.handle_join_request(pid(4), request(mode=CLIENT), 0.2)
+    assert actions[:2] == [
+        SendToFollower(pid(3), Disbanded()),
+        SendToFollower(pid(4), Accepted()),
+    ]
+    assert aux_leader.done and set(aux_leader.result.group.peer_ids) == {pid(0), pid(4)}
 
 
 def test_invalid_inputs_raise():

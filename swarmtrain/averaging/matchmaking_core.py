@@ -353,6 +353,13 @@ class MatchmakingCore:
     def handle_join_request(self, peer: PeerId, request: JoinRequest, now: float) -> list[Action]:
         """``peer`` (authenticated by the transport) asks us to lead it."""
         reason, suggestion = self._reason_to_reject(peer, request, now)
+        actions: list[Action] = []
+        if reason == RejectReason.GROUP_FULL:
+            evicted = self._auxiliary_to_evict_for(request)
+            if evicted is not None:  # a full group of auxiliary peers makes room for a sender
+                del self._followers[evicted]
+                actions.append(SendToFollower(evicted, Disbanded()))
+                reason = None
         if reason is not None:
             self._rejections_sent[reason] += 1
             if reason == RejectReason.BAD_SCHEMA_HASH:
@@ -362,7 +369,7 @@ class MatchmakingCore:
         self._compatible_seen.add(peer)
         if request.mode != AveragingMode.AUX:
             self._senders_seen.add(peer)
-        actions: list[Action] = [SendToFollower(peer, Accepted())]
+        actions.append(SendToFollower(peer, Accepted()))
         target = self.assemble_at
         if target is not None and len(self._followers) + 1 >= target and self._can_assemble():
             actions += self._assemble(now)
@@ -401,6 +408,17 @@ class MatchmakingCore:
         if target is not None and len(self._followers) + 1 >= target:
             return RejectReason.GROUP_FULL, None
         return None, None
+
+    def _auxiliary_to_evict_for(self, request: JoinRequest) -> PeerId | None:
+        """The auxiliary follower (the latest) that a sender joining our full group replaces,
+        when the group has no sender: it could never assemble, and would lock out every peer
+        with tensors (None when the joiner is auxiliary too, or the group can average)."""
+        if request.mode == AveragingMode.AUX or _is_viable(
+            [self._own_member(), *self._follower_members()]
+        ):
+            return None
+        auxiliary = [p for p, r in self._followers.items() if r.mode == AveragingMode.AUX]
+        return auxiliary[-1] if auxiliary else None
 
     def _can_assemble(self, final: bool = False) -> bool:
         """Whether we may assemble now (``final``: at our expiration, else with a full group)."""

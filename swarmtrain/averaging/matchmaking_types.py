@@ -22,7 +22,9 @@ Protocol (hivemind's, with its gaps closed):
   (a client that stepped before every leader would otherwise be eligible for none of them).
 - A leader accepts joiners until the group has ``target_group_size`` members (then assembles at
   once) or until its expiration; then it assembles if it has at least ``min_group_size``
-  members, or disbands its followers and declares again with a new expiration.
+  members, or disbands its followers and declares again with a new expiration. A full group
+  that cannot average (auxiliary peers only) lets a joiner with tensors replace its latest
+  auxiliary follower (``Disbanded``) instead of answering ``GROUP_FULL``.
 - A peer waiting for its own leader's answer may still accept followers; once a leader accepts
   it, it disbands them with a redirect to that leader (``Disbanded(suggested_leader=...)``) and
   answers later joiners ``NOT_A_LEADER`` with the same suggestion.
