@@ -227,6 +227,115 @@ async def test_client_and_auxiliary_peers():
         swarm.stop_all()
 
 
+async def step_staggered(averagers, first: int, delay: float = 0.3, **kwargs):
+    """Step ``averagers[first]`` alone, then ``delay`` s later every other one (so its first
+    expiration is earlier than any potential leader's); results or MatchmakingErrors, and how
+    long each step took."""
+    results: list = [None] * len(averagers)
+    durations: list = [None] * len(averagers)
+
+    async def step(i):
+        start = time.monotonic()
+        try:
+            results[i] = await averagers[i].step(gather=i, **kwargs)
+        except MatchmakingError as e:
+            results[i] = e
+        durations[i] = time.monotonic() - start
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(step, first)
+        await trio.sleep(delay)
+        for i in range(len(averagers)):
+            if i != first:
+                nursery.start_soon(step, i)
+    return results, durations
+
+
+@pytest.mark.trio
+async def test_client_that_steps_first_joins_a_group_with_two_auxiliary_peers_and_a_node():
+    """The group of issue 16: 1 client, 2 auxiliary peers, 1 node, target 4. The client steps
+    first, so every leader declares an expiration later than the client's first one: it used to
+    be eligible for none of them until that expiration, and the others averaged without it."""
+    tensors = [random_tensors(20 + i) for i in range(4)]
+    kinds = [{"client_mode": True}, {"auxiliary": True}, {"auxiliary": True}, {}]
+    config = {"target_group_size": 4, "min_matchmaking_time": 5.0, "request_timeout": 2.0}
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        averagers = [None] * 4
+        for i in (3, 1, 2, 0):  # the client joins through the others
+            averagers[i] = await swarm.add([t.clone() for t in tensors[i]], **kinds[i], **config)
+        for _ in range(2):  # two rounds
+            before = [local(a) for a in averagers]
+            results, durations = await step_staggered(averagers, first=0, timeout=8.0)
+            # the group is full as soon as the client joined: no wait for an expiration
+            assert durations[0] < config["min_matchmaking_time"], durations
+            peer_ids = {a.peer_id for a in averagers}
+            for result in results:
+                assert not isinstance(result, MatchmakingError), result
+                assert set(result) == peer_ids and sorted(result.values()) == [0, 1, 2, 3]
+            # client and node average; the auxiliary peers only help
+            want = [(before[0][t] + before[3][t]) / 2 for t in range(len(SHAPES))]
+            for i in (0, 3):
+                for got, expected in zip(local(averagers[i]), want, strict=True):
+                    torch.testing.assert_close(got, expected)
+            for i in (1, 2):
+                for got, original in zip(local(averagers[i]), before[i], strict=True):
+                    assert torch.equal(got, original)
+            with averagers[3].get_tensors() as live:
+                live[0].add_(1.0)  # the next round starts from other values
+        swarm.stop_all()
+
+
+@pytest.mark.trio
+async def test_clients_and_an_auxiliary_peer_average_without_any_node():
+    tensors = [random_tensors(30 + i) for i in range(3)]
+    config = {"target_group_size": 3, "min_matchmaking_time": 2.0, "request_timeout": 1.0}
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        aux = await swarm.add([t.clone() for t in tensors[0]], auxiliary=True, **config)
+        clients = [
+            await swarm.add([t.clone() for t in tensors[i]], client_mode=True, **config)
+            for i in (1, 2)
+        ]
+        results, _ = await step_staggered([*clients, aux], first=0, timeout=8.0)
+        for result in results:
+            assert not isinstance(result, MatchmakingError), result
+            assert sorted(result.values()) == [0, 1, 2]
+        want = [(tensors[1][t] + tensors[2][t]) / 2 for t in range(len(SHAPES))]
+        for client in clients:
+            for got, expected in zip(local(client), want, strict=True):
+                torch.testing.assert_close(got, expected)
+        for got, original in zip(local(aux), tensors[0], strict=True):
+            assert torch.equal(got, original)
+        swarm.stop_all()
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize(
+    "kinds, reason",
+    [
+        ([{"auxiliary": True}] * 2, FailureReason.AUXILIARY_ONLY),
+        ([{"client_mode": True}] * 2, FailureReason.NO_LEADER),
+    ],
+    ids=["auxiliary-only", "clients-only"],
+)
+async def test_group_that_cannot_average_fails_fast_with_its_reason(kinds, reason):
+    async with DHT.create([], **HOST) as bootstrap:  # clients need a node to join the DHT
+        async with trio.open_nursery() as nursery:
+            swarm = Swarm(nursery)
+            swarm.bootstrap = bootstrap.get_visible_maddrs()
+            averagers = [await swarm.add(random_tensors(i), **kind) for i, kind in enumerate(kinds)]
+            start = time.monotonic()
+            results = await step_all(averagers, timeout=[20.0] * len(averagers))
+            elapsed = time.monotonic() - start
+            for result in results:
+                assert isinstance(result, MatchmakingError), result
+                assert result.reason == reason, result
+            # the end of the first window (min_matchmaking_time=1), no retries, not the deadline
+            assert elapsed < 5, elapsed
+            swarm.stop_all()
+
+
 @pytest.mark.trio
 async def test_moshpit_groups_of_two_converge():
     n, max_rounds = 8, 5

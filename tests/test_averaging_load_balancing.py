@@ -3,6 +3,7 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from swarmtrain.averaging.load_balancing import (
@@ -87,3 +88,35 @@ def test_bad_bandwidths():
             optimize_fractions(bad)
     with pytest.raises(ValueError):
         optimize_fractions([1.0, 1.0], [True])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int64])
+def test_bandwidths_as_numpy_arrays_match_lists(dtype):
+    values = [1.0, 0.0, 2.0, 4.0]
+    array = np.array(values, dtype=dtype)
+    assert load_balance_peers(1000, array) == load_balance_peers(1000, values)
+    assert optimize_fractions(array, np.array([True, True, False, True])) == optimize_fractions(
+        values, [True, True, False, True]
+    )
+    assert load_balance_peers(np.int64(10), array[:1]) == (10,)
+    assert load_balance_peers(10, (b for b in values)) == load_balance_peers(10, values)
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (np.array([]), ValueError, "at least one peer"),
+        (np.array([1.0, np.nan]), ValueError, "finite and non-negative"),
+        (np.array([1.0, np.inf]), ValueError, "finite and non-negative"),
+        (np.array([1.0, -2.0]), ValueError, "finite and non-negative"),
+        (np.zeros(3), ValueError, "positive"),
+        (np.ones((2, 2)), TypeError, "numbers or None"),
+        ([1.0, "2"], TypeError, "numbers or None"),
+        ([True, 1.0], TypeError, "numbers or None"),
+        ("12", TypeError, "sequence of numbers"),
+        (3.0, TypeError, "sequence of numbers"),
+    ],
+)
+def test_bad_bandwidths_say_what_is_wrong(bad, error, match):
+    with pytest.raises(error, match=match):
+        load_balance_peers(100, bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import random
 import statistics
@@ -529,7 +530,9 @@ def test_clients_follow_but_never_lead():
     swarm.add(pid(1), mode=CLIENT, deadline=8.0)
     results = swarm.run()
     assert not any(isinstance(a, Declare) for _, _, a in swarm.log)
-    assert all(r.reason == FailureReason.TOO_FEW_PEERS for r in results.values())
+    # nobody can lead: both fail at the end of their first window (5 s), not at the deadline
+    assert all(r.reason == FailureReason.NO_LEADER for r in results.values())
+    assert swarm.now == 5.0
 
     swarm = Swarm(config(target_group_size=4, min_group_size=2))
     swarm.add(pid(0), mode=CLIENT)
@@ -546,7 +549,158 @@ def test_aux_only_group_is_not_assembled():
     swarm.add(pid(0), mode=AUX, deadline=8.0)
     swarm.add(pid(1), mode=AUX, deadline=8.0)
     results = swarm.run()
-    assert all(isinstance(r, MatchmakingFailed) for r in results.values())
+    assert all(r.reason == FailureReason.AUXILIARY_ONLY for r in results.values())
+    assert swarm.now == 5.0  # the end of the first window, not the deadline
+
+
+# Every mix of modes in a group of 2-4 (target_group_size = the number of peers): N node,
+# C client (never leads, cannot be dialled), A auxiliary (leads and reduces, sends no tensors).
+# A group forms when some peer can lead (N or A) and some peer contributes tensors (N or C).
+GROUP = "one group of everyone"
+MIX_OUTCOMES = {
+    "NN": GROUP, "NC": GROUP, "NA": GROUP, "CA": GROUP,
+    "CC": FailureReason.NO_LEADER, "AA": FailureReason.AUXILIARY_ONLY,
+    "NNN": GROUP, "NNC": GROUP, "NNA": GROUP, "NCC": GROUP, "NCA": GROUP,
+    "NAA": GROUP, "CCA": GROUP, "CAA": GROUP,
+    "CCC": FailureReason.NO_LEADER, "AAA": FailureReason.AUXILIARY_ONLY,
+    "NNNN": GROUP, "NNNC": GROUP, "NNNA": GROUP, "NNCC": GROUP, "NNCA": GROUP,
+    "NNAA": GROUP, "NCCC": GROUP, "NCCA": GROUP, "NCAA": GROUP, "NAAA": GROUP,
+    "CCCA": GROUP, "CCAA": GROUP, "CAAA": GROUP,
+    "CCCC": FailureReason.NO_LEADER, "AAAA": FailureReason.AUXILIARY_ONLY,
+}  # fmt: skip
+LETTER_MODES = {"N": NODE, "C": CLIENT, "A": AUX}
+# Start orders: everyone at once, or 0.1 s apart with these modes first (clients first: every
+# potential leader declares later than the clients' first expiration would allow).
+START_ORDERS = ["together", "CAN", "CNA", "NAC", "ACN"]
+
+
+def test_mix_table_covers_every_mix():
+    every = {
+        "".join(m) for n in (2, 3, 4) for m in itertools.combinations_with_replacement("NCA", n)
+    }
+    assert set(MIX_OUTCOMES) == every
+
+
+@pytest.mark.parametrize("order", START_ORDERS)
+@pytest.mark.parametrize("mix", list(MIX_OUTCOMES))
+def test_every_mix_of_modes(mix, order):
+    mmt, deadline = 5.0, 30.0
+    swarm = Swarm(config(target_group_size=len(mix), min_group_size=2, min_matchmaking_time=mmt))
+    peers = [(pid(i), LETTER_MODES[letter]) for i, letter in enumerate(mix)]
+    if order == "together":
+        starts = {p: 0.0 for p, _ in peers}
+        for p, mode in peers:
+            swarm.add(p, mode=mode, deadline=deadline)
+    else:
+        starts = start_in_order(swarm, mix, order, deadline=deadline)
+    results = swarm.run()
+    assert set(results) == {p for p, _ in peers}
+    finished_at = {
+        src: t for t, src, a in swarm.log if isinstance(a, (GroupAssembled, MatchmakingFailed))
+    }
+    want = MIX_OUTCOMES[mix]
+    if want == GROUP:
+        (group,) = swarm.check_consistent()
+        assert set(group.peer_ids) == {p for p, _ in peers}
+        assert {m.peer_id: m.mode for m in group.members} == dict(peers)
+        assert dict(peers)[group.leader] != CLIENT
+        # the group is full as soon as the last peer joined: before anyone's window closed
+        assert max(finished_at.values()) < min(starts.values()) + mmt
+    else:
+        for p, _ in peers:
+            assert isinstance(results[p], MatchmakingFailed)
+            assert results[p].reason == want, results[p]
+            # fast: at the end of its first window, not at the deadline
+            assert finished_at[p] <= starts[p] + mmt + 1e-9
+
+
+def start_in_order(swarm: Swarm, mix: str, order: str, **kwargs) -> dict[bytes, float]:
+    """Add a peer per letter of ``mix``, starting 0.1 s apart, modes in ``order`` first."""
+    ranked = sorted(range(len(mix)), key=lambda i: (order.index(mix[i]), i))
+    starts = {pid(i): 0.1 * rank for rank, i in enumerate(ranked)}
+    for i, letter in enumerate(mix):
+        swarm.add(pid(i), mode=LETTER_MODES[letter], start=starts[pid(i)], **kwargs)
+    return starts
+
+
+@pytest.mark.parametrize("order", START_ORDERS[1:])
+@pytest.mark.parametrize("mix", ["AAAAC", "AAAACC"])
+def test_full_group_of_auxiliary_peers_makes_room_for_a_sender(mix, order):
+    """Four auxiliary peers fill a group of target 4 that can never average; a client that asks
+    to join replaces one of them instead of being told GROUP_FULL until the deadline."""
+    swarm = Swarm(config(target_group_size=4, min_group_size=2, min_matchmaking_time=5.0))
+    start_in_order(swarm, mix, order)
+    results = swarm.run()
+    groups = swarm.check_consistent()
+    clients = {pid(i) for i, letter in enumerate(mix) if letter == "C"}
+    assert clients <= {p for g in groups for p in g.peer_ids}  # every client averages
+    assert all(CLIENT in g.modes for g in groups)
+    left_out = [r for r in results.values() if isinstance(r, MatchmakingFailed)]
+    assert all(r.reason == FailureReason.AUXILIARY_ONLY for r in left_out)
+    assert len(left_out) == len(mix) - sum(g.size for g in groups)
+    assert swarm.now <= 0.1 * len(mix) + 5.0  # nobody waits for the deadline
+
+
+def test_client_joins_a_leader_that_declared_after_its_step_began():
+    swarm = Swarm(config(target_group_size=2, min_matchmaking_time=5.0))
+    swarm.add(pid(0), mode=CLIENT, start=0.0)
+    swarm.add(pid(1), mode=NODE, start=3.0)  # expires at 8.0, after the client's first 5.0
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert group.leader == pid(1)
+    assert swarm.results[pid(0)] == GroupAssembled(group, is_leader=False)
+    assert swarm.now <= 3.0 + swarm.config.refresh_interval  # its next read, not at 5.0
+
+
+def test_client_fails_fast_when_its_only_leader_cannot_be_reached():
+    swarm = Swarm(config(target_group_size=2, min_matchmaking_time=5.0, request_timeout=2.0))
+    swarm.add(pid(0), mode=NODE, start=0.0)
+    swarm.run(until=0.0)
+    swarm.freeze(pid(0))  # declared, but answers nothing
+    swarm.add(pid(1), mode=CLIENT, start=0.5)
+    results = swarm.run()
+    assert results[pid(1)].reason == FailureReason.NO_LEADER
+    assert "could not reach any of the 1 peer(s)" in results[pid(1)].detail
+    assert swarm.now == 5.5  # the end of the client's first window
+
+
+def test_client_fails_fast_when_no_leader_declared_in_its_first_window():
+    swarm = Swarm(config(target_group_size=2, min_matchmaking_time=5.0))
+    swarm.add(pid(0), mode=CLIENT, start=0.0)
+    swarm.add(pid(1), mode=NODE, start=6.0, deadline=8.0)  # too late for the client
+    results = swarm.run()
+    assert results[pid(0)].reason == FailureReason.NO_LEADER
+    assert "no peer that can lead" in results[pid(0)].detail
+    assert results[pid(1)].reason == FailureReason.TOO_FEW_PEERS
+
+
+@pytest.mark.parametrize("mode", [CLIENT, AUX])
+def test_client_or_auxiliary_peer_among_another_schema_fails_fast_with_schema_mismatch(mode):
+    swarm = Swarm(config(target_group_size=2, min_matchmaking_time=5.0))
+    swarm.add(pid(0), mode=NODE, schema_hash=b"other", deadline=30.0)
+    swarm.add(pid(1), mode=mode, deadline=30.0)
+    swarm.run()
+    assert swarm.results[pid(1)].reason == FailureReason.SCHEMA_MISMATCH
+    assert [t for t, src, a in swarm.log if src == pid(1) and isinstance(a, MatchmakingFailed)] == [
+        5.0
+    ]
+
+
+def test_auxiliary_peer_waits_its_window_for_a_client():
+    swarm = Swarm(config(target_group_size=2, min_matchmaking_time=5.0))
+    swarm.add(pid(0), mode=AUX, start=0.0)
+    swarm.add(pid(1), mode=CLIENT, start=4.9)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert group.modes == tuple(AUX if p == pid(0) else CLIENT for p in group.peer_ids)
+
+
+def test_auxiliary_peers_that_saw_a_node_do_not_fail_fast():
+    swarm = Swarm(config(target_group_size=3, min_group_size=3, min_matchmaking_time=5.0))
+    swarm.add(pid(0), mode=AUX, deadline=12.0)
+    swarm.add(pid(1), mode=NODE, deadline=12.0)  # too few for min_group_size=3
+    results = swarm.run()
+    assert {r.reason for r in results.values()} == {FailureReason.TOO_FEW_PEERS}
 
 
 def test_cancel_disbands_and_withdraws():
@@ -640,13 +794,20 @@ def test_group_full_and_not_declared():
     aux_leader.start(0.0)
     aux_leader.handle_join_request(pid(3), request(mode=AUX), 0.1)
     assert not aux_leader.done  # two AUX peers: nobody sends, so no group
-    assert reject_reason(aux_leader.handle_join_request(pid(4), request(), 0.1)) == (
+    assert reject_reason(aux_leader.handle_join_request(pid(4), request(mode=AUX), 0.1)) == (
         RejectReason.GROUP_FULL
     )
     # past its expiration (before tick ran) a leader no longer leads
     assert reject_reason(aux_leader.handle_join_request(pid(4), request(), 5.0)) == (
         RejectReason.NOT_DECLARED
     )
+    # a peer with tensors replaces the (latest) AUX follower of a full group that cannot average
+    actions = aux_leader.handle_join_request(pid(4), request(mode=CLIENT), 0.2)
+    assert actions[:2] == [
+        SendToFollower(pid(3), Disbanded()),
+        SendToFollower(pid(4), Accepted()),
+    ]
+    assert aux_leader.done and set(aux_leader.result.group.peer_ids) == {pid(0), pid(4)}
 
 
 def test_invalid_inputs_raise():

@@ -418,7 +418,7 @@ class AsyncDecentralizedAverager:
                     expected_group_size=control.expected_group_size,
                 )
             except MatchmakingError as e:
-                retry = control.allow_retries and e.reason != FailureReason.CANCELLED
+                retry = control.allow_retries and e.reason.retryable
                 if not retry or get_dht_time() >= control.deadline:
                     raise
                 logger.info("matchmaking failed (%s), retrying", e)

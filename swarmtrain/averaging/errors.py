@@ -13,7 +13,9 @@ class AveragingError(Exception):
 
 class MatchmakingError(AveragingError):
     """No group this round. ``reason`` says why (a :class:`FailureReason`: ``TOO_FEW_PEERS``,
-    ``SCHEMA_MISMATCH``, ``DEADLINE`` or ``CANCELLED``); ``detail`` is for people."""
+    ``SCHEMA_MISMATCH``, ``DEADLINE``, ``CANCELLED``, or, by the end of the first matchmaking
+    window, ``NO_LEADER`` for a client that found no peer to lead it and ``AUXILIARY_ONLY`` for
+    an auxiliary peer that found no peer with tensors); ``detail`` is for people."""
 
     def __init__(self, reason: FailureReason, detail: str):
         super().__init__(f"matchmaking failed ({reason.value}): {detail}")

@@ -23,31 +23,46 @@ reduces nothing (then any assignment under those caps is optimal); peers with ``
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 
 from swarmtrain.averaging.partition import apportion
 
 __all__ = ["butterfly_cost", "load_balance_peers", "optimize_fractions"]
 
 
+def _check_bandwidths(bandwidths: Iterable[float | None]) -> list[float | None]:
+    """Any sequence or 1-D array of numbers (None: unspecified) as a list of floats."""
+    if isinstance(bandwidths, (str, bytes)) or not isinstance(bandwidths, Iterable):
+        raise TypeError(f"bandwidths must be a sequence of numbers, got {bandwidths!r}")
+    checked: list[float | None] = []
+    for b in bandwidths:
+        if b is None:
+            checked.append(None)
+            continue
+        if isinstance(b, bool) or not isinstance(b, numbers.Real):
+            raise TypeError(f"bandwidths must be numbers or None, got {b!r}")
+        if not math.isfinite(b) or b < 0:
+            raise ValueError(f"bandwidths must be finite and non-negative, got {b}")
+        checked.append(float(b))
+    return checked
+
+
 def _resolve(
-    bandwidths: Sequence[float | None], senders: Sequence[bool] | None
+    bandwidths: Iterable[float | None], senders: Iterable[bool] | None
 ) -> tuple[list[float], list[bool]]:
+    bandwidths = _check_bandwidths(bandwidths)
     if not bandwidths:
         raise ValueError("need at least one peer")
-    if senders is None:
-        senders = [True] * len(bandwidths)
+    senders = [True] * len(bandwidths) if senders is None else [bool(s) for s in senders]
     if len(senders) != len(bandwidths):
         raise ValueError("bandwidths and senders have different lengths")
-    for b in bandwidths:
-        if b is not None and (not math.isfinite(b) or b < 0):
-            raise ValueError(f"bandwidths must be finite and non-negative, got {b}")
     specified = [float(b) for b in bandwidths if b is not None and b > 0]
     default = math.fsum(specified) / len(specified) if specified else 1.0
     resolved = [default if b is None else float(b) for b in bandwidths]
     if not any(b > 0 for b in resolved):
         raise ValueError("at least one peer must have a positive (or unspecified) bandwidth")
-    return resolved, [bool(s) for s in senders]
+    return resolved, senders
 
 
 def butterfly_cost(
@@ -58,6 +73,7 @@ def butterfly_cost(
     """Time of one round for a vector of size 1: max over reducing-capable peers of
     ``(incoming + outgoing) / bandwidth`` (see the module docstring)."""
     resolved, is_sender = _resolve(bandwidths, senders)
+    fractions = [float(f) for f in fractions]
     if len(fractions) != len(resolved):
         raise ValueError("fractions and bandwidths have different lengths")
     num_senders = sum(is_sender)
@@ -115,8 +131,10 @@ def load_balance_peers(
 ) -> tuple[int, ...]:
     """How many of ``vector_size`` values each peer reduces (hivemind's function and meaning).
 
+    :param bandwidths: per peer (any sequence or 1-D array; see :func:`optimize_fractions`)
     :param min_size: peers that would reduce fewer values get none (their share goes to the
       others), unless that would leave nobody
+    :raises ValueError: a bandwidth is negative, NaN or infinite, or none is positive
     """
     if vector_size < 0:
         raise ValueError(f"vector_size must be non-negative, got {vector_size}")

@@ -176,6 +176,11 @@ class MatchmakingCore:
         # leader side
         self._followers: dict[PeerId, JoinRequest] = {}
         # for statistics and failure reasons
+        self._window_end = math.inf  # our first expiration: the fast failures are judged then
+        self._window_checked = False
+        self._leaders_seen: set[PeerId] = set()  # NODE/AUX declarations of our schema (or blank)
+        self._senders_seen: set[PeerId] = set()  # NODE declarations, NODE/CLIENT joiners
+        self._unreachable: set[PeerId] = set()  # asked, never answered (failed or timed out)
         self._compatible_seen: set[PeerId] = set()
         self._schema_mismatches: set[PeerId] = set()
         self._requests_sent = 0
@@ -225,6 +230,8 @@ class MatchmakingCore:
             times.append(self._request_deadline)
         if self._phase == Phase.SEARCHING and not self._candidates and not self._fetch_pending:
             times.append(self._next_fetch)
+        if not self._window_checked:
+            times.append(self._window_end)
         return min(times)
 
     def statistics(self) -> MatchmakingStatistics:
@@ -261,6 +268,7 @@ class MatchmakingCore:
             )
         actions: list[Action] = []
         self._renew_expiration(now, actions)
+        self._window_end = self._expiration
         self._fetch(now, actions)
         return actions
 
@@ -277,12 +285,19 @@ class MatchmakingCore:
         actions: list[Action] = []
         # 1. an answer or a group that is overdue
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING) and now >= self._request_deadline:
+            if self._phase == Phase.REQUESTING:
+                self._unreachable.add(self._leader)
             actions.append(CancelJoinRequest(self._leader))
             self._leave_leader()
+        if now >= self._window_end:
+            self._window_checked = True
         # 2. our expiration: lead what we have, or start over
         if self._phase != Phase.FOLLOWING and now >= self._expiration:
             if self._can_assemble(final=True):
                 return actions + self._assemble(now)
+            cannot = self._cannot_average(now)
+            if cannot is not None:  # fail now, without declaring again
+                return actions + self._fail(*cannot)
             if now < self.deadline:
                 actions += self._disband(None)
                 self._renew_expiration(now, actions)
@@ -312,6 +327,12 @@ class MatchmakingCore:
                 self._compatible_seen.add(d.peer_id)
             elif d.schema_hash:  # an empty hash is unknown: a join request will tell
                 self._schema_mismatches.add(d.peer_id)
+                continue
+            if d.mode != AveragingMode.CLIENT:
+                self._leaders_seen.add(d.peer_id)
+            if d.mode == AveragingMode.NODE:
+                self._senders_seen.add(d.peer_id)
+        self._refresh_client_expiration(now)
         self._candidates = leader_candidates(
             declarations,
             self.peer_id,
@@ -332,6 +353,13 @@ class MatchmakingCore:
     def handle_join_request(self, peer: PeerId, request: JoinRequest, now: float) -> list[Action]:
         """``peer`` (authenticated by the transport) asks us to lead it."""
         reason, suggestion = self._reason_to_reject(peer, request, now)
+        actions: list[Action] = []
+        if reason == RejectReason.GROUP_FULL:
+            evicted = self._auxiliary_to_evict_for(request)
+            if evicted is not None:  # a full group of auxiliary peers makes room for a sender
+                del self._followers[evicted]
+                actions.append(SendToFollower(evicted, Disbanded()))
+                reason = None
         if reason is not None:
             self._rejections_sent[reason] += 1
             if reason == RejectReason.BAD_SCHEMA_HASH:
@@ -339,7 +367,9 @@ class MatchmakingCore:
             return [SendToFollower(peer, Rejected(reason, suggestion))]
         self._followers[peer] = request
         self._compatible_seen.add(peer)
-        actions: list[Action] = [SendToFollower(peer, Accepted())]
+        if request.mode != AveragingMode.AUX:
+            self._senders_seen.add(peer)
+        actions.append(SendToFollower(peer, Accepted()))
         target = self.assemble_at
         if target is not None and len(self._followers) + 1 >= target and self._can_assemble():
             actions += self._assemble(now)
@@ -378,6 +408,17 @@ class MatchmakingCore:
         if target is not None and len(self._followers) + 1 >= target:
             return RejectReason.GROUP_FULL, None
         return None, None
+
+    def _auxiliary_to_evict_for(self, request: JoinRequest) -> PeerId | None:
+        """The auxiliary follower (the latest) that a sender joining our full group replaces,
+        when the group has no sender: it could never assemble, and would lock out every peer
+        with tensors (None when the joiner is auxiliary too, or the group can average)."""
+        if request.mode == AveragingMode.AUX or _is_viable(
+            [self._own_member(), *self._follower_members()]
+        ):
+            return None
+        auxiliary = [p for p, r in self._followers.items() if r.mode == AveragingMode.AUX]
+        return auxiliary[-1] if auxiliary else None
 
     def _can_assemble(self, final: bool = False) -> bool:
         """Whether we may assemble now (``final``: at our expiration, else with a full group)."""
@@ -430,6 +471,7 @@ class MatchmakingCore:
         asked are stale (a stream we gave up on) and ignored."""
         if self._phase not in (Phase.REQUESTING, Phase.FOLLOWING) or leader != self._leader:
             return []
+        self._unreachable.discard(leader)
         if isinstance(message, Accepted):
             if self._phase != Phase.REQUESTING:
                 return self._drop_leader(now, cancel=True)  # accepted twice
@@ -466,6 +508,8 @@ class MatchmakingCore:
         """Our join stream to ``leader`` failed, or ended without a final message."""
         if self._phase not in (Phase.REQUESTING, Phase.FOLLOWING) or leader != self._leader:
             return []
+        if self._phase == Phase.REQUESTING:
+            self._unreachable.add(leader)
         return self._drop_leader(now)
 
     def _drop_leader(self, now: float, cancel: bool = False) -> list[Action]:
@@ -509,6 +553,7 @@ class MatchmakingCore:
         """While SEARCHING: ask the next candidate, or re-read the key when it is time."""
         if self._phase != Phase.SEARCHING:
             return []
+        self._refresh_client_expiration(now)
         while self._candidates:
             candidate = self._candidates.pop(0)
             if candidate.expiration <= now or not may_lead(
@@ -520,6 +565,9 @@ class MatchmakingCore:
             self._tried.add((candidate.peer_id, candidate.expiration))
             self._redirects = 0
             return self._request(candidate.peer_id, now)
+        cannot = self._cannot_average(now)
+        if cannot is not None:
+            return self._fail(*cannot)
         actions: list[Action] = []
         if now >= self._next_fetch:
             self._fetch(now, actions)
@@ -527,9 +575,50 @@ class MatchmakingCore:
 
     # ------------------------------------------------------------------ shared
 
-    def _renew_expiration(self, now: float, actions: list[Action]) -> None:
+    def _expiration_at(self, now: float) -> float:
         start = now if self.scheduled_time is None else max(self.scheduled_time, now)
-        self._expiration = min(max(start, now + self.config.min_matchmaking_time), self.deadline)
+        return min(max(start, now + self.config.min_matchmaking_time), self.deadline)
+
+    def _refresh_client_expiration(self, now: float) -> None:
+        """A client never leads, so its expiration only says until when it wants a group: it is
+        recomputed whenever it picks a leader (leaders that declared after its step began then
+        qualify too), never kept from the start of the step."""
+        if not self.declares:
+            self._expiration = self._expiration_at(now)
+
+    def _cannot_average(self, now: float) -> tuple[FailureReason, str] | None:
+        """Why no group can form, judged once our first declaration window is over and we wait
+        on no leader (the leader we wait on may know of peers we cannot see); else None."""
+        if now < self._window_end or self._phase != Phase.SEARCHING:
+            return None
+        key = self.group_key
+        if self.mode == AveragingMode.CLIENT:
+            reachable = self._leaders_seen - self._unreachable
+            if reachable:
+                return None
+            if not self._leaders_seen and self._schema_mismatches:
+                return self._failure_reason()  # SCHEMA_MISMATCH: say so, not "no leader"
+            if self._leaders_seen:
+                return FailureReason.NO_LEADER, (
+                    f"could not reach any of the {len(self._leaders_seen)} peer(s) under {key} "
+                    "that can lead a group (client-mode peers cannot lead, and nobody can "
+                    "dial them)"
+                )
+            return FailureReason.NO_LEADER, (
+                f"no peer that can lead a group (a node or an auxiliary peer) declared under {key}"
+                " by the end of our first matchmaking window; client-mode peers cannot lead"
+            )
+        if self.mode == AveragingMode.AUX and not self._senders_seen:
+            if not self._compatible_seen and self._schema_mismatches:
+                return self._failure_reason()
+            return FailureReason.AUXILIARY_ONLY, (
+                f"no peer under {key} contributes tensors: only auxiliary peers (which only "
+                "help others average) showed up by the end of our first matchmaking window"
+            )
+        return None
+
+    def _renew_expiration(self, now: float, actions: list[Action]) -> None:
+        self._expiration = self._expiration_at(now)
         if self.declares:
             self._declared = Declaration(
                 self.peer_id, self._expiration, True, self.schema_hash, self.mode, self.bandwidth

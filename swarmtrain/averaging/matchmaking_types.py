@@ -16,9 +16,15 @@ Protocol (hivemind's, with its gaps closed):
   leader assembles at its own expiration, while its followers are still looking, and no cycle
   of peers can wait on each other. (hivemind's ``BAD_EXPIRATION_TIME`` rule, plus the peer-id
   tie break that makes the order total when expirations are equal.)
+- A client never leads, so it stands outside that order: it does not keep the expiration of its
+  step's start but recomputes it for every candidate list and request (``max(scheduled_time,
+  now + min_matchmaking_time)``, at most the deadline), and may join any leader expiring no later
+  (a client that stepped before every leader would otherwise be eligible for none of them).
 - A leader accepts joiners until the group has ``target_group_size`` members (then assembles at
   once) or until its expiration; then it assembles if it has at least ``min_group_size``
-  members, or disbands its followers and declares again with a new expiration.
+  members, or disbands its followers and declares again with a new expiration. A full group
+  that cannot average (auxiliary peers only) lets a joiner with tensors replace its latest
+  auxiliary follower (``Disbanded``) instead of answering ``GROUP_FULL``.
 - A peer waiting for its own leader's answer may still accept followers; once a leader accepts
   it, it disbands them with a redirect to that leader (``Disbanded(suggested_leader=...)``) and
   answers later joiners ``NOT_A_LEADER`` with the same suggestion.
@@ -26,6 +32,11 @@ Protocol (hivemind's, with its gaps closed):
   plus ``request_timeout`` for the group; a rejection, a disband, a failed stream or a timeout
   sends it to the next candidate (or to the suggested leader, at most ``max_redirects`` times in
   a row). It keeps looking until the deadline.
+- A group needs a peer that contributes tensors (NODE or CLIENT) and one that can lead (NODE
+  or AUX). By the end of its first declaration window (its first expiration) a peer that is not
+  waiting on a leader fails at once with ``AUXILIARY_ONLY`` (an AUX peer that saw no NODE
+  declaration and no NODE or CLIENT joiner) or ``NO_LEADER`` (a client that saw no NODE or AUX
+  declaration, or could reach none of them), instead of waiting for the deadline.
 - The round ends with exactly one terminal action: :class:`GroupAssembled` or
   :class:`MatchmakingFailed` with a :class:`FailureReason`.
 
@@ -105,6 +116,19 @@ class FailureReason(enum.Enum):
     SCHEMA_MISMATCH = "schema_mismatch"  # peers showed up, but all average another schema
     DEADLINE = "deadline"  # peers were there but no group formed in time (slow leader, ...)
     CANCELLED = "cancelled"  # the caller gave up
+    # Found out by the end of our first declaration window, not at the deadline:
+    NO_LEADER = "no_leader"  # a client saw no reachable peer that can lead (only clients)
+    AUXILIARY_ONLY = "auxiliary_only"  # an auxiliary peer saw no peer that contributes tensors
+
+    @property
+    def retryable(self) -> bool:
+        """Whether another attempt in the same step may succeed (the fast failures say the
+        swarm cannot average now: a retry would only wait again)."""
+        return self not in (
+            FailureReason.CANCELLED,
+            FailureReason.NO_LEADER,
+            FailureReason.AUXILIARY_ONLY,
+        )
 
 
 class Phase(enum.Enum):
