@@ -52,6 +52,34 @@ class CompressionType(IntEnum):
     BLOCKWISE_4BIT = 6
     TOPK = 7
 
+    # The protobuf enum helpers hivemind's CompressionType (a protobuf enum) offers.
+    @classmethod
+    def values(cls) -> list[CompressionType]:
+        """Every codec identifier, in value order."""
+        return list(cls)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """Every codec name, in value order."""
+        return [member.name for member in cls]
+
+    @classmethod
+    def items(cls) -> list[tuple[str, CompressionType]]:
+        return [(member.name, member) for member in cls]
+
+    @classmethod
+    def Name(cls, number: int) -> str:  # protobuf enum spelling
+        """The name of codec ``number`` (``ValueError`` if there is none)."""
+        return cls(number).name
+
+    @classmethod
+    def Value(cls, name: str) -> CompressionType:  # protobuf enum spelling
+        """The codec called ``name`` (``ValueError`` if there is none)."""
+        try:
+            return cls[name]
+        except KeyError:
+            raise ValueError(f"no CompressionType named {name!r}") from None
+
 
 @dataclasses.dataclass(eq=False)
 class TensorMessage:

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from swarmtrain.p2p import P2P, PeerID
 from swarmtrain.utils.background import BackgroundService
 
-from .node import DHTNode, DHTNodeConfig
+from .node import DHTNode, DHTNodeConfig, check_hivemind_only_keywords
 from .storage import DHTExpiration, ValueWithExpiration
+from .validation import RecordValidatorBase
 
 __all__ = ["DHT", "AsyncDHT", "AsyncioDHT"]
 
@@ -70,6 +73,10 @@ class AsyncDHT:
         """``await coro_fn(self, node)``."""
         return await coro_fn(self, self.node)
 
+    def add_validators(self, record_validators: Sequence[RecordValidatorBase]) -> None:
+        """See :meth:`DHTNode.add_validators`."""
+        self.node.add_validators(record_validators)
+
 
 class DHT(BackgroundService):
     """hivemind's ``DHT`` on the background trio loop (see the module docstring).
@@ -79,14 +86,29 @@ class DHT(BackgroundService):
     (``num_replicas``, ``bucket_size``, ``wait_timeout``, ...). ``client_mode`` applies to both.
     """
 
-    def __init__(self, initial_peers: Sequence[str] = (), *, start: bool = True, **kwargs: Any):
+    def __init__(
+        self,
+        initial_peers: Sequence[str] = (),
+        *,
+        start: bool = True,
+        await_ready: bool = True,
+        **kwargs: Any,
+    ):
         if isinstance(initial_peers, str):
             raise TypeError("initial_peers must be a list of multiaddr strings, not one string")
+        if "p2p" in kwargs:
+            raise TypeError(
+                "DHT(p2p=...) is not supported: a blocking DHT owns its host. To run several "
+                "components on one host, use trio: `async with P2P.create(...) as p2p, "
+                "DHTNode.create(p2p, ...) as node:`"
+            )
+        check_hivemind_only_keywords(kwargs)
         self._initial_peers = list(initial_peers)
         self._kwargs = kwargs
+        self._ready: Future | None = None
         self.aio = AsyncioDHT(self)
         if start:
-            self.run_in_background()
+            self.run_in_background(await_ready=await_ready)
 
     @classmethod
     @asynccontextmanager
@@ -99,6 +121,7 @@ class DHT(BackgroundService):
         **kwargs: Any,
     ) -> AsyncIterator[AsyncDHT]:
         """trio: start a host and a node, yield an :class:`AsyncDHT`; close both on exit."""
+        check_hivemind_only_keywords(kwargs)
         node_kwargs = {k: v for k, v in kwargs.items() if k in _NODE_FIELDS}
         p2p_kwargs = {k: v for k, v in kwargs.items() if k not in _NODE_FIELDS}
         async with P2P.create(initial_peers, client_mode=client_mode, **p2p_kwargs) as p2p:
@@ -115,10 +138,61 @@ class DHT(BackgroundService):
 
     _service_name = "the DHT"
 
-    def run_in_background(self) -> None:
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """Start the host and node on the background loop (the constructor does this unless
-        ``start=False``); returns when the node has bootstrapped."""
-        self._start_in_background(lambda: DHT.create(self._initial_peers, **self._kwargs))
+        ``start=False``). With ``await_ready`` (default), return once the node has bootstrapped
+        (see :meth:`wait_until_ready` for ``timeout``); otherwise return at once and let
+        :meth:`wait_until_ready` wait (several DHTs can then bootstrap concurrently)."""
+        if self._ready is not None:
+            raise RuntimeError("the DHT was already started")
+        self._ready = Future()
+        threading.Thread(target=self._start, name="swarmtrain-dht-start", daemon=True).start()
+        if await_ready:
+            self.wait_until_ready(timeout)
+
+    def _start(self) -> None:
+        assert self._ready is not None
+        try:
+            self._start_in_background(lambda: DHT.create(self._initial_peers, **self._kwargs))
+        except BaseException as e:
+            self._ready.set_exception(e)
+        else:
+            self._ready.set_result(None)
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Block until the node has bootstrapped; re-raise the error if its start failed.
+
+        :raises concurrent.futures.TimeoutError: not ready within ``timeout`` seconds (the start
+          goes on)
+        """
+        if self._ready is None:
+            raise RuntimeError("the DHT is not started: call run_in_background() first")
+        try:
+            self._ready.result(timeout)
+        except FutureTimeoutError:
+            raise FutureTimeoutError(f"the DHT was not ready within {timeout} s") from None
+
+    def shutdown(self) -> None:
+        """Stop the node and host (waits for a start still in progress first)."""
+        if self._ready is not None:
+            try:
+                self._ready.result()
+            except BaseException:
+                pass  # the start's error was raised to whoever waited for it
+        super().shutdown()
+
+    def _running(self) -> tuple[Any, AsyncDHT]:
+        if self._ready is not None and not self._shut_down:
+            self._ready.result()  # calls made while the node bootstraps wait for it
+        return super()._running()
+
+    def add_validators(self, record_validators: Sequence[RecordValidatorBase]) -> None:
+        """Add record validators to the running node (hivemind's ``DHT.add_validators``).
+
+        :raises RuntimeError: the DHT is not running yet
+        """
+        runtime, dht = self._running()
+        runtime.call_sync(dht.add_validators, list(record_validators))
 
     def _run(self, fn: Callable[[], Awaitable[T]], return_future: bool) -> T | Future:
         runtime, _ = self._running()

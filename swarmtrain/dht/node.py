@@ -56,6 +56,37 @@ __all__ = ["DHTNode", "DHTNodeConfig", "DHTNodeStatistics"]
 
 logger = logging.getLogger(__name__)
 
+# hivemind DHTNode keywords without an equivalent here: the value that means what swarmtrain
+# does anyway (accepted and dropped), and the error for any other value.
+_HIVEMIND_ONLY_KEYWORDS = {
+    "parallel_rpc": (
+        None,
+        "hivemind's parallel_rpc (a cap on one node's concurrent outgoing RPCs) has no "
+        "equivalent: swarmtrain bounds the RPCs of each search with num_workers",
+    ),
+    "cache_refresh_before_expiry": (
+        0,
+        "swarmtrain does not refresh cached values before they expire (hivemind's "
+        "cache_refresh_before_expiry); pass 0 or leave it out: values found by get stay cached "
+        "until they expire (cache_locally, cache_nearest)",
+    ),
+    "reuse_get_requests": (
+        False,
+        "swarmtrain runs one search per get call (hivemind's reuse_get_requests=False); to read "
+        "several keys in one search, use get_many",
+    ),
+}
+
+
+def check_hivemind_only_keywords(kwargs: dict[str, Any]) -> None:
+    """Drop hivemind-only DHTNode keywords whose value means swarmtrain's behaviour; raise a
+    TypeError naming swarmtrain's equivalent for any other value."""
+    for name, (same_as_ours, message) in _HIVEMIND_ONLY_KEYWORDS.items():
+        if name in kwargs:
+            if kwargs[name] != same_as_ours:
+                raise TypeError(f"{name}={kwargs[name]!r}: {message}")
+            del kwargs[name]
+
 
 @dataclass(frozen=True)
 class DHTNodeConfig:
@@ -148,7 +179,7 @@ class DHTNode:
         p2p: P2P,
         node_id: DHTID,
         config: DHTNodeConfig,
-        record_validator: RecordValidatorBase,
+        record_validator: CompositeValidator,
         nursery: trio.Nursery,
     ):
         self.p2p, self.node_id, self.config = p2p, node_id, config
@@ -191,6 +222,7 @@ class DHTNode:
         peers ``p2p`` is connected to. ``client_mode`` defaults to the host's. Other keywords
         are :class:`DHTNodeConfig` fields.
         """
+        check_hivemind_only_keywords(kwargs)
         kwargs.setdefault("client_mode", p2p.config.client_mode)
         config = DHTNodeConfig(**kwargs)
         if isinstance(initial_peers, str):
@@ -209,6 +241,11 @@ class DHTNode:
             finally:
                 self.protocol.close()
                 nursery.cancel_scope.cancel()
+
+    def add_validators(self, record_validators: Iterable[RecordValidatorBase]) -> None:
+        """Add record validators to this running node (merged as in ``CompositeValidator``);
+        they apply to every record stored or read from now on."""
+        self.record_validator.extend(record_validators)
 
     async def _bootstrap(self, initial_peers: Sequence[str]) -> None:
         peers: set[PeerID] = set()

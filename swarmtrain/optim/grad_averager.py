@@ -70,6 +70,23 @@ def _check_batch_size(batch_size: Any) -> float:
     return batch_size
 
 
+def _check_averaged_grads(
+    averaged_grads: Sequence[torch.Tensor], parameters: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    averaged_grads = tuple(averaged_grads)
+    if len(averaged_grads) != len(parameters):
+        raise ValueError(
+            f"averaged_grads has {len(averaged_grads)} tensors for {len(parameters)} parameters"
+        )
+    for i, (grad, param) in enumerate(zip(averaged_grads, parameters, strict=True)):
+        if not isinstance(grad, torch.Tensor) or grad.shape != param.shape:
+            shape = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
+            raise ValueError(
+                f"averaged_grads[{i}] has shape {shape}, its parameter {tuple(param.shape)}"
+            )
+    return averaged_grads
+
+
 class GradientAverager(DecentralizedAverager):
     """Accumulates gradients and averages them with peers; see the module docstring.
 
@@ -85,6 +102,8 @@ class GradientAverager(DecentralizedAverager):
     :param grad_extra_tensors: average these buffers instead of copies of the gradients (for
       subclasses such as PowerSGD, which override ``load_accumulators_into_averager_`` and
       ``use_averaged_gradients``)
+    :param averaged_grads: buffers to average the gradients in (as in hivemind): one per
+      parameter, of its shape (default: new zero tensors on the CPU)
     :param averager_kwargs: ``DecentralizedAverager`` keywords (``AveragerConfig`` fields,
       ``start``); a codec selector given as ``compression`` sees each tensor with role GRADIENT
     """
@@ -100,6 +119,7 @@ class GradientAverager(DecentralizedAverager):
         client_mode: bool | None = None,
         warn: bool = True,
         grad_extra_tensors: Sequence[torch.Tensor] = (),
+        averaged_grads: Sequence[torch.Tensor] | None = None,
         **averager_kwargs: Any,
     ):
         self.parameters = tuple(parameters)
@@ -112,6 +132,10 @@ class GradientAverager(DecentralizedAverager):
                 raise TypeError(f"parameters[{i}] has dtype {param.dtype}: it has no gradient")
         if len({id(p) for p in self.parameters}) != len(self.parameters):
             raise ValueError("parameters contain duplicates")
+        if averaged_grads is not None:
+            if grad_extra_tensors:
+                raise TypeError("give averaged_grads or grad_extra_tensors, not both")
+            grad_extra_tensors = _check_averaged_grads(averaged_grads, self.parameters)
         if reuse_grad_buffers and accumulate_grads_on is not None:
             logger.warning("accumulate_grads_on has no effect with reuse_grad_buffers=True")
         self.reuse_grad_buffers = bool(reuse_grad_buffers)

@@ -369,6 +369,11 @@ class ProgressCore:
     # ------------------------------------------------------------------ state
 
     @property
+    def performance_ema(self) -> PerformanceEMA:
+        """This peer's samples/s average (hivemind's ``ProgressTracker.performance_ema``)."""
+        return self._ema
+
+    @property
     def local_progress(self) -> LocalProgress:
         return self._local
 

@@ -75,6 +75,7 @@ from swarmtrain.proto.progress_pb2 import ProgressRecord
 from .progress_core import (
     GlobalProgress,
     LocalProgress,
+    PerformanceEMA,
     ProgressConfig,
     ProgressCore,
     ProgressWarning,
@@ -272,6 +273,11 @@ class AsyncProgressTracker:
     @property
     def local_progress(self) -> LocalProgress:
         return self._core.local_progress
+
+    @property
+    def performance_ema(self) -> PerformanceEMA:
+        """This peer's samples/s, as reported (``.samples_per_second``; hivemind's name)."""
+        return self._core.performance_ema
 
     @property
     def global_progress(self) -> GlobalProgress:

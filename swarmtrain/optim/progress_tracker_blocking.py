@@ -13,7 +13,7 @@ from swarmtrain.dht import DHT, AsyncDHT
 from swarmtrain.dht.node import DHTNode
 from swarmtrain.utils.background import BackgroundService
 
-from .progress_core import GlobalProgress, LocalProgress
+from .progress_core import GlobalProgress, LocalProgress, PerformanceEMA
 from .progress_records import ProgressTrackerStatistics
 from .progress_tracker import AsyncProgressTracker
 
@@ -75,6 +75,11 @@ class ProgressTracker(BackgroundService):
     @property
     def local_progress(self) -> LocalProgress:
         return self._tracker()._core.local_progress
+
+    @property
+    def performance_ema(self) -> PerformanceEMA:
+        """This peer's samples/s, as reported (``.samples_per_second``; hivemind's name)."""
+        return self._tracker().performance_ema
 
     @property
     def global_epoch(self) -> int:

@@ -122,6 +122,10 @@ def _check_reusable(tensor: torch.Tensor, what: str) -> torch.Tensor:
     return tensor.detach()
 
 
+#: hivemind's name: ``zero_grad`` sets gradients to None by default (torch >= 2.0's default)
+ZERO_GRAD_SET_TO_NONE_DEFAULT = True
+
+
 class TrainingStateAverager(DecentralizedAverager):
     """Averages parameters, chosen optimizer statistics and extra tensors with peers, and serves
     the whole training state to newcomers; see the module docstring.
@@ -144,6 +148,9 @@ class TrainingStateAverager(DecentralizedAverager):
     :param average_opt_statistics: names of per-parameter optimizer statistics to average
     :param extra_tensors: more tensors to average and share (not touched by the optimizer)
     :param status_loglevel: log level of progress messages
+    :param set_to_none: ``step(zero_grad=True)`` sets the gradients to None (default, as
+      torch's ``zero_grad``) instead of filling them with zeros; with ``offload_optimizer``
+      both the model's and the copies' gradients
     :param averager_kwargs: ``DecentralizedAverager`` keywords (``prefix``, ``start``,
       ``AveragerConfig`` fields); codec selectors (``compression``) see the roles PARAMETER,
       OPTIMIZER and UNSPECIFIED (extras) and the keys ``name``, ``(name, statistic)``, ``i``
@@ -166,6 +173,7 @@ class TrainingStateAverager(DecentralizedAverager):
         average_opt_statistics: Sequence[str] = (),
         extra_tensors: Sequence[torch.Tensor] = (),
         status_loglevel: int = logging.DEBUG,
+        set_to_none: bool = ZERO_GRAD_SET_TO_NONE_DEFAULT,
         **averager_kwargs: Any,
     ):
         if isinstance(average_opt_statistics, str):
@@ -192,6 +200,7 @@ class TrainingStateAverager(DecentralizedAverager):
 
         groups, main_parameters, names = _check_params(optimizer, params, parameter_names)
         self.status_loglevel = status_loglevel
+        self.set_to_none = bool(set_to_none)
         self.offload_optimizer = bool(offload_optimizer)
         self.custom_gradients = bool(custom_gradients)
         self.reuse_tensors = bool(reuse_tensors)
@@ -493,10 +502,12 @@ class TrainingStateAverager(DecentralizedAverager):
                 with self.lock_averaged_tensors if self.reuse_tensors else nullcontext():
                     self.optimizer.step()
             if zero_grad:
-                self.optimizer.zero_grad()
+                self.optimizer.zero_grad(set_to_none=self.set_to_none)
                 if self.offload_optimizer:
                     for param in self.main_parameters:
-                        if param.grad is not None:
+                        if self.set_to_none:
+                            param.grad = None
+                        elif param.grad is not None:
                             param.grad.zero_()
             self._update_scheduler()
 
