@@ -1,13 +1,23 @@
 """swarmtrain.Optimizer: epochs per minute against hivemind 1.1.12, and compute utilization.
 
     python benchmarks/benchmark_optimizer.py epochs --impl both --python /tmp/hm/bin/python
+    python benchmarks/benchmark_optimizer.py epochs --config plain --impl both --python ...
     python benchmarks/benchmark_optimizer.py utilization --peers 4 [--delay]
 
 ``epochs``: 3 peers (one process each) train a small MLP with Adam, target_batch_size 256,
 batch 32, matchmaking_time 2, for ``--duration`` seconds; reports epochs per minute, the
 samples per epoch, and the evaluation loss (at the end, and at the last epoch both
 implementations reached). hivemind runs the same worker code under ``--python`` (a venv with
-hivemind 1.1.12); swarmtrain is never imported there, nor hivemind here.
+hivemind 1.1.12); swarmtrain is never imported there, nor hivemind here. Workers import the
+swarmtrain of this checkout (``PYTHONPATH``), not an installed one.
+
+``epochs --config plain``: the same 3 peers, but each runs what a hivemind user writes: the
+DHT with its default host settings, ``Optimizer(dht=, run_id=, target_batch_size=256,
+batch_size_per_step=32, optimizer=torch.optim.Adam(model.parameters()), matchmaking_time=2.0,
+averaging_timeout=10.0)`` (``--optimizer-form factory``: ``optimizer=lambda p: Adam(p),
+params=...``), no wait for peers, no evaluation per epoch; it counts the epochs reached in
+``--duration`` seconds. ``--verbose`` shows, per peer, the time spent in the Optimizer's phases
+(gradient round, state averager steps, waits for delayed state rounds).
 
 ``utilization``: N peers (one process each) train a wider MLP; compute utilization is the time
 a peer spends in forward + backward over the wall time of its training loop (the evaluation at
@@ -37,6 +47,7 @@ import threading
 import time
 
 HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 CLASSES = 10
 
 
@@ -79,9 +90,43 @@ def _wait_line() -> dict:
     return json.loads(line)
 
 
+def _make_plain_optimizer(args, model, initial_peers):
+    """``--config plain``: the Optimizer as a hivemind user's script builds it: default DHT
+    host settings, an optimizer instance (``--optimizer-form factory``: a factory + params),
+    hivemind's keywords only."""
+    import torch
+
+    if args.impl == "hivemind":
+        import hivemind as library
+    else:
+        import swarmtrain as library
+    dht = library.DHT(initial_peers=initial_peers, start=True)
+    if args.optimizer_form == "factory":
+        form = dict(
+            optimizer=lambda params: torch.optim.Adam(params, lr=args.lr),
+            params=model.parameters(),
+        )
+    else:
+        form = dict(optimizer=torch.optim.Adam(model.parameters(), lr=args.lr))
+    opt = library.Optimizer(
+        dht=dht,
+        run_id=args.run_id,
+        target_batch_size=args.target,
+        batch_size_per_step=args.batch,
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+        **form,
+        **json.loads(args.opts),
+    )
+    return opt, dht, [str(a) for a in dht.get_visible_maddrs()]
+
+
 def _make_optimizer(args, model, initial_peers):
     """(optimizer, dht, maddrs) for the chosen implementation; plain Adam for "local"."""
     import torch
+
+    if args.config == "plain":
+        return _make_plain_optimizer(args, model, initial_peers)
 
     adam = lambda params: torch.optim.Adam(params, lr=args.lr)  # noqa: E731
     extra = json.loads(args.opts)
@@ -132,6 +177,11 @@ def _timed_methods(opt) -> dict[str, list[float]]:
         ("GradientRounds.finish (waits for the round)", getattr(opt, "_rounds", None), "finish"),
         ("grad_averager.step", getattr(opt, "grad_averager", None), "step"),
         ("state_averager.step", getattr(opt, "state_averager", None), "step"),
+        (
+            "state_averager.wait_for_delayed_updates",
+            getattr(opt, "state_averager", None),
+            "wait_for_delayed_updates",
+        ),
         ("tracker.report_local_progress", tracker, "report_local_progress"),
         ("tracker.update_epoch", tracker, "update_epoch"),
         ("load_state_from_peers", opt, "load_state_from_peers"),
@@ -192,7 +242,10 @@ def worker(args) -> None:
     opt, dht, maddrs = _make_optimizer(args, model, initial)
     timings = _timed_methods(opt) if args.impl == "swarmtrain" else {}
     _emit({"event": "joined", "maddrs": maddrs})
-    waited = _wait_for_peers(opt, model, (x[:1], y[:1]), args.peers) if dht is not None else 0.0
+    plain = args.config == "plain"  # a user's script: no wait for peers, no evaluation per epoch
+    waited = 0.0
+    if dht is not None and not plain:
+        waited = _wait_for_peers(opt, model, (x[:1], y[:1]), args.peers)
     _emit({"event": "ready", "waited": waited})
     _wait_line()  # start
     for times in timings.values():
@@ -224,8 +277,9 @@ def worker(args) -> None:
         if epoch_of() != epoch:
             epoch = epoch_of()
             epochs_at.append(round(t2 - started, 3))
-            eval_by_epoch.append((epoch, _evaluate(model, eval_set)))
-            evaluating += time.perf_counter() - t2
+            if not plain:
+                eval_by_epoch.append((epoch, _evaluate(model, eval_set)))
+                evaluating += time.perf_counter() - t2
     wall = time.perf_counter() - started - evaluating  # the training loop's time
     step_times.sort()
     result = {
@@ -264,9 +318,12 @@ def run_swarm(args, impl: str, peers: int, workload: dict, opts: dict) -> list[d
     command += ["--duration", str(args.duration), "--opts", json.dumps(opts)]
     command += ["--run-id", f"bench{os.getpid()}_{time.monotonic_ns()}"]
     command += ["--accelerator-ms", str(getattr(args, "accelerator_ms", 0.0))]
+    command += ["--config", args.config, "--optimizer-form", args.optimizer_form]
     for key, value in workload.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if impl != "hivemind":  # measure the swarmtrain of this checkout, not an installed one
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     log = open(os.devnull, "w") if not args.verbose else None
     procs = [
         subprocess.Popen(
@@ -375,6 +432,7 @@ EPOCHS_WORKLOAD = {
     "averaging_timeout": 30.0,
     "lr": 0.001,
 }
+PLAIN_WORKLOAD = dict(EPOCHS_WORKLOAD, averaging_timeout=10.0)  # the issue's script
 UTILIZATION_WORKLOAD = dict(
     EPOCHS_WORKLOAD, hidden=1024, layers=3, target=4096, matchmaking_time=1.0
 )
@@ -384,28 +442,39 @@ def bench_epochs(args) -> dict:
     impls = ["swarmtrain", "hivemind"] if args.impl == "both" else [args.impl]
     if "hivemind" in impls and not args.python:
         raise SystemExit("--impl hivemind/both needs --python pointing at hivemind's venv")
+    workload = PLAIN_WORKLOAD if args.config == "plain" else EPOCHS_WORKLOAD
     runs: dict[str, list[dict]] = {impl: [] for impl in impls}
     for repeat in range(args.repeats):
         for impl in impls:  # interleaved, so both see the same machine load
             opts = json.loads(args.optimizer_opts)
-            summary = summarize(run_swarm(args, impl, 3, EPOCHS_WORKLOAD, opts), args.duration)
+            summary = summarize(run_swarm(args, impl, 3, workload, opts), args.duration)
+            summary["load_avg_1min"] = os.getloadavg()[0]
             runs[impl].append(summary)
+            alone = (
+                f", {summary['epochs_alone']} peer-epochs alone"
+                if "epochs_alone" in summary
+                else ""
+            )
             print(
                 f"  run {repeat + 1} {impl:10s}: {summary['epochs']:g} epochs, "
                 f"{summary['samples_per_epoch']:.0f} samples/epoch, "
-                f"eval loss {summary['eval_loss']:.3f}, epoch {summary['epoch_s_p50']:.2f} s",
+                f"eval loss {summary['eval_loss']:.3f}, epoch {summary['epoch_s_p50']:.2f} s"
+                f"{alone}, load {summary['load_avg_1min']:.2f}",
                 flush=True,
             )
             if args.verbose and summary["timings"]:
                 print(f"    per peer: {json.dumps(summary['timings'])}")
     table = {impl: medians(r) for impl, r in runs.items()}
-    print(f"\n3 peers, MLP {EPOCHS_WORKLOAD}, {args.duration:g} s, median of {args.repeats}\n")
-    print("| impl | epochs/min | epoch (s) | samples/epoch | eval loss (end) |")
-    print("|---|---|---|---|---|")
+    config = "plain script" if args.config == "plain" else "benchmark loop"
+    if args.config == "plain":
+        config += f", optimizer {args.optimizer_form}"
+    print(f"\n3 peers ({config}), MLP {workload}, {args.duration:g} s, median of {args.repeats}\n")
+    print("| impl | epochs/min | epoch (s) | samples/epoch | eval loss (end) | load (1 min) |")
+    print("|---|---|---|---|---|---|")
     for impl, m in table.items():
         print(
             f"| {impl} | {m['epochs_per_min']:.1f} | {m['epoch_s_p50']:.2f} | "
-            f"{m['samples_per_epoch']:.0f} | {m['eval_loss']:.3f} |"
+            f"{m['samples_per_epoch']:.0f} | {m['eval_loss']:.3f} | {m['load_avg_1min']:.1f} |"
         )
     if len(table) == 2:
         common = int(min(m["epochs"] for m in table.values()))
@@ -416,10 +485,13 @@ def bench_epochs(args) -> dict:
             for impl in impls
         }
         ratio = table["swarmtrain"]["epochs_per_min"] / table["hivemind"]["epochs_per_min"]
-        print(
-            f"\nepochs/min swarmtrain / hivemind: {ratio:.2f}x (goal >= 2x); eval loss at "
-            f"epoch {common}: swarmtrain {at['swarmtrain']:.3f}, hivemind {at['hivemind']:.3f}"
-        )
+        loss_at = ""
+        if args.config != "plain":  # the plain script evaluates at the end only
+            loss_at = (
+                f"; eval loss at epoch {common}: swarmtrain {at['swarmtrain']:.3f}, "
+                f"hivemind {at['hivemind']:.3f}"
+            )
+        print(f"\nepochs/min swarmtrain / hivemind: {ratio:.2f}x (goal >= 2x){loss_at}")
         table["ratio"] = {"epochs_per_min": ratio, "common_epoch": common, **at}
     return table
 
@@ -492,6 +564,19 @@ def main() -> None:
         type=float,
         default=0.0,
         help="utilization: a GIL-free wait per forward + backward standing in for a device",
+    )
+    parser.add_argument(
+        "--config",
+        choices=["loop", "plain"],
+        default="loop",
+        help="epochs: 'loop' (tuned host, waits for peers, factory) or 'plain' (a hivemind "
+        "user's script: default DHT settings, no wait for peers, averaging_timeout 10)",
+    )
+    parser.add_argument(
+        "--optimizer-form",
+        choices=["instance", "factory"],
+        default="instance",
+        help="--config plain: pass torch.optim.Adam(...) itself, or a factory with params",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--verbose", action="store_true", help="worker logs and timings")

@@ -367,6 +367,49 @@ def test_offloaded_optimizer_steps_on_a_cpu_copy_and_writes_back():
                 assert torch.equal(main.detach(), ((x + y) / 2).to(torch.bfloat16))
 
 
+def test_delta_rule_round_in_the_background_keeps_the_steps_taken_meanwhile():
+    """With ``delta_rule_averaging`` (what the Optimizer uses with an optimizer instance and
+    delayed state averaging) an optimizer step does not wait for the delayed round, and the
+    round's result is added on top of that step when it lands."""
+    models = [make_model(70 + i) for i in range(2)]
+    with swarm(2) as (dhts, averagers):
+        for dht, model in zip(dhts, models, strict=True):
+            averagers.append(
+                TrainingStateAverager(
+                    dht=dht,
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                    delta_rule_averaging=True,
+                    prefix="delta",
+                    # room for a third peer: the group of 2 forms at the 3 s deadline
+                    **{**group_of(3), "min_group_size": 2, "min_matchmaking_time": 3.0},
+                )
+            )
+        first = averagers[0]
+        before = [params_of(model) for model in models]
+        for averager in averagers:
+            averager.step(
+                averaging_round=True, delay_averaging=True, averaging_opts={"timeout": 15}
+            )
+        grads = backward(models[0], 3, seed=8)
+        first.step(optimizer_step=True, zero_grad=True)  # in matchmaking for 3 s: no wait
+        assert first.averaging_in_progress
+        stepped = [p - 0.5 * g for p, g in zip(before[0], grads, strict=True)]
+        for param, expected in zip(models[0].parameters(), stepped, strict=True):
+            torch.testing.assert_close(param.detach(), expected)
+        mean = [(x + y) / 2 for x, y in zip(*before, strict=True)]
+        for averager in averagers:
+            averager.wait_for_delayed_updates()
+            averager.step()  # applies the finished round: += mean - before the round
+        for param, m, x, s in zip(models[0].parameters(), mean, before[0], stepped, strict=True):
+            torch.testing.assert_close(param.detach(), s + (m - x))
+        for param, m in zip(models[1].parameters(), mean, strict=True):
+            torch.testing.assert_close(param.detach(), m)
+
+
+def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def test_state_averager_arguments(caplog):
     model = make_model(70)
     with swarm(1) as (dhts, averagers):

@@ -283,6 +283,46 @@ def test_state_dict_round_trip_and_context_manager(dhts):
     assert opt.tracker is None and opt.state_averager is None
 
 
+@pytest.mark.parametrize("form", ["instance", "factory"])
+def test_an_epoch_does_not_wait_for_the_last_state_round(dhts, form):
+    """With the defaults (delay_state_averaging=True) an epoch's optimizer step does not wait
+    for a state round still in matchmaking, for an optimizer instance (no offloading) as for a
+    factory (tests/test_optim_averagers.py checks how a delta-rule round lands)."""
+    (dht,) = dhts(1)
+    model = make_model()
+    if form == "instance":
+        optimizer = {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    else:
+        optimizer = {
+            "optimizer": lambda params: torch.optim.SGD(params, lr=0.1),
+            "params": model.parameters(),
+        }
+    with Optimizer(
+        dht=dht,
+        run_id=f"state_round_{form}",
+        target_batch_size=2 * BATCH,
+        batch_size_per_step=BATCH,
+        **optimizer,
+        **FAST,
+    ) as opt:
+        assert opt.delay_state_averaging and opt.offload_optimizer == (form == "factory")
+        # the round an earlier epoch started, looking for peers (alone: until its timeout)
+        opt.state_averager.step(
+            averaging_round=True, delay_averaging=True, averaging_opts={"timeout": 5.0}
+        )
+        before = params_of(model)
+        while opt.local_epoch < 1:
+            torch.nn.functional.mse_loss(model(X[:BATCH]), Y[:BATCH]).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.state_averager.averaging_in_progress  # the epoch ended without waiting
+        stepped = params_of(model)
+        assert all(not torch.equal(a, b) for a, b in zip(before, stepped, strict=True))
+        opt.state_averager.wait_for_delayed_updates()  # alone: the round fails
+        opt.state_averager.step()
+        assert_same_params(params_of(model), stepped)  # and changes nothing
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -107,10 +107,6 @@ class EpochUpdates:
                 control = self._rounds.begin(
                     weight, others, self.local_epoch, self._peers_present()
                 )
-            if self.delay_state_averaging and not self.offload_optimizer:
-                # a state round still running would overwrite this epoch's step when it lands
-                # (with offload_optimizer, rounds and steps are ordered in the worker thread)
-                state_averager.step(wait_for_delayed_updates=True)
             if self._rounds is not None and round_ok:
                 epoch = self.local_epoch
                 if self.delay_grad_averaging:  # wait for the round in the worker thread

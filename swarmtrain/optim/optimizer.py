@@ -38,9 +38,10 @@ Modes (see ``__init__``'s keywords):
   not wait for the network at all between epochs.
 - ``delay_state_averaging`` (default on): the state round runs in the background; its result is
   applied at a later ``step``. As in hivemind, an epoch skips its state round while the last
-  one still runs; without ``offload_optimizer`` the next optimizer step waits for that round
-  (its result would overwrite the step), with it rounds and steps are ordered in the
-  background thread.
+  one still runs. Training never waits for it: without ``offload_optimizer`` (e.g. an optimizer
+  instance) the result is applied as ``state += averaged - state at the round's start``, so the
+  optimizer steps taken meanwhile are kept; with it the optimizer's CPU copies are averaged in
+  place.
 - ``reuse_grad_buffers``: accumulate in ``param.grad`` itself (no extra memory); never call
   ``zero_grad()`` then: the optimizer resets the gradients after each epoch.
 - ``auxiliary=True``: a peer without data that calls ``step()`` (no arguments) in a loop. It
@@ -276,7 +277,10 @@ class Optimizer(EpochUpdates):
                 status_loglevel=self.status_loglevel,
                 offload_optimizer=offload_optimizer,
                 custom_gradients=offload_optimizer and not self.use_local_updates,
-                delta_rule_averaging=self.use_local_updates and self.delay_state_averaging,
+                # a delayed round must not overwrite the steps taken while it ran (the optimizer's
+                # copies, with offload_optimizer, are averaged in place instead)
+                delta_rule_averaging=self.delay_state_averaging
+                and (self.use_local_updates or not offload_optimizer),
                 average_opt_statistics=average_opt_statistics,
                 extra_tensors=extra_tensors,
                 **state_opts,

@@ -10,7 +10,8 @@ Where the tensors live:
 
 - default: the averager holds CPU fp32 copies; an averaging round copies the local tensors in,
   averages, and copies the result back (``delta_rule_averaging``: adds ``result - copy`` instead,
-  keeping local updates made while a delayed round ran);
+  keeping local updates made while a delayed round ran, so optimizer steps need not wait for
+  it; costs one more copy of the averaged tensors);
 - ``reuse_tensors`` (CPU tensors only): the local tensors are averaged in place;
 - ``offload_optimizer`` (needs an optimizer *factory*): the optimizer is built on CPU fp32
   copies of the parameters and steps there; before a step the model's ``.grad`` is copied in
@@ -24,9 +25,10 @@ up with ``local_epoch``, and an averaging round (``gather`` = our epoch; with
 ``sync_epoch_when_averaging`` we then take the group's highest epoch). ``delay_optimizer_step`` /
 ``delay_averaging`` run those phases in a background worker thread (one per averager, made on
 first use, phases run in order); their results are applied by a later ``step`` (by default the
-next one with ``averaging_round=True`` waits for them). A failed averaging round leaves the local
-tensors unchanged and is logged at ``status_loglevel``; ``step`` then returns None instead of the
-gathered epochs.
+next one with ``averaging_round=True`` waits for them). A delayed round after a step that is not
+delayed averages the tensors as they were at that ``step`` call. A failed averaging round leaves
+the local tensors unchanged and is logged at ``status_loglevel``; ``step`` then returns None
+instead of the gathered epochs.
 
 Locks: ``lock_optimizer`` guards the optimizer and the local tensors; the averager's
 ``lock_averaged_tensors`` its buffers. They are taken in that order, and never held while
@@ -401,7 +403,8 @@ class TrainingStateAverager(DecentralizedAverager):
         """Do some of the following, in this order (hivemind's semantics).
 
         :param wait_for_delayed_updates: wait for delayed phases still running (default: when
-          ``averaging_round``, or with ``delta_rule_averaging`` when anything is done)
+          ``averaging_round``, or with ``delta_rule_averaging`` before a delayed optimizer step;
+          an optimizer step in the caller's thread does not wait for a delayed round then)
         :param apply_delayed_updates: apply delayed phases that have finished
         :param increment_epoch: ``local_epoch += 1`` (the scheduler follows at the next phase)
         :param optimizer_step: one optimizer step; ``zero_grad``: then zero the gradients
@@ -418,10 +421,11 @@ class TrainingStateAverager(DecentralizedAverager):
         """
         if delay_averaging is None:
             delay_averaging = delay_optimizer_step
-        if self.delta_rule_averaging:
-            should_wait = averaging_round or optimizer_step or zero_grad
-        else:
-            should_wait = averaging_round
+        # a new round needs the last one applied (one set of buffers); under the delta rule an
+        # optimizer step in this thread need not wait (the round's result is added on top), a
+        # delayed one would queue behind the round in the worker thread
+        delayed_step = delay_optimizer_step and (optimizer_step or zero_grad)
+        should_wait = averaging_round or (self.delta_rule_averaging and delayed_step)
         if wait_for_delayed_updates is None:
             wait_for_delayed_updates = should_wait
         if should_wait and not (wait_for_delayed_updates and apply_delayed_updates):
@@ -474,8 +478,9 @@ class TrainingStateAverager(DecentralizedAverager):
                 self._apply_optimizer_parameters_()
         if control is None:
             return None
-        if delay_averaging:
-            self._submit(None, False, False, control)
+        if delay_averaging:  # the round averages the state as of now, not of when it runs
+            self._load_round_inputs(control)
+            self._submit(None, False, False, control, inputs_loaded=True)
             return None
         gathered = self._averaging_phase(control)
         if gathered is not None:
@@ -511,14 +516,24 @@ class TrainingStateAverager(DecentralizedAverager):
                             param.grad.zero_()
             self._update_scheduler()
 
-    def _averaging_phase(self, control: StepControl) -> dict | None:
-        """Load the local tensors, let all-reduce run, wait: the gathered epochs, or None.
-        No extra timeout: the round ends by itself (its matchmaking deadline, then the
-        all-reduce timeouts)."""
+    def _load_round_inputs(self, control: StepControl) -> None:
+        """Copy the local tensors into the averaged ones (unless those are the local ones)."""
+        if self.reuse_tensors:
+            return
         try:
-            if not self.reuse_tensors:
-                with self.lock_optimizer, self.get_tensors() as averaged:
-                    self._copy_local_into_averaged(averaged)
+            with self.lock_optimizer, self.get_tensors() as averaged:
+                self._copy_local_into_averaged(averaged)
+        except BaseException:
+            control.cancel()
+            raise
+
+    def _averaging_phase(self, control: StepControl, inputs_loaded: bool = False) -> dict | None:
+        """Load the local tensors (unless ``inputs_loaded``), let all-reduce run, wait: the
+        gathered epochs, or None. No extra timeout: the round ends by itself (its matchmaking
+        deadline, then the all-reduce timeouts)."""
+        try:
+            if not inputs_loaded:
+                self._load_round_inputs(control)
             control.allow_allreduce()
             gathered = control.result()
         except Exception as e:
@@ -555,12 +570,18 @@ class TrainingStateAverager(DecentralizedAverager):
         optimizer_step: bool,
         zero_grad: bool,
         control: StepControl | None,
+        inputs_loaded: bool = False,
     ) -> None:
         """Run :meth:`_background_phases` in the worker thread."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="swarmtrain-state-averager")
         future = self._executor.submit(
-            self._background_phases, wait_for_trigger, optimizer_step, zero_grad, control
+            self._background_phases,
+            wait_for_trigger,
+            optimizer_step,
+            zero_grad,
+            control,
+            inputs_loaded,
         )
         self._pending.add(future)
         if control is not None:
@@ -572,6 +593,7 @@ class TrainingStateAverager(DecentralizedAverager):
         optimizer_step: bool,
         zero_grad: bool,
         control: StepControl | None,
+        inputs_loaded: bool = False,
     ) -> dict | None:
         """A delayed optimizer step and/or averaging round (in the worker thread)."""
         if optimizer_step or zero_grad or wait_for_trigger is not None:
@@ -585,7 +607,7 @@ class TrainingStateAverager(DecentralizedAverager):
             self._finished_optimizer_step.set()
         if control is None:
             return None
-        gathered = self._averaging_phase(control)
+        gathered = self._averaging_phase(control, inputs_loaded)
         if gathered is not None:
             self._finished_averaging_round.set()
         return gathered
