@@ -235,10 +235,19 @@ class StateSharing:
                 priorities[subkey] = (float(value), random.random())
         return [PeerID(p) for p in sorted(priorities, key=priorities.__getitem__, reverse=True)]
 
-    async def load_state_from_peers(self) -> tuple[Any, list[torch.Tensor]] | None:
+    async def load_state_from_peers(
+        self, donors: Sequence[PeerID] | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | None:
         """Download (metadata, tensors) from the best donors (see the module docstring); None if
-        no donor could provide it. Bound it with the caller's ``move_on_after``."""
-        donors = await self.find_donors()
+        no donor could provide it. Bound it with the caller's ``move_on_after``.
+
+        :param donors: only these peers (of those that declared they share their state)
+        """
+        found = await self.find_donors()
+        if donors is not None:
+            wanted = {PeerID(p) if isinstance(p, bytes) else p for p in donors}
+            found = [d for d in found if d in wanted]
+        donors = found
         tensors: list[torch.Tensor] = []
         header: pb.StateHeader | None = None
         for donor in donors:
