@@ -514,14 +514,11 @@ def test_lone_peer_with_defaults_never_waits(data, dhts):
     assert elapsed < 5, elapsed  # was 2 x 60 s
 
 
-def test_two_peers_with_defaults_average_as_soon_as_both_joined(data, dhts):
+def test_two_peers_with_defaults_average_as_soon_as_both_joined(data, dhts, caplog):
     config = SimulationConfig(
         num_workers=2, inner_steps=2, outer_steps=2, batch_size=4, context=MODEL.context
     )
-    peers = [
-        Peer(config, i, dht, data, pseudo_grad_compression=NoCompression(), **DEFAULTS)
-        for i, dht in enumerate(dhts(2))
-    ]
+    peers = [Peer(config, i, dht, data, **DEFAULTS) for i, dht in enumerate(dhts(2))]  # fp16
     try:
         started = time.monotonic()
         in_threads([lambda p=p: p.train(2 * config.inner_steps) for p in peers], timeout=60)
@@ -529,7 +526,10 @@ def test_two_peers_with_defaults_average_as_soon_as_both_joined(data, dhts):
         for peer in peers:
             stats = peer.opt.statistics()
             assert (stats.rounds_averaged, stats.rounds_alone, stats.last_group_size) == (2, 0, 2)
-        assert_params_close(peers[0].opt.shared_parameters(), peers[1].opt.shared_parameters())
+        shared = [p.opt.shared_parameters() for p in peers]
+        assert_params_close(shared[0], shared[1], rtol=1e-3, atol=1e-5)  # fp16 rounding
+        # ... which the fingerprints tolerate: nobody reloads
+        assert not [r for r in caplog.records if "shared parameters differ" in r.getMessage()]
     finally:
         for peer in peers:
             peer.opt.shutdown()
