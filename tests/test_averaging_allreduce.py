@@ -18,6 +18,7 @@ from swarmtrain.averaging import (
     AllReduceService,
     AveragingMode,
     Failure,
+    NonFiniteError,
 )
 from swarmtrain.averaging.allreduce import rpc_aggregate_part_name, rpc_aggregate_part_v2_name
 from swarmtrain.averaging.partition import TensorPartContainer
@@ -533,3 +534,83 @@ async def test_allreduce_timeout_keeps_local_values():
     assert result.timed_out and not result.complete
     assert all(bool((d == 0).all()) for d in result.deltas)
     assert math.isclose(elapsed, 0.5, abs_tol=1.5)
+
+
+class HostileRunner(AllReduceRunner):
+    """A runner without the sender's own finiteness check: it sends whatever it holds."""
+
+    def _non_finite_message(self):
+        return None
+
+
+@pytest.mark.parametrize(
+    "codec, bad",
+    [(NoCompression(), math.nan), (NoCompression(), math.inf), (Float16Compression(), math.nan)],
+    ids=["fp32-nan", "fp32-inf", "fp16-nan"],
+)
+# the hostile reducer (in this process) averages its own inf: numpy warns on its inf - inf
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+async def test_hostile_non_finite_sender_is_excluded_and_named(codec, bad, caplog):
+    tensors = random_tensors(2, seed=11)
+    hostile_tensors = [torch.full(s, bad) for s in SHAPES]
+    hostile_tensors[1][::2] = 1.0  # finite values too: any NaN or inf in a part rejects it
+    config = dataclasses.replace(FAST, compression=codec)
+    async with swarm(3) as (hosts, services):
+        group = AllReduceGroup(b"round-nan", tuple(h.peer_id for h in hosts), (1, 1, 1))
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=config) for i in (0, 1)]
+        runners.append(HostileRunner(services[2], group, hostile_tensors, config=config))
+        start = time.monotonic()
+        results = await run_all(runners)
+        elapsed = time.monotonic() - start
+    hostile = hosts[2].peer_id
+    want = weighted_mean(tensors, [1, 1], range(2))
+    layout = TensorPartContainer(tensors[0], group.fractions, FAST.part_size_bytes).layout
+    for i in (0, 1):
+        result = results[i]
+        assert result.banned_senders == {hostile: Failure.NON_FINITE}
+        assert result.failed_reducers == {hostile: Failure.NON_FINITE}
+        averaged = [t + d for t, d in zip(tensors[i], result.deltas, strict=True)]
+        assert all(bool(torch.isfinite(a).all()) for a in averaged)
+        for reducer, parts in enumerate(layout):
+            for spec in parts:
+                got = averaged[spec.tensor_index].reshape(-1)[spec.start : spec.stop]
+                if reducer == 2:  # the hostile reducer's slice keeps our own values
+                    local = tensors[i][spec.tensor_index].reshape(-1)[spec.start : spec.stop]
+                    assert torch.equal(got, local)
+                else:  # the honest slices: the mean of the honest peers
+                    mean = want[spec.tensor_index].reshape(-1)[spec.start : spec.stop]
+                    torch.testing.assert_close(got, mean, atol=1e-2, rtol=1e-3)
+    named = [r.getMessage() for r in caplog.records if "NaN or inf" in r.getMessage()]
+    assert any(str(hostile) in m and "left out" in m for m in named), named
+    assert any(str(hostile) in m and "keeps this peer's own values" in m for m in named), named
+    assert elapsed < 10  # excluded at once, not after a timeout
+
+
+async def test_sender_with_non_finite_tensors_sends_zero_weight_and_others_go_on(caplog):
+    tensors = random_tensors(3, seed=12)
+    tensors[2][0][3, 4] = math.nan
+    async with swarm(3) as (hosts, services):
+        group = AllReduceGroup(b"round-own-nan", tuple(h.peer_id for h in hosts), (1, 1, 1))
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=FAST) for i in range(3)]
+        results = [None] * 3
+        errors = []
+
+        async def run(i):
+            try:
+                results[i] = await runners[i].run()
+            except NonFiniteError as e:
+                errors.append(e)
+
+        start = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(run, i)
+        elapsed = time.monotonic() - start
+    assert len(errors) == 1 and results[2] is None
+    assert "tensor 0 of the 3 to average holds NaN or inf" in str(errors[0])
+    assert any("skips all-reduce" in r.getMessage() for r in caplog.records)
+    want = weighted_mean(tensors, [1, 1, 1], range(2))  # every slice, the NaN peer's too
+    for i in (0, 1):
+        assert results[i].complete  # it took part, with weight 0: nobody waited or failed
+        check_averaged(tensors[i], results[i], want)
+    assert elapsed < FAST.sender_timeout

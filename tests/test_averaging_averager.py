@@ -665,3 +665,30 @@ def test_blocking_facade_two_peers_with_threads():
         second.shutdown()
         first.shutdown()
     assert BackgroundRuntime.active_references() == 0
+
+
+@pytest.mark.trio
+async def test_a_donor_with_nan_state_is_skipped_with_a_warning(caplog):
+    clean, poisoned = random_tensors(40), random_tensors(41)
+    poisoned[1][0] = float("nan")
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        bad = await swarm.add(poisoned)
+        bad.state_sharing_priority = 9.0  # asked first
+        newcomer = await swarm.add(random_tensors(42), allow_state_sharing=False)
+        with trio.fail_after(10):
+            assert await newcomer.load_state_from_peers(timeout=3) is None  # the only donor
+            good = await swarm.add(clean)
+            while True:  # the clean donor's declaration arrives
+                loaded = await newcomer.load_state_from_peers(timeout=3)
+                if loaded is not None:
+                    break
+                await trio.sleep(0.05)
+        for got, expected in zip(loaded[1], clean, strict=True):
+            assert torch.equal(got, expected)
+        assert good is not None
+        swarm.stop_all()
+    assert any(
+        "sent NaN or inf values" in r.getMessage() and str(bad.peer_id) in r.getMessage()
+        for r in caplog.records
+    )

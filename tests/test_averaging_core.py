@@ -235,3 +235,43 @@ def test_group_and_core_validation():
 def test_single_peer_is_done_at_once():
     core = AllReduceCore(make_group([1.0]), 0, [torch.randn(100)], part_size_bytes=64)
     assert core.finished and bool((core.deltas()[0] == 0).all())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_non_finite_part_bans_its_sender_and_never_enters_the_average(bad, dtype):
+    group = make_group([1, 1, 1])
+    tensors = [[t.to(dtype) for t in peer] for peer in random_tensors(3)]
+    cores = make_cores(group, tensors)
+    hostile, reducer = 2, cores[0]
+    assert reducer.open_sender(hostile, b"gid", 1.0, 0.0) is None
+    part = cores[hostile].container.input_part(0, 0).clone()
+    part[len(part) // 2] = bad
+    outcome = reducer.receive_part(hostile, 0, part, 0.0)
+    assert outcome.reject == Reject.BAD_PART
+    assert reducer.banned_senders == {"peer2": Failure.NON_FINITE}
+    exchange(cores, skip_senders={hostile}, skip_reducers={hostile})
+    for core in cores[:2]:
+        deltas = core.deltas()
+        assert all(bool(torch.isfinite(d).all()) for d in deltas)
+    # peer 0's slice: the mean of the two honest peers, exactly as if peer 2 had failed
+    spec = reducer.container.part_spec(0, 0)
+    honest = [cores[i].container.input_part(0, 0).float() for i in (0, 1)]
+    got = (
+        reducer.container.input_part(0, 0).float()
+        + reducer.deltas()[spec.tensor_index].reshape(-1)[spec.start : spec.stop].float()
+    )
+    torch.testing.assert_close(got, (honest[0] + honest[1]) / 2, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_delta_fails_the_reducer_and_keeps_local_values(bad):
+    group = make_group([1, 1])
+    core = make_cores(group, random_tensors(2))[0]
+    numel = core.container.part_spec(1, 0).numel
+    delta = torch.ones(numel)
+    delta[-1] = bad
+    assert not core.receive_delta(1, 0, delta, unchanged=False, now=1.0)
+    assert core.failed_reducers == {"peer1": Failure.NON_FINITE}
+    for d in core.deltas():
+        assert bool(torch.isfinite(d).all())

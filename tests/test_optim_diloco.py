@@ -470,3 +470,136 @@ def test_constructor_validates_before_touching_the_network():
         )
     with pytest.raises(TypeError, match="codec"):
         DiLoCoOptimizer(params, **base, pseudo_grad_compression="fp16")
+
+
+# ------------------------------------------------------------------------ defaults, edges
+
+
+def test_step_after_shutdown_raises(data, dhts):
+    config = SimulationConfig(num_workers=1, inner_steps=2, batch_size=4, context=MODEL.context)
+    (dht,) = dhts(1)
+    peer = Peer(config, 0, dht, data)
+    peer.train(1)
+    peer.opt.shutdown()
+    peer.opt.shutdown()  # a second call does nothing
+    with pytest.raises(RuntimeError, match="this DiLoCoOptimizer was shut down"):
+        peer.train(1)
+    with pytest.raises(RuntimeError, match="this DiLoCoOptimizer was shut down"):
+        peer.opt.load_state_from_peers()
+    assert peer.opt.inner_step == 1
+
+
+# The constructor's defaults: matchmaking_time=15, averaging_timeout=60, load_state_timeout=60.
+DEFAULTS = {"matchmaking_time": 15.0, "averaging_timeout": 60.0, "load_state_timeout": 60.0}
+
+
+def test_lone_peer_with_defaults_never_waits(data, dhts):
+    config = SimulationConfig(num_workers=1, inner_steps=2, batch_size=4, context=MODEL.context)
+    (dht,) = dhts(1)
+    peer = Peer(config, 0, dht, data, **DEFAULTS)
+    try:
+        started = time.monotonic()
+        assert not peer.opt.load_state_from_peers()  # nobody to load from: at once
+        assert time.monotonic() - started < 3
+        before = peer.opt.state_dict()["outer"]
+        started = time.monotonic()
+        peer.train(2 * config.inner_steps)  # two lone outer rounds
+        elapsed = time.monotonic() - started
+        stats = peer.opt.statistics()
+        assert (stats.rounds_alone, stats.rounds_averaged, stats.outer_step) == (2, 0, 2)
+        assert stats.seconds_waiting < 1
+        assert before["outer_step"] == 0
+    finally:
+        peer.opt.shutdown()
+    assert elapsed < 5, elapsed  # was 2 x 60 s
+
+
+def test_two_peers_with_defaults_average_as_soon_as_both_joined(data, dhts, caplog):
+    config = SimulationConfig(
+        num_workers=2, inner_steps=2, outer_steps=2, batch_size=4, context=MODEL.context
+    )
+    peers = [Peer(config, i, dht, data, **DEFAULTS) for i, dht in enumerate(dhts(2))]  # fp16
+    try:
+        started = time.monotonic()
+        in_threads([lambda p=p: p.train(2 * config.inner_steps) for p in peers], timeout=60)
+        elapsed = time.monotonic() - started
+        for peer in peers:
+            stats = peer.opt.statistics()
+            assert (stats.rounds_averaged, stats.rounds_alone, stats.last_group_size) == (2, 0, 2)
+        shared = [p.opt.shared_parameters() for p in peers]
+        assert_params_close(shared[0], shared[1], rtol=1e-3, atol=1e-5)  # fp16 rounding
+        # ... which the fingerprints tolerate: nobody reloads
+        assert not [r for r in caplog.records if "shared parameters differ" in r.getMessage()]
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+    assert elapsed < 12, elapsed  # was 2 x 15 s of matchmaking_time
+
+
+def test_peers_from_different_seeds_adopt_one_shared_state(data, dhts, caplog):
+    config = SimulationConfig(
+        num_workers=3, inner_steps=2, outer_steps=2, batch_size=4, context=MODEL.context
+    )
+    peers = [
+        Peer(
+            dataclasses.replace(config, seed=seed),
+            i,
+            dht,
+            data,
+            pseudo_grad_compression=NoCompression(),
+            **_full(3),
+        )
+        for i, (seed, dht) in enumerate(zip((1, 2, 3), dhts(3), strict=True))
+    ]
+    try:
+        firsts = [next(p.model.parameters()).detach().clone() for p in peers]
+        assert not torch.equal(firsts[0], firsts[1]) and not torch.equal(firsts[1], firsts[2])
+        in_threads([lambda p=p: p.train(config.inner_steps) for p in peers], timeout=60)
+        shared = [p.opt.shared_parameters() for p in peers]
+        for other in shared[1:]:
+            assert_params_close(other, shared[0], rtol=0, atol=1e-6)
+        for peer in peers:
+            assert_params_close([p.detach() for p in peer.model.parameters()], shared[0])
+        warned = [r for r in caplog.records if "shared parameters differ" in r.getMessage()]
+        assert len(warned) == 2, [r.getMessage() for r in warned]  # the two that loaded
+        # From then on they are one swarm: the next round averages and nobody reloads.
+        in_threads([lambda p=p: p.train(config.inner_steps) for p in peers], timeout=60)
+        shared = [p.opt.shared_parameters() for p in peers]
+        for other in shared[1:]:
+            assert_params_close(other, shared[0], rtol=0, atol=1e-6)
+        assert all(p.opt.statistics().rounds_averaged == 2 for p in peers)
+        warned = [r for r in caplog.records if "shared parameters differ" in r.getMessage()]
+        assert len(warned) == 2
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+
+
+def test_nan_pseudo_gradient_is_never_sent_and_the_peer_restarts_from_shared(data, dhts, caplog):
+    config = SimulationConfig(
+        num_workers=2, inner_steps=2, outer_steps=1, batch_size=4, context=MODEL.context
+    )
+    peers = [
+        Peer(config, i, dht, data, pseudo_grad_compression=Float16Compression(), **_full(2))
+        for i, dht in enumerate(dhts(2))
+    ]
+    try:
+        shared_before = peers[1].opt.shared_parameters()
+
+        def poisoned():
+            peers[1].train(1)
+            with torch.no_grad():
+                next(peers[1].model.parameters()).fill_(float("nan"))
+            peers[1].train(1)
+
+        in_threads([lambda: peers[0].train(config.inner_steps), poisoned], timeout=60)
+        clean = peers[0].opt.shared_parameters()
+        assert all(bool(torch.isfinite(p).all()) for p in clean)
+        assert all(bool(torch.isfinite(p).all()) for p in peers[0].model.parameters())
+        # the poisoned peer kept the shared parameters and restarted its model from them
+        assert_params_close(peers[1].opt.shared_parameters(), shared_before, rtol=0, atol=0)
+        assert_params_close([p.detach() for p in peers[1].model.parameters()], shared_before)
+        assert any("holds NaN or inf" in r.getMessage() for r in caplog.records)
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()

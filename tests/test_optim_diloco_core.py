@@ -28,6 +28,7 @@ from swarmtrain.optim.diloco_simulation import (
     run_data_parallel,
     run_diloco,
 )
+from swarmtrain.optim.diloco_state import fingerprints_match, reference_peers, shared_fingerprint
 
 
 def tensors(*values):
@@ -398,3 +399,32 @@ def test_streaming_diloco_simulation_trains_and_is_deterministic(text):
     assert first.eval_losses == second.eval_losses
     assert first.final_eval_loss < first.eval_losses[0][1]
     assert first.final_eval_loss < math.log(256) - 1
+
+
+# ------------------------------------------------------------- shared-parameter fingerprints
+
+
+def test_fingerprints_tell_other_inits_apart_but_not_last_bits():
+    torch.manual_seed(0)
+    a = [torch.randn(50, 20), torch.randn(20), torch.zeros(3)]
+    synced = [t + t.abs() * 1e-7 * torch.randn_like(t) for t in a]  # another peer's last bits
+    torch.manual_seed(1)
+    other = [torch.randn(50, 20), torch.randn(20), torch.zeros(3)]
+    fa = shared_fingerprint(a)
+    assert len(fa) == 64 and fa == shared_fingerprint([t.clone() for t in a])
+    assert fingerprints_match(fa, shared_fingerprint(synced))
+    assert not fingerprints_match(fa, shared_fingerprint(other))
+    assert not fingerprints_match(fa, fa[:-1])
+    nan = [t.clone() for t in a]
+    nan[0].fill_(float("nan"))
+    assert not fingerprints_match(shared_fingerprint(nan), shared_fingerprint(nan))
+    assert shared_fingerprint([torch.ones(2)]) == [1.0, 1.0]
+
+
+def test_reference_peers_majority_then_outer_step_then_peer_id():
+    x, y, z = [1.0, 2.0], [5.0, -1.0], [0.0, 3.0]
+    assert reference_peers({b"a": (x, 0), b"b": (y, 0), b"c": (y, 0)}) == {b"b", b"c"}
+    assert reference_peers({b"a": (x, 0), b"b": (y, 3)}) == {b"b"}  # further along
+    assert reference_peers({b"b": (y, 0), b"a": (x, 0), b"c": (z, 0)}) == {b"a"}  # smallest id
+    assert reference_peers({b"a": (x, 2), b"b": (x, 2)}) == {b"a", b"b"}
+    assert reference_peers({}) == frozenset()

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from swarmtrain.averaging import AveragingError
+from swarmtrain.averaging import AveragingError, NonFiniteError
 from swarmtrain.averaging.errors import AllReduceError
 from swarmtrain.dht import DHT
 from swarmtrain.optim.grad_averager import GradientAverager
@@ -276,3 +276,31 @@ def test_a_peer_failing_mid_step_leaves_a_finite_partial_average():
         for value, local in zip(failed, grads[2], strict=True):
             torch.testing.assert_close(value, local)
         assert all(r.abs().max() == 0 for r in averagers[2].plan.residuals)
+
+
+def test_a_peer_with_nan_gradients_sends_zeros_and_the_others_stay_finite(caplog):
+    generator = torch.Generator().manual_seed(7)
+    basis = [torch.randn(12, 2, generator=generator), None, torch.randn(12, 2, generator=generator)]
+    params = [make_params() for _ in range(3)]
+    grads = [low_rank_grads(i, basis) for i in range(3)]
+    grads[2][0][1, 1] = float("nan")
+    with swarm(3) as (dhts, averagers):
+        for dht, ps in zip(dhts, params, strict=True):
+            averagers.append(
+                PowerSGDGradientAverager(ps, 2, dht=dht, prefix="psgd_nan", **group_of(3))
+            )
+        for ps, g, averager in zip(params, grads, averagers, strict=True):
+            set_grads(ps, g)
+            averager.accumulate_grads_(1)
+        results = run_all(*(lambda a=a: a.step(timeout=15) for a in averagers))
+        assert isinstance(results[2], NonFiniteError), results[2]
+        for result in results[:2]:
+            assert isinstance(result, dict) and len(result) == 3, result  # nobody waited
+        assert averagers[0].plan.compressed  # the P and Q rounds ran
+        # rank-2 gradients: PowerSGD is exact, the mean of the two clean peers
+        want = [(a + b) / 2 for a, b in zip(grads[0], grads[1], strict=True)]
+        for averager in averagers[:2]:
+            for got, expected in zip(averaged(averager), want, strict=True):
+                torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert all(bool(torch.isfinite(r).all()) for a in averagers[:2] for r in a.plan.residuals)
+    assert any("skips PowerSGD round" in r.getMessage() for r in caplog.records)

@@ -19,6 +19,11 @@ ones with ``AVERAGING_FINISHED``.
 Error handling: no failure of another peer raises. A sender that fails (disconnects, is too
 slow, sends bad data) is banned and the local slice is averaged without it; a reducer that
 fails leaves our local values in its slice. ``AllReduceResult`` says who failed and why.
+NaN and inf never enter an average: a runner whose own tensors hold any sends zeros with weight
+0 instead (the others neither get them nor wait for us) and raises ``NonFiniteError``, and a
+part or delta that decodes to any (a hostile
+or broken peer, an overflowing codec) fails its sender or reducer like bad data, with a
+warning naming the peer (``Failure.NON_FINITE``).
 Wire versions: ``rpc_aggregate_part_v2`` carries each part's and delta's bytes as an RPC
 attachment (``swarmtrain.p2p.Attached``: sent from the tensor's memory, received into a numpy
 array the reducer adds from, or straight into the round's delta buffer), the original
@@ -69,6 +74,8 @@ from swarmtrain.averaging.allreduce_parts import (
     run_codec,
     unwrap,
 )
+from swarmtrain.averaging.errors import NonFiniteError
+from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, largest_part_size
 from swarmtrain.compression import (
     CompressionBase,
@@ -425,16 +432,26 @@ class AllReduceRunner:
     # ------------------------------------------------------------------ the round
 
     async def run(self) -> AllReduceResult:
-        """Run the round; return the deltas (never raises for another peer's failure)."""
+        """Run the round; return the deltas (never raises for another peer's failure).
+
+        :raises NonFiniteError: our tensors hold NaN or inf: we took part with zeros of weight
+          0 (the others average without us and wait for nobody), and our values stay as they
+          are (no deltas)
+        """
         if self._started:
             raise RuntimeError("an AllReduceRunner runs once")
         self._started = True
+        non_finite = self._non_finite_message()
+        tensors = self.tensors
+        if non_finite is not None:
+            logger.warning("%s", non_finite)
+            tensors, self.weight = tuple(torch.zeros_like(t) for t in tensors), 0.0
         config = self.config
         now = anyio.current_time()
         self._core = core = AllReduceCore(
             self.group,
             self.local_index,
-            self.tensors,
+            tensors,
             weight=self.weight,
             part_size_bytes=config.part_size_bytes,
             sender_timeout=config.sender_timeout,
@@ -465,6 +482,8 @@ class AllReduceRunner:
                 self._notify(core.expire(anyio.current_time()))
         finally:
             self._close()
+        if non_finite is not None:
+            raise NonFiniteError(non_finite)
         return AllReduceResult(
             deltas=core.deltas(),
             banned_senders=core.banned_senders,
@@ -472,6 +491,19 @@ class AllReduceRunner:
             timed_out=timed_out,
             part_bytes_sent=self.part_bytes_sent,
             delta_bytes_sent=self.delta_bytes_sent,
+        )
+
+    def _non_finite_message(self) -> str | None:
+        """Why we must not send our tensors (some hold NaN or inf), or None."""
+        if self.mode == AveragingMode.AUX:
+            return None  # sends nothing
+        bad = first_non_finite(self.tensors)
+        if bad is None:
+            return None
+        return (
+            f"tensor {bad} of the {len(self.tensors)} to average holds NaN or inf values: this "
+            f"peer skips all-reduce {self.group.group_id.hex()} (it sends zeros with weight 0, "
+            f"so the others' averages stay finite, and keeps its own values)"
         )
 
     def _close(self) -> None:
@@ -630,6 +662,15 @@ class AllReduceRunner:
             ok = core.receive_delta(
                 reducer, response.part_index, delta, unchanged=False, now=anyio.current_time()
             )
+            if not ok and core.failed_reducers.get(self.group.peer_ids[reducer]) == (
+                Failure.NON_FINITE
+            ):
+                logger.warning(
+                    "peer %s sent NaN or inf averaged values (all-reduce %s): its slice keeps "
+                    "this peer's own values",
+                    self.group.peer_ids[reducer],
+                    self.group.group_id.hex(),
+                )
         else:
             logger.debug(
                 "reducer %s answered %s: %s",
@@ -678,7 +719,17 @@ class AllReduceRunner:
                 outcome = core.receive_part(peer, request.part_index, sent, anyio.current_time())
                 self._notify(outcome.completed)
                 if outcome.reject is not None:
-                    yield _response(_REJECT_CODES[outcome.reject], f"part {k} rejected")
+                    detail = f"part {k} rejected"
+                    if core.banned_senders.get(remote_id) == Failure.NON_FINITE:
+                        detail = f"part {k} holds NaN or inf values"
+                        logger.warning(
+                            "peer %s sent NaN or inf values (part %d of all-reduce %s): its "
+                            "contribution is left out of this round",
+                            remote_id,
+                            k,
+                            self.group.group_id.hex(),
+                        )
+                    yield _response(_REJECT_CODES[outcome.reject], detail)
                     return
                 await self._part_ready[k].wait()
                 if self._closed or core.sender_banned(peer):

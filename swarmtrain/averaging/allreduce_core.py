@@ -16,12 +16,14 @@ AUX     never (weight-less helper)    yes
 Reducer side (the local slice, if any): each sender opens one stream and sends its parts in
 order; a part is averaged once every sender that is not banned contributed it. A sender is
 banned when it never opens a stream within ``sender_timeout`` of the start, when its next part
-does not arrive within ``sender_timeout`` of the previous result, when it sends bad data, or
-when its stream fails. The reducer then finishes with the others.
+does not arrive within ``sender_timeout`` of the previous result, when it sends bad data
+(NaN or inf values included: ``Failure.NON_FINITE``), or when its stream fails. The reducer
+then finishes with the others; the parts it had contributed before stay in.
 
 Sender side (the local tensors, unless AUX): for each reducer we receive one delta
 (average - local) per part. A reducer that sends nothing for ``reducer_timeout``, sends bad
-data, rejects us or disconnects is *failed*: its slice keeps our local values.
+data (NaN or inf included), rejects us or disconnects is *failed*: its slice keeps our local
+values where no delta arrived yet.
 
 ``reducer_timeout`` must exceed ``sender_timeout``: a reducer legitimately waits up to
 ``sender_timeout`` for a slow sender before it can answer.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmtrain.averaging.finite import all_finite
 from swarmtrain.averaging.part_reducer import TensorPartReducer
 from swarmtrain.averaging.partition import (
     DEFAULT_PART_SIZE_BYTES,
@@ -82,6 +85,7 @@ class Failure(enum.Enum):
     TIMEOUT = "timeout"
     DISCONNECTED = "disconnected"
     BAD_DATA = "bad_data"
+    NON_FINITE = "non_finite"  # NaN or inf values: left out, so that no average gets them
     REJECTED = "rejected"
     DEADLINE = "deadline"
 
@@ -341,7 +345,8 @@ class AllReduceCore:
     def receive_part(
         self, peer: int, part_index: int, tensor: torch.Tensor | None, now: float
     ) -> PartOutcome:
-        """Part ``part_index`` from an active sender; None means it could not be decoded."""
+        """Part ``part_index`` from an active sender; None means it could not be decoded. A
+        part with NaN or inf values bans the sender (``Failure.NON_FINITE``)."""
         state = self._senders.get(peer)
         if state == _Sender.BANNED:
             return PartOutcome(reject=Reject.BANNED)
@@ -359,6 +364,8 @@ class AllReduceCore:
             or not tensor.dtype.is_floating_point
         ):
             return PartOutcome(self.ban_sender(peer, Failure.BAD_DATA), Reject.BAD_PART)
+        if not all_finite(tensor):
+            return PartOutcome(self.ban_sender(peer, Failure.NON_FINITE), Reject.BAD_PART)
         self._next_part[peer] = part_index + 1
         self._last_activity[peer] = now
         completed = self.reducer.accumulate(
@@ -464,7 +471,7 @@ class AllReduceCore:
         """A result from ``reducer``: a delta, or ``unchanged`` (keep local values).
 
         ``delta`` None without ``unchanged`` means it could not be decoded. Returns False (and
-        fails the reducer) for bad data.
+        fails the reducer) for bad data; ``Failure.NON_FINITE`` for NaN or inf values.
         """
         if reducer not in self._reducer_activity or self.container.reducer_done(reducer):
             return False
@@ -484,6 +491,9 @@ class AllReduceCore:
         )
         if bad:
             self.fail_reducer(reducer, Failure.BAD_DATA)
+            return False
+        if not unchanged and not all_finite(delta):
+            self.fail_reducer(reducer, Failure.NON_FINITE)
             return False
         self.container.register_delta(reducer, part_index, None if unchanged else delta)
         self._reducer_activity[reducer] = now

@@ -264,12 +264,14 @@ class AsyncDecentralizedAverager:
     async def load_state_from_peers(
         self,
         timeout: float | None = None,  # noqa: ASYNC109 (hivemind's keyword)
+        donors: Sequence[PeerID | bytes] | None = None,
     ) -> tuple[Any, list[torch.Tensor]] | None:
         """Download ``(metadata, tensors)`` from the best state donors (None if none could
-        provide it within ``timeout``); see ``swarmtrain.averaging.state_sharing``."""
+        provide it within ``timeout``); see ``swarmtrain.averaging.state_sharing``.
+        ``donors``: only from these peers."""
         assert self._state_sharing is not None
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            return await self._state_sharing.load_state_from_peers()
+            return await self._state_sharing.load_state_from_peers(donors)
         logger.warning("load_state_from_peers timed out after %s s", timeout)
         return None
 

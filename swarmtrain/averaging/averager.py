@@ -179,11 +179,12 @@ class DecentralizedAverager(BackgroundService):
             return {"group_bits": bits}, [t.detach().cpu().clone() for t in tensors]
 
     def load_state_from_peers(
-        self, wait: bool = True, timeout: float | None = None
+        self, wait: bool = True, timeout: float | None = None, donors=None
     ) -> tuple[Any, list[torch.Tensor]] | Future | None:
-        """Download ``(metadata, tensors)`` from the best donors (None if nobody could)."""
+        """Download ``(metadata, tensors)`` from the best donors (None if nobody could);
+        ``donors``: only from these peers (``PeerID`` or bytes)."""
         runtime, core = self._running()
-        fn = functools.partial(core.load_state_from_peers, timeout)
+        fn = functools.partial(core.load_state_from_peers, timeout, donors)
         if not wait:
             return runtime.portal.start_task_soon(fn)
         return runtime.call(fn)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from swarmtrain.averaging.matchmaking_types import FailureReason
 
-__all__ = ["AllReduceError", "AveragingError", "MatchmakingError"]
+__all__ = ["AllReduceError", "AveragingError", "MatchmakingError", "NonFiniteError"]
 
 
 class AveragingError(Exception):
@@ -26,3 +26,8 @@ class MatchmakingError(AveragingError):
 class AllReduceError(AveragingError):
     """A group formed, but no other member took part in the all-reduce (they left, were too
     slow, or rejected us): nothing was averaged. Partial failures do not raise."""
+
+
+class NonFiniteError(AveragingError):
+    """Our own tensors hold NaN or inf: we sent zeros with weight 0 instead, so that no peer's
+    average gets them, and kept our own values (the step fails; it is not retried)."""

@@ -12,7 +12,8 @@ and downloads from one donor at a time. If a donor fails mid-transfer (it leaves
 full and asks the next donor for the rest (``first_tensor``): peers that average together hold
 nearly the same state, so the result is one consistent-enough state without starting over. The
 metadata comes from the first donor that answered. A donor whose state has another number of
-tensors cannot continue a transfer and is skipped.
+tensors cannot continue a transfer and is skipped. A tensor with NaN or inf values fails its
+donor like bad data (a warning names it): a diverged peer never hands its state on.
 
 Resource handling: ``create`` registers the handler (not in client mode: nobody can dial a
 client) and owns the declaring task; leaving it stops the task, stores a last "not sharing"
@@ -34,6 +35,7 @@ import torch
 import trio
 from google.protobuf.message import DecodeError
 
+from swarmtrain.averaging.finite import all_finite
 from swarmtrain.compression import (
     DEFAULT_CHUNK_SIZE,
     CompressionBase,
@@ -235,10 +237,19 @@ class StateSharing:
                 priorities[subkey] = (float(value), random.random())
         return [PeerID(p) for p in sorted(priorities, key=priorities.__getitem__, reverse=True)]
 
-    async def load_state_from_peers(self) -> tuple[Any, list[torch.Tensor]] | None:
+    async def load_state_from_peers(
+        self, donors: Sequence[PeerID] | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | None:
         """Download (metadata, tensors) from the best donors (see the module docstring); None if
-        no donor could provide it. Bound it with the caller's ``move_on_after``."""
-        donors = await self.find_donors()
+        no donor could provide it. Bound it with the caller's ``move_on_after``.
+
+        :param donors: only these peers (of those that declared they share their state)
+        """
+        found = await self.find_donors()
+        if donors is not None:
+            wanted = {PeerID(p) if isinstance(p, bytes) else p for p in donors}
+            found = [d for d in found if d in wanted]
+        donors = found
         tensors: list[torch.Tensor] = []
         header: pb.StateHeader | None = None
         for donor in donors:
@@ -266,8 +277,10 @@ class StateSharing:
         self, donor: PeerID, header: pb.StateHeader | None, tensors: list[torch.Tensor]
     ) -> pb.StateHeader | None:
         """Receive tensors ``len(tensors)...`` from ``donor`` into ``tensors``; return the header
-        in use (the first donor's). Raises on failure, keeping the tensors received in full."""
-        request = pb.StateDownloadRequest(first_tensor=len(tensors))
+        in use (the first donor's). Raises on failure, keeping the tensors received in full
+        (none of this donor's if one holds NaN or inf)."""
+        start = len(tensors)
+        request = pb.StateDownloadRequest(first_tensor=start)
         async with self.p2p.iterate_protobuf_handler(
             donor,
             self.handler_name,
@@ -297,7 +310,18 @@ class StateSharing:
                 assembler = assembler or TensorAssembler()
                 message = assembler.feed(tensor_pb2.Tensor.FromString(response.chunk))
                 if message is not None:
-                    tensors.append(await extract_async(message))
+                    tensor = await extract_async(message)
+                    if not all_finite(tensor):
+                        logger.warning(
+                            "donor %s sent NaN or inf values (state tensor %d): its state is "
+                            "not loaded",
+                            donor,
+                            len(tensors),
+                        )
+                        index = len(tensors)
+                        del tensors[start:]  # none of a diverged donor's tensors are kept
+                        raise ValueError(f"{donor} sent a non-finite state tensor {index}")
+                    tensors.append(tensor)
                     assembler = None
             if assembler is not None:
                 assembler.finish()  # raises: the stream ended inside a tensor

@@ -20,9 +20,22 @@ last outer step), feeds the average to the *outer* optimizer (SGD, lr 0.7, Neste
 
 Behaviour worth knowing:
 
-- **Same start.** Every peer must start from the same parameters (build the model under the
+- **Same start.** Every peer should start from the same parameters (build the model under the
   same seed) or call :meth:`~DiLoCoOptimizer.load_state_from_peers`, which downloads the shared
-  parameters, the outer optimizer's state and the step counters from a peer of the run.
+  parameters, the outer optimizer's state and the step counters from a peer of the run (it
+  returns False at once when no other peer of the run serves its state). Each round's gather
+  data carries a fingerprint of the shared parameters (a few values at fixed positions,
+  ``diloco_state.shared_fingerprint``): a peer whose fingerprint is not the one the group
+  follows (the largest matching class; ties: the furthest outer step, then the smallest peer
+  id) warns and loads the state of that class's peers right after the round (with ``delay``
+  > 0 it only warns: donors serve no state while rounds overlap).
+- **Who is there.** Each peer declares itself in the DHT (``diloco_peers.RunPresence``). A
+  peer alone in its run starts no matchmaking (its round is "alone" at once, see
+  **Elastic**), and with ``target_group_size=None`` a group is complete as soon as every peer
+  present has joined, instead of waiting out ``matchmaking_time``.
+- **NaN.** A peer whose pseudo-gradient holds NaN or inf (diverged inner steps) sends zeros
+  with weight 0 instead (the others average without it at once), keeps the shared parameters
+  unchanged and restarts its model from them.
 - **Lockstep by counting.** Peers sync after the same inner step numbers (multiples of H): a
   joiner adopts its donor's inner step count, so it syncs with the others at the next multiple
   of H, with a weight of the samples it processed until then. The round number is part of
@@ -54,8 +67,9 @@ Behaviour worth knowing:
 - It is not a ``torch.optim.Optimizer`` subclass: give learning-rate schedulers
   ``opt.inner_optimizer``.
 
-Resource handling: the optimizer owns its averager (stopped by :meth:`shutdown`, which cancels
-a round in flight); the DHT belongs to the caller. Call :meth:`step` and the other methods
+Resource handling: the optimizer owns its averagers and its presence record (stopped by
+:meth:`shutdown`, which cancels a round in flight; ``step()`` raises afterwards); the DHT
+belongs to the caller. Call :meth:`step` and the other methods
 from one training thread.
 """
 
@@ -71,6 +85,7 @@ from typing import Any, Union
 import torch
 
 from swarmtrain.averaging import DecentralizedAverager, StepControl
+from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.compression import CompressionBase, Float16Compression
 from swarmtrain.optim.diloco_core import (
     ApplyOuter,
@@ -80,6 +95,7 @@ from swarmtrain.optim.diloco_core import (
     StartSync,
     StreamingSchedule,
 )
+from swarmtrain.optim.diloco_peers import RunPresence
 from swarmtrain.optim.diloco_simulation import default_inner_optimizer
 from swarmtrain.optim.diloco_state import (
     STATE_FORMAT,
@@ -87,6 +103,8 @@ from swarmtrain.optim.diloco_state import (
     check_positive_int,
     flatten_params,
     pack_state,
+    reference_peers,
+    shared_fingerprint,
     unpack_state,
 )
 
@@ -147,6 +165,8 @@ class _Round:
     start_step: int
     weight: float
     local_pseudo_gradient: list[torch.Tensor]
+    fingerprint: list[float]  # of the fragment's shared parameters the round started from
+    outer_step: int
     control: StepControl | None = None
     bytes_before: tuple[int, int] = (0, 0)  # the averager's bytes_sent at launch
 
@@ -181,7 +201,8 @@ class DiLoCoOptimizer:
     :param averager_opts: more :class:`~swarmtrain.averaging.AveragerConfig` keywords for the
       averagers (they override the ones derived from the arguments here)
     :param matchmaking_time: the averager's ``min_matchmaking_time``: how long a round waits
-      for peers before it starts with the group it has
+      for peers before it starts with the group it has (without a ``target_group_size`` it
+      starts as soon as every peer of the run has joined)
     :param averaging_timeout: give up a round after this many seconds of matchmaking (retries
       included), and an all-reduce after as many more
     :param min_group_size: fewest peers (us included) to average with; below that the round
@@ -309,10 +330,19 @@ class DiLoCoOptimizer:
                         **fragment_opts,
                     )
                 )
+            #: this peer's record in the run (who else is there: see diloco_peers)
+            self.presence = RunPresence(
+                dht,
+                run_id,
+                donor=not self.averagers[0].client_mode and opts.get("allow_state_sharing", True),
+            )
+            self.presence.start()
         except BaseException:
             for averager in self.averagers:
                 averager.shutdown()
             raise
+        self.target_group_size = target_group_size
+        self._closed = False
 
     @property
     def averager(self) -> DecentralizedAverager:
@@ -344,7 +374,9 @@ class DiLoCoOptimizer:
         :param closure: re-evaluates the loss (as in torch), run before the inner step
         :param batch_size: samples in this step (default ``batch_size_per_step``, or 1)
         :returns: what ``closure`` returned, or None
+        :raises RuntimeError: after :meth:`shutdown`
         """
+        self._check_running()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -434,22 +466,34 @@ class DiLoCoOptimizer:
                 seconds_waiting=self._seconds_waiting,
             )
 
-    def load_state_from_peers(self, timeout: float | None = None) -> bool:
+    def load_state_from_peers(self, timeout: float | None = None, donors=None) -> bool:
         """Download the shared parameters, the outer optimizer's state and the step counters
         from a peer of the run and write the shared parameters into the model.
 
-        The inner optimizer keeps its own state. Tries again until ``timeout`` (default
-        ``load_state_timeout``) if nobody answers; returns whether a state was loaded.
+        The inner optimizer keeps its own state. Returns False at once when no other peer of
+        the run serves its state (a lone peer keeps its own parameters); else tries again
+        until ``timeout`` (default ``load_state_timeout``) if nobody answers. Returns whether
+        a state was loaded. ``donors``: only from these peers (ids as bytes or ``PeerID``).
+
+        :raises RuntimeError: after :meth:`shutdown`
         """
+        self._check_running()
         timeout = self.load_state_timeout if timeout is None else timeout
         check_positive("timeout", timeout)
         deadline = time.monotonic() + timeout
+        if not any(peer.donor for peer in self.presence.others()):
+            logger.info(
+                "no other peer of run %r serves its DiLoCo state: keeping this peer's own "
+                "parameters",
+                self.run_id,
+            )
+            return False
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 logger.warning("could not load the DiLoCo state of %r from peers", self.run_id)
                 return False
-            loaded = self.averager.load_state_from_peers(timeout=remaining)
+            loaded = self.averager.load_state_from_peers(timeout=remaining, donors=donors)
             if loaded is not None:
                 try:
                     metadata, tensors = loaded
@@ -483,11 +527,20 @@ class DiLoCoOptimizer:
             self._finish_round(fragment, self.schedule.alpha)
 
     def shutdown(self) -> None:
-        """Cancel the rounds in flight and stop the averagers (the DHT stays up)."""
+        """Cancel the rounds in flight and stop the averagers (the DHT stays up); a second
+        call does nothing. ``step()`` raises afterwards."""
+        if self._closed:
+            return
+        self._closed = True
         with self._lock:
             self._cancel_pending_locked()
+        self.presence.stop()
         for averager in self.averagers:
             averager.shutdown()
+
+    def _check_running(self) -> None:
+        if self._closed:
+            raise RuntimeError("this DiLoCoOptimizer was shut down")
 
     def __enter__(self) -> DiLoCoOptimizer:
         return self
@@ -506,13 +559,28 @@ class DiLoCoOptimizer:
             self.fragments.select(self._params, fragment), indices
         )
         pending = _Round(
-            fragment, action.round, action.step, self._samples[fragment], pseudo_gradient
+            fragment,
+            action.round,
+            action.step,
+            self._samples[fragment],
+            pseudo_gradient,
+            fingerprint=shared_fingerprint([self._outer.params[i] for i in indices]),
+            outer_step=self._outer.outer_step,
         )
         self._pending[fragment] = pending
         self._samples[fragment] = 0.0
         return pending
 
     def _launch(self, pending: _Round) -> None:
+        # (a pseudo-gradient with NaN or inf goes in too: the averager sends zeros with weight
+        # 0 instead, so the others wait for nobody, and the step fails: see _finish_round)
+        others = self.presence.others()
+        if not others:  # nobody to average with: no matchmaking wait
+            log = logger.info if self.verbose else logger.debug
+            log("no other peer in run %r: outer step alone", self.run_id)
+            return
+        # With no target size, the group is complete once every peer present has joined.
+        expected = 1 + len(others) if self.target_group_size is None else None
         averager = self.averagers[pending.fragment]
         with averager.get_tensors() as buffers:
             for buffer, value in zip(buffers, pending.local_pseudo_gradient, strict=True):
@@ -523,9 +591,15 @@ class DiLoCoOptimizer:
             # only peers in the same round of this fragment meet, so a straggler never mixes
             # in another round's pseudo-gradient.
             pending.control = averager.step(
-                gather={"inner_step": pending.start_step, "weight": pending.weight},
+                gather={
+                    "inner_step": pending.start_step,
+                    "weight": pending.weight,
+                    "fingerprint": pending.fingerprint,
+                    "outer_step": pending.outer_step,
+                },
                 weight=pending.weight,
                 timeout=self.averaging_timeout,
+                expected_group_size=expected,
                 wait=False,
                 group_bits=format(pending.round % ROUND_KEYS, f"0{ROUND_BITS}b"),
             )
@@ -537,7 +611,7 @@ class DiLoCoOptimizer:
         if pending is None:  # we joined while the round was in flight: not ours to apply
             return
         started = time.perf_counter()
-        averaged, group_size = None, 1
+        averaged, group_size, gathered = None, 1, None
         if pending.control is not None:
             try:
                 gathered = pending.control.result()
@@ -580,9 +654,21 @@ class DiLoCoOptimizer:
                 self._rounds_averaged += 1
             else:
                 group_size = 1
-                self._outer.apply_outer_step(
-                    pending.local_pseudo_gradient, indices, model_params=model_params, alpha=alpha
-                )
+                gathered = None
+                if first_non_finite(pending.local_pseudo_gradient) is None:
+                    self._outer.apply_outer_step(
+                        pending.local_pseudo_gradient,
+                        indices,
+                        model_params=model_params,
+                        alpha=alpha,
+                    )
+                else:  # diverged inner steps: back to the shared parameters, unchanged
+                    logger.warning(
+                        "fragment %d: the local pseudo-gradient holds NaN or inf, so the "
+                        "shared parameters stay as they were and the model restarts from them",
+                        fragment,
+                    )
+                    self._outer.copy_to(model_params, indices)
                 self._rounds_alone += 1
             self._last_group_size = group_size
             del self._pending[fragment]
@@ -596,6 +682,50 @@ class DiLoCoOptimizer:
             group_size,
             waited,
         )
+        if gathered is not None:
+            self._adopt_reference_state(gathered, pending)
+
+    def _adopt_reference_state(self, gathered: dict, pending: _Round) -> None:
+        """If the round's fingerprints show that our shared parameters differ from the ones
+        the group follows (another random init, a joiner that loaded nothing), load them."""
+        fingerprints = {}
+        for peer_id, data in gathered.items():
+            if not isinstance(data, dict) or not isinstance(data.get("fingerprint"), list):
+                return  # a peer of an older version: nothing to compare
+            outer_step = data.get("outer_step", 0)
+            outer_step = outer_step if isinstance(outer_step, int) else 0
+            fingerprints[peer_id.to_bytes()] = (data["fingerprint"], outer_step)
+        reference = reference_peers(fingerprints)
+        ours = self.averagers[pending.fragment].peer_id.to_bytes()
+        if ours in reference or ours not in fingerprints:
+            return
+        if self.schedule.delay > 0:  # donors serve no state while their rounds overlap
+            logger.warning(
+                "DiLoCo fragment %d: this peer's shared parameters differ from those of %d of "
+                "the %d peers in the round (another initialization, a partial round, or a "
+                "joiner that loaded no state); with delay > 0 call load_state_from_peers() "
+                "when no round is in flight to resynchronize",
+                pending.fragment,
+                len(reference),
+                len(fingerprints),
+            )
+            return
+        logger.warning(
+            "DiLoCo fragment %d: this peer's shared parameters differ from those of %d of the "
+            "%d peers in the round (another initialization, a partial round, or a joiner that "
+            "loaded no state): loading theirs",
+            pending.fragment,
+            len(reference),
+            len(fingerprints),
+        )
+        timeout = min(self.load_state_timeout, self.averaging_timeout)
+        if not self.load_state_from_peers(timeout, donors=sorted(reference)):
+            logger.warning(
+                "DiLoCo fragment %d: could not load the shared parameters of peers %s; this "
+                "peer keeps its own, which differ",
+                pending.fragment,
+                sorted(p.hex()[:12] for p in reference),
+            )
 
     def _check_lockstep(self, gathered: dict, pending: _Round) -> None:
         steps = {g.get("inner_step") for g in gathered.values() if isinstance(g, dict)} - {

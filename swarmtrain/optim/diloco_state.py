@@ -1,14 +1,23 @@
-"""What DiLoCo peers hand to a joiner, and the argument checks of ``DiLoCoOptimizer``.
+"""What DiLoCo peers hand to a joiner, how they tell diverged shared parameters apart, and the
+argument checks of ``DiLoCoOptimizer``.
 
 :func:`pack_state` turns an :class:`~swarmtrain.optim.diloco_core.OuterState` and the inner
 step count into the ``(metadata, tensors)`` pair that the averager's state sharing sends;
 :func:`unpack_state` checks and inverts it.
+
+:func:`shared_fingerprint` samples a few values of the shared parameters at fixed positions
+(each round's gather data carries it); :func:`reference_peers` groups a round's fingerprints
+into classes of matching ones and picks the class every member agrees to follow (the largest;
+ties: the furthest outer step, then the smallest peer id), so that the others load its state.
+Peers that average together hold the same shared parameters up to the last bits (each adds
+its own delta), hence a tolerance; peers that started from other random weights differ in
+every sampled value.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,7 +25,21 @@ import torch
 from swarmtrain.optim._optimizer_state import decode_tensors, encode_tensors
 from swarmtrain.optim.diloco_core import OuterState
 
-__all__ = ["STATE_FORMAT", "pack_state", "unpack_state"]
+__all__ = [
+    "STATE_FORMAT",
+    "fingerprints_match",
+    "pack_state",
+    "reference_peers",
+    "shared_fingerprint",
+    "unpack_state",
+]
+
+#: values sampled per fingerprint (at fixed positions spread over all the parameters)
+FINGERPRINT_SAMPLES = 64
+#: two fingerprints match when each sampled value differs by at most this, relative to the
+#: mean magnitude of the samples (last-bit differences between synced peers: ~1e-7; fp16
+#: deltas add ~1e-5 per round; other random initializations differ by ~1)
+FINGERPRINT_TOLERANCE = 1e-3
 
 #: version tag of the state that peers download from each other
 STATE_FORMAT = "swarmtrain.diloco/1"
@@ -101,3 +124,73 @@ def flatten_params(params: Iterable[Any]) -> list[torch.Tensor]:
     if not result:
         raise ValueError("DiLoCoOptimizer got an empty parameter list")
     return result
+
+
+def shared_fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Up to ``FINGERPRINT_SAMPLES`` values of ``tensors`` (flattened one after another) at
+    evenly spread positions: the same positions on every peer with the same parameters."""
+    sizes = [t.numel() for t in tensors]
+    total = sum(sizes)
+    if total == 0:
+        return []
+    count = min(FINGERPRINT_SAMPLES, total)
+    positions = [round(j * (total - 1) / max(count - 1, 1)) for j in range(count)]
+    values, offset, index = [], 0, 0
+    with torch.no_grad():
+        for tensor, size in zip(tensors, sizes, strict=True):
+            flat = tensor.reshape(-1)
+            while index < count and positions[index] < offset + size:
+                values.append(float(flat[positions[index] - offset]))
+                index += 1
+            offset += size
+    return values
+
+
+def fingerprints_match(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two :func:`shared_fingerprint` results describe the same shared parameters."""
+    if len(a) != len(b):
+        return False
+    if not all(math.isfinite(x) for x in (*a, *b)):
+        return False
+    scale = sum(abs(x) + abs(y) for x, y in zip(a, b, strict=True)) / max(2 * len(a), 1)
+    allowed = FINGERPRINT_TOLERANCE * scale
+    return all(abs(x - y) <= allowed for x, y in zip(a, b, strict=True))
+
+
+def reference_peers(
+    fingerprints: Mapping[Hashable, tuple[Sequence[float], int]],
+) -> frozenset[Hashable]:
+    """The peers whose shared parameters everybody should hold.
+
+    :param fingerprints: ``{peer: (fingerprint, outer step)}`` of a round's members (the same
+      mapping on every member, so every member picks the same class)
+    :returns: the members of the reference class: the largest class of matching fingerprints;
+      ties go to the class with the furthest outer step, then to the one holding the smallest
+      peer id (peers are ordered by ``repr`` when their type has no order)
+    """
+    order = sorted(fingerprints, key=_peer_order)
+    classes: list[list[Hashable]] = []
+    for peer in order:
+        for members in classes:
+            if fingerprints_match(fingerprints[members[0]][0], fingerprints[peer][0]):
+                members.append(peer)
+                break
+        else:
+            classes.append([peer])
+    if not classes:
+        return frozenset()
+
+    def rank(members: list[Hashable]) -> tuple:
+        furthest = max(fingerprints[p][1] for p in members)
+        return (-len(members), -furthest, order.index(members[0]))
+
+    return frozenset(min(classes, key=rank))
+
+
+def _peer_order(peer: Hashable) -> tuple:
+    if isinstance(peer, bytes):
+        return (0, peer)
+    to_bytes = getattr(peer, "to_bytes", None)
+    if callable(to_bytes):
+        return (0, to_bytes())
+    return (1, repr(peer).encode())

@@ -36,7 +36,9 @@ batches (exact for equal batch sizes). A peer with no samples contributes weight
 group has weight 0 everyone keeps their own (zero) gradients, never NaN.
 
 If a step fails (no group, all-reduce error), the averaged buffers hold the local mean gradient,
-so ``use_averaged_gradients()`` still gives a usable (local) update.
+so ``use_averaged_gradients()`` still gives a usable (local) update. Gradients with NaN or inf
+are never sent: the step takes part with zeros of weight 0 (the others average without us at
+once) and raises ``NonFiniteError``; the buffers keep the local (non-finite) mean.
 
 Resource handling: like ``DecentralizedAverager`` (``shutdown()`` stops it; the DHT is the
 caller's). Do not call ``step`` inside ``use_averaged_gradients()``: that block holds the lock of

@@ -48,7 +48,8 @@ from swarmtrain.averaging.async_averager import (
     _load_gathered,
 )
 from swarmtrain.averaging.averager_config import compute_schema_hash
-from swarmtrain.averaging.errors import AllReduceError
+from swarmtrain.averaging.errors import AllReduceError, NonFiniteError
+from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.matchmaking_types import MatchmakingGroup
 from swarmtrain.compression import CompressionInfo, TensorRole
 from swarmtrain.optim._tensor_infos import TaggedCompression, tag_compression
@@ -259,6 +260,15 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
             snapshot = await trio.to_thread.run_sync(
                 lambda: [t.detach().cpu().clone() for t in tensors]
             )
+        bad = first_non_finite(snapshot)
+        if bad is not None:  # take part in both rounds with zeros and no weight, keep ours
+            message = (
+                f"gradient {bad} of the {len(snapshot)} holds NaN or inf values: this peer "
+                f"skips PowerSGD round {group.group_id.hex()} (it sends zeros with weight 0, "
+                f"so the others' averages stay finite, and keeps its own values)"
+            )
+            logger.warning("%s", message)
+            snapshot, weight = [torch.zeros_like(t) for t in snapshot], 0.0
         ms, ps = await trio.to_thread.run_sync(plan.begin, snapshot)
         plain = [snapshot[i] for i in plan.uncompressed]
         infos = [
@@ -283,6 +293,8 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
             qs = [q + d.float() for q, d in zip(qs, q_deltas, strict=True)]
         else:
             qs = []
+        if bad is not None:
+            raise NonFiniteError(message)
 
         def commit(tensors: Sequence[torch.Tensor]) -> None:
             approximations = plan.finish(ms, ps, qs, keep_residuals=weight <= 0)
