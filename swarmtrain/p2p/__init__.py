@@ -38,4 +38,22 @@ from swarmtrain.p2p.identity import load_or_create_identity as load_or_create_id
 from swarmtrain.p2p.rpc import Attached as Attached
 from swarmtrain.p2p.rpc import RPCContext as RPCContext
 
-__all__ = ["PeerID"]
+__all__ = [
+    "Attached",
+    "IdentityError",
+    "MessageTooLargeError",
+    "NoSuchMethodError",
+    "P2P",
+    "P2PConfig",
+    "P2PError",
+    "PeerID",
+    "PeerUnreachableError",
+    "RPCCancelledError",
+    "RPCContext",
+    "RPCError",
+    "RPCProtocolError",
+    "RPCTimeoutError",
+    "Reachability",
+    "RemoteError",
+    "load_or_create_identity",
+]
