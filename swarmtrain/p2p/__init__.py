@@ -5,6 +5,9 @@ from libp2p.peer.id import ID as PeerID
 
 from swarmtrain.p2p.autonat import Reachability as Reachability
 from swarmtrain.p2p.errors import (
+    AddressInUseError as AddressInUseError,
+)
+from swarmtrain.p2p.errors import (
     MessageTooLargeError as MessageTooLargeError,
 )
 from swarmtrain.p2p.errors import (
@@ -39,6 +42,7 @@ from swarmtrain.p2p.rpc import Attached as Attached
 from swarmtrain.p2p.rpc import RPCContext as RPCContext
 
 __all__ = [
+    "AddressInUseError",
     "Attached",
     "IdentityError",
     "MessageTooLargeError",

@@ -45,6 +45,7 @@ from swarmtrain.p2p.lane import (
     lane_listen_host,
     lanes_disabled_by_env,
 )
+from swarmtrain.p2p.listen_check import check_addresses_free
 from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.utils.exception_groups import collapse_exception_groups
@@ -214,6 +215,7 @@ class P2P(Dialling):
         apply_libp2p_tuning(quiet_logging=config.quiet_logging)
         key_pair = load_or_create_identity(config.identity_path)
         listen = [] if config.client_mode else [_with_ws_port(a) for a in config.host_maddrs]
+        check_addresses_free(listen)
         host = _build_host(key_pair, config)
         self = cls(host, key_pair, config)
         host.set_stream_handler(rpc.RPC_PROTOCOL_ID, self._on_rpc_stream)
