@@ -11,7 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from swarmtrain.utils.logs import show_logs_from_environment
+
 __version__ = "0.1.0.dev0"
+show_logs_from_environment()
 
 _EXPORTS = {
     "DecentralizedAverager": "swarmtrain.averaging",
