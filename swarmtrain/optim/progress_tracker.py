@@ -239,10 +239,13 @@ class AsyncProgressTracker:
                 try:
                     yield self
                 finally:
+                    # Stop storing and gossiping first: a record stored after the departure
+                    # (a report just before shutdown) would outlive it and announce this peer
+                    # at its last epoch for metadata_expiration seconds after it left.
+                    nursery.cancel_scope.cancel()
                     with trio.CancelScope(shield=True):
                         with trio.move_on_after(self._shutdown_timeout):
                             await self._say_goodbye()
-                    nursery.cancel_scope.cancel()
 
     async def _say_goodbye(self) -> None:
         """Tell the swarm this peer left (hivemind stores None under its subkey)."""

@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from swarmtrain.utils import exit_shutdown
+
 T = TypeVar("T")
 
 
@@ -166,6 +168,7 @@ class BackgroundService:
             raise
         self._runtime = runtime
         self._pid = os.getpid()
+        exit_shutdown.track(self)  # a script that ends without shutdown() still leaves cleanly
         return self._service
 
     def _forked(self) -> bool:
@@ -184,6 +187,7 @@ class BackgroundService:
         if self._shut_down:
             return
         self._shut_down = True
+        exit_shutdown.forget(self)
         if self._runtime is None or self._forked():
             return
         try:
