@@ -11,7 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from swarmtrain.utils.logs import show_logs_from_environment
+
 __version__ = "0.1.0.dev0"
+show_logs_from_environment()
 
 _EXPORTS = {
     "DecentralizedAverager": "swarmtrain.averaging",
@@ -30,7 +33,9 @@ _EXPORTS = {
     "get_dht_time": "swarmtrain.dht",
     "DiLoCoOptimizer": "swarmtrain.optim",
     "GradientAverager": "swarmtrain.optim",
+    "GradScaler": "swarmtrain.optim",
     "Optimizer": "swarmtrain.optim",
+    "PowerSGDGradientAverager": "swarmtrain.optim",
     "ProgressTracker": "swarmtrain.optim",
     "TrainingStateAverager": "swarmtrain.optim",
     "P2P": "swarmtrain.p2p",
@@ -71,7 +76,9 @@ if TYPE_CHECKING:
     from swarmtrain.dht import get_dht_time as get_dht_time
     from swarmtrain.optim import DiLoCoOptimizer as DiLoCoOptimizer
     from swarmtrain.optim import GradientAverager as GradientAverager
+    from swarmtrain.optim import GradScaler as GradScaler
     from swarmtrain.optim import Optimizer as Optimizer
+    from swarmtrain.optim import PowerSGDGradientAverager as PowerSGDGradientAverager
     from swarmtrain.optim import ProgressTracker as ProgressTracker
     from swarmtrain.optim import TrainingStateAverager as TrainingStateAverager
     from swarmtrain.p2p import P2P as P2P

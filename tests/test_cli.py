@@ -168,3 +168,95 @@ def test_progress_display_redraws_on_a_terminal_and_prints_epoch_lines_otherwise
     ProgressDisplay(plain, live=False, target=256, epochs=3).update(peers)
     assert plain.getvalue().startswith("epoch 1/3  eval loss 1.500  accuracy 50.0%")
     assert "\x1b[" not in plain.getvalue()
+
+
+def node_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "swarmtrain.cli.main", "node", *args]
+
+
+def test_node_prints_dialable_addresses_and_reports_its_tables():
+    proc = subprocess.Popen(
+        node_command("--refresh_period", "1"),  # default: all interfaces
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    joiner = None
+    try:
+        output = read_until(proc, "all addresses of this node:", timeout=60)
+        join_line = next(line for line in output if line.startswith("others can join with:"))
+        join_address = join_line.split("--initial_peers ")[1].strip()
+        assert join_address.startswith("/ip4/") and "/p2p/" in join_address
+        assert "0.0.0.0" not in join_address
+        listed = read_until(proc, "/ip4/127.0.0.1/", timeout=10)  # loopback is listed last
+        assert not any("0.0.0.0" in line for line in listed), listed
+        from swarmtrain.dht import DHT
+
+        joiner = DHT(initial_peers=[join_address])  # another process dials the printed address
+        status = read_until(proc, "1 peers in the routing table", timeout=30)[-1]
+        assert re.match(r"up \d+ s: 1 peers in the routing table, 1 connected, \d+ records", status)
+    finally:
+        if joiner is not None:
+            joiner.shutdown()
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+
+
+def test_node_on_a_port_in_use_fails_with_one_line():
+    first = subprocess.Popen(
+        node_command("--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--refresh_period", "0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output = read_until(first, "/ip4/127.0.0.1/tcp/", timeout=60)
+        taken = re.search(r"/ip4/127\.0\.0\.1/tcp/\d+", "".join(output))[0]
+        second = subprocess.run(
+            node_command("--host-maddrs", taken), capture_output=True, text=True, timeout=60
+        )
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert second.stderr.strip() == (
+            f"swarmtrain node: cannot listen on {taken}: the address is already in use "
+            "(another peer or process listens there); stop it, or pick another port "
+            "(tcp/0 picks a free one)"
+        )
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=30)
+
+
+def test_version_and_help_without_markup(capsys):
+    import swarmtrain
+    from swarmtrain.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as raised:
+        main(["--version"])
+    assert raised.value.code == 0
+    assert capsys.readouterr().out.strip() == f"swarmtrain {swarmtrain.__version__}"
+    assert "``" not in build_parser().format_help()
+
+
+def subcommand_parsers():
+    from swarmtrain.cli.main import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    return {name: sub for name, sub in commands.choices.items() if name != "dht"}
+
+
+def test_every_option_is_spelled_with_underscores_and_accepts_dashes():
+    for command, parser in subcommand_parsers().items():
+        for action in parser._actions:
+            long_names = [o for o in action.option_strings if o.startswith("--")]
+            if not long_names or action.help == "==SUPPRESS==":
+                continue
+            assert "-" not in long_names[0][2:], (command, long_names)
+    from swarmtrain.cli.main import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["demo", "--target-batch-size", "128"]).target_batch_size == 128
+    assert parse(["demo", "--target_batch_size", "64"]).target_batch_size == 64
+    assert parse(["node", "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/x"]).initial_peers == [
+        "/ip4/1.2.3.4/tcp/1/p2p/x"
+    ]

@@ -1,6 +1,11 @@
-"""The examples run: quickstart peers train in lockstep and improve."""
+"""The examples run: quickstart peers train in lockstep and improve, as threads of one process
+or one process per peer; examples use only public modules."""
 
 import importlib.util
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,3 +26,59 @@ def test_quickstart_peers_train_in_lockstep():
     final_a, final_b = first[-1], second[-1]
     assert abs(final_a[1] - final_b[1]) < 1e-3  # same weights on both peers
     assert first[-1][1] < first[0][1]  # eval loss falls
+
+
+def quickstart_process(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "quickstart" / "train.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def test_quickstart_one_process_per_peer_joins_with_the_printed_command():
+    common = ["--peers", "2", "--epochs", "3"]
+    first = quickstart_process("--first_peer", *common)
+    joiner = None
+    try:
+        lines = [first.stdout.readline(), first.stdout.readline()]
+        assert lines[0].strip() == "join this swarm with:", lines
+        command = lines[1].split()
+        assert command[:3] == ["python", "examples/quickstart/train.py", "--initial_peers"]
+        joiner = quickstart_process(*command[2:], *common)
+        outputs = [proc.communicate(timeout=90)[0] for proc in (first, joiner)]
+    finally:
+        for proc in (first, joiner):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert first.returncode == 0 and joiner.returncode == 0, outputs
+    epochs = [re.findall(r"epoch (\d) +eval loss ([\d.]+)", out) for out in outputs]
+    assert [e for e, _ in epochs[0]] == ["1", "2", "3"], outputs
+    assert epochs[0] == epochs[1], outputs  # one swarm: the same weights, epoch by epoch
+    assert "2 peer(s) in the swarm" in outputs[1]
+
+
+def test_examples_import_no_private_modules():
+    for script in (ROOT / "examples").rglob("*.py"):
+        for line in script.read_text().splitlines():
+            if line.startswith(("import ", "from ")):
+                module = line.split()[1]
+                private = [p for p in module.split(".") if p.startswith("_") and p != "__future__"]
+                assert not private, (script, line)
+
+
+def test_example_help_keeps_the_docstrings_layout():
+    for script in ("quickstart/train.py", "diloco/train_lm.py"):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / script), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert result.returncode == 0, result.stderr
+        assert "\n    python examples/" in result.stdout, result.stdout  # indented commands kept

@@ -277,3 +277,25 @@ def test_blocking_reports_do_not_wait_for_a_busy_loop():
     finally:
         second.shutdown()
         first.shutdown()
+
+
+def test_a_report_just_before_leaving_does_not_outlive_the_departure():
+    """A trainer's last step reports, and its shutdown follows at once: the departure must be
+    the record the swarm keeps (a store of the last report after it announced this peer, at
+    its last epoch, for metadata_expiration seconds after it left)."""
+    other = DHT(**FAST_DHT)
+    dht = DHT(other.get_visible_maddrs(), **FAST_DHT)
+    try:
+        for attempt in range(6):  # the store of the last report raced the departure
+            prefix = f"last_report{attempt}"
+            tracker = ProgressTracker(dht, prefix, 1000, **SLOW_REFRESH)
+            tracker.report_local_progress(0, 7)  # its store starts
+            time.sleep(0.005 * attempt)
+            tracker.report_local_progress(3, 9)  # the last step: stored once the first is done
+            tracker.shutdown()
+            found = other.get(f"{prefix}_progress", latest=True)
+            assert found is not None and len(found.value) == 1, found
+            assert [item.value for item in found.value.values()] == [None], found
+    finally:
+        dht.shutdown()
+        other.shutdown()

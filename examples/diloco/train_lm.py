@@ -1,12 +1,12 @@
 """Four local peers train a tiny byte-level transformer with DiLoCo over a real swarm.
 
 Each peer is a thread with its own DHT node (on loopback), model copy, data shard and
-``DiLoCoOptimizer``; they average fp16 pseudo-gradients every ``--inner-steps`` steps through
+``DiLoCoOptimizer``; they average fp16 pseudo-gradients every ``--inner_steps`` steps through
 libp2p, exactly as peers on different machines would. The text is the Python standard library's
 own source (no download). Run it from the repository root::
 
     python examples/diloco/train_lm.py                 # under a minute on 2 CPUs
-    python examples/diloco/train_lm.py --peers 2 --inner-steps 20 --outer-steps 5
+    python examples/diloco/train_lm.py --peers 2 --inner_steps 20 --outer_steps 5
     python examples/diloco/train_lm.py --fragments 2 --delay 2   # streaming DiLoCo
 
 Printed every H inner steps (by peer 0): the peers' mean training loss over the last H steps,
@@ -31,9 +31,14 @@ from torch import nn
 
 from swarmtrain.compression import Float16Compression
 from swarmtrain.dht import DHT
-from swarmtrain.optim._textdata import BatchSampler, stdlib_text  # the simulation's data
 from swarmtrain.optim.diloco import DiLoCoOptimizer
-from swarmtrain.optim.diloco_simulation import TinyTransformer, TinyTransformerConfig, evaluate
+from swarmtrain.optim.diloco_simulation import (
+    BatchSampler,
+    TinyTransformer,
+    TinyTransformerConfig,
+    evaluate,
+    stdlib_text,
+)
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
 
@@ -130,24 +135,26 @@ def print_round(opt: DiLoCoOptimizer, model: nn.Module, report: Report, eval_win
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--inner-steps", type=int, default=10, help="H")
-    parser.add_argument("--outer-steps", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--inner_steps", "--inner-steps", type=int, default=10, help="H")
+    parser.add_argument("--outer_steps", "--outer-steps", type=int, default=15)
+    parser.add_argument("--batch_size", "--batch-size", type=int, default=16)
     parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--d_model", "--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--fragments", type=int, default=1, help="F (must divide H)")
     parser.add_argument("--delay", type=int, default=0, help="tau, in [0, H)")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--matchmaking-time", type=float, default=5.0)
+    parser.add_argument("--matchmaking_time", "--matchmaking-time", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.peers < 2:
         parser.error("--peers must be at least 2")
     if args.inner_steps % args.fragments or not 0 <= args.delay < args.inner_steps:
-        parser.error("--fragments must divide --inner-steps, and 0 <= --delay < --inner-steps")
+        parser.error("--fragments must divide --inner_steps, and 0 <= --delay < --inner_steps")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)  # one core per peer thread, no oversubscription
 

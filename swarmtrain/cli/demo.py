@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from swarmtrain.cli.options import add_option
+
 HELP = "start N local peers (one process each) that train one model together"
 
 
@@ -18,23 +20,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="train about this many seconds, then finish at the next epoch",
     )
-    parser.add_argument(
-        "--target-batch-size",
+    add_option(
+        parser,
+        "--target_batch_size",
         type=int,
         default=256,
         help="samples the swarm accumulates per epoch (default 256)",
     )
-    parser.add_argument(
-        "--batch-size", type=int, default=16, help="samples per local step (default 16)"
+    add_option(
+        parser, "--batch_size", type=int, default=16, help="samples per local step (default 16)"
     )
-    parser.add_argument(
-        "--matchmaking-time",
+    add_option(
+        parser,
+        "--matchmaking_time",
         type=float,
         default=1.0,
         help="seconds to gather the peers for each averaging round (default 1)",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
-    parser.add_argument("--log-dir", default=None, help="keep the peers' logs in this folder")
+    add_option(parser, "--log_dir", default=None, help="keep the peers' logs in this folder")
     parser.add_argument(
         "--rpc",
         action="store_true",

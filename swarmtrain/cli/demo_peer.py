@@ -22,6 +22,8 @@ import time
 import traceback
 from typing import Any
 
+from swarmtrain.cli.options import add_option
+
 FEATURES, CLASSES, HIDDEN = 32, 10, 64
 TRAIN_SAMPLES, EVAL_SAMPLES = 6000, 1000
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}  # one machine
@@ -241,12 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--peers", type=int, required=True)
-    parser.add_argument("--run-id", default="swarmtrain_demo")
+    add_option(parser, "--run_id", default="swarmtrain_demo")
     parser.add_argument("--epochs", type=int, default=None)
-    parser.add_argument("--target-batch-size", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--matchmaking-time", type=float, default=1.0)
-    parser.add_argument("--averaging-timeout", type=float, default=10.0)
+    add_option(parser, "--target_batch_size", type=int, default=256)
+    add_option(parser, "--batch_size", type=int, default=16)
+    add_option(parser, "--matchmaking_time", type=float, default=1.0)
+    add_option(parser, "--averaging_timeout", type=float, default=10.0)
     parser.add_argument("--lr", type=float, default=0.01)
     return parser
 

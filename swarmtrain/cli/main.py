@@ -1,15 +1,20 @@
-"""``swarmtrain`` command line: ``swarmtrain demo``, ``swarmtrain node``."""
+"""swarmtrain command line: `swarmtrain demo` trains a model with local peers, `swarmtrain node`
+runs a DHT bootstrap peer (`swarmtrain COMMAND --help` for each)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+import swarmtrain
 from swarmtrain.cli import demo, node
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmtrain", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"swarmtrain {swarmtrain.__version__}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     demo.add_arguments(commands.add_parser("demo", help=demo.HELP, description=demo.HELP))
     node.add_arguments(

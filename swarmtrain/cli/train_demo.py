@@ -48,9 +48,9 @@ class DemoOptions:
         if self.duration is not None and self.duration <= 0:
             raise ValueError(f"--duration must be positive, got {self.duration}")
         if self.batch_size < 1 or self.target_batch_size < self.batch_size:
-            raise ValueError("need 1 <= --batch-size <= --target-batch-size")
+            raise ValueError("need 1 <= --batch_size <= --target_batch_size")
         if self.matchmaking_time <= 0:
-            raise ValueError("--matchmaking-time must be positive")
+            raise ValueError("--matchmaking_time must be positive")
 
 
 @dataclass
@@ -113,14 +113,14 @@ class TrainingDemo:
     def _command(self, index: int) -> list[str]:
         o = self.options
         command = [sys.executable, "-m", "swarmtrain.cli.demo_peer", "--index", str(index)]
-        command += ["--peers", str(o.peers), "--target-batch-size", str(o.target_batch_size)]
+        command += ["--peers", str(o.peers), "--target_batch_size", str(o.target_batch_size)]
         command += [
-            "--batch-size",
+            "--batch_size",
             str(o.batch_size),
-            "--matchmaking-time",
+            "--matchmaking_time",
             str(o.matchmaking_time),
         ]
-        command += ["--run-id", f"demo{os.getpid()}"]
+        command += ["--run_id", f"demo{os.getpid()}"]
         if o.epochs is not None:
             command += ["--epochs", str(o.epochs)]
         return command

@@ -107,6 +107,7 @@ from swarmtrain.optim.diloco_state import (
     shared_fingerprint,
     unpack_state,
 )
+from swarmtrain.utils.logs import show_logs
 
 __all__ = [
     "STATE_FORMAT",
@@ -214,7 +215,7 @@ class DiLoCoOptimizer:
       training
     :param alpha: in ``[0, 1)``: weight the local parameters keep when a delayed result arrives
     :param load_state_timeout: default bound for :meth:`load_state_from_peers`
-    :param verbose: log each round at INFO (else DEBUG)
+    :param verbose: log each round at INFO (else DEBUG) and show swarmtrain's logs on stderr
     """
 
     def __init__(
@@ -287,6 +288,8 @@ class DiLoCoOptimizer:
         self.averaging_timeout = float(averaging_timeout)
         self.load_state_timeout = float(load_state_timeout)
         self.verbose = verbose
+        if verbose:
+            show_logs()
         self._outer = OuterState(self._params, outer_optimizer)
         # Guards the outer state, the step counters and the rounds in flight: the training
         # thread changes them, the averager's worker thread reads them for newcomers.

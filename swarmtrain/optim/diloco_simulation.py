@@ -14,7 +14,8 @@ DiLoCo and compression cost in loss::
     python -m swarmtrain.optim.diloco_simulation --workers 4 --inner-steps 10 --outer-steps 30
 
 The model is a tiny byte-level causal transformer; the text is the Python standard library's
-own ``.py`` files (no download). Runs are deterministic for a given seed on a given machine.
+own ``.py`` files (no download; ``stdlib_text``, ``TextData`` and ``BatchSampler`` are exported
+here for scripts that train on it). Runs are deterministic for a given seed on a given machine.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ if TYPE_CHECKING:
     from swarmtrain.compression import CompressionBase
 
 __all__ = [
+    "BatchSampler",
     "InnerOptimizerFactory",
     "SimulationConfig",
     "SimulationResult",
+    "TextData",
     "TinyTransformer",
     "TinyTransformerConfig",
     "default_inner_optimizer",
@@ -57,6 +60,7 @@ __all__ = [
     "evaluate",
     "run_data_parallel",
     "run_diloco",
+    "stdlib_text",
     "warmup_cosine",
 ]
 

@@ -92,6 +92,7 @@ from swarmtrain.optim.state_averager import (
     TrainingStateAverager,
 )
 from swarmtrain.optim.swarm_health import SwarmHealth, describe_parameters
+from swarmtrain.utils.logs import show_logs
 
 __all__ = ["Optimizer"]
 
@@ -146,7 +147,8 @@ class Optimizer(EpochUpdates):
       statistics; CPU tensors with ``offload_optimizer``)
     :param averager_opts: more ``AveragerConfig`` keywords for both averagers
     :param tracker_opts: more ``ProgressTracker`` keywords
-    :param verbose: log progress at INFO level (else DEBUG)
+    :param verbose: log progress at INFO level (else DEBUG) and show swarmtrain's logs on stderr
+      (``swarmtrain.utils.logs``)
     """
 
     def __init__(
@@ -236,6 +238,8 @@ class Optimizer(EpochUpdates):
         self.delay_grad_averaging = bool(delay_grad_averaging) and not self.auxiliary
         self.delay_state_averaging = bool(delay_state_averaging)
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
+        if verbose:
+            show_logs()
         self.local_samples_accumulated = 0.0  #: this epoch, this peer
         self.last_epoch_samples = 0.0  #: samples this peer contributed to its last epoch
         self.skipped_batches = 0  #: batches dropped for non-finite gradients (grad_scaler)

@@ -132,6 +132,7 @@ class AsyncProgressTracker:
         self._validator = validator
         self._pubsub = pubsub
         self._status_loglevel = status_loglevel
+        self._last_status: tuple[int, int] | None = None  # (epoch, peers) last logged at it
         self._shutdown_timeout = shutdown_timeout
         self._changed = trio.Event()
         self._lock = threading.Lock()  # the core: the loop's tasks and the trainer's thread
@@ -239,10 +240,13 @@ class AsyncProgressTracker:
                 try:
                     yield self
                 finally:
+                    # Stop storing and gossiping first: a record stored after the departure
+                    # (a report just before shutdown) would outlive it and announce this peer
+                    # at its last epoch for metadata_expiration seconds after it left.
+                    nursery.cancel_scope.cancel()
                     with trio.CancelScope(shield=True):
                         with trio.move_on_after(self._shutdown_timeout):
                             await self._say_goodbye()
-                    nursery.cancel_scope.cancel()
 
     async def _say_goodbye(self) -> None:
         """Tell the swarm this peer left (hivemind stores None under its subkey)."""
@@ -468,8 +472,12 @@ class AsyncProgressTracker:
         now = get_dht_time()
         with self._lock:
             progress = self._core.on_fetch(entries, now)
+        # at the status level once per epoch and change of peers; every fetch at DEBUG
+        status = (progress.epoch, progress.num_peers)
+        level = self._status_loglevel if status != self._last_status else logging.DEBUG
+        self._last_status = status
         logger.log(
-            self._status_loglevel,
+            level,
             "%s: %d samples of %d for epoch #%d from %d peers; ETA %.2f s (next fetch in %.2f s)",
             self.prefix,
             progress.samples_accumulated,

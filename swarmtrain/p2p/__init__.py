@@ -5,6 +5,9 @@ from libp2p.peer.id import ID as PeerID
 
 from swarmtrain.p2p.autonat import Reachability as Reachability
 from swarmtrain.p2p.errors import (
+    AddressInUseError as AddressInUseError,
+)
+from swarmtrain.p2p.errors import (
     MessageTooLargeError as MessageTooLargeError,
 )
 from swarmtrain.p2p.errors import (
@@ -38,4 +41,23 @@ from swarmtrain.p2p.identity import load_or_create_identity as load_or_create_id
 from swarmtrain.p2p.rpc import Attached as Attached
 from swarmtrain.p2p.rpc import RPCContext as RPCContext
 
-__all__ = ["PeerID"]
+__all__ = [
+    "AddressInUseError",
+    "Attached",
+    "IdentityError",
+    "MessageTooLargeError",
+    "NoSuchMethodError",
+    "P2P",
+    "P2PConfig",
+    "P2PError",
+    "PeerID",
+    "PeerUnreachableError",
+    "RPCCancelledError",
+    "RPCContext",
+    "RPCError",
+    "RPCProtocolError",
+    "RPCTimeoutError",
+    "Reachability",
+    "RemoteError",
+    "load_or_create_identity",
+]

@@ -22,7 +22,9 @@
   restores identify on inbound connections.
 - Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values) and reports
   routine events (a peer closing during identify) as errors; its loggers stay at CRITICAL
-  unless the user configures them or sets ``SWARMTRAIN_LIBP2P_LOG_LEVEL``.
+  unless the user configures them or sets ``SWARMTRAIN_LIBP2P_LOG_LEVEL``. Its calls to the
+  root logger go to a module logger (``route_root_logging_calls``), so they never run an
+  implicit ``logging.basicConfig()`` that would swallow the application's own.
 
 These are module attributes of a pinned version; ``apply_libp2p_tuning`` checks the version
 and fails loudly if the attributes moved.
@@ -78,6 +80,7 @@ def apply_libp2p_tuning(*, quiet_logging: bool = True) -> None:
     pipeline_multistream_select()
     if os.environ.get("SWARMTRAIN_IDENTIFY_INBOUND") != "1":
         identify_dialled_peers_only()
+    route_root_logging_calls()  # a correctness fix for the application's logging: always on
     if quiet_logging:
         # py-libp2p logs expected events (a peer closing during identify) at ERROR level.
         # (py-libp2p itself sets WARNING with no handler, so Python's last-resort handler prints
@@ -86,6 +89,32 @@ def apply_libp2p_tuning(*, quiet_logging: bool = True) -> None:
             level = os.environ.get("SWARMTRAIN_LIBP2P_LOG_LEVEL", "CRITICAL").upper()
             logging.getLogger("libp2p").setLevel(getattr(logging, level, logging.CRITICAL))
     _applied = True
+
+
+#: py-libp2p modules that log through the ``logging`` module's functions (the root logger)
+ROOT_LOGGING_MODULES = ("libp2p.network.connection.swarm_connection",)
+
+
+def route_root_logging_calls() -> None:
+    """Send py-libp2p's ``logging.debug(...)``-style calls to a module logger, idempotently.
+
+    py-libp2p 0.8.1's ``swarm_connection`` logs with ``logging.debug/warning(...)``: the root
+    logger, and when the root logger has no handler yet, each such call runs
+    ``logging.basicConfig()``. That happened as soon as two peers connected; the application's
+    own ``logging.basicConfig(level=...)`` afterwards was then silently ignored. Here the
+    module's ``logging`` name is bound to ``logging.getLogger(<module name>)`` (a logger has the
+    same ``debug/info/warning/error/exception`` methods), under ``libp2p`` like its other logs.
+    """
+    import importlib
+
+    for name in ROOT_LOGGING_MODULES:
+        module = importlib.import_module(name)
+        current = getattr(module, "logging", None)
+        if isinstance(current, logging.Logger):
+            continue
+        if current is not logging:
+            raise RuntimeError(f"libp2p internals changed: {name}.logging is not the module")
+        module.logging = logging.getLogger(name)
 
 
 def identify_dialled_peers_only() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class P2PError(Exception):
     """Base class of all swarmtrain.p2p errors."""
@@ -43,3 +45,21 @@ class RPCCancelledError(RPCError):
 
 class RPCTimeoutError(RPCError, TimeoutError):
     """The call (or the next message of a stream) did not complete within its timeout."""
+
+
+class AddressInUseError(P2PError, OSError):
+    """Another socket (often another swarmtrain peer) already listens on this address.
+
+    An ``OSError`` with ``errno.EADDRINUSE``; ``address`` is the multiaddr we could not take.
+    """
+
+    def __init__(self, address: str):
+        message = (
+            f"cannot listen on {address}: the address is already in use (another peer or "
+            "process listens there); stop it, or pick another port (tcp/0 picks a free one)"
+        )
+        super().__init__(errno.EADDRINUSE, message)
+        self.address = address
+
+    def __str__(self) -> str:
+        return self.strerror

@@ -35,6 +35,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from swarmtrain.p2p import rpc, rpc_client
 from swarmtrain.p2p._tuning import apply_libp2p_tuning
+from swarmtrain.p2p.addresses import expand_unspecified
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
 from swarmtrain.p2p.dialling import Dialling, as_peer_id
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, RPCTimeoutError
@@ -45,6 +46,7 @@ from swarmtrain.p2p.lane import (
     lane_listen_host,
     lanes_disabled_by_env,
 )
+from swarmtrain.p2p.listen_check import check_addresses_free
 from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.utils.exception_groups import collapse_exception_groups
@@ -214,6 +216,7 @@ class P2P(Dialling):
         apply_libp2p_tuning(quiet_logging=config.quiet_logging)
         key_pair = load_or_create_identity(config.identity_path)
         listen = [] if config.client_mode else [_with_ws_port(a) for a in config.host_maddrs]
+        check_addresses_free(listen)
         host = _build_host(key_pair, config)
         self = cls(host, key_pair, config)
         host.set_stream_handler(rpc.RPC_PROTOCOL_ID, self._on_rpc_stream)
@@ -298,8 +301,10 @@ class P2P(Dialling):
     # --------------------------------------------------------------- addresses
 
     def get_visible_maddrs(self) -> list[str]:
-        """Multiaddrs (ending in /p2p/<id>) other peers can pass as ``initial_peers``."""
-        addrs = [str(a) for a in self._host.get_addrs()]
+        """Multiaddrs (ending in /p2p/<id>) other peers can pass as ``initial_peers``; a host
+        listening on ``0.0.0.0`` / ``::`` lists each IP of this machine instead (default route
+        first, loopback last: ``swarmtrain.p2p.addresses``)."""
+        addrs = expand_unspecified(str(a) for a in self._host.get_addrs())
         if self.relay is not None:
             addrs += self.relay.circuit_addrs()
         return addrs

@@ -19,6 +19,7 @@ stream; a peer whose lane failed is not tried again for ``RETRY_AFTER`` seconds.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import trio
 from libp2p.network.stream.exceptions import StreamError, StreamReset
 
+from swarmtrain.p2p.errors import AddressInUseError
 from swarmtrain.p2p.lane_records import (
     KEY_SIZE,
     TICKET_ID_SIZE,
@@ -112,7 +114,14 @@ class DataLanes:
         family = socket.AF_INET6 if ":" in self._listen_host else socket.AF_INET
         listener = trio.socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        await listener.bind((self._listen_host, self._port))
+        try:
+            await listener.bind((self._listen_host, self._port))
+        except OSError as e:
+            listener.close()
+            if e.errno == errno.EADDRINUSE:
+                where = f"{self._listen_host} port {self._port} (data lanes)"
+                raise AddressInUseError(where) from None
+            raise
         listener.listen(128)
         self._listener = listener
         self._p2p.add_protobuf_handler(TICKET_METHOD, self._issue_ticket, p2p_pb2.LaneTicketRequest)

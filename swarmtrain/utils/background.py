@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from swarmtrain.utils import exit_shutdown
+
 T = TypeVar("T")
 
 
@@ -153,6 +155,7 @@ class BackgroundService:
     _service: Any = None
     _stop: Callable[[], None] | None = None
     _shut_down = False
+    _pid: int | None = None  # the process that started it
 
     def _start_in_background(self, factory: Callable[[], AbstractAsyncContextManager[T]]) -> T:
         if self._runtime is not None or self._shut_down:
@@ -164,17 +167,28 @@ class BackgroundService:
             runtime.release()
             raise
         self._runtime = runtime
+        self._pid = os.getpid()
+        exit_shutdown.track(self)  # a script that ends without shutdown() still leaves cleanly
         return self._service
 
+    def _forked(self) -> bool:
+        """Whether this is a child forked after the object started (its loop thread is gone)."""
+        return self._pid is not None and self._pid != os.getpid()
+
     def is_alive(self) -> bool:
-        return self._runtime is not None and not self._shut_down
+        return self._runtime is not None and not self._shut_down and not self._forked()
 
     def shutdown(self) -> None:
-        """Close the object; the background loop stops when nothing else uses it."""
+        """Close the object; the background loop stops when nothing else uses it.
+
+        In a process forked after the object started, this only marks it shut down here: the
+        host, its sockets and its loop belong to the parent.
+        """
         if self._shut_down:
             return
         self._shut_down = True
-        if self._runtime is None:
+        exit_shutdown.forget(self)
+        if self._runtime is None or self._forked():
             return
         try:
             if self._stop is not None:
@@ -189,6 +203,12 @@ class BackgroundService:
         self.shutdown()
 
     def _running(self) -> tuple[BackgroundRuntime, Any]:
+        if self._forked():
+            raise RuntimeError(
+                f"{self._service_name} was created in process {self._pid}, and this is process "
+                f"{os.getpid()} (forked from it, e.g. a DataLoader worker): its background loop "
+                "does not exist here. Create it after the fork, in the process that uses it"
+            )
         if self._runtime is None or self._service is None:
             raise RuntimeError(f"{self._service_name} is not running: start it first")
         if self._shut_down:
