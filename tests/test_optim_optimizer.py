@@ -75,7 +75,7 @@ class Peer:
         self.opt = Optimizer(
             dht=dht,
             run_id="regression",
-            target_batch_size=TARGET,
+            target_batch_size=opts.pop("target_batch_size", TARGET),
             params=self.model.parameters(),
             **{
                 "batch_size_per_step": BATCH,
@@ -237,6 +237,62 @@ def test_late_joiner_loads_state_and_catches_up(dhts):
                     assert (a - b).abs().max() < 1.0
     finally:
         for peer in [*first, *([joiner] if joiner else [])]:
+            peer.opt.shutdown()
+
+
+@pytest.mark.parametrize(
+    "stepped_before", [False, True], ids=["loads-the-state", "takes-the-group-epoch"]
+)
+def test_a_peer_one_epoch_behind_gets_back_in_step_within_one_epoch(dhts, stepped_before):
+    # The first-use review (section 2): a peer that sat out until the swarm was one epoch ahead
+    # ended its epoch alone ("the swarm moved past epoch N"), and its synchronous state round
+    # waited for the swarm's, at the swarm's next epoch end: it entered each epoch as the swarm
+    # left it, one epoch behind for good, its gradients never averaged again. Now it catches
+    # up: if its first look at the epoch saw the swarm past it, it loads the state; if it had
+    # seen the swarm in its epoch (stepped_before), its state round makes it hold the group's
+    # state, and it takes the group's epoch.
+    target = 2 * TARGET  # epochs of ~2 s: the late peer's failed round fits well inside one
+    peers = [
+        Peer(dht, i, delay_state_averaging=False, target_batch_size=target)
+        for i, dht in enumerate(dhts(3))
+    ]
+    late, others = peers[2], peers[:2]
+    try:
+        in_threads(*(lambda p=p: p.opt.wait_for_peers(3, timeout=20) for p in peers))
+        in_threads(*(lambda p=p: p.train_until(2, pause=0.1) for p in peers))
+        late.snapshots.clear()
+        behind_at: list[int] = []
+
+        def sit_out_one_epoch_then_train() -> None:
+            opt, tracker = late.opt, late.opt.tracker
+            if stepped_before:
+                rows = late.shard[:BATCH]
+                torch.nn.functional.mse_loss(late.model(X[rows]), Y[rows]).backward()
+                opt.step()
+                opt.zero_grad()
+            stop = time.monotonic() + 30
+            while not (
+                tracker.global_epoch == opt.local_epoch + 1
+                and tracker.global_progress.samples_accumulated > 0
+            ):  # the others finished our epoch without us and work on the next one
+                assert time.monotonic() < stop and tracker.global_epoch <= opt.local_epoch + 1
+                time.sleep(0.01)
+            behind_at.append(opt.local_epoch)
+            late.train_until(5, pause=0.1)
+
+        in_threads(
+            sit_out_one_epoch_then_train, *(lambda p=p: p.train_until(5, pause=0.1) for p in others)
+        )
+        (epoch,) = behind_at
+        # in step by the end of the swarm's epoch (epoch + 1), holding the others' model
+        assert min(late.snapshots) <= epoch + 2, sorted(late.snapshots)
+        for e in late.snapshots:
+            for other in others:
+                assert_same_params(late.snapshots[e], other.snapshots[e])
+        assert late.opt.local_epoch == 5
+        assert {p.opt.local_epoch for p in others} == {5}
+    finally:
+        for peer in peers:
             peer.opt.shutdown()
 
 

@@ -13,8 +13,10 @@ Each peer calls ``step()`` after every local backward pass, like a torch optimiz
 What a step does (hivemind's semantics):
 
 1. delayed updates that finished in the background are applied to the model;
-2. a peer whose ``local_epoch`` is more than one epoch behind the swarm loads the training state
-   from peers (:meth:`Optimizer.load_state_from_peers`) and returns;
+2. a peer behind the swarm loads the training state from peers
+   (:meth:`Optimizer.load_state_from_peers`) and returns: two or more epochs behind, or one
+   epoch behind in an epoch the swarm had already left when this peer entered it (see
+   ``swarmtrain.optim._epoch_sync``; with no donor it takes the swarm's epoch instead);
 3. the gradients are added to the accumulators (``GradientAverager.accumulate_grads_``) and the
    number of samples accumulated this epoch is reported (``ProgressTracker``); once the swarm is
    expected to reach ``target_batch_size`` within ``matchmaking_time`` (the tracker's ETA), the
@@ -79,6 +81,7 @@ import torch
 
 from swarmtrain.dht import get_dht_time
 from swarmtrain.optim._epoch_gradients import GradientRounds
+from swarmtrain.optim._epoch_sync import EpochSync
 from swarmtrain.optim._epoch_update import EpochUpdates, scaler_method
 from swarmtrain.optim._optimizer_options import check_positive, resolve_modes
 from swarmtrain.optim.grad_averager import GradientAverager
@@ -258,6 +261,7 @@ class Optimizer(EpochUpdates):
         self._last_progress: GlobalProgress | None = None  # the tracker's, at the last step
         self._gradients_consumed = threading.Event()  # the optimizer took the last round's result
         self._gradients_consumed.set()
+        self._epoch_sync = EpochSync()  # whether a peer one epoch behind must catch up
         try:
             state_opts = dict(common)
             if state_averaging_compression is not None:
@@ -394,7 +398,8 @@ class Optimizer(EpochUpdates):
         return self._rounds.alone if self._rounds is not None else 0
 
     def is_synchronized_with_peers(self) -> bool:
-        """Whether this peer is at most one epoch behind the swarm (else it must load state)."""
+        """Whether this peer is at most one epoch behind the swarm (hivemind's test; a peer one
+        epoch behind may still have to catch up, see ``swarmtrain.optim._epoch_sync``)."""
         return self.local_epoch >= self._tracker.global_epoch - 1
 
     def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> int:
@@ -478,15 +483,8 @@ class Optimizer(EpochUpdates):
 
         tracker = self._tracker  # two calls into it per step: report, then read the swarm
         progress = self._last_progress or tracker.global_progress
-        if self.local_epoch < progress.epoch - 1 and not self.is_synchronized_with_peers():
-            logger.warning(
-                "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
-                self.run_id,
-                self.local_epoch,
-                tracker.global_epoch,
-            )
-            self._last_progress = None
-            self.load_state_from_peers()
+        if self._is_behind(progress.epoch) and self._is_behind(tracker.global_epoch):
+            self._catch_up()
             return loss
 
         if not self.auxiliary:
@@ -512,6 +510,48 @@ class Optimizer(EpochUpdates):
         return loss
 
     # ------------------------------------------------------------------ state
+
+    def _is_behind(self, swarm_epoch: int) -> bool:
+        """Whether this peer must catch up with the swarm (``swarmtrain.optim._epoch_sync``);
+        an auxiliary peer catches up by itself when it misses a round, so only when two or more
+        epochs behind."""
+        if self.auxiliary:
+            return self.local_epoch < swarm_epoch - 1
+        return self._epoch_sync.must_catch_up(self.local_epoch, swarm_epoch)
+
+    def _catch_up(self) -> None:
+        """Load the state from peers; if none can serve it and the swarm is one epoch ahead,
+        take the swarm's epoch with this peer's own state (its next state round pulls it in),
+        rather than stay a step behind and average no gradients ever again."""
+        logger.warning(
+            "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
+            self.run_id,
+            self.local_epoch,
+            self._tracker.global_epoch,
+        )
+        self._last_progress = None
+        if self.load_state_from_peers():
+            return
+        swarm_epoch = self._tracker.global_epoch
+        if not self.auxiliary and swarm_epoch == self.local_epoch + 1:
+            logger.warning(
+                "%s: no peer served its state: moving to the swarm's epoch %d with this peer's "
+                "own parameters",
+                self.run_id,
+                swarm_epoch,
+            )
+            self._enter_epoch(swarm_epoch)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` afresh: drop the accumulated gradients, tell the tracker, serve the
+        state with that priority."""
+        self._state_averager.local_epoch = epoch
+        if self.grad_averager is not None:
+            self.grad_averager.reset_accumulated_grads_()
+        self.local_samples_accumulated = 0.0
+        self._tracker.update_epoch(epoch)
+        if not self.client_mode:
+            self._state_averager.state_sharing_priority = epoch
 
     def load_state_from_peers(self, timeout: float | None = None) -> bool:
         """Download the training state (parameters, optimizer and scheduler state, epoch) from
@@ -542,14 +582,10 @@ class Optimizer(EpochUpdates):
             logger.warning("%s: could not load the training state from peers", self.run_id)
             return False
         global_epoch = tracker.global_epoch
-        if global_epoch - 1 <= state_averager.local_epoch < global_epoch:
-            state_averager.local_epoch = global_epoch  # the donor was about to move on
-        if self.grad_averager is not None:
-            self.grad_averager.reset_accumulated_grads_()
-        self.local_samples_accumulated = 0.0
-        tracker.update_epoch(state_averager.local_epoch)
-        if not self.client_mode:
-            state_averager.state_sharing_priority = self.local_epoch
+        epoch = state_averager.local_epoch
+        if global_epoch - 1 <= epoch < global_epoch:
+            epoch = global_epoch  # the donor was about to move on
+        self._enter_epoch(epoch)
         logger.log(
             self.status_loglevel,
             "%s: loaded the training state, now at epoch %d",
