@@ -382,6 +382,7 @@ class TrainingStateAverager(DecentralizedAverager):
         increment_epoch: bool = False,
         optimizer_step: bool = False,
         zero_grad: bool = False,
+        set_to_none: bool = True,
         delay_optimizer_step: bool = False,
         averaging_round: bool = False,
         delay_averaging: bool | None = None,
@@ -395,7 +396,9 @@ class TrainingStateAverager(DecentralizedAverager):
           ``averaging_round``, or with ``delta_rule_averaging`` when anything is done)
         :param apply_delayed_updates: apply delayed phases that have finished
         :param increment_epoch: ``local_epoch += 1`` (the scheduler follows at the next phase)
-        :param optimizer_step: one optimizer step; ``zero_grad``: then zero the gradients
+        :param optimizer_step: one optimizer step; ``zero_grad``: then reset the gradients (the
+          optimizer's and, with ``offload_optimizer``, the model's), to None if ``set_to_none``
+          (torch's default) else to zeros
         :param delay_optimizer_step: run them in the background (needs ``offload_optimizer``
           and delayed averaging); the model gets the new values at a later ``step``
         :param averaging_round: average with a group; ``delay_averaging`` (default:
@@ -452,10 +455,10 @@ class TrainingStateAverager(DecentralizedAverager):
             control = self._prepare_round(averaging_control, dict(averaging_opts or {}))
 
         if delay_optimizer_step:
-            self._submit(wait_for_trigger, optimizer_step, zero_grad, control)
+            self._submit(wait_for_trigger, optimizer_step, zero_grad, control, set_to_none)
             return None
         try:
-            self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad)
+            self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad, set_to_none)
         except BaseException:
             if control is not None:
                 control.cancel()
@@ -484,7 +487,11 @@ class TrainingStateAverager(DecentralizedAverager):
         return control
 
     def _optimizer_phase(
-        self, wait_for_trigger: Callable[[], Any] | None, optimizer_step: bool, zero_grad: bool
+        self,
+        wait_for_trigger: Callable[[], Any] | None,
+        optimizer_step: bool,
+        zero_grad: bool,
+        set_to_none: bool = True,
     ) -> None:
         if wait_for_trigger is not None:
             wait_for_trigger()
@@ -493,10 +500,12 @@ class TrainingStateAverager(DecentralizedAverager):
                 with self.lock_averaged_tensors if self.reuse_tensors else nullcontext():
                     self.optimizer.step()
             if zero_grad:
-                self.optimizer.zero_grad()
+                self.optimizer.zero_grad(set_to_none=set_to_none)
                 if self.offload_optimizer:
                     for param in self.main_parameters:
-                        if param.grad is not None:
+                        if set_to_none:
+                            param.grad = None
+                        elif param.grad is not None:
                             param.grad.zero_()
             self._update_scheduler()
 
@@ -544,12 +553,18 @@ class TrainingStateAverager(DecentralizedAverager):
         optimizer_step: bool,
         zero_grad: bool,
         control: StepControl | None,
+        set_to_none: bool = True,
     ) -> None:
         """Run :meth:`_background_phases` in the worker thread."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="swarmtrain-state-averager")
         future = self._executor.submit(
-            self._background_phases, wait_for_trigger, optimizer_step, zero_grad, control
+            self._background_phases,
+            wait_for_trigger,
+            optimizer_step,
+            zero_grad,
+            control,
+            set_to_none,
         )
         self._pending.add(future)
         if control is not None:
@@ -561,11 +576,12 @@ class TrainingStateAverager(DecentralizedAverager):
         optimizer_step: bool,
         zero_grad: bool,
         control: StepControl | None,
+        set_to_none: bool = True,
     ) -> dict | None:
         """A delayed optimizer step and/or averaging round (in the worker thread)."""
         if optimizer_step or zero_grad or wait_for_trigger is not None:
             try:
-                self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad)
+                self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad, set_to_none)
             except Exception:
                 logger.exception("a delayed optimizer step failed; its averaging round is dropped")
                 if control is not None:
