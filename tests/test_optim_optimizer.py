@@ -343,6 +343,8 @@ def test_state_dict_round_trip_and_context_manager(dhts):
     ("kwargs", "error", "match"),
     [
         ({"run_id": ""}, ValueError, "run_id"),
+        ({"run_id": "my.run"}, ValueError, "run_id must not contain '.'"),
+        ({"run_id": "my::run"}, ValueError, "run_id must not contain"),
         ({"target_batch_size": 0}, ValueError, "target_batch_size"),
         ({"target_batch_size": 1.5}, TypeError, "target_batch_size"),
         ({"batch_size_per_step": -1}, ValueError, "batch_size_per_step"),
@@ -401,3 +403,40 @@ def test_a_factory_needs_params(dhts):
             target_batch_size=8,
             optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         )
+
+
+@pytest.mark.parametrize("client_mode", [None, False])
+@pytest.mark.parametrize("dht", [None, "/ip4/127.0.0.1/tcp/31337"])
+def test_dht_must_be_a_dht(dht, client_mode):
+    model = make_model()
+    with pytest.raises(TypeError, match=r"dht must be a running swarmtrain\.DHT, got"):
+        Optimizer(
+            dht=dht,
+            run_id="run",
+            target_batch_size=8,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            client_mode=client_mode,
+        )
+
+
+def test_an_optimizer_whose_dht_was_shut_down_raises(dhts):
+    (dht,) = dhts(1)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = Optimizer(
+        dht=dht, run_id="orphan", target_batch_size=8, batch_size_per_step=2, optimizer=sgd, **FAST
+    )
+    try:
+        model(X[:2]).sum().backward()
+        opt.step()
+        dht.shutdown()
+        # it used to go on training alone, silently
+        for call in (opt.step, opt.load_state_from_peers, lambda: opt.wait_for_peers(2, 1.0)):
+            with pytest.raises(RuntimeError, match="the DHT of this Optimizer was shut down"):
+                call()
+        with pytest.raises(RuntimeError, match="dht is not running"):
+            Optimizer(
+                dht=dht, run_id="orphan", target_batch_size=8, optimizer=sgd, client_mode=False
+            )
+    finally:
+        opt.shutdown()

@@ -79,7 +79,7 @@ from typing import Any, Union
 
 import torch
 
-from swarmtrain.dht import get_dht_time
+from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.optim._epoch_gradients import GradientRounds
 from swarmtrain.optim._epoch_sync import EpochSync
 from swarmtrain.optim._epoch_update import EpochUpdates, scaler_method
@@ -102,6 +102,16 @@ logger = logging.getLogger(__name__)
 _EPOCH_KEY = "swarmtrain_local_epoch"
 _SCHEDULER_KEY = "swarmtrain_scheduler"
 GradientAveragerFactory = Callable[..., GradientAverager]
+
+
+def _check_dht(dht: Any) -> None:
+    if not isinstance(dht, DHT):
+        raise TypeError(
+            f"dht must be a running swarmtrain.DHT, got {type(dht).__name__}: create one with "
+            "swarmtrain.DHT(initial_peers=[...])"
+        )
+    if not dht.is_alive():
+        raise RuntimeError("dht is not running (it was shut down, or made with start=False)")
 
 
 class Optimizer(EpochUpdates):
@@ -187,6 +197,11 @@ class Optimizer(EpochUpdates):
     ):
         if not isinstance(run_id, str) or not run_id:
             raise ValueError("run_id must be a non-empty string")
+        if "." in run_id or "::" in run_id:
+            raise ValueError(
+                f"run_id must not contain '.' or '::' (they separate the parts of the run's DHT "
+                f"keys and RPC names), got {run_id!r}"
+            )
         if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int):
             raise TypeError(f"target_batch_size must be an int, got {target_batch_size!r}")
         check_positive("target_batch_size", target_batch_size)
@@ -203,6 +218,7 @@ class Optimizer(EpochUpdates):
         ):
             raise ValueError(f"average_state_every must be an int >= 1, got {average_state_every}")
         if client_mode is None:
+            _check_dht(dht)
             client_mode = bool(dht.client_mode)
         offload_optimizer, delay_optimizer_step = resolve_modes(
             optimizer=optimizer,
@@ -222,6 +238,7 @@ class Optimizer(EpochUpdates):
                 raise TypeError(f"{name} must be a dict of keywords")
         if tracker_opts and "client_mode" in tracker_opts:
             raise ValueError("pass client_mode to the Optimizer, not in tracker_opts")
+        _check_dht(dht)
 
         self.dht, self.run_id = dht, run_id
         self.target_batch_size = target_batch_size
@@ -356,6 +373,14 @@ class Optimizer(EpochUpdates):
             raise RuntimeError("this Optimizer was shut down")
         return self.state_averager
 
+    def _check_dht_alive(self) -> None:
+        """Raise if the DHT was shut down: the averagers would go on without peers, silently."""
+        if not self.dht.is_alive():
+            raise RuntimeError(
+                f"{self.run_id}: the DHT of this Optimizer was shut down, so it cannot reach its "
+                "peers: shut the Optimizer down before its DHT"
+            )
+
     @property
     def _tracker(self) -> ProgressTracker:
         if self.tracker is None:
@@ -411,6 +436,7 @@ class Optimizer(EpochUpdates):
         check_positive("num_peers", num_peers)
         check_positive("timeout", timeout)
         tracker = self._tracker
+        self._check_dht_alive()
         if not self.auxiliary:  # an auxiliary peer publishes no progress and is not counted
             tracker.announce()
         deadline = time.monotonic() + timeout
@@ -470,6 +496,7 @@ class Optimizer(EpochUpdates):
             scaler_method(grad_scaler, "unscale_swarm_grads_")
             scaler_method(grad_scaler, "on_swarm_epoch_end_")
         state_averager = self._state_averager
+        self._check_dht_alive()
         state_averager.step(apply_delayed_updates=True)  # what finished in the background
         loss = None
         if closure is not None:
@@ -560,6 +587,7 @@ class Optimizer(EpochUpdates):
         timeout = self.load_state_timeout if timeout is None else timeout
         check_positive("timeout", timeout)
         state_averager, tracker = self._state_averager, self._tracker
+        self._check_dht_alive()
         if self._rounds is not None:
             self._rounds.tag_along()
         state_averager.step(wait_for_delayed_updates=True)
