@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from swarmtrain.dht import DHT
+from swarmtrain.averaging.state_sharing import state_sharing_key
+from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.optim import Optimizer
 from swarmtrain.optim.grad_scaler import GradScaler
 from swarmtrain.utils.background import BackgroundRuntime
@@ -440,3 +442,76 @@ def test_an_optimizer_whose_dht_was_shut_down_raises(dhts):
             )
     finally:
         opt.shutdown()
+
+
+def test_a_lone_peer_has_nothing_to_load_and_returns_at_once(dhts, caplog):
+    (dht,) = dhts(1)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Optimizer(dht=dht, run_id="lonely", target_batch_size=8, optimizer=sgd) as opt:
+        caplog.set_level(logging.INFO, logger="swarmtrain.optim.optimizer")
+        started = time.monotonic()
+        assert opt.load_state_from_peers(timeout=60.0) is False
+        assert time.monotonic() - started < 10.0  # it waited the whole timeout (hivemind: none)
+        assert "no peer shares a training state" in caplog.text
+        assert "no other peers found" not in caplog.text
+
+
+def test_a_failing_donor_is_reported_once_with_the_reason(dhts, caplog):
+    first, other = dhts(2)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Optimizer(dht=first, run_id="baddonor", target_batch_size=8, optimizer=sgd) as opt:
+        # a peer declares a state but serves none (no averager of this run runs there)
+        key = state_sharing_key("baddonor_state_averager")
+        assert other.store(key, 5.0, get_dht_time() + 30, subkey=other.peer_id.to_bytes())
+        caplog.set_level(logging.DEBUG, logger="swarmtrain.averaging.state_sharing")
+        assert opt.load_state_from_peers(timeout=4.0) is False
+        said = [r for r in caplog.records if "could not load the state of" in r.getMessage()]
+        assert len(said) >= 2  # it retried while the donor was declared...
+        warned = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+        assert len(warned) == 1, warned  # ...and said why once, not once per attempt
+        assert str(other.peer_id) in warned[0] and "no handler named" in warned[0]
+        final = [r.getMessage() for r in caplog.records if "in 4 s" in r.getMessage()]
+        assert len(final) == 1 and str(other.peer_id) in final[0], final
+
+
+def test_a_peer_behind_with_no_donor_takes_the_swarm_epoch(dhts):
+    first, second = dhts(2)
+    ahead = Peer(first, 0, target_batch_size=8)
+    behind = None
+    try:
+        ahead.opt.state_averager.allow_state_sharing = False  # nobody can serve a state
+        ahead.train_until(3)
+        behind = Peer(second, 1, target_batch_size=8)
+        stop = time.monotonic() + 20
+        while behind.opt.global_epoch < 3:
+            assert time.monotonic() < stop, "the swarm's epoch never reached the newcomer"
+            behind.opt.tracker.refresh(timeout=5)
+        rows = behind.shard[:BATCH]
+        torch.nn.functional.mse_loss(behind.model(X[rows]), Y[rows]).backward()
+        started = time.monotonic()
+        behind.opt.step()  # 3 epochs behind, nothing to load: it used to retry every step
+        assert behind.opt.local_epoch == 3
+        assert time.monotonic() - started < 10.0  # not load_state_timeout
+    finally:
+        for peer in (ahead, *([behind] if behind else [])):
+            peer.opt.shutdown()
+
+
+def test_messages_name_the_optimizer_keyword_for_the_matchmaking_time(dhts):
+    (dht,) = dhts(1)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"request_timeout \(3.0\) must be below matchmaking_time"):
+        Optimizer(
+            dht=dht,
+            run_id="keywords",
+            target_batch_size=8,
+            optimizer=sgd,
+            matchmaking_time=2.0,
+            averager_opts={"request_timeout": 3.0},
+        )
+    with Optimizer(dht=dht, run_id="keywords", target_batch_size=8, optimizer=sgd) as opt:
+        for averager in (opt.state_averager, opt.grad_averager):
+            assert averager.config.matchmaking_time_keyword == "matchmaking_time"

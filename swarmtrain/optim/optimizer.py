@@ -261,6 +261,7 @@ class Optimizer(EpochUpdates):
 
         common: dict[str, Any] = {
             "min_matchmaking_time": self.matchmaking_time,
+            "matchmaking_time_keyword": "matchmaking_time",  # messages name our keyword
             "request_timeout": min(3.0, self.matchmaking_time / 2),
             "allreduce_timeout": self.averaging_timeout
             if allreduce_timeout is None
@@ -547,9 +548,10 @@ class Optimizer(EpochUpdates):
         return self._epoch_sync.must_catch_up(self.local_epoch, swarm_epoch)
 
     def _catch_up(self) -> None:
-        """Load the state from peers; if none can serve it and the swarm is one epoch ahead,
-        take the swarm's epoch with this peer's own state (its next state round pulls it in),
-        rather than stay a step behind and average no gradients ever again."""
+        """Load the state from peers; if none could serve it and the swarm is one epoch ahead
+        (or no peer shares a state at all), take the swarm's epoch with this peer's own state
+        (its next state round pulls it in), rather than stay behind and average no gradients
+        ever again."""
         logger.warning(
             "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
             self.run_id,
@@ -560,7 +562,11 @@ class Optimizer(EpochUpdates):
         if self.load_state_from_peers():
             return
         swarm_epoch = self._tracker.global_epoch
-        if not self.auxiliary and swarm_epoch == self.local_epoch + 1:
+        failure = self._state_averager.state_download_failure
+        no_donor = failure is not None and not failure.donors
+        if not self.auxiliary and (swarm_epoch == self.local_epoch + 1 or no_donor):
+            if swarm_epoch <= self.local_epoch:
+                return
             logger.warning(
                 "%s: no peer served its state: moving to the swarm's epoch %d with this peer's "
                 "own parameters",
@@ -582,8 +588,9 @@ class Optimizer(EpochUpdates):
 
     def load_state_from_peers(self, timeout: float | None = None) -> bool:
         """Download the training state (parameters, optimizer and scheduler state, epoch) from
-        a peer, retrying until ``timeout`` (default ``load_state_timeout``); the accumulated
-        gradients are dropped. Returns whether a state was loaded."""
+        a peer, retrying until ``timeout`` (default ``load_state_timeout``) while some peer
+        declares a state to share; returns False at once when none does (a lone first peer).
+        The accumulated gradients are dropped. Returns whether a state was loaded."""
         timeout = self.load_state_timeout if timeout is None else timeout
         check_positive("timeout", timeout)
         state_averager, tracker = self._state_averager, self._tracker
@@ -592,22 +599,38 @@ class Optimizer(EpochUpdates):
             self._rounds.tag_along()
         state_averager.step(wait_for_delayed_updates=True)
         deadline = time.monotonic() + timeout
-        loaded = False
+        loaded, detail = False, "no peer served a state in time"
+        errors: set[str] = set()  # each distinct error is logged once
         while not loaded:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            detail = "no peer served a state in time"
             try:
                 loaded = state_averager.load_state_from_peers(timeout=remaining)
             except Exception as e:
-                logger.warning("%s: loading state from peers failed: %r", self.run_id, e)
                 detail = repr(e)
+                if detail not in errors:
+                    errors.add(detail)
+                    logger.warning("%s: loading state from peers failed: %s", self.run_id, detail)
+            else:
+                failure = state_averager.state_download_failure
+                if not loaded and failure is not None:
+                    if not failure.donors:  # as hivemind: nothing to wait for
+                        logger.info(
+                            "%s: no peer shares a training state: nothing to load", self.run_id
+                        )
+                        return False
+                    detail = str(failure)
             self.health.observe_state_download(bool(loaded), "" if loaded else detail)
             if not loaded:
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         if not loaded:
-            logger.warning("%s: could not load the training state from peers", self.run_id)
+            logger.warning(
+                "%s: could not load the training state from peers in %.0f s (%s)",
+                self.run_id,
+                timeout,
+                detail,
+            )
             return False
         global_epoch = tracker.global_epoch
         epoch = state_averager.local_epoch

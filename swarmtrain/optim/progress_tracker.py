@@ -78,6 +78,7 @@ from .progress_core import (
     ProgressConfig,
     ProgressCore,
     ProgressWarning,
+    describe_eta,
 )
 from .progress_records import (
     _INVALID,
@@ -464,13 +465,13 @@ class AsyncProgressTracker:
             progress = self._core.on_fetch(entries, now)
         logger.log(
             self._status_loglevel,
-            "%s: %d samples of %d for epoch #%d from %d peers; ETA %.2f s (next fetch in %.2f s)",
+            "%s: %d samples of %d for epoch #%d from %d peers; ETA %s (next fetch in %.2f s)",
             self.prefix,
             progress.samples_accumulated,
             progress.target_batch_size,
             progress.epoch,
             progress.num_peers,
-            progress.eta_next_epoch - now,
+            describe_eta(progress, now),
             progress.next_fetch_time - now,
         )
         self._log_warnings(now)
