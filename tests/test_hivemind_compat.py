@@ -152,30 +152,30 @@ def test_gradient_averager_averaged_grads_are_the_averaged_buffers():
 
 @pytest.mark.parametrize("offload_optimizer", [False, True])
 def test_state_averager_zero_grad_sets_gradients_to_none_by_default(offload_optimizer):
+    """hivemind's ``TrainingStateAverager.step(zero_grad=True, set_to_none=...)``."""
     assert ZERO_GRAD_SET_TO_NONE_DEFAULT is True
     dht = DHT()
     try:
-        for set_to_none in (None, False):
-            model = torch.nn.Linear(2, 2)
-            extra = {} if set_to_none is None else {"set_to_none": set_to_none}
-            averager = TrainingStateAverager(
-                dht=dht,
-                optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                params=model.parameters(),
-                offload_optimizer=offload_optimizer,
-                prefix=f"zero_{offload_optimizer}_{set_to_none}",
-                start=True,
-                **extra,
-            )
-            try:
+        model = torch.nn.Linear(2, 2)
+        averager = TrainingStateAverager(
+            dht=dht,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            params=model.parameters(),
+            offload_optimizer=offload_optimizer,
+            prefix=f"zero_{offload_optimizer}",
+            start=True,
+        )
+        try:
+            for set_to_none in (None, False):
+                extra = {} if set_to_none is None else {"set_to_none": set_to_none}
                 model(torch.ones(2)).sum().backward()
-                averager.step(optimizer_step=True, zero_grad=True)
+                averager.step(optimizer_step=True, zero_grad=True, **extra)
                 if set_to_none is None:
                     assert model.weight.grad is None and model.bias.grad is None
                 else:
                     assert torch.equal(model.weight.grad, torch.zeros(2, 2))
-            finally:
-                averager.shutdown()
+        finally:
+            averager.shutdown()
     finally:
         dht.shutdown()
 

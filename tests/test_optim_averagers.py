@@ -334,7 +334,11 @@ def test_offloaded_optimizer_steps_on_a_cpu_copy_and_writes_back():
         for copy, main, expected in zip(copies, mains, want, strict=True):
             torch.testing.assert_close(copy.detach(), expected)  # stepped in fp32
             assert torch.equal(main.detach(), expected.to(torch.bfloat16))  # written back
-            assert main.grad is None  # set_to_none=True by default, as hivemind
+            assert main.grad is None  # torch's (and hivemind's) zero_grad: set_to_none=True
+        backward(models[0], 3, seed=8)
+        first.step(zero_grad=True, set_to_none=False)  # zero tensors instead
+        assert all(main.grad is not None and not main.grad.any() for main in mains)
+        assert all(copy.grad is not None and not copy.grad.any() for copy in copies)
 
         # A delayed step runs in the background; the model gets it at a later step().
         grads = backward(models[0], 3, seed=7)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from swarmtrain.dht import DHT
+from swarmtrain.averaging.state_sharing import state_sharing_key
+from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.optim import Optimizer
 from swarmtrain.optim.grad_scaler import GradScaler
 from swarmtrain.utils.background import BackgroundRuntime
@@ -75,7 +77,7 @@ class Peer:
         self.opt = Optimizer(
             dht=dht,
             run_id="regression",
-            target_batch_size=TARGET,
+            target_batch_size=opts.pop("target_batch_size", TARGET),
             params=self.model.parameters(),
             **{
                 "batch_size_per_step": BATCH,
@@ -240,6 +242,66 @@ def test_late_joiner_loads_state_and_catches_up(dhts):
             peer.opt.shutdown()
 
 
+@pytest.mark.parametrize(
+    "stepped_before", [False, True], ids=["loads-the-state", "takes-the-group-epoch"]
+)
+def test_a_peer_one_epoch_behind_gets_back_in_step_within_one_epoch(dhts, stepped_before):
+    # The first-use review (section 2): a peer that sat out until the swarm was one epoch ahead
+    # ended its epoch alone ("the swarm moved past epoch N"), and its synchronous state round
+    # waited for the swarm's, at the swarm's next epoch end: it entered each epoch as the swarm
+    # left it, one epoch behind for good, its gradients never averaged again. Now it catches
+    # up: if its first look at the epoch saw the swarm past it, it loads the state; if it had
+    # seen the swarm in its epoch (stepped_before), its state round makes it hold the group's
+    # state, and it takes the group's epoch.
+    target = 2 * TARGET  # epochs of ~2 s: the late peer's failed round fits well inside one
+    peers = [
+        Peer(dht, i, delay_state_averaging=False, target_batch_size=target)
+        for i, dht in enumerate(dhts(3))
+    ]
+    late, others = peers[2], peers[:2]
+    try:
+        in_threads(*(lambda p=p: p.opt.wait_for_peers(3, timeout=20) for p in peers))
+        in_threads(*(lambda p=p: p.train_until(2, pause=0.1) for p in peers))
+        late.snapshots.clear()
+        behind_at: list[int] = []
+
+        def sit_out_one_epoch_then_train() -> None:
+            opt, tracker = late.opt, late.opt.tracker
+            if stepped_before:
+                rows = late.shard[:BATCH]
+                torch.nn.functional.mse_loss(late.model(X[rows]), Y[rows]).backward()
+                opt.step()
+                opt.zero_grad()
+            stop = time.monotonic() + 30
+            while not (
+                tracker.global_epoch == opt.local_epoch + 1
+                and tracker.global_progress.samples_accumulated > 0
+            ):  # the others finished our epoch without us and work on the next one
+                assert time.monotonic() < stop and tracker.global_epoch <= opt.local_epoch + 1
+                time.sleep(0.01)
+            behind_at.append(opt.local_epoch)
+            late.train_until(5, pause=0.1)
+
+        in_threads(
+            sit_out_one_epoch_then_train, *(lambda p=p: p.train_until(5, pause=0.1) for p in others)
+        )
+        (epoch,) = behind_at
+        # in step by the end of the swarm's epoch (epoch + 1), holding the others' model (the
+        # old code reached epoch + 1 there, with the model the others had at epoch + 2)
+        caught_up = min(late.snapshots)
+        assert caught_up <= epoch + 2, sorted(late.snapshots)
+        # (on a loaded box another peer may miss a round too, and catch up past this epoch)
+        holders = [other for other in others if caught_up in other.snapshots]
+        assert holders, (caught_up, [sorted(other.snapshots) for other in others])
+        for other in holders:
+            assert_same_params(late.snapshots[caught_up], other.snapshots[caught_up])
+        assert late.opt.local_epoch == 5
+        assert {p.opt.local_epoch for p in others} == {5}
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+
+
 def test_local_updates_average_the_state(dhts):
     peers = [
         Peer(dht, i, use_local_updates=True, delay_state_averaging=False)
@@ -327,6 +389,8 @@ def test_an_epoch_does_not_wait_for_the_last_state_round(dhts, form):
     ("kwargs", "error", "match"),
     [
         ({"run_id": ""}, ValueError, "run_id"),
+        ({"run_id": "my.run"}, ValueError, "run_id must not contain '.'"),
+        ({"run_id": "my::run"}, ValueError, "run_id must not contain"),
         ({"target_batch_size": 0}, ValueError, "target_batch_size"),
         ({"target_batch_size": 1.5}, TypeError, "target_batch_size"),
         ({"batch_size_per_step": -1}, ValueError, "batch_size_per_step"),
@@ -385,3 +449,113 @@ def test_a_factory_needs_params(dhts):
             target_batch_size=8,
             optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         )
+
+
+@pytest.mark.parametrize("client_mode", [None, False])
+@pytest.mark.parametrize("dht", [None, "/ip4/127.0.0.1/tcp/31337"])
+def test_dht_must_be_a_dht(dht, client_mode):
+    model = make_model()
+    with pytest.raises(TypeError, match=r"dht must be a running swarmtrain\.DHT, got"):
+        Optimizer(
+            dht=dht,
+            run_id="run",
+            target_batch_size=8,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            client_mode=client_mode,
+        )
+
+
+def test_an_optimizer_whose_dht_was_shut_down_raises(dhts):
+    (dht,) = dhts(1)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = Optimizer(
+        dht=dht, run_id="orphan", target_batch_size=8, batch_size_per_step=2, optimizer=sgd, **FAST
+    )
+    try:
+        model(X[:2]).sum().backward()
+        opt.step()
+        dht.shutdown()
+        # it used to go on training alone, silently
+        for call in (opt.step, opt.load_state_from_peers, lambda: opt.wait_for_peers(2, 1.0)):
+            with pytest.raises(RuntimeError, match="the DHT of this Optimizer was shut down"):
+                call()
+        with pytest.raises(RuntimeError, match="dht is not running"):
+            Optimizer(
+                dht=dht, run_id="orphan", target_batch_size=8, optimizer=sgd, client_mode=False
+            )
+    finally:
+        opt.shutdown()
+
+
+def test_a_lone_peer_has_nothing_to_load_and_returns_at_once(dhts, caplog):
+    (dht,) = dhts(1)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Optimizer(dht=dht, run_id="lonely", target_batch_size=8, optimizer=sgd) as opt:
+        caplog.set_level(logging.INFO, logger="swarmtrain.optim.optimizer")
+        started = time.monotonic()
+        assert opt.load_state_from_peers(timeout=60.0) is False
+        assert time.monotonic() - started < 10.0  # it waited the whole timeout (hivemind: none)
+        assert "no peer shares a training state" in caplog.text
+        assert "no other peers found" not in caplog.text
+
+
+def test_a_failing_donor_is_reported_once_with_the_reason(dhts, caplog):
+    first, other = dhts(2)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Optimizer(dht=first, run_id="baddonor", target_batch_size=8, optimizer=sgd) as opt:
+        # a peer declares a state but serves none (no averager of this run runs there)
+        key = state_sharing_key("baddonor_state_averager")
+        assert other.store(key, 5.0, get_dht_time() + 30, subkey=other.peer_id.to_bytes())
+        caplog.set_level(logging.DEBUG, logger="swarmtrain.averaging.state_sharing")
+        assert opt.load_state_from_peers(timeout=4.0) is False
+        said = [r for r in caplog.records if "could not load the state of" in r.getMessage()]
+        assert len(said) >= 2  # it retried while the donor was declared...
+        warned = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+        assert len(warned) == 1, warned  # ...and said why once, not once per attempt
+        assert str(other.peer_id) in warned[0] and "no handler named" in warned[0]
+        final = [r.getMessage() for r in caplog.records if "in 4 s" in r.getMessage()]
+        assert len(final) == 1 and str(other.peer_id) in final[0], final
+
+
+def test_a_peer_behind_with_no_donor_takes_the_swarm_epoch(dhts):
+    first, second = dhts(2)
+    ahead = Peer(first, 0, target_batch_size=8)
+    behind = None
+    try:
+        ahead.opt.state_averager.allow_state_sharing = False  # nobody can serve a state
+        ahead.train_until(3)
+        behind = Peer(second, 1, target_batch_size=8)
+        stop = time.monotonic() + 20
+        while behind.opt.global_epoch < 3:
+            assert time.monotonic() < stop, "the swarm's epoch never reached the newcomer"
+            behind.opt.tracker.refresh(timeout=5)
+        rows = behind.shard[:BATCH]
+        torch.nn.functional.mse_loss(behind.model(X[rows]), Y[rows]).backward()
+        started = time.monotonic()
+        behind.opt.step()  # 3 epochs behind, nothing to load: it used to retry every step
+        assert behind.opt.local_epoch == 3
+        assert time.monotonic() - started < 10.0  # not load_state_timeout
+    finally:
+        for peer in (ahead, *([behind] if behind else [])):
+            peer.opt.shutdown()
+
+
+def test_messages_name_the_optimizer_keyword_for_the_matchmaking_time(dhts):
+    (dht,) = dhts(1)
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"request_timeout \(3.0\) must be below matchmaking_time"):
+        Optimizer(
+            dht=dht,
+            run_id="keywords",
+            target_batch_size=8,
+            optimizer=sgd,
+            matchmaking_time=2.0,
+            averager_opts={"request_timeout": 3.0},
+        )
+    with Optimizer(dht=dht, run_id="keywords", target_batch_size=8, optimizer=sgd) as opt:
+        for averager in (opt.state_averager, opt.grad_averager):
+            assert averager.config.matchmaking_time_keyword == "matchmaking_time"

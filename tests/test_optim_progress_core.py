@@ -19,6 +19,7 @@ from swarmtrain.optim import (
     ProgressCore,
     TargetNotReached,
 )
+from swarmtrain.optim.progress_core import describe_eta
 
 T0 = 1_000_000.0
 
@@ -119,6 +120,21 @@ def test_lone_peer_counts_its_own_samples_and_eta():
     assert core.is_active
     fetch(core, T0 + 1)  # nobody else: refresh after default_refresh_period
     assert core.global_progress.next_fetch_time == pytest.approx(T0 + 1 + 3.0)
+
+
+def test_eta_is_unknown_until_someone_reports_a_speed():
+    # the review's "ETA 51200000000000000000000.00 s": no speed, so no estimate to print
+    core = make_core(target=512)
+    assert describe_eta(core.global_progress, T0) == "unknown (no speed reported yet)"
+    core.report_local_progress(0, 0, now=T0)  # announced, no samples yet
+    assert describe_eta(core.global_progress, T0) == "unknown (no speed reported yet)"
+    fetch(core, T0 + 1, record(b"a", 0, 12, sps=0.0, time=T0 + 1))
+    assert describe_eta(core.global_progress, T0 + 1).startswith("unknown")
+    fetch(core, T0 + 2, record(b"a", 0, 112, sps=100.0, time=T0 + 2))
+    assert core.global_progress.samples_per_second == pytest.approx(100.0)
+    assert describe_eta(core.global_progress, T0 + 2) == "4.00 s"
+    fetch(core, T0 + 3, record(b"a", 0, 600, sps=0.0, time=T0 + 3))  # reached: nothing to wait
+    assert describe_eta(core.global_progress, T0 + 3) == "0.00 s"
 
 
 def test_global_epoch_samples_and_eta_from_peers():
@@ -315,6 +331,8 @@ def test_lone_peer_warning_after_timeout_and_rearmed():
     fetch(core, T0 + 20)
     (warning,) = core.warnings(T0 + 31)
     assert warning == LonePeer(0, pytest.approx(31.0))
+    # it may only be waiting to load the state: say what is seen, not what it is doing
+    assert "training alone" not in str(warning) and "initial_peers" in str(warning)
     assert core.warnings(T0 + 100) == []
     fetch(core, T0 + 101, record(b"a", 0, 1, time=T0 + 101))
     fetch(core, T0 + 200)  # alone again (a's record expired)

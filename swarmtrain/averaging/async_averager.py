@@ -36,7 +36,7 @@ from swarmtrain.averaging.matchmaking_types import (
     MatchmakingGroup,
 )
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, PART_LAYOUT, as_numpy
-from swarmtrain.averaging.state_sharing import State, StateSharing
+from swarmtrain.averaging.state_sharing import State, StateDownloadFailure, StateSharing
 from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
 from swarmtrain.p2p import PeerID
 
@@ -205,6 +205,7 @@ class AsyncDecentralizedAverager:
                 self.schema_hash,
                 mode=self.mode,
                 bandwidth=config.bandwidth,
+                time_keyword=config.matchmaking_time_keyword,
             ) as self._matchmaking,
             StateSharing.create(
                 dht,
@@ -274,6 +275,12 @@ class AsyncDecentralizedAverager:
             return await self._state_sharing.load_state_from_peers(donors)
         logger.warning("load_state_from_peers timed out after %s s", timeout)
         return None
+
+    @property
+    def state_download_failure(self) -> StateDownloadFailure | None:
+        """Why the last :meth:`load_state_from_peers` got no state (None: it got one, timed
+        out, or none ran)."""
+        return self._sharing().last_failure
 
     @property
     def allow_state_sharing(self) -> bool:

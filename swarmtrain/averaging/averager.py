@@ -53,6 +53,7 @@ from swarmtrain.averaging.averager_config import (
     compute_schema_hash,
 )
 from swarmtrain.averaging.control import StepControl
+from swarmtrain.averaging.state_sharing import StateDownloadFailure
 from swarmtrain.p2p import PeerID
 from swarmtrain.utils.background import BackgroundRuntime, BackgroundService
 
@@ -203,6 +204,12 @@ class DecentralizedAverager(BackgroundService):
         ``(parts as a sender, averaged deltas as a reducer)``; framing not counted."""
         _, core = self._running()
         return core.part_bytes_sent, core.delta_bytes_sent
+
+    @property
+    def state_download_failure(self) -> StateDownloadFailure | None:
+        """Why the last :meth:`load_state_from_peers` got no state: ``donors == 0`` when no
+        peer declared one; None when it got one, timed out, or none ran."""
+        return self._running()[1].state_download_failure
 
     @property
     def allow_state_sharing(self) -> bool:

@@ -56,6 +56,8 @@ class AveragerConfig:
     :param auxiliary: reduce for others without averaging tensors of our own
     :param allow_state_sharing: serve our state to newcomers (default: unless client or aux)
     :param declare_state_period: re-declare ourselves as a state donor this often
+    :param matchmaking_time_keyword: the keyword the user set ``min_matchmaking_time`` with, as
+      messages name it (``Optimizer`` and ``DiLoCoOptimizer`` call it ``matchmaking_time``)
     """
 
     prefix: str
@@ -76,6 +78,7 @@ class AveragerConfig:
     auxiliary: bool = False
     allow_state_sharing: bool | None = None
     declare_state_period: float = 30.0
+    matchmaking_time_keyword: str = "min_matchmaking_time"
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
@@ -87,11 +90,13 @@ class AveragerConfig:
             raise ValueError(f"initial_group_bits must be a string of 0 and 1, got {bits!r}")
         _positive("min_matchmaking_time", self.min_matchmaking_time)
         _positive("request_timeout", self.request_timeout)
+        if not isinstance(self.matchmaking_time_keyword, str):
+            raise TypeError("matchmaking_time_keyword must be a string")
         if self.request_timeout >= self.min_matchmaking_time:
             raise ValueError(
-                f"request_timeout ({self.request_timeout}) must be below min_matchmaking_time "
-                f"({self.min_matchmaking_time}): a follower must hear from its leader before the "
-                "leader's declaration expires"
+                f"request_timeout ({self.request_timeout}) must be below "
+                f"{self.matchmaking_time_keyword} ({self.min_matchmaking_time}): a follower must "
+                "hear from its leader before the leader's declaration expires"
             )
         for name in ("allreduce_timeout", "next_chunk_timeout", "sender_timeout"):
             _positive(name, getattr(self, name), allow_none=True)

@@ -234,6 +234,7 @@ class Matchmaking:
     :param dht_timeout: bound on each DHT read or store (default: ``min_matchmaking_time``)
     :param part_layout: the newest all-reduce part layout we speak (tests pass 0 to act as
       an older version)
+    :param time_keyword: the keyword that set ``min_matchmaking_time``, as warnings name it
     """
 
     def __init__(
@@ -246,8 +247,10 @@ class Matchmaking:
         bandwidth: float | None = None,
         dht_timeout: float | None = None,
         part_layout: int = PART_LAYOUT,
+        time_keyword: str = "min_matchmaking_time",
     ):
         self.dht = dht
+        self.time_keyword = time_keyword
         self.p2p = dht.p2p
         self.config = config
         self.schema_hash = schema_hash
@@ -458,11 +461,12 @@ class Matchmaking:
             # declarations expired, so groups rarely form (two peers can miss each other forever).
             self._warned_slow_dht = True
             logger.warning(
-                "reading matchmaking declarations took %.1f s, more than half of "
-                "min_matchmaking_time=%.1f s: groups will rarely form; raise min_matchmaking_time "
-                "(or give the DHT more CPU)",
+                "reading matchmaking declarations took %.1f s, more than half of %s=%.1f s: "
+                "groups will rarely form; raise %s (or give the DHT more CPU)",
                 elapsed,
+                self.time_keyword,
                 self.config.min_matchmaking_time,
+                self.time_keyword,
             )
         if core is not self._core or core.done:
             return

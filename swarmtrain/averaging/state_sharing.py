@@ -13,7 +13,10 @@ full and asks the next donor for the rest (``first_tensor``): peers that average
 nearly the same state, so the result is one consistent-enough state without starting over. The
 metadata comes from the first donor that answered. A donor whose state has another number of
 tensors cannot continue a transfer and is skipped. A tensor with NaN or inf values fails its
-donor like bad data (a warning names it): a diverged peer never hands its state on.
+donor like bad data (a warning names it): a diverged peer never hands its state on. When no
+state came, ``last_failure`` says why (no donor declared one, or what went wrong with each
+donor); the warning is logged once per distinct reason (a caller retrying for a minute would
+repeat it dozens of times).
 
 Resource handling: ``create`` registers the handler (not in client mode: nobody can dial a
 client) and owns the declaring task; leaving it stops the task, stores a last "not sharing"
@@ -27,6 +30,7 @@ import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -50,13 +54,26 @@ from swarmtrain.p2p import P2PError, PeerID
 from swarmtrain.proto import state_sharing_pb2 as pb
 from swarmtrain.proto import tensor_pb2
 
-__all__ = ["StateSharing", "rpc_download_state_name", "state_sharing_key"]
+__all__ = ["StateDownloadFailure", "StateSharing", "rpc_download_state_name", "state_sharing_key"]
 
 logger = logging.getLogger(__name__)
 
 MAX_METADATA_SIZE = 16 * 1024 * 1024
 # What get_current_state returns: (metadata, tensors) or (metadata, tensors, compression infos).
 State = tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo] | None]
+
+
+@dataclass(frozen=True)
+class StateDownloadFailure:
+    """Why a ``load_state_from_peers`` got no state."""
+
+    donors: int  #: peers that declared a state to share (0: nobody shares one)
+    reasons: tuple[str, ...] = ()  #: "<donor>: <what went wrong>", one per donor tried
+
+    def __str__(self) -> str:
+        if not self.donors:
+            return "no peer declared a state to share"
+        return f"no state from any of {self.donors} donor(s): " + "; ".join(self.reasons)
 
 
 def state_sharing_key(prefix: str) -> str:
@@ -108,6 +125,9 @@ class StateSharing:
         self._priority = 0.0
         self._changed = trio.Event()
         self.downloads_served = 0
+        #: why the last download got no state (None: it got one, or it is still running)
+        self.last_failure: StateDownloadFailure | None = None
+        self._failures_logged: set[StateDownloadFailure] = set()
         self.allow_state_sharing = allow_state_sharing
 
     @classmethod
@@ -245,6 +265,7 @@ class StateSharing:
 
         :param donors: only these peers (of those that declared they share their state)
         """
+        self.last_failure = None
         found = await self.find_donors()
         if donors is not None:
             wanted = {PeerID(p) if isinstance(p, bytes) else p for p in donors}
@@ -252,25 +273,38 @@ class StateSharing:
         donors = found
         tensors: list[torch.Tensor] = []
         header: pb.StateHeader | None = None
+        reasons = []
         for donor in donors:
+            had = len(tensors)
             try:
                 header = await self._download(donor, header, tensors)
             except (P2PError, WireFormatError, DHTValueError, DecodeError, ValueError) as e:
-                logger.info(
+                logger.debug(  # the warning below gives the reason, once
                     "state download from %s failed after %d tensor(s): %r", donor, len(tensors), e
                 )
+                reasons.append(f"{donor}: {e!r}")
                 continue
             if header is not None and len(tensors) == header.num_tensors:
                 try:
                     metadata = deserialize(header.metadata, max_size=MAX_METADATA_SIZE)
                 except DHTValueError as e:
                     logger.info("donor %s sent malformed metadata: %r", donor, e)
+                    reasons.append(f"{donor}: malformed metadata ({e!r})")
                     header, tensors = None, []
                     continue
                 logger.info("downloaded state (%d tensors), last donor %s", len(tensors), donor)
                 return metadata, tensors
+            if len(tensors) == had:
+                reasons.append(f"{donor}: it does not share its state (any more)")
+            elif header is not None:
+                sent = f"{len(tensors)} of {header.num_tensors}"
+                reasons.append(f"{donor}: it stopped after tensor {sent}")
+        failure = self.last_failure = StateDownloadFailure(len(donors), tuple(reasons))
         if donors:
-            logger.warning("could not load state from any of %d donor(s)", len(donors))
+            repeated = failure in self._failures_logged
+            self._failures_logged.add(failure)
+            level = logging.DEBUG if repeated else logging.WARNING
+            logger.log(level, "could not load the state of %s: %s", self.prefix, failure)
         return None
 
     async def _download(

@@ -149,7 +149,7 @@ class EpochUpdates:
             elif self.grad_averager is not None and not optimizer_step:
                 self.grad_averager.notify_used_averaged_gradients()
             try:
-                state_averager.step(
+                gathered = state_averager.step(
                     increment_epoch=increment_epoch,
                     optimizer_step=optimizer_step,
                     wait_for_trigger=wait_for_trigger if optimizer_step else None,
@@ -161,6 +161,7 @@ class EpochUpdates:
             except BaseException:
                 self._gradients_consumed.set()  # nothing will consume them
                 raise
+            self._adopt_group_epoch(gathered)
             self.last_epoch_samples = self.local_samples_accumulated
             self.local_samples_accumulated = 0.0
             tracker.update_epoch(self.local_epoch)
@@ -175,6 +176,25 @@ class EpochUpdates:
             self.local_epoch,
             "with" if average_state else "no",
         )
+
+    def _adopt_group_epoch(self, gathered: dict | None) -> None:
+        """After a state round that averaged here (``delay_state_averaging=False``), this peer
+        holds its group's state: if the group was in a later epoch (this peer's gradient round
+        failed because the swarm had moved on), this peer is in that epoch too. Without this, a
+        peer whose epoch ends when the swarm's state round lets it would stay one epoch behind
+        for good."""
+        epochs = [
+            e for e in (gathered or {}).values() if isinstance(e, int) and not isinstance(e, bool)
+        ]
+        if epochs and max(epochs) > self.local_epoch:
+            logger.log(
+                self.status_loglevel,
+                "%s: the state round's group was in epoch %d: moving there from epoch %d",
+                self.run_id,
+                max(epochs),
+                self.local_epoch,
+            )
+            self._state_averager.local_epoch = max(epochs)
 
     def _gradient_weight(self, grad_scaler: Any) -> float | None:
         """This peer's weight in the gradient round (None: the samples it accumulated)."""

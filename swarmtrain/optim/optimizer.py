@@ -13,8 +13,10 @@ Each peer calls ``step()`` after every local backward pass, like a torch optimiz
 What a step does (hivemind's semantics):
 
 1. delayed updates that finished in the background are applied to the model;
-2. a peer whose ``local_epoch`` is more than one epoch behind the swarm loads the training state
-   from peers (:meth:`Optimizer.load_state_from_peers`) and returns;
+2. a peer behind the swarm loads the training state from peers
+   (:meth:`Optimizer.load_state_from_peers`) and returns: two or more epochs behind, or one
+   epoch behind in an epoch the swarm had already left when this peer entered it (see
+   ``swarmtrain.optim._epoch_sync``; with no donor it takes the swarm's epoch instead);
 3. the gradients are added to the accumulators (``GradientAverager.accumulate_grads_``) and the
    number of samples accumulated this epoch is reported (``ProgressTracker``); once the swarm is
    expected to reach ``target_batch_size`` within ``matchmaking_time`` (the tracker's ETA), the
@@ -78,8 +80,9 @@ from typing import Any, Union
 
 import torch
 
-from swarmtrain.dht import get_dht_time
+from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.optim._epoch_gradients import GradientRounds
+from swarmtrain.optim._epoch_sync import EpochSync
 from swarmtrain.optim._epoch_update import EpochUpdates, scaler_method
 from swarmtrain.optim._optimizer_options import check_positive, resolve_modes
 from swarmtrain.optim.grad_averager import GradientAverager
@@ -101,6 +104,16 @@ logger = logging.getLogger(__name__)
 _EPOCH_KEY = "swarmtrain_local_epoch"
 _SCHEDULER_KEY = "swarmtrain_scheduler"
 GradientAveragerFactory = Callable[..., GradientAverager]
+
+
+def _check_dht(dht: Any) -> None:
+    if not isinstance(dht, DHT):
+        raise TypeError(
+            f"dht must be a running swarmtrain.DHT, got {type(dht).__name__}: create one with "
+            "swarmtrain.DHT(initial_peers=[...])"
+        )
+    if not dht.is_alive():
+        raise RuntimeError("dht is not running (it was shut down, or made with start=False)")
 
 
 class Optimizer(EpochUpdates):
@@ -187,6 +200,11 @@ class Optimizer(EpochUpdates):
     ):
         if not isinstance(run_id, str) or not run_id:
             raise ValueError("run_id must be a non-empty string")
+        if "." in run_id or "::" in run_id:
+            raise ValueError(
+                f"run_id must not contain '.' or '::' (they separate the parts of the run's DHT "
+                f"keys and RPC names), got {run_id!r}"
+            )
         if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int):
             raise TypeError(f"target_batch_size must be an int, got {target_batch_size!r}")
         check_positive("target_batch_size", target_batch_size)
@@ -203,6 +221,7 @@ class Optimizer(EpochUpdates):
         ):
             raise ValueError(f"average_state_every must be an int >= 1, got {average_state_every}")
         if client_mode is None:
+            _check_dht(dht)
             client_mode = bool(dht.client_mode)
         offload_optimizer, delay_optimizer_step = resolve_modes(
             optimizer=optimizer,
@@ -222,6 +241,7 @@ class Optimizer(EpochUpdates):
                 raise TypeError(f"{name} must be a dict of keywords")
         if tracker_opts and "client_mode" in tracker_opts:
             raise ValueError("pass client_mode to the Optimizer, not in tracker_opts")
+        _check_dht(dht)
 
         self.dht, self.run_id = dht, run_id
         self.target_batch_size = target_batch_size
@@ -246,6 +266,7 @@ class Optimizer(EpochUpdates):
 
         common: dict[str, Any] = {
             "min_matchmaking_time": self.matchmaking_time,
+            "matchmaking_time_keyword": "matchmaking_time",  # messages name our keyword
             "request_timeout": min(3.0, self.matchmaking_time / 2),
             "allreduce_timeout": self.averaging_timeout
             if allreduce_timeout is None
@@ -263,6 +284,7 @@ class Optimizer(EpochUpdates):
         self._last_progress: GlobalProgress | None = None  # the tracker's, at the last step
         self._gradients_consumed = threading.Event()  # the optimizer took the last round's result
         self._gradients_consumed.set()
+        self._epoch_sync = EpochSync()  # whether a peer one epoch behind must catch up
         try:
             state_opts = dict(common)
             if state_averaging_compression is not None:
@@ -360,6 +382,14 @@ class Optimizer(EpochUpdates):
             raise RuntimeError("this Optimizer was shut down")
         return self.state_averager
 
+    def _check_dht_alive(self) -> None:
+        """Raise if the DHT was shut down: the averagers would go on without peers, silently."""
+        if not self.dht.is_alive():
+            raise RuntimeError(
+                f"{self.run_id}: the DHT of this Optimizer was shut down, so it cannot reach its "
+                "peers: shut the Optimizer down before its DHT"
+            )
+
     @property
     def _tracker(self) -> ProgressTracker:
         if self.tracker is None:
@@ -402,7 +432,8 @@ class Optimizer(EpochUpdates):
         return self._rounds.alone if self._rounds is not None else 0
 
     def is_synchronized_with_peers(self) -> bool:
-        """Whether this peer is at most one epoch behind the swarm (else it must load state)."""
+        """Whether this peer is at most one epoch behind the swarm (hivemind's test; a peer one
+        epoch behind may still have to catch up, see ``swarmtrain.optim._epoch_sync``)."""
         return self.local_epoch >= self._tracker.global_epoch - 1
 
     def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> int:
@@ -414,6 +445,7 @@ class Optimizer(EpochUpdates):
         check_positive("num_peers", num_peers)
         check_positive("timeout", timeout)
         tracker = self._tracker
+        self._check_dht_alive()
         if not self.auxiliary:  # an auxiliary peer publishes no progress and is not counted
             tracker.announce()
         deadline = time.monotonic() + timeout
@@ -473,6 +505,7 @@ class Optimizer(EpochUpdates):
             scaler_method(grad_scaler, "unscale_swarm_grads_")
             scaler_method(grad_scaler, "on_swarm_epoch_end_")
         state_averager = self._state_averager
+        self._check_dht_alive()
         state_averager.step(apply_delayed_updates=True)  # what finished in the background
         loss = None
         if closure is not None:
@@ -486,15 +519,8 @@ class Optimizer(EpochUpdates):
 
         tracker = self._tracker  # two calls into it per step: report, then read the swarm
         progress = self._last_progress or tracker.global_progress
-        if self.local_epoch < progress.epoch - 1 and not self.is_synchronized_with_peers():
-            logger.warning(
-                "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
-                self.run_id,
-                self.local_epoch,
-                tracker.global_epoch,
-            )
-            self._last_progress = None
-            self.load_state_from_peers()
+        if self._is_behind(progress.epoch) and self._is_behind(tracker.global_epoch):
+            self._catch_up()
             return loss
 
         if not self.auxiliary:
@@ -521,43 +547,104 @@ class Optimizer(EpochUpdates):
 
     # ------------------------------------------------------------------ state
 
+    def _is_behind(self, swarm_epoch: int) -> bool:
+        """Whether this peer must catch up with the swarm (``swarmtrain.optim._epoch_sync``);
+        an auxiliary peer catches up by itself when it misses a round, so only when two or more
+        epochs behind."""
+        if self.auxiliary:
+            return self.local_epoch < swarm_epoch - 1
+        return self._epoch_sync.must_catch_up(self.local_epoch, swarm_epoch)
+
+    def _catch_up(self) -> None:
+        """Load the state from peers; if none could serve it and the swarm is one epoch ahead
+        (or no peer shares a state at all), take the swarm's epoch with this peer's own state
+        (its next state round pulls it in), rather than stay behind and average no gradients
+        ever again."""
+        logger.warning(
+            "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
+            self.run_id,
+            self.local_epoch,
+            self._tracker.global_epoch,
+        )
+        self._last_progress = None
+        if self.load_state_from_peers():
+            return
+        swarm_epoch = self._tracker.global_epoch
+        failure = self._state_averager.state_download_failure
+        no_donor = failure is not None and not failure.donors
+        if not self.auxiliary and (swarm_epoch == self.local_epoch + 1 or no_donor):
+            if swarm_epoch <= self.local_epoch:
+                return
+            logger.warning(
+                "%s: no peer served its state: moving to the swarm's epoch %d with this peer's "
+                "own parameters",
+                self.run_id,
+                swarm_epoch,
+            )
+            self._enter_epoch(swarm_epoch)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` afresh: drop the accumulated gradients, tell the tracker, serve the
+        state with that priority."""
+        self._state_averager.local_epoch = epoch
+        if self.grad_averager is not None:
+            self.grad_averager.reset_accumulated_grads_()
+        self.local_samples_accumulated = 0.0
+        self._tracker.update_epoch(epoch)
+        if not self.client_mode:
+            self._state_averager.state_sharing_priority = epoch
+
     def load_state_from_peers(self, timeout: float | None = None) -> bool:
         """Download the training state (parameters, optimizer and scheduler state, epoch) from
-        a peer, retrying until ``timeout`` (default ``load_state_timeout``); the accumulated
-        gradients are dropped. Returns whether a state was loaded."""
+        a peer, retrying until ``timeout`` (default ``load_state_timeout``) while some peer
+        declares a state to share; returns False at once when none does (a lone first peer).
+        The accumulated gradients are dropped. Returns whether a state was loaded."""
         timeout = self.load_state_timeout if timeout is None else timeout
         check_positive("timeout", timeout)
         state_averager, tracker = self._state_averager, self._tracker
+        self._check_dht_alive()
         if self._rounds is not None:
             self._rounds.tag_along()
         state_averager.step(wait_for_delayed_updates=True)
         deadline = time.monotonic() + timeout
-        loaded = False
+        loaded, detail = False, "no peer served a state in time"
+        errors: set[str] = set()  # each distinct error is logged once
         while not loaded:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            detail = "no peer served a state in time"
             try:
                 loaded = state_averager.load_state_from_peers(timeout=remaining)
             except Exception as e:
-                logger.warning("%s: loading state from peers failed: %r", self.run_id, e)
                 detail = repr(e)
+                if detail not in errors:
+                    errors.add(detail)
+                    logger.warning("%s: loading state from peers failed: %s", self.run_id, detail)
+            else:
+                failure = state_averager.state_download_failure
+                if not loaded and failure is not None:
+                    if not failure.donors:  # as hivemind: nothing to wait for
+                        logger.info(
+                            "%s: no peer shares a training state: nothing to load", self.run_id
+                        )
+                        return False
+                    detail = str(failure)
             self.health.observe_state_download(bool(loaded), "" if loaded else detail)
             if not loaded:
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         if not loaded:
-            logger.warning("%s: could not load the training state from peers", self.run_id)
+            logger.warning(
+                "%s: could not load the training state from peers in %.0f s (%s)",
+                self.run_id,
+                timeout,
+                detail,
+            )
             return False
         global_epoch = tracker.global_epoch
-        if global_epoch - 1 <= state_averager.local_epoch < global_epoch:
-            state_averager.local_epoch = global_epoch  # the donor was about to move on
-        if self.grad_averager is not None:
-            self.grad_averager.reset_accumulated_grads_()
-        self.local_samples_accumulated = 0.0
-        tracker.update_epoch(state_averager.local_epoch)
-        if not self.client_mode:
-            state_averager.state_sharing_priority = self.local_epoch
+        epoch = state_averager.local_epoch
+        if global_epoch - 1 <= epoch < global_epoch:
+            epoch = global_epoch  # the donor was about to move on
+        self._enter_epoch(epoch)
         logger.log(
             self.status_loglevel,
             "%s: loaded the training state, now at epoch %d",

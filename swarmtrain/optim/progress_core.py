@@ -56,6 +56,7 @@ __all__ = [
     "ProgressCore",
     "ProgressWarning",
     "TargetNotReached",
+    "describe_eta",
 ]
 
 EPS = 1e-20  #: samples/s of a peer that has not measured its speed yet (never zero: we divide)
@@ -266,6 +267,17 @@ class GlobalProgress:
     num_clients: int  #: of which in client mode
     eta_next_epoch: float  #: DHT time at which the swarm should reach the target
     next_fetch_time: float  #: DHT time of the next DHT fetch
+    samples_per_second: float = 0.0  #: the swarm's reported speed in this epoch (0: unknown)
+
+
+def describe_eta(progress: GlobalProgress, now: float) -> str:
+    """``"1.50 s"`` until ``progress`` reaches its target, for logs; ``"unknown"`` while no peer
+    has reported its speed (the ETA is then a huge placeholder, not an estimate)."""
+    if progress.samples_accumulated < progress.target_batch_size and (
+        progress.samples_per_second < _MIN_KNOWN_RATE
+    ):
+        return "unknown (no speed reported yet)"
+    return f"{max(0.0, progress.eta_next_epoch - now):.2f} s"
 
 
 @dataclass(frozen=True)
@@ -292,8 +304,8 @@ class LonePeer:
 
     def __str__(self) -> str:
         return (
-            f"no other peers found for {self.alone_for:.0f} s (epoch {self.epoch}): training "
-            "alone; check initial_peers and the run id if you expected company"
+            f"no other peers found for {self.alone_for:.0f} s (epoch {self.epoch}); check "
+            "initial_peers and the run id if you expected company"
         )
 
 
@@ -677,4 +689,5 @@ class ProgressCore:
             num_clients=sum(peer.client_mode for peer in participants),
             eta_next_epoch=now + eta,
             next_fetch_time=next_fetch_time,
+            samples_per_second=rate,
         )

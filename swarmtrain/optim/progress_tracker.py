@@ -79,6 +79,7 @@ from .progress_core import (
     ProgressConfig,
     ProgressCore,
     ProgressWarning,
+    describe_eta,
 )
 from .progress_records import (
     _INVALID,
@@ -478,13 +479,13 @@ class AsyncProgressTracker:
         self._last_status = status
         logger.log(
             level,
-            "%s: %d samples of %d for epoch #%d from %d peers; ETA %.2f s (next fetch in %.2f s)",
+            "%s: %d samples of %d for epoch #%d from %d peers; ETA %s (next fetch in %.2f s)",
             self.prefix,
             progress.samples_accumulated,
             progress.target_batch_size,
             progress.epoch,
             progress.num_peers,
-            progress.eta_next_epoch - now,
+            describe_eta(progress, now),
             progress.next_fetch_time - now,
         )
         self._log_warnings(now)

@@ -150,9 +150,6 @@ class TrainingStateAverager(DecentralizedAverager):
     :param average_opt_statistics: names of per-parameter optimizer statistics to average
     :param extra_tensors: more tensors to average and share (not touched by the optimizer)
     :param status_loglevel: log level of progress messages
-    :param set_to_none: ``step(zero_grad=True)`` sets the gradients to None (default, as
-      torch's ``zero_grad``) instead of filling them with zeros; with ``offload_optimizer``
-      both the model's and the copies' gradients
     :param averager_kwargs: ``DecentralizedAverager`` keywords (``prefix``, ``start``,
       ``AveragerConfig`` fields); codec selectors (``compression``) see the roles PARAMETER,
       OPTIMIZER and UNSPECIFIED (extras) and the keys ``name``, ``(name, statistic)``, ``i``
@@ -175,7 +172,6 @@ class TrainingStateAverager(DecentralizedAverager):
         average_opt_statistics: Sequence[str] = (),
         extra_tensors: Sequence[torch.Tensor] = (),
         status_loglevel: int = logging.DEBUG,
-        set_to_none: bool = ZERO_GRAD_SET_TO_NONE_DEFAULT,
         **averager_kwargs: Any,
     ):
         if isinstance(average_opt_statistics, str):
@@ -202,7 +198,6 @@ class TrainingStateAverager(DecentralizedAverager):
 
         groups, main_parameters, names = _check_params(optimizer, params, parameter_names)
         self.status_loglevel = status_loglevel
-        self.set_to_none = bool(set_to_none)
         self.offload_optimizer = bool(offload_optimizer)
         self.custom_gradients = bool(custom_gradients)
         self.reuse_tensors = bool(reuse_tensors)
@@ -393,6 +388,7 @@ class TrainingStateAverager(DecentralizedAverager):
         increment_epoch: bool = False,
         optimizer_step: bool = False,
         zero_grad: bool = False,
+        set_to_none: bool = ZERO_GRAD_SET_TO_NONE_DEFAULT,
         delay_optimizer_step: bool = False,
         averaging_round: bool = False,
         delay_averaging: bool | None = None,
@@ -407,7 +403,9 @@ class TrainingStateAverager(DecentralizedAverager):
           an optimizer step in the caller's thread does not wait for a delayed round then)
         :param apply_delayed_updates: apply delayed phases that have finished
         :param increment_epoch: ``local_epoch += 1`` (the scheduler follows at the next phase)
-        :param optimizer_step: one optimizer step; ``zero_grad``: then zero the gradients
+        :param optimizer_step: one optimizer step; ``zero_grad``: then reset the gradients (the
+          optimizer's and, with ``offload_optimizer``, the model's), to None if ``set_to_none``
+          (torch's default) else to zeros
         :param delay_optimizer_step: run them in the background (needs ``offload_optimizer``
           and delayed averaging); the model gets the new values at a later ``step``
         :param averaging_round: average with a group; ``delay_averaging`` (default:
@@ -465,10 +463,12 @@ class TrainingStateAverager(DecentralizedAverager):
             control = self._prepare_round(averaging_control, dict(averaging_opts or {}))
 
         if delay_optimizer_step:
-            self._submit(wait_for_trigger, optimizer_step, zero_grad, control)
+            self._submit(
+                wait_for_trigger, optimizer_step, zero_grad, control, set_to_none=set_to_none
+            )
             return None
         try:
-            self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad)
+            self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad, set_to_none)
         except BaseException:
             if control is not None:
                 control.cancel()
@@ -498,7 +498,11 @@ class TrainingStateAverager(DecentralizedAverager):
         return control
 
     def _optimizer_phase(
-        self, wait_for_trigger: Callable[[], Any] | None, optimizer_step: bool, zero_grad: bool
+        self,
+        wait_for_trigger: Callable[[], Any] | None,
+        optimizer_step: bool,
+        zero_grad: bool,
+        set_to_none: bool = True,
     ) -> None:
         if wait_for_trigger is not None:
             wait_for_trigger()
@@ -507,10 +511,10 @@ class TrainingStateAverager(DecentralizedAverager):
                 with self.lock_averaged_tensors if self.reuse_tensors else nullcontext():
                     self.optimizer.step()
             if zero_grad:
-                self.optimizer.zero_grad(set_to_none=self.set_to_none)
+                self.optimizer.zero_grad(set_to_none=set_to_none)
                 if self.offload_optimizer:
                     for param in self.main_parameters:
-                        if self.set_to_none:
+                        if set_to_none:
                             param.grad = None
                         elif param.grad is not None:
                             param.grad.zero_()
@@ -571,6 +575,7 @@ class TrainingStateAverager(DecentralizedAverager):
         zero_grad: bool,
         control: StepControl | None,
         inputs_loaded: bool = False,
+        set_to_none: bool = True,
     ) -> None:
         """Run :meth:`_background_phases` in the worker thread."""
         if self._executor is None:
@@ -582,6 +587,7 @@ class TrainingStateAverager(DecentralizedAverager):
             zero_grad,
             control,
             inputs_loaded,
+            set_to_none,
         )
         self._pending.add(future)
         if control is not None:
@@ -594,11 +600,12 @@ class TrainingStateAverager(DecentralizedAverager):
         zero_grad: bool,
         control: StepControl | None,
         inputs_loaded: bool = False,
+        set_to_none: bool = True,
     ) -> dict | None:
         """A delayed optimizer step and/or averaging round (in the worker thread)."""
         if optimizer_step or zero_grad or wait_for_trigger is not None:
             try:
-                self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad)
+                self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad, set_to_none)
             except Exception:
                 logger.exception("a delayed optimizer step failed; its averaging round is dropped")
                 if control is not None:
