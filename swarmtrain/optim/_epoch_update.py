@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from swarmtrain.averaging import StepControl
+from swarmtrain.averaging.finite import first_non_finite
 
 __all__ = ["EpochUpdates", "scaler_method"]
 
@@ -67,6 +68,8 @@ class EpochUpdates:
         ):
             self.skipped_batches += 1
             logger.debug("%s: non-finite gradients: skipping this batch", self.run_id)
+            return False
+        if grad_scaler is None and not self._gradients_finite():
             return False
         if self.use_local_updates:
             self._state_averager.step(
@@ -195,6 +198,30 @@ class EpochUpdates:
                 self.local_epoch,
             )
             self._state_averager.local_epoch = max(epochs)
+
+    def _gradients_finite(self) -> bool:
+        """Whether this batch's gradients are finite; else the batch is dropped with a warning
+        (without a GradScaler, which does this itself): NaN or inf would otherwise reach this
+        peer's optimizer (peers never send them: ``swarmtrain.averaging.finite``). With
+        ``reuse_grad_buffers`` the ``.grad`` buffers hold the whole epoch's sum, which is lost:
+        the accumulators start over."""
+        grads = [p.grad for p in self.main_parameters if p.grad is not None]
+        if first_non_finite(grads) is None:
+            return True
+        self.skipped_batches += 1
+        if self.reuse_grad_buffers and self.grad_averager is not None:
+            self.grad_averager.reset_accumulated_grads_()
+            self.local_samples_accumulated = 0.0
+        elif self.reuse_grad_buffers or self.use_local_updates:
+            for param in self.main_parameters:
+                param.grad = None
+        logger.warning(
+            "%s: this batch's gradients hold NaN or inf: the batch is dropped (%d so far%s)",
+            self.run_id,
+            self.skipped_batches,
+            "; the epoch's accumulated gradients too" if self.reuse_grad_buffers else "",
+        )
+        return False
 
     def _gradient_weight(self, grad_scaler: Any) -> float | None:
         """This peer's weight in the gradient round (None: the samples it accumulated)."""

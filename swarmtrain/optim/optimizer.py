@@ -262,7 +262,7 @@ class Optimizer(EpochUpdates):
             show_logs()
         self.local_samples_accumulated = 0.0  #: this epoch, this peer
         self.last_epoch_samples = 0.0  #: samples this peer contributed to its last epoch
-        self.skipped_batches = 0  #: batches dropped for non-finite gradients (grad_scaler)
+        self.skipped_batches = 0  #: batches dropped for non-finite gradients
 
         common: dict[str, Any] = {
             "min_matchmaking_time": self.matchmaking_time,
