@@ -286,7 +286,11 @@ class DHTProtocol:
         """Validate every item, then store the valid ones (in the cache if ``in_cache``)."""
         caller = self._parse_node_info(context.remote_id, request.peer)
         items = self._parse_store_request(request)
-        valid = [self.validate_record(item) for item in items]  # raises before any change
+        valid = []
+        for item in items:  # raises before any change
+            valid.append(self.validate_record(item))
+            # decoding is bounded per value (dht.serialization); let other requests in between
+            await trio.lowlevel.checkpoint()
         self._accept_caller(context.remote_id, *caller)
         store_ok = self._store_valid(items, valid, in_cache=request.in_cache)
         return dht_pb2.DHTStoreResponse(store_ok=store_ok, peer=self._node_info())
