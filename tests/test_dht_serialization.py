@@ -14,6 +14,7 @@ from swarmtrain.dht import (
     TooManyElementsError,
     UnsupportedValueTypeError,
     ValueTooLargeError,
+    check_serialized,
     deserialize,
     serialize,
 )
@@ -111,6 +112,8 @@ def test_size_limit():
 def test_malformed_data(data):
     with pytest.raises(DHTValueError):
         deserialize(data)
+    with pytest.raises(DHTValueError):
+        check_serialized(data)
 
 
 def _array_header(n: int) -> bytes:
@@ -202,3 +205,27 @@ def test_serialize_checks_the_same_limits():
     # what serialize accepts, deserialize accepts with the same limits
     value = {"k": [[1.5, "x", None, b"y"]] * 100, 7: {"n": True}}
     assert deserialize(serialize(value)) == value
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        serialize({"s": "täxt", b"b": [1, -2, 2**63, 1.5, None, True], 7: {"x": b"\xff" * 300}}),
+        serialize("x" * 70000, max_size=None),
+        serialize([[]] * 100),
+        b"\xd9\x02\xc3\x28",  # str8 with invalid UTF-8
+        b"\xa1\xff",  # fixstr with invalid UTF-8
+        b"\x81\xa1\xff\x01",  # ... as a map key
+        b"\xda\x00\x05ab",  # truncated str16
+        b"\x91" * 40 + b"\xc0",
+        b"\xdc\x40\x00" + b"\xc0" * 16384,
+    ],
+)
+def test_check_serialized_raises_exactly_when_deserialize_does(data):
+    try:
+        deserialize(data, max_size=None)
+    except DHTValueError as e:
+        with pytest.raises(type(e)):
+            check_serialized(data, max_size=None)
+    else:
+        check_serialized(data, max_size=None)

@@ -44,6 +44,7 @@ __all__ = [
     "TooManyElementsError",
     "UnsupportedValueTypeError",
     "ValueTooLargeError",
+    "check_serialized",
     "deserialize",
     "serialize",
 ]
@@ -239,7 +240,8 @@ def serialize(
 # deserialize: a scan of the msgpack bytes that enforces the limits, then msgpack's C decoder
 
 # what the first byte of an object says: a fixed-size scalar, a str/bin with a length field,
-# an array or map (with its count), or something we never accept (ext types, 0xc1)
+# an array or map (with its count), or something we never accept (ext types, 0xc1); for a
+# scalar the third field is 1 for a str (its UTF-8 is checked by check_serialized)
 _FIXED, _SIZED, _ARRAY, _MAP, _BAD = range(5)
 _FORMAT: list[tuple[int, int, int]] = []  # per first byte: (kind, size or length bytes, count)
 for _byte in range(256):
@@ -250,11 +252,11 @@ for _byte in range(256):
     elif _byte <= 0x9F:
         _FORMAT.append((_ARRAY, 0, _byte & 0x0F))
     elif _byte <= 0xBF:
-        _FORMAT.append((_FIXED, 1 + (_byte & 0x1F), 0))  # fixstr
+        _FORMAT.append((_FIXED, 1 + (_byte & 0x1F), 1))  # fixstr
     elif _byte in (0xC4, 0xC5, 0xC6):  # bin 8/16/32
         _FORMAT.append((_SIZED, 1 << (_byte - 0xC4), 0))
     elif _byte in (0xD9, 0xDA, 0xDB):  # str 8/16/32
-        _FORMAT.append((_SIZED, 1 << (_byte - 0xD9), 0))
+        _FORMAT.append((_SIZED, 1 << (_byte - 0xD9), 1))
     elif _byte in (0xCA, 0xCB):  # float 32/64
         _FORMAT.append((_FIXED, 5 if _byte == 0xCA else 9, 0))
     elif 0xCC <= _byte <= 0xD3:  # uint 8..64, int 8..64
@@ -275,6 +277,15 @@ def _malformed(reason: str) -> DHTValueError:
     return DHTValueError(f"malformed serialized DHT value: {reason}")
 
 
+def _check_utf8(data: bytes, start: int, end: int) -> None:
+    if end > len(data):
+        raise _malformed("truncated data")
+    try:
+        data[start:end].decode("utf-8")
+    except UnicodeDecodeError:
+        raise _malformed(f"a str at offset {start} is not valid UTF-8") from None
+
+
 def _bad_key(first: int, pos: int) -> UnsupportedValueTypeError:
     return UnsupportedValueTypeError(
         f"unsupported dict key (format byte 0x{first:02x} at offset {pos}); "
@@ -282,7 +293,7 @@ def _bad_key(first: int, pos: int) -> UnsupportedValueTypeError:
     )
 
 
-def _scan(data: bytes, max_elements: int) -> None:
+def _scan(data: bytes, max_elements: int, check_utf8: bool) -> None:
     """Walk the msgpack encoding of one object without building it; raise on any limit.
 
     Elements are counted when a container's header declares them, so a container that would
@@ -300,9 +311,14 @@ def _scan(data: bytes, max_elements: int) -> None:
                 if kind == _FIXED:
                     if is_map and remaining & 1 and first not in key_bytes:
                         raise _bad_key(first, pos)
+                    if count and check_utf8:
+                        _check_utf8(data, pos + 1, pos + size)
                     pos += size
                 elif kind == _SIZED:
-                    pos += 1 + size + int.from_bytes(data[pos + 1 : pos + 1 + size], "big")
+                    start = pos + 1 + size
+                    pos = start + int.from_bytes(data[pos + 1 : start], "big")
+                    if count and check_utf8:
+                        _check_utf8(data, start, pos)
                 elif kind == _BAD:
                     raise _malformed(f"format byte 0x{first:02x} at offset {pos} (extension)")
                 else:
@@ -348,7 +364,7 @@ def deserialize(
     """
     if max_size is not None and len(data) > max_size:
         raise ValueTooLargeError(len(data), max_size)
-    _scan(data, max_elements)
+    _scan(data, max_elements, check_utf8=False)  # msgpack checks the UTF-8 itself
     try:
         return msgpack.unpackb(
             data,
@@ -360,3 +376,17 @@ def deserialize(
         )
     except (ValueError, TypeError, msgpack.UnpackException) as e:  # e.g. invalid UTF-8
         raise _malformed(repr(e)) from e
+
+
+def check_serialized(
+    data: bytes,
+    max_size: int | None = MAX_VALUE_SIZE,
+    *,
+    max_elements: int = MAX_VALUE_ELEMENTS,
+) -> None:
+    """Raise what :func:`deserialize` would raise for ``data``, without building the value
+    (no Python objects: for data that is only checked and kept as bytes, e.g. by a DHT node
+    storing a record for others)."""
+    if max_size is not None and len(data) > max_size:
+        raise ValueTooLargeError(len(data), max_size)
+    _scan(data, max_elements, check_utf8=True)
