@@ -1,4 +1,5 @@
 import dataclasses
+from typing import Any
 
 import pydantic
 import pytest
@@ -116,8 +117,11 @@ def test_schema_accepts_and_rejects_types(owner):
     assert validator.validate(schema_record("epoch", 5))
     assert validator.validate(schema_record("names", ["a", "b"]))
     assert validator.validate(schema_record("peers", 1.5, subkey=owner.local_public_key))
-    assert validator.validate(schema_record("peers", {owner.local_public_key: 2.0}))
     bad = [
+        # a whole dictionary as one regular value (hivemind refuses it too): it would replace
+        # every signed subkey and plant an unsigned value under the owner's marker
+        schema_record("peers", {owner.local_public_key: 2.0}),
+        schema_record("peers", {}),
         schema_record("epoch", "5"),
         schema_record("epoch", 5.0),  # no coercion
         schema_record("epoch", True),
@@ -230,3 +234,41 @@ def test_composite_with_signature_and_schema(owner):
     bad = signed(composite, schema_record("peers", "x", subkey=owner.local_public_key))
     assert owner.validate(bad) and not composite.validate(bad)
     assert not composite.validate(record)  # unsigned protected record
+
+
+def test_plain_dict_values_are_refused_under_schema_keys(owner):
+    """As hivemind's SchemaValidator: a dictionary field takes one record per subkey, and no
+    schema key takes a whole dict as one regular value (it would replace every subkey)."""
+
+    class Schema(pydantic.BaseModel):
+        n_batches: dict[bytes, pydantic.StrictInt]
+        anything: Any = None
+
+    validator = SchemaValidator(Schema)
+    assert validator.validate(schema_record("n_batches", 777, subkey=b"uid1"))
+    assert not validator.validate(schema_record("n_batches", {b"uid3": 779}))
+    assert not validator.validate(schema_record("n_batches", 666))
+    assert validator.validate(schema_record("anything", [1, {"nested": 2}]))
+    assert not validator.validate(schema_record("anything", {"a": 1}))
+    assert validator.validate(schema_record("other", {"a": 1}))  # not a schema key
+
+
+def test_progress_schema_alone_protects_the_progress_key(owner):
+    from swarmtrain.optim.progress_records import TrainingProgressSchema
+
+    validator = CompositeValidator([SchemaValidator(TrainingProgressSchema, prefix="run"), owner])
+    record = {
+        "peer_id": b"p",
+        "epoch": 1,
+        "samples_accumulated": 2,
+        "samples_per_second": 1.0,
+        "time": 5.0,
+        "client_mode": False,
+    }
+    honest = DHTRecord(
+        serialize("run_progress"), serialize(owner.local_public_key), serialize(record), 100.0
+    )
+    assert validator.validate(signed(validator, honest))
+    for plain in ({owner.local_public_key: record}, {owner.local_public_key: None}, "wiped"):
+        forged = DHTRecord(serialize("run_progress"), NO_SUBKEY, serialize(plain), 100.0)
+        assert not validator.validate(signed(validator, forged)), plain

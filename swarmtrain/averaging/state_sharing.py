@@ -59,6 +59,7 @@ __all__ = ["StateDownloadFailure", "StateSharing", "rpc_download_state_name", "s
 logger = logging.getLogger(__name__)
 
 MAX_METADATA_SIZE = 16 * 1024 * 1024
+MAX_METADATA_ELEMENTS = 1 << 20  # msgpack objects (swarmtrain.dht.serialization); decoded off-loop
 # What get_current_state returns: (metadata, tensors) or (metadata, tensors, compression infos).
 State = tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo] | None]
 
@@ -74,6 +75,10 @@ class StateDownloadFailure:
         if not self.donors:
             return "no peer declared a state to share"
         return f"no state from any of {self.donors} donor(s): " + "; ".join(self.reasons)
+
+
+def _decode_metadata(data: bytes) -> Any:
+    return deserialize(data, max_size=MAX_METADATA_SIZE, max_elements=MAX_METADATA_ELEMENTS)
 
 
 def state_sharing_key(prefix: str) -> str:
@@ -223,7 +228,9 @@ class StateSharing:
         if not self._allowed:
             return  # no header: the newcomer asks the next donor
         metadata, tensors, infos = await self._get_state()
-        metadata_bytes = serialize(metadata, max_size=MAX_METADATA_SIZE)
+        metadata_bytes = serialize(
+            metadata, max_size=MAX_METADATA_SIZE, max_elements=MAX_METADATA_ELEMENTS
+        )
         self.downloads_served += 1
         yield pb.StateDownloadResponse(
             header=pb.StateHeader(metadata=metadata_bytes, num_tensors=len(tensors))
@@ -286,7 +293,7 @@ class StateSharing:
                 continue
             if header is not None and len(tensors) == header.num_tensors:
                 try:
-                    metadata = deserialize(header.metadata, max_size=MAX_METADATA_SIZE)
+                    metadata = await anyio.to_thread.run_sync(_decode_metadata, header.metadata)
                 except DHTValueError as e:
                     logger.info("donor %s sent malformed metadata: %r", donor, e)
                     reasons.append(f"{donor}: malformed metadata ({e!r})")

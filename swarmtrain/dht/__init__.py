@@ -20,10 +20,15 @@ from .routing import PingRequest as PingRequest
 from .routing import RoutingTable as RoutingTable
 from .routing import RoutingTableStatistics as RoutingTableStatistics
 from .serialization import MAX_NESTING_DEPTH as MAX_NESTING_DEPTH
+from .serialization import MAX_VALUE_ELEMENTS as MAX_VALUE_ELEMENTS
 from .serialization import MAX_VALUE_SIZE as MAX_VALUE_SIZE
+from .serialization import DHTLimitError as DHTLimitError
 from .serialization import DHTValueError as DHTValueError
+from .serialization import NestingTooDeepError as NestingTooDeepError
+from .serialization import TooManyElementsError as TooManyElementsError
 from .serialization import UnsupportedValueTypeError as UnsupportedValueTypeError
 from .serialization import ValueTooLargeError as ValueTooLargeError
+from .serialization import check_serialized as check_serialized
 from .serialization import deserialize as deserialize
 from .serialization import serialize as serialize
 from .storage import CacheRefreshQueue as CacheRefreshQueue

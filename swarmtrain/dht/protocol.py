@@ -33,7 +33,7 @@ from swarmtrain.proto import dht_pb2
 from .blacklist import Blacklist
 from .identifiers import DHTID
 from .routing import PingRequest, RoutingTable
-from .serialization import MAX_VALUE_SIZE, DHTValueError, deserialize
+from .serialization import MAX_VALUE_SIZE, DHTValueError, check_serialized
 from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration, get_dht_time
 from .validation import NO_SUBKEY, DHTRecord, RecordValidatorBase
 
@@ -48,6 +48,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 ADDRESS_CACHE_SECONDS = 5.0
+#: a store request with more value bytes than this is validated in a worker thread; below it,
+#: the bounded decoder (``dht.serialization``) keeps the work on the loop to a few ms
+INLINE_VALIDATION_BYTES = 16 * 1024
 
 FoundValue = ValueWithExpiration[bytes | DictionaryDHTValue]
 
@@ -150,6 +153,7 @@ class DHTProtocol:
         self.storage = DHTLocalStorage(storage_size, max_subkeys)
         self.cache = DHTLocalStorage(cache_size, max_subkeys)
         self._nursery = nursery
+        self._validation_limiter = trio.CapacityLimiter(1)
         self._serving = False
         self._closed = False
         # Address bookkeeping is hot (every find answer carries up to 20 peers' addresses):
@@ -286,7 +290,7 @@ class DHTProtocol:
         """Validate every item, then store the valid ones (in the cache if ``in_cache``)."""
         caller = self._parse_node_info(context.remote_id, request.peer)
         items = self._parse_store_request(request)
-        valid = [self.validate_record(item) for item in items]  # raises before any change
+        valid = await self._validate_request(items)  # raises before any change
         self._accept_caller(context.remote_id, *caller)
         store_ok = self._store_valid(items, valid, in_cache=request.in_cache)
         return dht_pb2.DHTStoreResponse(store_ok=store_ok, peer=self._node_info())
@@ -332,9 +336,19 @@ class DHTProtocol:
     @staticmethod
     def _check_serialized(data: bytes, max_size: int, what: str) -> None:
         try:
-            deserialize(data, max_size)
+            check_serialized(data, max_size)
         except DHTValueError as e:
             raise MalformedRequestError(f"{what}: {e}") from None
+
+    async def _validate_request(self, items: Sequence[StoreItem]) -> list[bool]:
+        """:meth:`validate_record` for each item: on the loop for a small request, otherwise
+        in one worker thread per node (a thread of its own lets the loop take the GIL back
+        every few ms, so other requests, pings included, go on meanwhile)."""
+        if sum(len(item.value) for item in items) <= INLINE_VALIDATION_BYTES:
+            return [self.validate_record(item) for item in items]
+        return await trio.to_thread.run_sync(
+            lambda: [self.validate_record(item) for item in items], limiter=self._validation_limiter
+        )
 
     def validate_record(self, item: StoreItem) -> bool:
         """Whether the validators accept ``item`` and its unsigned value is a valid DHT value.

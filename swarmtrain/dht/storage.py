@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 import msgpack
 
 from .identifiers import DHTID
+from .serialization import MAX_VALUE_ELEMENTS, deserialize
 
 __all__ = [
     "CacheRefreshQueue",
@@ -30,6 +31,9 @@ __all__ = [
 ]
 
 DHTExpiration = float
+#: a packed dictionary from a peer (:meth:`DictionaryDHTValue.unpackb`) holds at most
+#: ``MAX_VALUE_ELEMENTS`` subkeys: 3 objects, then 4 per subkey
+MAX_PACKED_ELEMENTS = 3 + 4 * MAX_VALUE_ELEMENTS
 KeyT = TypeVar("KeyT", bound=Hashable)
 ValueT = TypeVar("ValueT")
 
@@ -172,7 +176,7 @@ class DictionaryDHTValue(TimedStorage[bytes, bytes]):
     def unpackb(cls, raw: bytes, now: float) -> DictionaryDHTValue:
         """Inverse of :meth:`packb`; subkeys already expired at ``now`` are skipped."""
         try:
-            latest, items = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            latest, items = deserialize(raw, max_size=None, max_elements=MAX_PACKED_ELEMENTS)
             new = cls()
             for key, value, expiration_time in items:
                 if not isinstance(key, bytes) or not isinstance(value, bytes):

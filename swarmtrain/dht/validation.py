@@ -242,6 +242,12 @@ class SchemaValidator(RecordValidatorBase):
     field must be a ``dict`` type and each record ``{subkey: value}`` is checked against it.
     Unknown keys pass only if ``allow_extra_keys``. Merged schema validators accept a record
     if any schema defining its key does.
+
+    A regular (subkey-less) value that is a ``dict`` is rejected under every schema key, as in
+    hivemind: dictionaries travel one subkey per record. A plain dict would replace all the
+    key's subkeys at once, signed ones included, and put unsigned values under other peers'
+    ``[owner:...]`` subkeys. So a ``dict[BytesWithPublicKey, ...]`` field is owned per subkey
+    with no further validator.
     """
 
     def __init__(
@@ -266,6 +272,8 @@ class SchemaValidator(RecordValidatorBase):
             value: Any = deserialize(record.value)
             if record.subkey != NO_SUBKEY:
                 value = {deserialize(record.subkey): value}
+            elif isinstance(value, dict):
+                return False  # a whole dictionary in one unsigned record (class docstring)
         except DHTValueError:
             return False
         return any(self._matches(schema, name, value) for schema, name in fields)

@@ -91,7 +91,7 @@ def check_optimizer_state_serializable(optimizer: torch.optim.Optimizer) -> None
     """Raise now (not when a newcomer asks) if the state dict cannot travel as metadata."""
     metadata, _ = dump_optimizer_state(optimizer)
     try:
-        serialize(metadata, max_size=None)
+        serialize(metadata, max_size=None, max_elements=None)
     except ValueError as e:
         raise TypeError(f"the optimizer's state dict cannot be shared with peers: {e}") from None
 
