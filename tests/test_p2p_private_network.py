@@ -4,6 +4,9 @@ swarm key, a stock py-libp2p host, a DHT and a DecentralizedAverager round."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import multiaddr
@@ -20,6 +23,7 @@ from libp2p.security.noise.transport import Transport as StockNoiseTransport
 
 from swarmtrain.averaging import DecentralizedAverager
 from swarmtrain.averaging.matchmaking import rpc_join_group_name
+from swarmtrain.cli.main import main
 from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.p2p import (
     P2P,
@@ -32,6 +36,7 @@ from swarmtrain.p2p import (
     save_swarm_key,
 )
 from swarmtrain.p2p.identity import generate_identity
+from swarmtrain.p2p.lane_records import TICKET_ID_SIZE
 from swarmtrain.p2p.private_network import KEY_MISMATCH_HINT, _causes
 from swarmtrain.proto import dht_pb2
 
@@ -194,6 +199,15 @@ async def test_outsiders_cannot_get_a_lane_ticket():
                 a.peer_id, "test::Demo.reverse", StringValue(value="x"), StringValue, bulk=True
             )
         assert len(a.lanes.tickets) == 0  # b's ticket was used; the outsider never got one
+        # the lane port itself, with a made-up ticket id: closed without an answer
+        accepted = a.lanes.lanes_accepted
+        sock = trio.socket.socket()
+        with trio.fail_after(10):
+            await sock.connect(("127.0.0.1", a.lanes.port))
+            await sock.send(os.urandom(TICKET_ID_SIZE))
+            assert await sock.recv(1) == b""
+        sock.close()
+        assert a.lanes.lanes_accepted == accepted
 
 
 # -------------------------------------------------------------------- DHT and averaging
@@ -253,3 +267,41 @@ async def test_outsiders_cannot_store_or_join_while_insiders_average():
             with averager.get_tensors() as got:
                 for g, w in zip(got, want, strict=True):
                     torch.testing.assert_close(g, w)
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def test_keygen_and_a_private_node(tmp_path, capsys):
+    key_path = tmp_path / "swarm.key"
+    assert main(["keygen", str(key_path)]) == 0
+    assert "wrote a swarm key" in capsys.readouterr().out
+    assert main(["keygen", str(key_path)]) == 1  # never overwrites a key
+    assert "refusing to overwrite" in capsys.readouterr().err
+    key = load_swarm_key(key_path)
+    command = [sys.executable, "-m", "swarmtrain.cli.main", "node"]
+    command += ["--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--swarm_key_path", str(key_path)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("/p2p/" in line for line in lines):
+            lines.append(proc.stdout.readline())
+        addrs = [line.strip() for line in lines if "/ip4/127.0.0.1/tcp/" in line]
+        assert addrs, lines
+
+        async def dial():
+            async with P2P.create(addrs, swarm_key=key, **HOST) as insider:
+                assert insider.get_connected_peers()
+            with pytest.raises(SwarmKeyMismatchError):
+                async with P2P.create(addrs, **HOST):
+                    pass
+
+        trio.run(dial)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

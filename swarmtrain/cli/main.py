@@ -1,11 +1,11 @@
-"""``swarmtrain`` command line: ``swarmtrain demo``, ``swarmtrain node``."""
+"""``swarmtrain`` command line: ``swarmtrain demo``, ``swarmtrain node``, ``swarmtrain keygen``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from swarmtrain.cli import demo, node
+from swarmtrain.cli import demo, keygen, node
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_arguments(
         commands.add_parser("node", aliases=["dht"], help=node.HELP, description=node.HELP)
     )
+    keygen.add_arguments(commands.add_parser("keygen", help=keygen.HELP, description=keygen.HELP))
     return parser
 
 

@@ -22,6 +22,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--announce_maddrs", nargs="*", default=[], help="public multiaddrs")
     parser.add_argument("--initial_peers", nargs="*", default=[], help="peers to join")
     parser.add_argument("--identity_path", default=None, help="Ed25519 key file (0600)")
+    parser.add_argument(
+        "--swarm_key_path",
+        default=None,
+        help="private run: only peers with this swarm key file connect (see `swarmtrain keygen`)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -34,6 +39,7 @@ async def serve(args) -> None:
             host_maddrs=args.host_maddrs,
             announce_maddrs=args.announce_maddrs,
             identity_path=args.identity_path,
+            swarm_key=args.swarm_key_path,
         ) as dht:
             print(f"peer id: {dht.p2p.peer_id}", flush=True)
             print("others can join with --initial_peers:", flush=True)
