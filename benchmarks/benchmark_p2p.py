@@ -1,6 +1,7 @@
 """Throughput and latency of swarmtrain's RPC path against a raw trio TCP socket, same run.
 
     python benchmarks/benchmark_p2p.py [--mib 64] [--runs 5] [--private]
+    python benchmarks/benchmark_p2p.py --dial-ab 40
 
 Measures, each as the median of --runs runs:
 - bytes/s of one stream-input RPC carrying --mib MiB in 1 MiB messages (TCP + Noise + Yamux),
@@ -176,6 +177,27 @@ async def two_processes(nbytes: int, runs: int) -> dict:
     return out
 
 
+async def dial_ab(runs: int) -> dict:
+    """Dial + first tiny call of a fresh host, public vs private (one key), interleaved."""
+    out = {"public": [], "private": []}
+    key = generate_swarm_key()
+    async with P2P.create() as public, P2P.create(swarm_key=key) as private:
+        for server in (public, private):
+            server.add_protobuf_handler("bench::P2P.echo", _echo, StringValue)
+        for _ in range(runs):
+            for label, server, kwargs in (
+                ("public", public, {}),
+                ("private", private, {"swarm_key": key}),
+            ):
+                started = time.perf_counter()
+                async with P2P.create(initial_peers=server.get_visible_maddrs(), **kwargs) as c:
+                    await c.call_protobuf_handler(
+                        server.peer_id, "bench::P2P.echo", StringValue(value="ping"), StringValue
+                    )
+                    out[label].append(1000 * (time.perf_counter() - started))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=64)
@@ -184,7 +206,24 @@ def main() -> None:
     parser.add_argument("--serve-tcp", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--private", action="store_true", help="all hosts share a swarm key")
     parser.add_argument("--swarm-key-hex", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--dial-ab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only: N interleaved dial+first call, "
+        "public vs private host (in one process), then exit",
+    )
     args = parser.parse_args()
+    if args.dial_ab:
+        res = trio.run(dial_ab, args.dial_ab)
+        for label, ms in res.items():
+            q = statistics.quantiles(ms, n=4)
+            print(
+                f"{label:8s} dial + first call: median {statistics.median(ms):.1f} ms "
+                f"(quartiles {q[0]:.1f} / {q[2]:.1f} ms, {len(ms)} runs)"
+            )
+        return None
     if args.private or args.swarm_key_hex:
         key = bytes.fromhex(args.swarm_key_hex) if args.swarm_key_hex else generate_swarm_key()
         HOST["swarm_key"] = key
