@@ -195,6 +195,20 @@ async def dial_ab(runs: int) -> dict:
                         server.peer_id, "bench::P2P.echo", StringValue(value="ping"), StringValue
                     )
                     out[label].append(1000 * (time.perf_counter() - started))
+        async with (
+            P2P.create(initial_peers=public.get_visible_maddrs()) as to_public,
+            P2P.create(initial_peers=private.get_visible_maddrs(), swarm_key=key) as to_private,
+        ):
+            for server in (public, private):
+                server.add_protobuf_handler("bench::P2P.sink", _sink, BytesValue, stream_input=True)
+            pairs = (("public", to_public, public), ("private", to_private, private))
+            for label, client, server in pairs:
+                out[f"{label} 16 MiB RPC, MiB/s"] = []
+                await rpc_transfer(client, server.peer_id, CHUNK)  # warm-up
+            for _ in range(max(4, runs // 4)):
+                for label, client, server in pairs:
+                    seconds = await rpc_transfer(client, server.peer_id, 16 * CHUNK)
+                    out[f"{label} 16 MiB RPC, MiB/s"].append(16 / seconds)
     return out
 
 
@@ -211,17 +225,18 @@ def main() -> None:
         type=int,
         default=0,
         metavar="N",
-        help="only: N interleaved dial+first call, "
-        "public vs private host (in one process), then exit",
+        help="only: N interleaved dial+first call, then 16 MiB "
+        "RPC transfers, public vs private host (in one process), then exit",
     )
     args = parser.parse_args()
     if args.dial_ab:
         res = trio.run(dial_ab, args.dial_ab)
-        for label, ms in res.items():
-            q = statistics.quantiles(ms, n=4)
+        for label, values in res.items():
+            q = statistics.quantiles(values, n=4)
+            what = label if "MiB/s" in label else f"{label} dial + first call, ms"
             print(
-                f"{label:8s} dial + first call: median {statistics.median(ms):.1f} ms "
-                f"(quartiles {q[0]:.1f} / {q[2]:.1f} ms, {len(ms)} runs)"
+                f"{what:28s}: median {statistics.median(values):.1f} "
+                f"(quartiles {q[0]:.1f} / {q[2]:.1f}, {len(values)} runs)"
             )
         return None
     if args.private or args.swarm_key_hex:
