@@ -4,6 +4,7 @@ swarm key, a stock py-libp2p host, a DHT and a DecentralizedAverager round."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,7 +288,7 @@ def test_keygen_and_a_private_node(tmp_path, capsys):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any("/p2p/" in line for line in lines):
             lines.append(proc.stdout.readline())
-        addrs = [line.strip() for line in lines if "/ip4/127.0.0.1/tcp/" in line]
+        addrs = re.findall(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", "".join(lines))
         assert addrs, lines
 
         async def dial():
