@@ -1,5 +1,6 @@
 """swarmtrain command line: `swarmtrain demo` trains a model with local peers, `swarmtrain node`
-runs a DHT bootstrap peer (`swarmtrain COMMAND --help` for each)."""
+runs a DHT bootstrap peer, `swarmtrain keygen` writes a swarm key for a private run
+(`swarmtrain COMMAND --help` for each)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import sys
 
 import swarmtrain
-from swarmtrain.cli import demo, node
+from swarmtrain.cli import demo, keygen, node
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_arguments(
         commands.add_parser("node", aliases=["dht"], help=node.HELP, description=node.HELP)
     )
+    keygen.add_arguments(commands.add_parser("keygen", help=keygen.HELP, description=keygen.HELP))
     return parser
 
 

@@ -35,6 +35,12 @@ def add_arguments(parser) -> None:
         default=30.0,
         help="print the routing table and storage every this many seconds (default 30; 0: never)",
     )
+    add_option(
+        parser,
+        "--swarm_key_path",
+        default=None,
+        help="private run: only peers with this swarm key file connect (see `swarmtrain keygen`)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -80,6 +86,7 @@ async def serve(args) -> None:
                 host_maddrs=args.host_maddrs,
                 announce_maddrs=args.announce_maddrs,
                 identity_path=args.identity_path,
+                swarm_key=args.swarm_key_path,
             ) as dht,
             trio.open_nursery() as nursery,
         ):

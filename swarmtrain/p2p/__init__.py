@@ -34,10 +34,17 @@ from swarmtrain.p2p.errors import (
 from swarmtrain.p2p.errors import (
     RPCTimeoutError as RPCTimeoutError,
 )
+from swarmtrain.p2p.errors import (
+    SwarmKeyMismatchError as SwarmKeyMismatchError,
+)
 from swarmtrain.p2p.host import P2P as P2P
 from swarmtrain.p2p.host import P2PConfig as P2PConfig
 from swarmtrain.p2p.identity import IdentityError as IdentityError
 from swarmtrain.p2p.identity import load_or_create_identity as load_or_create_identity
+from swarmtrain.p2p.private_network import SwarmKeyError as SwarmKeyError
+from swarmtrain.p2p.private_network import generate_swarm_key as generate_swarm_key
+from swarmtrain.p2p.private_network import load_swarm_key as load_swarm_key
+from swarmtrain.p2p.private_network import save_swarm_key as save_swarm_key
 from swarmtrain.p2p.rpc import Attached as Attached
 from swarmtrain.p2p.rpc import RPCContext as RPCContext
 

@@ -2,7 +2,8 @@
 relay), and opening negotiated streams (``Dialling``, a base class of ``swarmtrain.p2p.P2P``).
 
 It expects the host's attributes: ``_host`` (the py-libp2p host), ``config`` (``P2PConfig``),
-``peer_id``, ``relay`` (``RelayManager`` or None), ``_dial_locks`` and ``_addresses_checked``.
+``peer_id``, ``relay`` (``RelayManager`` or None), ``_dial_locks``, ``_addresses_checked`` and
+``_noise`` (``PrivateNoiseTransport``: which peers failed our handshake as a swarm-key mismatch).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from swarmtrain.p2p._multistream import open_lazily_negotiated_stream
-from swarmtrain.p2p.errors import P2PError, PeerUnreachableError
+from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, SwarmKeyMismatchError
+from swarmtrain.p2p.private_network import KEY_MISMATCH_HINT, is_swarm_key_mismatch
 
 PEERSTORE_ADDR_TTL = 3600.0
 
@@ -89,6 +91,7 @@ class Dialling:
             if not addrs:
                 raise PeerUnreachableError(f"no known addresses for peer {peer_id}")
             errors: list[str] = []
+            rejected = False  # a handshake failed as a swarm-key mismatch makes it fail
             if direct:
                 try:
                     with trio.fail_after(self.config.dial_timeout):
@@ -97,6 +100,7 @@ class Dialling:
                 except trio.TooSlowError:
                     errors.append(f"direct dial timed out after {self.config.dial_timeout} s")
                 except (SwarmException, OSError) as e:
+                    rejected |= is_swarm_key_mismatch(e)
                     errors.append(f"direct dial failed: {e}")
             if relayed and self.relay is not None:
                 try:
@@ -106,9 +110,12 @@ class Dialling:
                 except trio.TooSlowError:
                     errors.append(f"relayed dial timed out after {self.config.dial_timeout} s")
                 except (SwarmException, OSError, P2PError) as e:
+                    rejected |= is_swarm_key_mismatch(e)
                     errors.append(f"relayed dial failed: {e}")
             elif relayed:
                 errors.append("only /p2p-circuit addresses are known and relaying is disabled")
+            if rejected or self._noise.rejected_by(peer_id):
+                raise SwarmKeyMismatchError(f"cannot reach {peer_id}: {KEY_MISMATCH_HINT}")
             raise PeerUnreachableError(f"cannot reach {peer_id}: " + "; ".join(errors))
 
     def _learn_addrs_of(self, peer_id: ID) -> None:

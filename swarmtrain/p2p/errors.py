@@ -13,6 +13,11 @@ class PeerUnreachableError(P2PError):
     """We could not open a connection to the peer (no addresses, refused, or timed out)."""
 
 
+class SwarmKeyMismatchError(PeerUnreachableError):
+    """The peer's handshake failed the way a different swarm key makes it fail (one side has
+    another ``swarm_key``, or none): see ``swarmtrain.p2p.private_network``."""
+
+
 class RPCError(P2PError):
     """An RPC failed. Subclasses say where and why."""
 

@@ -31,14 +31,18 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from swarmtrain.p2p import rpc, rpc_client
 from swarmtrain.p2p._tuning import apply_libp2p_tuning
 from swarmtrain.p2p.addresses import expand_unspecified
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
 from swarmtrain.p2p.dialling import Dialling, as_peer_id
-from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, RPCTimeoutError
+from swarmtrain.p2p.errors import (
+    P2PError,
+    PeerUnreachableError,
+    RPCTimeoutError,
+    SwarmKeyMismatchError,
+)
 from swarmtrain.p2p.identity import load_or_create_identity
 from swarmtrain.p2p.lane import (
     DataLanes,
@@ -47,6 +51,7 @@ from swarmtrain.p2p.lane import (
     lanes_disabled_by_env,
 )
 from swarmtrain.p2p.listen_check import check_addresses_free
+from swarmtrain.p2p.private_network import PrivateNoiseTransport, resolve_swarm_key
 from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.utils.exception_groups import collapse_exception_groups
@@ -89,6 +94,9 @@ class P2PConfig:
     # encrypted TCP connection (port ``data_lane_port``, 0 = any) when the callee offers one.
     use_data_lanes: bool = True
     data_lane_port: int = 0
+    # Private runs (swarmtrain.p2p.private_network): only peers with the same key (>= 32 bytes,
+    # or a key file path, loaded here) complete the handshake with us.
+    swarm_key: bytes | str | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -118,6 +126,7 @@ class P2PConfig:
             raise ValueError("data_lane_port must be in 0..65535")
         if self.use_auto_relay and not self.use_relay:
             raise ValueError("use_auto_relay needs use_relay=True")
+        object.__setattr__(self, "swarm_key", resolve_swarm_key(self.swarm_key))
 
 
 def _with_ws_port(addr: str) -> multiaddr.Multiaddr:
@@ -135,8 +144,7 @@ def _with_ws_port(addr: str) -> multiaddr.Multiaddr:
     return multiaddr.Multiaddr(addr.replace("/tcp/0/", f"/tcp/{port}/", 1))
 
 
-def _build_host(key_pair: KeyPair, config: P2PConfig):
-    noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTransport):
     kwargs: dict[str, Any] = {}
     if config.announce_maddrs:
         kwargs["announce_addrs"] = [multiaddr.Multiaddr(a) for a in config.announce_maddrs]
@@ -186,6 +194,7 @@ class P2P(Dialling):
         self._nursery: trio.Nursery | None = None
         self._dial_locks: dict[ID, trio.Lock] = {}
         self._addresses_checked: set[ID] = set()  # peers _learn_addrs_of looked at
+        self._noise: PrivateNoiseTransport | None = None  # set in create
         self.relay: RelayManager | None = None  # set in create when relaying is enabled
         self.autonat: AutoNAT | None = None  # set in create when use_autonat
         self._closed = False
@@ -217,8 +226,12 @@ class P2P(Dialling):
         key_pair = load_or_create_identity(config.identity_path)
         listen = [] if config.client_mode else [_with_ws_port(a) for a in config.host_maddrs]
         check_addresses_free(listen)
-        host = _build_host(key_pair, config)
+        noise = PrivateNoiseTransport(
+            key_pair, noise_privkey=create_x25519_key_pair().private_key, swarm_key=config.swarm_key
+        )
+        host = _build_host(key_pair, config, noise)
         self = cls(host, key_pair, config)
+        self._noise = noise
         host.set_stream_handler(rpc.RPC_PROTOCOL_ID, self._on_rpc_stream)
         try:
             with collapse_exception_groups():
@@ -269,20 +282,23 @@ class P2P(Dialling):
         if not self.config.initial_peers:
             return
         failures: list[str] = []
+        key_mismatches = 0
 
         async def connect_one(addr: str) -> None:
+            nonlocal key_mismatches
             try:
                 await self.connect(addr)
             except PeerUnreachableError as e:
                 failures.append(f"{addr}: {e}")
+                key_mismatches += isinstance(e, SwarmKeyMismatchError)
 
         async with trio.open_nursery() as nursery:
             for addr in self.config.initial_peers:
                 nursery.start_soon(connect_one, addr)
         if len(failures) == len(self.config.initial_peers):
-            raise PeerUnreachableError(
-                "could not reach any of the initial peers:\n  " + "\n  ".join(failures)
-            )
+            all_rejected = key_mismatches == len(failures)
+            error = SwarmKeyMismatchError if all_rejected else PeerUnreachableError
+            raise error("could not reach any of the initial peers:\n  " + "\n  ".join(failures))
         for failure in failures:
             logger.warning("initial peer unreachable (continuing with the others): %s", failure)
 
