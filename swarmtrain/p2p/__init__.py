@@ -66,5 +66,10 @@ __all__ = [
     "RPCTimeoutError",
     "Reachability",
     "RemoteError",
+    "SwarmKeyError",
+    "SwarmKeyMismatchError",
+    "generate_swarm_key",
     "load_or_create_identity",
+    "load_swarm_key",
+    "save_swarm_key",
 ]
