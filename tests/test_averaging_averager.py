@@ -689,6 +689,8 @@ async def test_a_donor_with_nan_state_is_skipped_with_a_warning(caplog):
         assert good is not None
         swarm.stop_all()
     assert any(
-        "sent NaN or inf values" in r.getMessage() and str(bad.peer_id) in r.getMessage()
+        "NaN or inf values" in r.getMessage()
+        and "banned for 600 s" in r.getMessage()
+        and str(bad.peer_id) in r.getMessage()
         for r in caplog.records
     )

@@ -36,6 +36,7 @@ from swarmtrain.averaging.matchmaking_types import (
     MatchmakingGroup,
 )
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, PART_LAYOUT, as_numpy
+from swarmtrain.averaging.state_checks import StateCheck
 from swarmtrain.averaging.state_sharing import State, StateDownloadFailure, StateSharing
 from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
 from swarmtrain.p2p import PeerID
@@ -266,13 +267,14 @@ class AsyncDecentralizedAverager:
         self,
         timeout: float | None = None,  # noqa: ASYNC109 (hivemind's keyword)
         donors: Sequence[PeerID | bytes] | None = None,
+        check: StateCheck | None = None,
     ) -> tuple[Any, list[torch.Tensor]] | None:
         """Download ``(metadata, tensors)`` from the best state donors (None if none could
         provide it within ``timeout``); see ``swarmtrain.averaging.state_sharing``.
-        ``donors``: only from these peers."""
+        ``donors``: only from these peers; ``check``: what their state must look like."""
         assert self._state_sharing is not None
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            return await self._state_sharing.load_state_from_peers(donors)
+            return await self._state_sharing.load_state_from_peers(donors, check)
         logger.warning("load_state_from_peers timed out after %s s", timeout)
         return None
 

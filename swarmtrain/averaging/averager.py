@@ -180,12 +180,13 @@ class DecentralizedAverager(BackgroundService):
             return {"group_bits": bits}, [t.detach().cpu().clone() for t in tensors]
 
     def load_state_from_peers(
-        self, wait: bool = True, timeout: float | None = None, donors=None
+        self, wait: bool = True, timeout: float | None = None, donors=None, check=None
     ) -> tuple[Any, list[torch.Tensor]] | Future | None:
         """Download ``(metadata, tensors)`` from the best donors (None if nobody could);
-        ``donors``: only from these peers (``PeerID`` or bytes)."""
+        ``donors``: only from these peers (``PeerID`` or bytes); ``check``: a
+        ``state_checks.StateCheck`` a donor's state must pass (NaN / inf never pass)."""
         runtime, core = self._running()
-        fn = functools.partial(core.load_state_from_peers, timeout, donors)
+        fn = functools.partial(core.load_state_from_peers, timeout, donors, check)
         if not wait:
             return runtime.portal.start_task_soon(fn)
         return runtime.call(fn)

@@ -12,11 +12,18 @@ and downloads from one donor at a time. If a donor fails mid-transfer (it leaves
 full and asks the next donor for the rest (``first_tensor``): peers that average together hold
 nearly the same state, so the result is one consistent-enough state without starting over. The
 metadata comes from the first donor that answered. A donor whose state has another number of
-tensors cannot continue a transfer and is skipped. A tensor with NaN or inf values fails its
-donor like bad data (a warning names it): a diverged peer never hands its state on. When no
-state came, ``last_failure`` says why (no donor declared one, or what went wrong with each
-donor); the warning is logged once per distinct reason (a caller retrying for a minute would
-repeat it dozens of times).
+tensors cannot continue a transfer and is skipped.
+
+Nothing a donor sends is used unchecked (``swarmtrain.averaging.state_checks``): the metadata is
+decoded when the header arrives and given to the caller's ``check``, which returns the shape and
+dtype of every tensor; each tensor's wire header is compared with its spec before anything is
+allocated, the decoded tensor again, and a tensor with NaN or inf values fails its donor (a
+diverged peer never hands its state on). A donor whose state fails is named in a warning,
+banned for ``ban_duration`` (default 10 minutes: its later downloads skip it) and none of its
+tensors are kept (if it sent the metadata, the download starts over with the next donor). When
+no state came, ``last_failure`` says why (no donor declared one, or what went wrong with each
+donor, typed: :class:`DonorFailure`); the warning is logged once per distinct reason (a caller
+retrying for a minute would repeat it dozens of times).
 
 Resource handling: ``create`` registers the handler (not in client mode: nobody can dial a
 client) and owns the declaring task; leaving it stops the task, stores a last "not sharing"
@@ -30,7 +37,7 @@ import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -40,6 +47,14 @@ import trio
 from google.protobuf.message import DecodeError
 
 from swarmtrain.averaging.finite import all_finite
+from swarmtrain.averaging.state_checks import (
+    BAN_DURATION,
+    DonorBans,
+    RejectReason,
+    StateCheck,
+    StateRejected,
+    TensorSpec,
+)
 from swarmtrain.compression import (
     DEFAULT_CHUNK_SIZE,
     CompressionBase,
@@ -54,7 +69,13 @@ from swarmtrain.p2p import P2PError, PeerID
 from swarmtrain.proto import state_sharing_pb2 as pb
 from swarmtrain.proto import tensor_pb2
 
-__all__ = ["StateDownloadFailure", "StateSharing", "rpc_download_state_name", "state_sharing_key"]
+__all__ = [
+    "DonorFailure",
+    "StateDownloadFailure",
+    "StateSharing",
+    "rpc_download_state_name",
+    "state_sharing_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +86,47 @@ State = tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo] | None]
 
 
 @dataclass(frozen=True)
+class DonorFailure:
+    """What went wrong with one donor; ``rejected``: its state failed a check (see
+    ``state_checks.RejectReason``), None for a transfer that failed or did not happen."""
+
+    donor: PeerID
+    problem: str
+    rejected: RejectReason | None = None
+
+    def __str__(self) -> str:
+        return f"{self.donor}: {self.problem}"
+
+
+@dataclass(frozen=True)
 class StateDownloadFailure:
     """Why a ``load_state_from_peers`` got no state."""
 
-    donors: int  #: peers that declared a state to share (0: nobody shares one)
-    reasons: tuple[str, ...] = ()  #: "<donor>: <what went wrong>", one per donor tried
+    donors: int  #: peers that declared a state to share, banned ones not counted (0: nobody)
+    reasons: tuple[DonorFailure, ...] = ()  #: one per donor tried
+    banned: int = 0  #: donors skipped because an earlier state of theirs was rejected
 
     def __str__(self) -> str:
+        skipped = f" ({self.banned} banned donor(s) skipped)" if self.banned else ""
         if not self.donors:
-            return "no peer declared a state to share"
-        return f"no state from any of {self.donors} donor(s): " + "; ".join(self.reasons)
+            return "no peer declared a state to share" + skipped
+        reasons = "; ".join(str(r) for r in self.reasons)
+        return f"no state from any of {self.donors} donor(s){skipped}: {reasons}"
+
+
+@dataclass
+class _Download:
+    """A download in progress over one or more donors."""
+
+    header: pb.StateHeader | None = None
+    source: PeerID | None = None  #: the donor whose header (and metadata) is in use
+    metadata: Any = None
+    specs: Sequence[TensorSpec] | None = None  #: None: no check given (any shape and dtype)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.header = self.source = self.metadata = self.specs = None
+        self.tensors = []
 
 
 def _decode_metadata(data: bytes) -> Any:
@@ -97,6 +149,7 @@ class StateSharing:
     :param serve: register the download handler (False in client mode)
     :param message_timeout: a download gives up on a donor that sends nothing for this long
     :param dht_timeout: bound on each DHT read or store
+    :param ban_duration: seconds a donor whose state failed a check is skipped
     """
 
     def __init__(
@@ -112,6 +165,7 @@ class StateSharing:
         message_timeout: float = 30.0,
         dht_timeout: float = 5.0,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        ban_duration: float = BAN_DURATION,
     ):
         self.dht = dht
         self.p2p = dht.p2p
@@ -133,6 +187,8 @@ class StateSharing:
         #: why the last download got no state (None: it got one, or it is still running)
         self.last_failure: StateDownloadFailure | None = None
         self._failures_logged: set[StateDownloadFailure] = set()
+        #: donors whose state was rejected, skipped until their ban expires
+        self.bans = DonorBans(ban_duration)
         self.allow_state_sharing = allow_state_sharing
 
     @classmethod
@@ -265,61 +321,75 @@ class StateSharing:
         return [PeerID(p) for p in sorted(priorities, key=priorities.__getitem__, reverse=True)]
 
     async def load_state_from_peers(
-        self, donors: Sequence[PeerID] | None = None
+        self, donors: Sequence[PeerID] | None = None, check: StateCheck | None = None
     ) -> tuple[Any, list[torch.Tensor]] | None:
         """Download (metadata, tensors) from the best donors (see the module docstring); None if
         no donor could provide it. Bound it with the caller's ``move_on_after``.
 
         :param donors: only these peers (of those that declared they share their state)
+        :param check: validates the metadata and returns every tensor's spec (raising
+          ``StateRejected``); without it any shapes and dtypes are taken (NaN / inf never)
         """
         self.last_failure = None
         found = await self.find_donors()
         if donors is not None:
             wanted = {PeerID(p) if isinstance(p, bytes) else p for p in donors}
             found = [d for d in found if d in wanted]
-        donors = found
-        tensors: list[torch.Tensor] = []
-        header: pb.StateHeader | None = None
-        reasons = []
-        for donor in donors:
-            had = len(tensors)
+        now = trio.current_time()
+        trusted = [d for d in found if self.bans.banned(d, now) is None]
+        state = _Download()
+        reasons: list[DonorFailure] = []
+        for donor in trusted:
+            had = len(state.tensors)
             try:
-                header = await self._download(donor, header, tensors)
+                await self._download(donor, state, check)
+            except StateRejected as e:
+                reasons.append(DonorFailure(donor, f"state rejected ({e})", e.reason))
+                self._reject(donor, state, e)
+                continue
             except (P2PError, WireFormatError, DHTValueError, DecodeError, ValueError) as e:
                 logger.debug(  # the warning below gives the reason, once
-                    "state download from %s failed after %d tensor(s): %r", donor, len(tensors), e
+                    "state download from %s failed after %d tensor(s): %r",
+                    donor,
+                    len(state.tensors),
+                    e,
                 )
-                reasons.append(f"{donor}: {e!r}")
+                reasons.append(DonorFailure(donor, repr(e)))
                 continue
-            if header is not None and len(tensors) == header.num_tensors:
-                try:
-                    metadata = await anyio.to_thread.run_sync(_decode_metadata, header.metadata)
-                except DHTValueError as e:
-                    logger.info("donor %s sent malformed metadata: %r", donor, e)
-                    reasons.append(f"{donor}: malformed metadata ({e!r})")
-                    header, tensors = None, []
-                    continue
-                logger.info("downloaded state (%d tensors), last donor %s", len(tensors), donor)
-                return metadata, tensors
-            if len(tensors) == had:
-                reasons.append(f"{donor}: it does not share its state (any more)")
-            elif header is not None:
-                sent = f"{len(tensors)} of {header.num_tensors}"
-                reasons.append(f"{donor}: it stopped after tensor {sent}")
-        failure = self.last_failure = StateDownloadFailure(len(donors), tuple(reasons))
-        if donors:
+            if state.header is not None and len(state.tensors) == state.header.num_tensors:
+                logger.info(
+                    "downloaded state (%d tensors), last donor %s", len(state.tensors), donor
+                )
+                return state.metadata, state.tensors
+            if len(state.tensors) == had:
+                reasons.append(DonorFailure(donor, "it does not share its state (any more)"))
+        failure = StateDownloadFailure(len(trusted), tuple(reasons), len(found) - len(trusted))
+        self.last_failure = failure
+        if found:
             repeated = failure in self._failures_logged
             self._failures_logged.add(failure)
             level = logging.DEBUG if repeated else logging.WARNING
             logger.log(level, "could not load the state of %s: %s", self.prefix, failure)
         return None
 
-    async def _download(
-        self, donor: PeerID, header: pb.StateHeader | None, tensors: list[torch.Tensor]
-    ) -> pb.StateHeader | None:
-        """Receive tensors ``len(tensors)...`` from ``donor`` into ``tensors``; return the header
-        in use (the first donor's). Raises on failure, keeping the tensors received in full
-        (none of this donor's if one holds NaN or inf)."""
+    def _reject(self, donor: PeerID, state: _Download, error: StateRejected) -> None:
+        """Forget what ``donor`` sent (everything, if its metadata is in use); maybe ban it."""
+        if error.ban:
+            self.bans.ban(donor, str(error), trio.current_time())
+        logger.warning(
+            "not loading the state of donor %s: %s%s",
+            donor,
+            error,
+            f" (banned for {self.bans.duration:.0f} s)" if error.ban else "",
+        )
+        if state.source == donor:
+            state.reset()
+
+    async def _download(self, donor: PeerID, state: _Download, check: StateCheck | None) -> None:
+        """Receive tensors ``len(state.tensors)...`` from ``donor`` into ``state`` (the first
+        donor's header and checked metadata). Raises on failure, keeping the tensors received in
+        full (none of this donor's if it sent bad data: ``StateRejected``)."""
+        tensors = state.tensors
         start = len(tensors)
         request = pb.StateDownloadRequest(first_tensor=start)
         async with self.p2p.iterate_protobuf_handler(
@@ -334,41 +404,78 @@ class StateSharing:
             first = await _next_or_none(responses)
             if first is None or not first.HasField("header"):
                 logger.debug("%s does not share its state", donor)
-                return header
-            if header is None:
+                return
+            if state.header is None:
                 header = first.header
-            elif first.header.num_tensors != header.num_tensors:
+                try:
+                    metadata, specs = await anyio.to_thread.run_sync(
+                        _decode_and_check, header.metadata, check
+                    )
+                except DHTValueError as e:
+                    raise StateRejected(RejectReason.METADATA, repr(e)) from None
+                if specs is not None and len(specs) != header.num_tensors:
+                    raise StateRejected(
+                        RejectReason.TENSOR_COUNT,
+                        f"{header.num_tensors} tensors, expected {len(specs)}",
+                    )
+                state.header, state.source, state.metadata, state.specs = (
+                    header,
+                    donor,
+                    metadata,
+                    specs,
+                )
+            elif first.header.num_tensors != state.header.num_tensors:
                 raise ValueError(
                     f"{donor} has {first.header.num_tensors} state tensors, "
-                    f"the first donor had {header.num_tensors}"
+                    f"the first donor had {state.header.num_tensors}"
                 )
-            assembler: TensorAssembler | None = None
-            async for response in responses:
-                if response.HasField("header") or response.tensor_index != len(tensors):
-                    raise ValueError(f"unexpected message for tensor {response.tensor_index}")
-                if len(tensors) >= header.num_tensors:
-                    raise ValueError("more tensors than the header announced")
-                assembler = assembler or TensorAssembler()
-                message = assembler.feed(tensor_pb2.Tensor.FromString(response.chunk))
-                if message is not None:
-                    tensor = await extract_async(message)
-                    if not all_finite(tensor):
-                        logger.warning(
-                            "donor %s sent NaN or inf values (state tensor %d): its state is "
-                            "not loaded",
-                            donor,
-                            len(tensors),
-                        )
-                        index = len(tensors)
-                        del tensors[start:]  # none of a diverged donor's tensors are kept
-                        raise ValueError(f"{donor} sent a non-finite state tensor {index}")
-                    tensors.append(tensor)
-                    assembler = None
-            if assembler is not None:
-                assembler.finish()  # raises: the stream ended inside a tensor
-            if len(tensors) != header.num_tensors:
-                raise ValueError(f"{donor} ended the stream after {len(tensors)} tensor(s)")
-            return header
+            header, specs = state.header, state.specs
+            try:
+                await self._receive_tensors(responses, header, specs, tensors)
+            except StateRejected:
+                del tensors[start:]  # none of a donor's tensors are kept if one is bad
+                raise
+
+    async def _receive_tensors(
+        self,
+        responses: AsyncIterator[pb.StateDownloadResponse],
+        header: pb.StateHeader,
+        specs: Sequence[TensorSpec] | None,
+        tensors: list[torch.Tensor],
+    ) -> None:
+        assembler: TensorAssembler | None = None
+        async for response in responses:
+            index = len(tensors)
+            if response.HasField("header") or response.tensor_index != index:
+                raise ValueError(f"unexpected message for tensor {response.tensor_index}")
+            if index >= header.num_tensors:
+                raise ValueError("more tensors than the header announced")
+            chunk = tensor_pb2.Tensor.FromString(response.chunk)
+            spec = specs[index] if specs is not None else None
+            if assembler is None:
+                if spec is not None:  # before the assembler allocates the declared size
+                    spec.check(index, chunk.size, chunk.dtype)
+                assembler = TensorAssembler()
+            message = assembler.feed(chunk)
+            if message is None:
+                continue
+            tensor = await extract_async(message)
+            if spec is not None:
+                spec.check(index, tensor.shape, tensor.dtype)  # what the codec made of it
+            if not all_finite(tensor):
+                raise StateRejected(RejectReason.NON_FINITE, f"state tensor {index}")
+            tensors.append(tensor)
+            assembler = None
+        if assembler is not None:
+            assembler.finish()  # raises: the stream ended inside a tensor
+        if len(tensors) != header.num_tensors:
+            raise ValueError(f"the donor ended the stream after {len(tensors)} tensor(s)")
+
+
+def _decode_and_check(data: bytes, check: StateCheck | None) -> tuple[Any, Any]:
+    """(metadata, tensor specs or None); runs in a worker thread (both are bounded work)."""
+    metadata = _decode_metadata(data)
+    return metadata, (None if check is None else list(check(metadata)))
 
 
 async def _next_or_none(iterator):

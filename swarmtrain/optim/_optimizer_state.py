@@ -18,6 +18,7 @@ import torch
 from swarmtrain.dht import serialize
 
 __all__ = [
+    "TENSOR_KEY",
     "check_optimizer_state_serializable",
     "decode_tensors",
     "encode_tensors",
@@ -27,6 +28,7 @@ __all__ = [
 ]
 
 _TENSOR, _TUPLE = "__tensor__", "__tuple__"
+TENSOR_KEY = _TENSOR  #: the key of a tensor reference in the metadata
 
 
 def encode_tensors(value: Any, tensors: list[torch.Tensor], *, copy: bool = True) -> Any:

@@ -594,6 +594,13 @@ class Optimizer(EpochUpdates):
         if not self.client_mode:
             self._state_averager.state_sharing_priority = epoch
 
+    def _vouched_epoch(self) -> int | None:
+        """The swarm's epoch as its progress records show it (None: no other peer seen yet);
+        a donor's state may be at most ``EPOCH_MARGIN`` epochs ahead of it."""
+        progress = self._tracker.global_progress
+        others_seen = progress.num_peers >= 2 or progress.epoch > self.local_epoch
+        return progress.epoch if others_seen else None
+
     def load_state_from_peers(self, timeout: float | None = None) -> bool:
         """Download the training state (parameters, optimizer and scheduler state, epoch) from
         a peer, retrying until ``timeout`` (default ``load_state_timeout``) while some peer
@@ -614,7 +621,9 @@ class Optimizer(EpochUpdates):
             if remaining <= 0:
                 break
             try:
-                loaded = state_averager.load_state_from_peers(timeout=remaining)
+                loaded = state_averager.load_state_from_peers(
+                    timeout=remaining, swarm_epoch=self._vouched_epoch()
+                )
             except Exception as e:
                 detail = repr(e)
                 if detail not in errors:

@@ -40,6 +40,7 @@ background worker; the DHT is the caller's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -52,13 +53,22 @@ from typing import Any, Union
 import torch
 
 from swarmtrain.averaging import DecentralizedAverager, StepControl
+from swarmtrain.averaging.state_checks import RejectReason, StateRejected, TensorSpec
 from swarmtrain.compression import CompressionInfo, NoCompression, TensorRole
 from swarmtrain.dht import serialize
 from swarmtrain.optim._optimizer_state import (
     check_optimizer_state_serializable,
     dump_optimizer_state,
+    encode_tensors,
     initialize_optimizer_state_,
     load_optimizer_state,
+)
+from swarmtrain.optim._state_checks import (
+    LR_TOLERANCE,
+    check_epoch,
+    check_scheduler_state,
+    initial_lrs,
+    optimizer_state_specs,
 )
 from swarmtrain.optim._tensor_infos import tag_compression
 
@@ -122,6 +132,37 @@ def _check_reusable(tensor: torch.Tensor, what: str) -> torch.Tensor:
     if tensor.device.type != "cpu":
         raise ValueError(f"reuse_tensors needs CPU tensors, but {what} is on {tensor.device}")
     return tensor.detach()
+
+
+#: most characters of a donor's group bits
+MAX_GROUP_BITS = 1024
+
+
+def _check_training_state(
+    metadata: Any,
+    *,
+    local: list[TensorSpec],
+    optimizer_metadata: Any,
+    optimizer_specs: list[TensorSpec],
+    scheduler_state: Any,
+    local_epoch: int,
+    swarm_epoch: int | None,
+    max_lrs: Sequence[float],
+) -> list[TensorSpec]:
+    """The specs of a donor's state tensors, after checking its metadata (a ``StateCheck``)."""
+    if not isinstance(metadata, dict):
+        raise StateRejected(RejectReason.METADATA, "the metadata is not a dict")
+    epoch = check_epoch(metadata.get("epoch"), local_epoch, swarm_epoch)
+    bits = metadata.get("group_bits")
+    if not isinstance(bits, str) or len(bits) > MAX_GROUP_BITS:
+        raise StateRejected(RejectReason.METADATA, "group_bits is not a short string")
+    specs = optimizer_state_specs(
+        optimizer_metadata, optimizer_specs, metadata.get("optimizer_metadata"), max_lrs
+    )
+    check_scheduler_state(
+        scheduler_state, metadata.get("scheduler_state"), epoch, max(max_lrs, default=0.0)
+    )
+    return [*local, *specs]
 
 
 #: hivemind's name: ``zero_grad`` sets gradients to None by default (torch >= 2.0's default)
@@ -241,6 +282,8 @@ class TrainingStateAverager(DecentralizedAverager):
         if self.scheduler is not None and self.scheduler.optimizer is not self.optimizer:
             raise ValueError("the scheduler belongs to another optimizer")
         check_optimizer_state_serializable(self.optimizer)
+        #: per param group, the largest lr a donor's state may carry (see _state_checks)
+        self.max_donor_lrs = tuple(LR_TOLERANCE * lr for lr in initial_lrs(self.optimizer))
 
         statistics = []
         for key in self.opt_keys_for_averaging:
@@ -690,32 +733,32 @@ class TrainingStateAverager(DecentralizedAverager):
         return state
 
     def load_state_from_peers(  # type: ignore[override]
-        self, wait: bool = True, timeout: float | None = None
+        self, wait: bool = True, timeout: float | None = None, swarm_epoch: int | None = None
     ) -> bool:
         """Download the training state from the best donor and load it: parameters, extra
         tensors, optimizer state, scheduler state, epoch. False (with a log message) if nobody
-        answered within ``timeout``, the donor is behind us, or its state does not fit ours."""
+        answered within ``timeout`` or every donor's state was rejected.
+
+        Each donor's state is checked before any of it is used (see ``_state_checks``): the
+        same tensors as ours (shape and dtype, no casts), finite values, our optimizer's
+        structure and hyperparameters (``lr`` up to ``max_donor_lrs``), an epoch from ours to
+        ``swarm_epoch + EPOCH_MARGIN`` (``swarm_epoch``: what the swarm's progress vouches for;
+        None: unknown, capped at ``EPOCH_LIMIT``). A donor that fails is banned for a while and
+        the next one is tried; a donor behind us is skipped."""
         if not wait:
             raise ValueError("TrainingStateAverager.load_state_from_peers blocks: use wait=True")
-        loaded = super().load_state_from_peers(wait=True, timeout=timeout)
+        check = self._state_check(swarm_epoch)
+        loaded = super().load_state_from_peers(wait=True, timeout=timeout, check=check)
         if loaded is None:
             return False
         metadata, tensors = loaded
-        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
-            logger.warning("the donor sent no epoch: not loading its state")
-            return False
-        if epoch < self.local_epoch:
+        epoch = metadata["epoch"]
+        if epoch < self.local_epoch:  # we moved on during the download
             logger.warning(
                 "not loading the state of a donor behind us (%d < %d)", epoch, self.local_epoch
             )
             return False
         local = [*self._opt_params(), *self.extra_tensors]
-        if len(tensors) < len(local) or any(
-            t.shape != x.shape for t, x in zip(tensors, local, strict=False)
-        ):
-            logger.error("the donor's parameters or extra tensors do not match ours")
-            return False
         with torch.no_grad(), self.lock_optimizer, self.lock_averaged_tensors:
             statistics = self._averaged_statistics()
             try:
@@ -737,6 +780,23 @@ class TrainingStateAverager(DecentralizedAverager):
             self._update_scheduler()
         logger.log(self.status_loglevel, "loaded the training state of epoch %d", epoch)
         return True
+
+    def _state_check(self, swarm_epoch: int | None) -> Callable[[Any], list[TensorSpec]]:
+        """A snapshot of what a donor's state must look like (ours, now), as a check."""
+        with self.lock_optimizer:
+            local = [TensorSpec.of(t) for t in (*self._opt_params(), *self.extra_tensors)]
+            tensors: list[torch.Tensor] = []
+            optimizer_metadata = encode_tensors(self.optimizer.state_dict(), tensors, copy=False)
+            return functools.partial(
+                _check_training_state,
+                local=local,
+                optimizer_metadata=optimizer_metadata,
+                optimizer_specs=[TensorSpec.of(t) for t in tensors],
+                scheduler_state=self._scheduler_state(),
+                local_epoch=self.local_epoch,
+                swarm_epoch=swarm_epoch,
+                max_lrs=self.max_donor_lrs,
+            )
 
     def _averaged_statistics(self) -> dict[tuple[int, str], torch.Tensor]:
         """The statistic tensors averaged in place (``reuse_tensors``), to keep across a load."""
