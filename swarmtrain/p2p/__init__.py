@@ -20,6 +20,9 @@ from swarmtrain.p2p.errors import (
     RemoteError as RemoteError,
 )
 from swarmtrain.p2p.errors import (
+    ResourceLimitError as ResourceLimitError,
+)
+from swarmtrain.p2p.errors import (
     RPCCancelledError as RPCCancelledError,
 )
 from swarmtrain.p2p.errors import (
@@ -35,6 +38,7 @@ from swarmtrain.p2p.host import P2P as P2P
 from swarmtrain.p2p.host import P2PConfig as P2PConfig
 from swarmtrain.p2p.identity import IdentityError as IdentityError
 from swarmtrain.p2p.identity import load_or_create_identity as load_or_create_identity
+from swarmtrain.p2p.limits import ResourceLimits as ResourceLimits
 from swarmtrain.p2p.rpc import Attached as Attached
 from swarmtrain.p2p.rpc import RPCContext as RPCContext
 

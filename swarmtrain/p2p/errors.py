@@ -43,3 +43,9 @@ class RPCCancelledError(RPCError):
 
 class RPCTimeoutError(RPCError, TimeoutError):
     """The call (or the next message of a stream) did not complete within its timeout."""
+
+
+class ResourceLimitError(RPCError):
+    """A peer hit one of the callee's resource limits (``swarmtrain.p2p.ResourceLimits``):
+    too many concurrent calls or lanes from one peer, or the host's budget of bytes in flight.
+    The message says which limit; the call may be retried later."""

@@ -5,7 +5,8 @@ protobuf message) follows the header as raw bytes so large messages are never co
 protobuf field. An ``ATTACHED_MESSAGE`` frame then carries ``attachment_size`` more raw bytes
 (e.g. a tensor's), which the receiver places straight into a buffer of its choice
 (``begin_attachment``). ``FrameDecoder`` takes bytes in and gives whole frames out; it checks
-the declared sizes against a limit *before* buffering anything.
+the declared sizes against a limit *before* buffering anything, and its buffers grow with
+the bytes that arrive, not with what a header declares.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from swarmtrain.p2p.errors import MessageTooLargeError, RPCProtocolError
+from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
 from swarmtrain.proto import p2p_pb2
 
 FrameKind = p2p_pb2.RPCFrameHeader.Kind
@@ -97,6 +99,13 @@ class FrameDecoder:
     Raises ``RPCProtocolError`` on malformed input and ``MessageTooLargeError`` when a header
     declares a payload (plus attachment) larger than ``max_payload_size``, before buffering it.
 
+    Memory follows the bytes that arrived, never a declaration: a payload (or an attachment
+    received into a buffer of the decoder's own) starts in a buffer of at most
+    ``INITIAL_ALLOCATION`` bytes that doubles as it fills. Those buffers are charged to
+    ``budget`` (a host's ``ByteBudget``: ``ResourceLimitError`` when it is used up) until the
+    frame is complete or ``close()``. With ``awaiting_open`` set (a callee before each call),
+    any frame but OPEN is a protocol error as soon as its header is read.
+
     A payload being received is filled in place: ``writable()`` is the part still missing (a
     reader may receive straight into it) and ``advance(n)`` counts bytes written there. After
     an ATTACHED_MESSAGE frame, the caller must ``begin_attachment(buffer)`` (a writable buffer
@@ -104,20 +113,36 @@ class FrameDecoder:
     and ``take_attachment()`` before the next frame.
     """
 
-    def __init__(self, max_payload_size: int):
+    def __init__(self, max_payload_size: int, budget: ByteBudget | None = None):
         self.max_payload_size = max_payload_size
+        self.budget = budget
+        self.awaiting_open = False
         self._buffer = bytearray()
         self._pending_header: p2p_pb2.RPCFrameHeader | None = None
-        self._payload: bytearray | None = None
+        self._payload: bytearray | None = None  # grows up to the declared size
+        self._payload_size = 0
         self._payload_filled = 0
         self._attachment_wanted: int | None = None  # size of the attachment that follows
-        self._attachment: object = None  # the caller's buffer, while it is filled
+        self._attachment: object = None  # the buffer being filled (the caller's or our own)
         self._attachment_view: memoryview | None = None
+        self._attachment_own = False  # ours: it grows like a payload
         self._attachment_filled = 0
+        self._charged = 0  # bytes of our own buffers charged to the budget
 
     @property
     def buffered_bytes(self) -> int:
         return len(self._buffer) + self._payload_filled + self._attachment_filled
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the payload or attachment buffers this decoder allocated itself."""
+        return self._charged if self.budget is not None else self._own_allocation()
+
+    def _own_allocation(self) -> int:
+        size = len(self._payload) if self._payload is not None else 0
+        if self._attachment_own and self._attachment_view is not None:
+            size += self._attachment_view.nbytes
+        return size
 
     @property
     def in_frame(self) -> bool:
@@ -131,15 +156,55 @@ class FrameDecoder:
 
     @property
     def bytes_wanted(self) -> int:
-        """How many more bytes would complete the current payload (0 if not inside one)."""
+        """How many more bytes the current buffer takes (0 if not inside a payload)."""
         view = self.writable()
         return 0 if view is None else len(view)
 
+    def _charge(self, count: int) -> None:
+        if self.budget is not None:
+            self.budget.reserve(count)
+            self._charged += count
+
+    def _uncharge(self, count: int) -> None:
+        if self.budget is not None and count:
+            self.budget.release(count)
+            self._charged -= count
+
+    def _grow_payload(self) -> None:
+        old = self._payload
+        extra = min(self._payload_size, 2 * len(old)) - len(old)
+        self._charge(extra)
+        try:
+            old.extend(bytes(extra))  # in place (realloc) while nobody holds a view of it
+        except BufferError:
+            grown = bytearray(len(old) + extra)
+            grown[: self._payload_filled] = old[: self._payload_filled]
+            self._payload = grown
+
+    def _grow_attachment(self) -> None:
+        old = self._attachment_view
+        size = min(self._attachment_wanted, 2 * old.nbytes)
+        self._charge(size - old.nbytes)
+        grown = np.empty(size, dtype=np.uint8)
+        view = memoryview(grown).cast("B")
+        view[: self._attachment_filled] = old[: self._attachment_filled]
+        old.release()
+        self._attachment, self._attachment_view = grown, view
+
     def writable(self) -> memoryview | None:
-        """The unfilled rest of the payload or attachment being received (None: none is)."""
+        """The unfilled rest of the buffer of the payload or attachment being received (None:
+        none is); a full buffer of a frame still missing bytes grows first."""
         if self._attachment_view is not None:
+            if (
+                self._attachment_own
+                and self._attachment_filled == self._attachment_view.nbytes
+                and self._attachment_filled < self._attachment_wanted
+            ):
+                self._grow_attachment()
             return self._attachment_view[self._attachment_filled :]
         if self._payload is not None:
+            if self._payload_filled == len(self._payload) < self._payload_size:
+                self._grow_payload()
             return memoryview(self._payload)[self._payload_filled :]
         return None
 
@@ -153,30 +218,39 @@ class FrameDecoder:
             raise RuntimeError("advance() without a payload or attachment being received")
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        target = self.writable()
-        if target is not None and len(data):
+        data = memoryview(data).cast("B")
+        while len(data):
+            target = self.writable()
+            if target is None or not len(target):
+                break
             take = min(len(data), len(target))
             target[:take] = data[:take]
+            target.release()  # (a view would keep the buffer from growing in place)
             self.advance(take)
             data = data[take:]
         if len(data):
             self._buffer += data
 
     def begin_attachment(self, buffer=None):
-        """Receive the pending attachment into ``buffer`` (None: a new uint8 numpy array);
-        bytes already buffered go there at once. Returns the buffer."""
+        """Receive the pending attachment into ``buffer`` (None: a new uint8 numpy array,
+        grown as bytes arrive); bytes already buffered go there at once. Returns the buffer
+        (or, for None, an array that ``take_attachment`` returns complete)."""
         size = self._attachment_wanted
         if size is None or self._attachment_view is not None:
             raise RuntimeError("no attachment is due")
-        if buffer is None:
-            buffer = np.empty(size, dtype=np.uint8)
+        own = buffer is None
+        if own:
+            first = min(size, max(INITIAL_ALLOCATION, len(self._buffer)))
+            self._charge(first)
+            buffer = np.empty(first, dtype=np.uint8)
         view = memoryview(buffer).cast("B")
-        if view.readonly or view.nbytes != size:
+        if not own and (view.readonly or view.nbytes != size):
             raise ValueError(
                 f"an attachment of {size} bytes needs a writable buffer of that size, "
                 f"got {view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
             )
         self._attachment, self._attachment_view, self._attachment_filled = buffer, view, 0
+        self._attachment_own = own
         take = min(size, len(self._buffer))
         if take:
             view[:take] = self._buffer[:take]
@@ -186,8 +260,8 @@ class FrameDecoder:
 
     @property
     def attachment_complete(self) -> bool:
-        return self._attachment_view is not None and self._attachment_filled == len(
-            self._attachment_view
+        return (
+            self._attachment_view is not None and self._attachment_filled == self._attachment_wanted
         )
 
     def take_attachment(self):
@@ -195,23 +269,40 @@ class FrameDecoder:
         if not self.attachment_complete:
             raise RuntimeError("the attachment is not complete")
         buffer = self._attachment
+        if self._attachment_own:
+            self._uncharge(self._attachment_view.nbytes)
+        self._attachment_view.release()
         self._attachment = self._attachment_view = self._attachment_wanted = None
-        self._attachment_filled = 0
+        self._attachment_filled, self._attachment_own = 0, False
         return buffer
+
+    def close(self) -> None:
+        """Drop every buffer and give their bytes back to the budget (the stream is done)."""
+        self._uncharge(self._charged)
+        if self._attachment_view is not None:
+            self._attachment_view.release()
+        self._buffer = bytearray()
+        self._payload = self._pending_header = None
+        self._payload_size = self._payload_filled = self._attachment_filled = 0
+        self._attachment = self._attachment_view = self._attachment_wanted = None
+        self._attachment_own = False
 
     def _complete(self, header: p2p_pb2.RPCFrameHeader, payload) -> Frame:
         frame = Frame(header, payload)
         if header.kind == FrameKind.ATTACHED_MESSAGE:
             self._attachment_wanted = header.attachment_size
+        elif header.kind == FrameKind.OPEN:
+            self.awaiting_open = False
         return frame
 
     def next_frame(self) -> Frame | None:
         if self._attachment_wanted is not None:
             raise RuntimeError("the attachment of the previous frame was not taken")
         if self._payload is not None:
-            if self._payload_filled < len(self._payload):
+            if self._payload_filled < self._payload_size:
                 return None
             header, payload = self._pending_header, self._payload
+            self._uncharge(len(payload))
             self._pending_header, self._payload, self._payload_filled = None, None, 0
             return self._complete(header, payload)
 
@@ -230,6 +321,9 @@ class FrameDecoder:
             raise RPCProtocolError(f"malformed frame header: {e}") from None
         if header.kind not in _KNOWN_KINDS:
             raise RPCProtocolError(f"malformed frame: unknown kind {header.kind}")
+        if self.awaiting_open and header.kind != FrameKind.OPEN:
+            kind = FrameKind.Name(header.kind)
+            raise RPCProtocolError(f"a call must start with OPEN, got {kind}")
         if header.payload_size and header.kind not in MESSAGE_KINDS:
             raise RPCProtocolError("malformed frame: only MESSAGE frames carry a payload")
         if header.attachment_size and header.kind != FrameKind.ATTACHED_MESSAGE:
@@ -247,9 +341,11 @@ class FrameDecoder:
             payload = self._buffer[:size]
             del self._buffer[:size]
             return self._complete(header, payload)
-        # Start a payload buffer of the announced (already limit-checked) size.
-        self._pending_header = header
-        self._payload = bytearray(size)
+        # A payload buffer for what arrived (at least INITIAL_ALLOCATION), grown as it fills.
+        first = min(size, max(INITIAL_ALLOCATION, len(self._buffer)))
+        self._charge(first)
+        self._pending_header, self._payload_size = header, size
+        self._payload = bytearray(first)
         self._payload_filled = len(self._buffer)
         self._payload[: self._payload_filled] = self._buffer
         self._buffer.clear()

@@ -18,6 +18,7 @@ from swarmtrain.p2p.lane_records import (
     RecordSealer,
 )
 
+RECV_BUFFER_FIRST = 64 * 1024
 WRITE_STALL_TIMEOUT = 60.0  # a write that makes no progress this long fails (TooSlowError)
 ACCEPTED = b"swarmtrain-lane-ok"
 
@@ -55,7 +56,9 @@ class LaneStream:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._raw, self._sock = raw, sock
         self._sealer, self._opener = sealer, opener
-        self._recv_buffer = bytearray(MAX_RECORD_CIPHERTEXT)
+        # grows with the records' bytes as they arrive (up to MAX_RECORD_CIPHERTEXT), so an
+        # idle or silent lane holds no record buffer
+        self._recv_buffer = bytearray()
         # plaintext of the last record not yet returned by read() / read_into()
         self._pending: bytes | memoryview = b""
         # the record being received: header bytes so far, then its size and body bytes so far
@@ -110,11 +113,21 @@ class LaneStream:
                     self._rx_got = 0
         except LaneRecordError as e:
             raise StreamError(f"lane: {e}") from None
-        body = memoryview(self._recv_buffer)[: self._rx_size]
         while self._rx_got < self._rx_size:
+            if self._rx_got == len(self._recv_buffer):
+                self._grow_recv_buffer()
+            body = memoryview(self._recv_buffer)[: min(self._rx_size, len(self._recv_buffer))]
             self._rx_got = await self._fill(body, self._rx_got)
+            body.release()
         self._rx_size, self._rx_header_got = None, 0
-        return body
+        return memoryview(self._recv_buffer)[: self._rx_got]
+
+    def _grow_recv_buffer(self) -> None:
+        """Room for more of the record being received: double what arrived (64 KiB first)."""
+        size = min(MAX_RECORD_CIPHERTEXT, max(RECV_BUFFER_FIRST, 2 * len(self._recv_buffer)))
+        grown = bytearray(size)  # a new buffer: views of the old one may still be around
+        grown[: self._rx_got] = self._recv_buffer[: self._rx_got]
+        self._recv_buffer = grown
 
     async def _receive_record(self) -> bytes:
         """The next record's plaintext (b"" for the end record)."""
