@@ -384,8 +384,7 @@ async def test_silent_sockets_on_the_lane_port_do_not_turn_lanes_off():
             sock = socket.create_connection(("127.0.0.1", victim.lanes.port))
             silent.append(sock)
         try:
-            await _wait_for(lambda: victim.lanes.pending_handshakes.evicted >= 60)
-            assert len(victim.lanes.pending_handshakes) <= 8
+            await trio.sleep(0.5)  # the victim accepts them all
             reply = await honest.call_protobuf_handler(
                 victim.peer_id,
                 "t::L.total_size",
@@ -397,9 +396,22 @@ async def test_silent_sockets_on_the_lane_port_do_not_turn_lanes_off():
             assert reply.value == 1000
             stats = honest.statistics()
             assert stats["lanes_opened"] == 1 and stats["lane_fallbacks"] == 0
+            # the victim closed the oldest silent sockets to make room (at most 8 per IP wait)
+            closed = sum(_closed_by_peer(sock) for sock in silent)
+            assert closed >= 60, closed
         finally:
             for sock in silent:
                 sock.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--victim"]:
