@@ -22,7 +22,15 @@ from swarmtrain.proto import p2p_pb2
 
 FrameKind = p2p_pb2.RPCFrameHeader.Kind
 #: the frame kinds that carry a message (and, for ATTACHED_MESSAGE, an attachment after it)
-MESSAGE_KINDS = frozenset((FrameKind.MESSAGE, FrameKind.ATTACHED_MESSAGE))
+# The kinds as plain ints: an attribute of the protobuf enum wrapper costs ~1.7 us a lookup.
+KIND_OPEN, KIND_MESSAGE, KIND_END, KIND_ERROR, KIND_ATTACHED = (
+    FrameKind.OPEN,
+    FrameKind.MESSAGE,
+    FrameKind.END,
+    FrameKind.ERROR,
+    FrameKind.ATTACHED_MESSAGE,
+)
+MESSAGE_KINDS = frozenset((KIND_MESSAGE, KIND_ATTACHED))
 _KNOWN_KINDS = frozenset(FrameKind.values()) - {FrameKind.KIND_UNSPECIFIED}
 MAX_HEADER_SIZE = 64 * 1024
 _VARINT_MAX_BYTES = 10
@@ -40,7 +48,7 @@ class Frame:
     @property
     def attachment_size(self) -> int:
         """Bytes that follow this frame's payload (0 unless ATTACHED_MESSAGE)."""
-        return self.header.attachment_size if self.header.kind == FrameKind.ATTACHED_MESSAGE else 0
+        return self.header.attachment_size if self.header.kind == KIND_ATTACHED else 0
 
 
 def encode_varint(value: int) -> bytes:
@@ -119,9 +127,14 @@ class FrameDecoder:
         self.awaiting_open = False
         self._buffer = bytearray()
         self._pending_header: p2p_pb2.RPCFrameHeader | None = None
-        self._payload: bytearray | None = None  # grows up to the declared size
-        self._payload_size = 0
-        self._payload_filled = 0
+        # the payload being received: pieces (a bytearray, then uninitialized numpy arrays,
+        # each as large as all before it), until half of it arrived; then one buffer of the
+        # whole size, into which the pieces are copied (so growing copies at most half)
+        self._payload: list | None = None
+        self._payload_size = 0  # declared
+        self._payload_allocated = 0  # in all pieces
+        self._payload_filled = 0  # in all pieces
+        self._piece_filled = 0  # in the last piece
         self._attachment_wanted: int | None = None  # size of the attachment that follows
         self._attachment: object = None  # the buffer being filled (the caller's or our own)
         self._attachment_view: memoryview | None = None
@@ -139,7 +152,7 @@ class FrameDecoder:
         return self._charged if self.budget is not None else self._own_allocation()
 
     def _own_allocation(self) -> int:
-        size = len(self._payload) if self._payload is not None else 0
+        size = self._payload_allocated
         if self._attachment_own and self._attachment_view is not None:
             size += self._attachment_view.nbytes
         return size
@@ -171,15 +184,23 @@ class FrameDecoder:
             self._charged -= count
 
     def _grow_payload(self) -> None:
-        old = self._payload
-        extra = min(self._payload_size, 2 * len(old)) - len(old)
-        self._charge(extra)
-        try:
-            old.extend(bytes(extra))  # in place (realloc) while nobody holds a view of it
-        except BufferError:
-            grown = bytearray(len(old) + extra)
-            grown[: self._payload_filled] = old[: self._payload_filled]
-            self._payload = grown
+        """Room for more of the payload: a piece as large as what arrived, or, once half of
+        it arrived, one buffer of its whole size (never more than twice what arrived)."""
+        filled, size = self._payload_filled, self._payload_size
+        if 2 * filled < size:
+            self._charge(filled)
+            self._payload.append(np.empty(filled, dtype=np.uint8))  # filled before use
+            self._payload_allocated += filled
+            self._piece_filled = 0
+            return
+        self._charge(size)
+        whole = np.empty(size, dtype=np.uint8)
+        start = 0
+        for piece in self._payload:
+            whole[start : start + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+            start += len(piece)
+        self._uncharge(self._payload_allocated)
+        self._payload, self._payload_allocated, self._piece_filled = [whole], size, filled
 
     def _grow_attachment(self) -> None:
         old = self._attachment_view
@@ -203,9 +224,9 @@ class FrameDecoder:
                 self._grow_attachment()
             return self._attachment_view[self._attachment_filled :]
         if self._payload is not None:
-            if self._payload_filled == len(self._payload) < self._payload_size:
+            if self._payload_filled == self._payload_allocated < self._payload_size:
                 self._grow_payload()
-            return memoryview(self._payload)[self._payload_filled :]
+            return memoryview(self._payload[-1])[self._piece_filled :]
         return None
 
     def advance(self, count: int) -> None:
@@ -214,10 +235,14 @@ class FrameDecoder:
             self._attachment_filled += count
         elif self._payload is not None:
             self._payload_filled += count
+            self._piece_filled += count
         elif count:
             raise RuntimeError("advance() without a payload or attachment being received")
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._payload is None and self._attachment_view is None:
+            self._buffer += data  # between frames (the common case of small messages)
+            return
         data = memoryview(data).cast("B")
         while len(data):
             target = self.writable()
@@ -283,15 +308,16 @@ class FrameDecoder:
             self._attachment_view.release()
         self._buffer = bytearray()
         self._payload = self._pending_header = None
-        self._payload_size = self._payload_filled = self._attachment_filled = 0
+        self._payload_size = self._payload_allocated = self._payload_filled = 0
+        self._piece_filled = self._attachment_filled = 0
         self._attachment = self._attachment_view = self._attachment_wanted = None
         self._attachment_own = False
 
     def _complete(self, header: p2p_pb2.RPCFrameHeader, payload) -> Frame:
         frame = Frame(header, payload)
-        if header.kind == FrameKind.ATTACHED_MESSAGE:
+        if header.kind == KIND_ATTACHED:
             self._attachment_wanted = header.attachment_size
-        elif header.kind == FrameKind.OPEN:
+        elif header.kind == KIND_OPEN:
             self.awaiting_open = False
         return frame
 
@@ -301,9 +327,11 @@ class FrameDecoder:
         if self._payload is not None:
             if self._payload_filled < self._payload_size:
                 return None
-            header, payload = self._pending_header, self._payload
-            self._uncharge(len(payload))
-            self._pending_header, self._payload, self._payload_filled = None, None, 0
+            header, (piece,) = self._pending_header, self._payload
+            payload = piece if isinstance(piece, bytearray) else memoryview(piece)
+            self._uncharge(self._payload_allocated)
+            self._pending_header, self._payload = None, None
+            self._payload_allocated = self._payload_filled = self._piece_filled = 0
             return self._complete(header, payload)
 
         decoded = _decode_varint(self._buffer, 0)
@@ -321,12 +349,12 @@ class FrameDecoder:
             raise RPCProtocolError(f"malformed frame header: {e}") from None
         if header.kind not in _KNOWN_KINDS:
             raise RPCProtocolError(f"malformed frame: unknown kind {header.kind}")
-        if self.awaiting_open and header.kind != FrameKind.OPEN:
+        if self.awaiting_open and header.kind != KIND_OPEN:
             kind = FrameKind.Name(header.kind)
             raise RPCProtocolError(f"a call must start with OPEN, got {kind}")
         if header.payload_size and header.kind not in MESSAGE_KINDS:
             raise RPCProtocolError("malformed frame: only MESSAGE frames carry a payload")
-        if header.attachment_size and header.kind != FrameKind.ATTACHED_MESSAGE:
+        if header.attachment_size and header.kind != KIND_ATTACHED:
             raise RPCProtocolError("malformed frame: only ATTACHED_MESSAGE frames have attachments")
         if header.payload_size + header.attachment_size > self.max_payload_size:
             raise MessageTooLargeError(
@@ -345,8 +373,9 @@ class FrameDecoder:
         first = min(size, max(INITIAL_ALLOCATION, len(self._buffer)))
         self._charge(first)
         self._pending_header, self._payload_size = header, size
-        self._payload = bytearray(first)
-        self._payload_filled = len(self._buffer)
-        self._payload[: self._payload_filled] = self._buffer
+        piece = bytearray(first)
+        self._payload_filled = self._piece_filled = len(self._buffer)
+        piece[: self._payload_filled] = self._buffer
+        self._payload, self._payload_allocated = [piece], first
         self._buffer.clear()
         return None

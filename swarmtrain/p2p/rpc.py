@@ -42,7 +42,7 @@ from swarmtrain.p2p.errors import (
     RPCProtocolError,
     RPCTimeoutError,
 )
-from swarmtrain.p2p.framing import MESSAGE_KINDS, FrameKind
+from swarmtrain.p2p.framing import KIND_END, KIND_MESSAGE, KIND_OPEN, MESSAGE_KINDS, FrameKind
 from swarmtrain.p2p.limits import ByteBudget, PeerCounter, ResourceLimits
 from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.proto import p2p_pb2
@@ -146,7 +146,7 @@ async def receive_item(
     """The message of a MESSAGE or ATTACHED_MESSAGE frame (``Attached``, with the attachment
     received into ``attachment_buffer(message, size)`` or a new numpy array)."""
     message = parse_message(message_type, frame.payload, what)
-    if frame.kind == FrameKind.MESSAGE:
+    if frame.kind == KIND_MESSAGE:
         return message
     if not attachments:
         raise RPCProtocolError(f"{what} came with an attachment, which this method does not take")
@@ -209,7 +209,7 @@ class _IncomingMessages:
             raise RPCTimeoutError(f"no request message for {self._idle_timeout} s")
         if frame is None:
             raise RPCCancelledError("the caller closed the stream before END")
-        if frame.kind == FrameKind.END:
+        if frame.kind == KIND_END:
             self.finished.set()
             raise StopAsyncIteration
         raise RPCProtocolError(f"unexpected frame {FrameKind.Name(frame.kind)} in a request")
@@ -367,7 +367,7 @@ class RPCServer:
         return ended_cleanly
 
     async def _serve_call(self, stream: RPCStream, remote_id, frame) -> bool:
-        if frame.kind != FrameKind.OPEN:
+        if frame.kind != KIND_OPEN:
             raise RPCProtocolError(f"a call must start with OPEN, got {FrameKind.Name(frame.kind)}")
         spec = self._handlers.get(frame.header.method)
         if spec is None:

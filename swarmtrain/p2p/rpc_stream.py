@@ -18,6 +18,7 @@ from swarmtrain.p2p.errors import (
     RPCTimeoutError,
 )
 from swarmtrain.p2p.framing import (
+    KIND_OPEN,
     Frame,
     FrameDecoder,
     FrameKind,
@@ -189,7 +190,7 @@ class RPCStream:
         self, method: str, first_payload: bytes | None = None, *, end: bool = False
     ) -> None:
         """Send OPEN, then optionally one message and END (one write when they are small)."""
-        data = encode_header(p2p_pb2.RPCFrameHeader(kind=FrameKind.OPEN, method=method))
+        data = encode_header(p2p_pb2.RPCFrameHeader(kind=KIND_OPEN, method=method))
         if first_payload is not None and len(first_payload) <= 64 * 1024:
             data += message_header(len(first_payload)) + first_payload
             if end:
