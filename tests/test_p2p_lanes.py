@@ -9,7 +9,8 @@ from lane_util import lane_over_socketpair
 
 from swarmtrain.p2p import P2P, RemoteError, RPCTimeoutError
 from swarmtrain.p2p import lane as lane_module
-from swarmtrain.p2p.lane import TICKET_METHOD, TicketBook
+from swarmtrain.p2p.lane import TICKET_METHOD
+from swarmtrain.p2p.lane_books import TicketBook
 from swarmtrain.p2p.lane_records import (
     HEADER_SIZE,
     MAX_RECORD_PLAINTEXT,

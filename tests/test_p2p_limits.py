@@ -24,7 +24,8 @@ from swarmtrain.p2p.framing import (
     encode_header,
     message_header,
 )
-from swarmtrain.p2p.lane import TICKET_METHOD, PendingHandshakes, TicketBook, retry_delay
+from swarmtrain.p2p.lane import TICKET_METHOD
+from swarmtrain.p2p.lane_books import PendingHandshakes, TicketBook, retry_delay
 from swarmtrain.p2p.lane_records import RecordOpener
 from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
 from swarmtrain.p2p.rpc import RPC_PROTOCOL_ID
