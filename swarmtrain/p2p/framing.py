@@ -101,6 +101,64 @@ def _decode_varint(buf: bytearray | memoryview, start: int) -> tuple[int, int] |
     return None
 
 
+class GrowingBuffer:
+    """Room for ``size`` declared bytes that is never much more than what was written into
+    it: uninitialized pieces, each as large as all before it, until half of it arrived; then
+    one array of the whole size, the pieces copied in (growing copies at most half of it).
+    ``charge(n)`` and ``release(n)`` hear of every allocation and of its end."""
+
+    __slots__ = ("_charge", "_piece_filled", "_pieces", "_release", "allocated", "filled", "size")
+
+    def __init__(self, size: int, first: int, charge, release):
+        self.size, self._charge, self._release = size, charge, release
+        first = min(size, first)
+        charge(first)
+        self._pieces = [np.empty(first, dtype=np.uint8)]  # filled before it is read
+        self.allocated, self.filled, self._piece_filled = first, 0, 0
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self.size
+
+    def writable(self) -> memoryview:
+        """The unfilled rest of the current piece (empty once complete)."""
+        if self.filled == self.allocated < self.size:
+            self._grow()
+        return memoryview(self._pieces[-1])[self._piece_filled :]
+
+    def advance(self, count: int) -> None:
+        self.filled += count
+        self._piece_filled += count
+
+    def _grow(self) -> None:
+        if 2 * self.filled < self.size:
+            self._charge(self.filled)
+            self._pieces.append(np.empty(self.filled, dtype=np.uint8))
+            self.allocated += self.filled
+            self._piece_filled = 0
+            return
+        self._charge(self.size)
+        whole = np.empty(self.size, dtype=np.uint8)
+        start = 0
+        for piece in self._pieces:
+            whole[start : start + len(piece)] = piece
+            start += len(piece)
+        self._release(self.allocated)
+        self._pieces, self.allocated, self._piece_filled = [whole], self.size, self.filled
+
+    def take(self) -> np.ndarray:
+        """The complete bytes (one uint8 array of exactly ``size``); releases the charge."""
+        if not self.complete:
+            raise RuntimeError("the buffer is not complete")
+        (whole,) = self._pieces
+        self.discard()
+        return whole
+
+    def discard(self) -> None:
+        self._release(self.allocated)
+        self._pieces, self.allocated = [], 0
+
+
 class FrameDecoder:
     """Incremental decoder: ``feed(data)``, then ``next_frame()`` until it returns None.
 
@@ -108,11 +166,12 @@ class FrameDecoder:
     declares a payload (plus attachment) larger than ``max_payload_size``, before buffering it.
 
     Memory follows the bytes that arrived, never a declaration: a payload (or an attachment
-    received into a buffer of the decoder's own) starts in a buffer of at most
-    ``INITIAL_ALLOCATION`` bytes that doubles as it fills. Those buffers are charged to
-    ``budget`` (a host's ``ByteBudget``: ``ResourceLimitError`` when it is used up) until the
-    frame is complete or ``close()``. With ``awaiting_open`` set (a callee before each call),
-    any frame but OPEN is a protocol error as soon as its header is read.
+    received into a buffer of the decoder's own) that did not arrive whole goes into a
+    ``GrowingBuffer`` (at first ``INITIAL_ALLOCATION`` bytes or what arrived, then at most
+    twice what arrived). Those buffers are charged to ``budget`` (a host's ``ByteBudget``:
+    ``ResourceLimitError`` when it is used up) until the frame is handed out or ``close()``.
+    With ``awaiting_open`` set (a callee before each call), any frame but OPEN is a protocol
+    error as soon as its header is read.
 
     A payload being received is filled in place: ``writable()`` is the part still missing (a
     reader may receive straight into it) and ``advance(n)`` counts bytes written there. After
@@ -127,35 +186,26 @@ class FrameDecoder:
         self.awaiting_open = False
         self._buffer = bytearray()
         self._pending_header: p2p_pb2.RPCFrameHeader | None = None
-        # the payload being received: pieces (a bytearray, then uninitialized numpy arrays,
-        # each as large as all before it), until half of it arrived; then one buffer of the
-        # whole size, into which the pieces are copied (so growing copies at most half)
-        self._payload: list | None = None
-        self._payload_size = 0  # declared
-        self._payload_allocated = 0  # in all pieces
-        self._payload_filled = 0  # in all pieces
-        self._piece_filled = 0  # in the last piece
+        self._payload: GrowingBuffer | None = None
         self._attachment_wanted: int | None = None  # size of the attachment that follows
-        self._attachment: object = None  # the buffer being filled (the caller's or our own)
+        self._attachment_own: GrowingBuffer | None = None  # ours (begin_attachment(None))
+        self._attachment: object = None  # the caller's buffer, while it is filled
         self._attachment_view: memoryview | None = None
-        self._attachment_own = False  # ours: it grows like a payload
         self._attachment_filled = 0
         self._charged = 0  # bytes of our own buffers charged to the budget
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._buffer) + self._payload_filled + self._attachment_filled
+        payload = self._payload.filled if self._payload is not None else 0
+        own = self._attachment_own.filled if self._attachment_own is not None else 0
+        return len(self._buffer) + payload + own + self._attachment_filled
 
     @property
     def allocated_bytes(self) -> int:
         """Bytes of the payload or attachment buffers this decoder allocated itself."""
-        return self._charged if self.budget is not None else self._own_allocation()
-
-    def _own_allocation(self) -> int:
-        size = self._payload_allocated
-        if self._attachment_own and self._attachment_view is not None:
-            size += self._attachment_view.nbytes
-        return size
+        payload = self._payload.allocated if self._payload is not None else 0
+        own = self._attachment_own.allocated if self._attachment_own is not None else 0
+        return payload + own
 
     @property
     def in_frame(self) -> bool:
@@ -169,9 +219,15 @@ class FrameDecoder:
 
     @property
     def bytes_wanted(self) -> int:
-        """How many more bytes the current buffer takes (0 if not inside a payload)."""
-        view = self.writable()
-        return 0 if view is None else len(view)
+        """How many more bytes would complete the current payload or attachment (0 if not
+        inside one)."""
+        if self._attachment_own is not None:
+            return self._attachment_own.size - self._attachment_own.filled
+        if self._attachment_view is not None:
+            return self._attachment_view.nbytes - self._attachment_filled
+        if self._payload is not None:
+            return self._payload.size - self._payload.filled
+        return 0
 
     def _charge(self, count: int) -> None:
         if self.budget is not None:
@@ -183,64 +239,34 @@ class FrameDecoder:
             self.budget.release(count)
             self._charged -= count
 
-    def _grow_payload(self) -> None:
-        """Room for more of the payload: a piece as large as what arrived, or, once half of
-        it arrived, one buffer of its whole size (never more than twice what arrived)."""
-        filled, size = self._payload_filled, self._payload_size
-        if 2 * filled < size:
-            self._charge(filled)
-            self._payload.append(np.empty(filled, dtype=np.uint8))  # filled before use
-            self._payload_allocated += filled
-            self._piece_filled = 0
-            return
-        self._charge(size)
-        whole = np.empty(size, dtype=np.uint8)
-        start = 0
-        for piece in self._payload:
-            whole[start : start + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
-            start += len(piece)
-        self._uncharge(self._payload_allocated)
-        self._payload, self._payload_allocated, self._piece_filled = [whole], size, filled
-
-    def _grow_attachment(self) -> None:
-        old = self._attachment_view
-        size = min(self._attachment_wanted, 2 * old.nbytes)
-        self._charge(size - old.nbytes)
-        grown = np.empty(size, dtype=np.uint8)
-        view = memoryview(grown).cast("B")
-        view[: self._attachment_filled] = old[: self._attachment_filled]
-        old.release()
-        self._attachment, self._attachment_view = grown, view
+    def _growing(self, size: int) -> GrowingBuffer:
+        first = max(INITIAL_ALLOCATION, len(self._buffer))
+        return GrowingBuffer(size, first, self._charge, self._uncharge)
 
     def writable(self) -> memoryview | None:
         """The unfilled rest of the buffer of the payload or attachment being received (None:
         none is); a full buffer of a frame still missing bytes grows first."""
+        if self._attachment_own is not None:
+            return self._attachment_own.writable()
         if self._attachment_view is not None:
-            if (
-                self._attachment_own
-                and self._attachment_filled == self._attachment_view.nbytes
-                and self._attachment_filled < self._attachment_wanted
-            ):
-                self._grow_attachment()
             return self._attachment_view[self._attachment_filled :]
         if self._payload is not None:
-            if self._payload_filled == self._payload_allocated < self._payload_size:
-                self._grow_payload()
-            return memoryview(self._payload[-1])[self._piece_filled :]
+            return self._payload.writable()
         return None
 
     def advance(self, count: int) -> None:
         """``count`` bytes were written at the start of ``writable()``."""
-        if self._attachment_view is not None:
+        if self._attachment_own is not None:
+            self._attachment_own.advance(count)
+        elif self._attachment_view is not None:
             self._attachment_filled += count
         elif self._payload is not None:
-            self._payload_filled += count
-            self._piece_filled += count
+            self._payload.advance(count)
         elif count:
             raise RuntimeError("advance() without a payload or attachment being received")
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self._payload is None and self._attachment_view is None:
+        if self._payload is None and self._attachment_view is None and not self._attachment_own:
             self._buffer += data  # between frames (the common case of small messages)
             return
         data = memoryview(data).cast("B")
@@ -250,7 +276,6 @@ class FrameDecoder:
                 break
             take = min(len(data), len(target))
             target[:take] = data[:take]
-            target.release()  # (a view would keep the buffer from growing in place)
             self.advance(take)
             data = data[take:]
         if len(data):
@@ -258,33 +283,34 @@ class FrameDecoder:
 
     def begin_attachment(self, buffer=None):
         """Receive the pending attachment into ``buffer`` (None: a new uint8 numpy array,
-        grown as bytes arrive); bytes already buffered go there at once. Returns the buffer
-        (or, for None, an array that ``take_attachment`` returns complete)."""
+        grown as bytes arrive, which ``take_attachment`` returns); bytes already buffered go
+        there at once. Returns ``buffer``."""
         size = self._attachment_wanted
-        if size is None or self._attachment_view is not None:
+        if size is None or self._attachment_view is not None or self._attachment_own is not None:
             raise RuntimeError("no attachment is due")
-        own = buffer is None
-        if own:
-            first = min(size, max(INITIAL_ALLOCATION, len(self._buffer)))
-            self._charge(first)
-            buffer = np.empty(first, dtype=np.uint8)
-        view = memoryview(buffer).cast("B")
-        if not own and (view.readonly or view.nbytes != size):
-            raise ValueError(
-                f"an attachment of {size} bytes needs a writable buffer of that size, "
-                f"got {view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
-            )
-        self._attachment, self._attachment_view, self._attachment_filled = buffer, view, 0
-        self._attachment_own = own
         take = min(size, len(self._buffer))
-        if take:
+        if buffer is None:
+            own = self._attachment_own = self._growing(size)
+            if take:
+                own.writable()[:take] = self._buffer[:take]
+                own.advance(take)
+        else:
+            view = memoryview(buffer).cast("B")
+            if view.readonly or view.nbytes != size:
+                raise ValueError(
+                    f"an attachment of {size} bytes needs a writable buffer of that size, "
+                    f"got {view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
+                )
+            self._attachment, self._attachment_view = buffer, view
             view[:take] = self._buffer[:take]
-            del self._buffer[:take]
             self._attachment_filled = take
+        del self._buffer[:take]
         return buffer
 
     @property
     def attachment_complete(self) -> bool:
+        if self._attachment_own is not None:
+            return self._attachment_own.complete
         return (
             self._attachment_view is not None and self._attachment_filled == self._attachment_wanted
         )
@@ -293,25 +319,25 @@ class FrameDecoder:
         """The filled attachment buffer; the decoder moves on to the next frame."""
         if not self.attachment_complete:
             raise RuntimeError("the attachment is not complete")
-        buffer = self._attachment
-        if self._attachment_own:
-            self._uncharge(self._attachment_view.nbytes)
-        self._attachment_view.release()
+        if self._attachment_own is not None:
+            buffer = self._attachment_own.take()
+        else:
+            buffer = self._attachment
+            self._attachment_view.release()
         self._attachment = self._attachment_view = self._attachment_wanted = None
-        self._attachment_filled, self._attachment_own = 0, False
+        self._attachment_own, self._attachment_filled = None, 0
         return buffer
 
     def close(self) -> None:
         """Drop every buffer and give their bytes back to the budget (the stream is done)."""
+        for growing in (self._payload, self._attachment_own):
+            if growing is not None:
+                growing.discard()
         self._uncharge(self._charged)
-        if self._attachment_view is not None:
-            self._attachment_view.release()
         self._buffer = bytearray()
-        self._payload = self._pending_header = None
-        self._payload_size = self._payload_allocated = self._payload_filled = 0
-        self._piece_filled = self._attachment_filled = 0
+        self._payload = self._pending_header = self._attachment_own = None
         self._attachment = self._attachment_view = self._attachment_wanted = None
-        self._attachment_own = False
+        self._attachment_filled = 0
 
     def _complete(self, header: p2p_pb2.RPCFrameHeader, payload) -> Frame:
         frame = Frame(header, payload)
@@ -325,13 +351,10 @@ class FrameDecoder:
         if self._attachment_wanted is not None:
             raise RuntimeError("the attachment of the previous frame was not taken")
         if self._payload is not None:
-            if self._payload_filled < self._payload_size:
+            if not self._payload.complete:
                 return None
-            header, (piece,) = self._pending_header, self._payload
-            payload = piece if isinstance(piece, bytearray) else memoryview(piece)
-            self._uncharge(self._payload_allocated)
+            header, payload = self._pending_header, memoryview(self._payload.take())
             self._pending_header, self._payload = None, None
-            self._payload_allocated = self._payload_filled = self._piece_filled = 0
             return self._complete(header, payload)
 
         decoded = _decode_varint(self._buffer, 0)
@@ -369,13 +392,10 @@ class FrameDecoder:
             payload = self._buffer[:size]
             del self._buffer[:size]
             return self._complete(header, payload)
-        # A payload buffer for what arrived (at least INITIAL_ALLOCATION), grown as it fills.
-        first = min(size, max(INITIAL_ALLOCATION, len(self._buffer)))
-        self._charge(first)
-        self._pending_header, self._payload_size = header, size
-        piece = bytearray(first)
-        self._payload_filled = self._piece_filled = len(self._buffer)
-        piece[: self._payload_filled] = self._buffer
-        self._payload, self._payload_allocated = [piece], first
-        self._buffer.clear()
+        # The rest is received into a buffer that grows as it arrives (never the declared size).
+        self._pending_header, self._payload = header, self._growing(size)
+        if self._buffer:
+            self._payload.writable()[: len(self._buffer)] = self._buffer
+            self._payload.advance(len(self._buffer))
+            self._buffer.clear()
         return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from swarmtrain.p2p.errors import ResourceLimitError
 
 #: the first buffer of a payload or attachment being received; it doubles as bytes arrive
-INITIAL_ALLOCATION = 1024 * 1024
+INITIAL_ALLOCATION = 64 * 1024
 
 
 @dataclass(frozen=True)
