@@ -180,9 +180,17 @@ class FrameDecoder:
     and ``take_attachment()`` before the next frame.
     """
 
-    def __init__(self, max_payload_size: int, budget: ByteBudget | None = None):
+    def __init__(
+        self,
+        max_payload_size: int,
+        budget: ByteBudget | None = None,
+        first_allocation: int = INITIAL_ALLOCATION,
+    ):
+        """``first_allocation``: the first buffer of a payload that did not arrive whole (a
+        data lane's record size, so records decrypt in place)."""
         self.max_payload_size = max_payload_size
         self.budget = budget
+        self.first_allocation = first_allocation
         self.awaiting_open = False
         self._buffer = bytearray()
         self._pending_header: p2p_pb2.RPCFrameHeader | None = None
@@ -240,7 +248,7 @@ class FrameDecoder:
             self._charged -= count
 
     def _growing(self, size: int) -> GrowingBuffer:
-        first = max(INITIAL_ALLOCATION, len(self._buffer))
+        first = max(self.first_allocation, len(self._buffer))
         return GrowingBuffer(size, first, self._charge, self._uncharge)
 
     def writable(self) -> memoryview | None:

@@ -12,6 +12,7 @@ from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamErro
 from swarmtrain.p2p.lane_records import (
     HEADER_SIZE,
     MAX_RECORD_CIPHERTEXT,
+    MAX_RECORD_PLAINTEXT,
     TAG_SIZE,
     LaneRecordError,
     RecordOpener,
@@ -49,6 +50,8 @@ class LaneStream:
     #: a cancelled write harms only this lane (RPCStream need not shield writes from
     #: cancellation, as it must for Noise over a shared libp2p connection)
     cancel_safe = True
+    #: the most plaintext one record carries (a receive buffer this large takes it in place)
+    record_size = MAX_RECORD_PLAINTEXT
 
     def __init__(self, raw: socket.socket, sock, sealer: RecordSealer, opener: RecordOpener):
         """``raw`` is the connected stdlib socket and ``sock`` its trio wrapper."""

@@ -26,7 +26,7 @@ from swarmtrain.p2p.framing import (
     encode_header,
     message_header,
 )
-from swarmtrain.p2p.limits import ByteBudget
+from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
 from swarmtrain.proto import p2p_pb2
 
 READ_SIZE = 1024 * 1024
@@ -44,7 +44,9 @@ class RPCStream:
         """``budget``: the host's budget of bytes in flight, charged for receive buffers."""
         self.stream = stream
         self._cancel_safe = getattr(stream, "cancel_safe", False)
-        self._decoder = FrameDecoder(max_message_size, budget)
+        # a data lane delivers whole records: a first buffer of one record takes them in place
+        first = max(INITIAL_ALLOCATION, getattr(stream, "record_size", 0))
+        self._decoder = FrameDecoder(max_message_size, budget, first)
         self._eof = False
         self._pushed_back: Frame | None = None
         self.frames_received = 0
