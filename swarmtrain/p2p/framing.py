@@ -110,8 +110,9 @@ class GrowingBuffer:
     __slots__ = ("_charge", "_piece_filled", "_pieces", "_release", "allocated", "filled", "size")
 
     def __init__(self, size: int, first: int, charge, release):
+        """``first``: the first piece (a payload of at most twice that gets its whole size)."""
         self.size, self._charge, self._release = size, charge, release
-        first = min(size, first)
+        first = size if size <= 2 * first else first
         charge(first)
         self._pieces = [np.empty(first, dtype=np.uint8)]  # filled before it is read
         self.allocated, self.filled, self._piece_filled = first, 0, 0
@@ -167,9 +168,10 @@ class FrameDecoder:
 
     Memory follows the bytes that arrived, never a declaration: a payload (or an attachment
     received into a buffer of the decoder's own) that did not arrive whole goes into a
-    ``GrowingBuffer`` (at first ``INITIAL_ALLOCATION`` bytes or what arrived, then at most
-    twice what arrived). Those buffers are charged to ``budget`` (a host's ``ByteBudget``:
-    ``ResourceLimitError`` when it is used up) until the frame is handed out or ``close()``.
+    ``GrowingBuffer`` (at first ``INITIAL_ALLOCATION`` bytes or what arrived, or the whole
+    payload when that is at most twice as much; then at most twice what arrived). Those
+    buffers are charged to ``budget`` (a host's ``ByteBudget``: ``ResourceLimitError`` when
+    it is used up) until the frame is handed out or ``close()``.
     With ``awaiting_open`` set (a callee before each call), any frame but OPEN is a protocol
     error as soon as its header is read.
 
