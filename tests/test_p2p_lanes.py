@@ -9,7 +9,8 @@ from lane_util import lane_over_socketpair
 
 from swarmtrain.p2p import P2P, RemoteError, RPCTimeoutError
 from swarmtrain.p2p import lane as lane_module
-from swarmtrain.p2p.lane import TICKET_METHOD, TicketBook
+from swarmtrain.p2p.lane import TICKET_METHOD
+from swarmtrain.p2p.lane_books import TicketBook
 from swarmtrain.p2p.lane_records import (
     HEADER_SIZE,
     MAX_RECORD_PLAINTEXT,
@@ -65,7 +66,7 @@ def test_records_reject_tampering_replay_reordering_and_the_wrong_key():
 
 
 def test_tickets_are_single_use_expire_and_are_capped():
-    book = TicketBook(ttl=10.0, capacity=2)
+    book = TicketBook(ttl=10.0, capacity=3, per_peer=2)
     ticket_id, ticket = book.issue("peer-a", now=0.0)
     assert len(ticket.caller_key) == len(ticket.callee_key) == 32
     assert ticket.caller_key != ticket.callee_key
@@ -73,11 +74,12 @@ def test_tickets_are_single_use_expire_and_are_capped():
     assert book.redeem(ticket_id, now=1.0) is None  # used
     late_id, _ = book.issue("peer-a", now=0.0)
     assert book.redeem(late_id, now=10.5) is None  # expired
+    first_b, _ = book.issue("peer-b", now=20.0)
     book.issue("peer-b", now=20.0)
-    book.issue("peer-b", now=20.0)
-    with pytest.raises(RuntimeError):
-        book.issue("peer-b", now=20.0)
+    book.issue("peer-b", now=20.0)  # over its own cap: its oldest goes
+    assert book.outstanding("peer-b") == 2 and book.redeem(first_b, now=20.0) is None
     book.issue("peer-b", now=31.0)  # the expired ones made room
+    assert book.outstanding("peer-b") == 1
 
 
 @pytest.mark.trio

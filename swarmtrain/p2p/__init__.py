@@ -23,6 +23,9 @@ from swarmtrain.p2p.errors import (
     RemoteError as RemoteError,
 )
 from swarmtrain.p2p.errors import (
+    ResourceLimitError as ResourceLimitError,
+)
+from swarmtrain.p2p.errors import (
     RPCCancelledError as RPCCancelledError,
 )
 from swarmtrain.p2p.errors import (
@@ -41,6 +44,7 @@ from swarmtrain.p2p.host import P2P as P2P
 from swarmtrain.p2p.host import P2PConfig as P2PConfig
 from swarmtrain.p2p.identity import IdentityError as IdentityError
 from swarmtrain.p2p.identity import load_or_create_identity as load_or_create_identity
+from swarmtrain.p2p.limits import ResourceLimits as ResourceLimits
 from swarmtrain.p2p.private_network import SwarmKeyError as SwarmKeyError
 from swarmtrain.p2p.private_network import generate_swarm_key as generate_swarm_key
 from swarmtrain.p2p.private_network import load_swarm_key as load_swarm_key
@@ -66,6 +70,8 @@ __all__ = [
     "RPCTimeoutError",
     "Reachability",
     "RemoteError",
+    "ResourceLimitError",
+    "ResourceLimits",
     "SwarmKeyError",
     "SwarmKeyMismatchError",
     "generate_swarm_key",

@@ -68,3 +68,9 @@ class AddressInUseError(P2PError, OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+class ResourceLimitError(RPCError):
+    """A peer hit one of the callee's resource limits (``swarmtrain.p2p.ResourceLimits``):
+    too many concurrent calls or lanes from one peer, or the host's budget of bytes in flight.
+    The message says which limit; the call may be retried later."""

@@ -5,7 +5,8 @@ protobuf message) follows the header as raw bytes so large messages are never co
 protobuf field. An ``ATTACHED_MESSAGE`` frame then carries ``attachment_size`` more raw bytes
 (e.g. a tensor's), which the receiver places straight into a buffer of its choice
 (``begin_attachment``). ``FrameDecoder`` takes bytes in and gives whole frames out; it checks
-the declared sizes against a limit *before* buffering anything.
+the declared sizes against a limit *before* buffering anything, and its buffers grow with
+the bytes that arrive, not with what a header declares.
 """
 
 from __future__ import annotations
@@ -16,11 +17,20 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from swarmtrain.p2p.errors import MessageTooLargeError, RPCProtocolError
+from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
 from swarmtrain.proto import p2p_pb2
 
 FrameKind = p2p_pb2.RPCFrameHeader.Kind
 #: the frame kinds that carry a message (and, for ATTACHED_MESSAGE, an attachment after it)
-MESSAGE_KINDS = frozenset((FrameKind.MESSAGE, FrameKind.ATTACHED_MESSAGE))
+# The kinds as plain ints: an attribute of the protobuf enum wrapper costs ~1.7 us a lookup.
+KIND_OPEN, KIND_MESSAGE, KIND_END, KIND_ERROR, KIND_ATTACHED = (
+    FrameKind.OPEN,
+    FrameKind.MESSAGE,
+    FrameKind.END,
+    FrameKind.ERROR,
+    FrameKind.ATTACHED_MESSAGE,
+)
+MESSAGE_KINDS = frozenset((KIND_MESSAGE, KIND_ATTACHED))
 _KNOWN_KINDS = frozenset(FrameKind.values()) - {FrameKind.KIND_UNSPECIFIED}
 MAX_HEADER_SIZE = 64 * 1024
 _VARINT_MAX_BYTES = 10
@@ -38,7 +48,7 @@ class Frame:
     @property
     def attachment_size(self) -> int:
         """Bytes that follow this frame's payload (0 unless ATTACHED_MESSAGE)."""
-        return self.header.attachment_size if self.header.kind == FrameKind.ATTACHED_MESSAGE else 0
+        return self.header.attachment_size if self.header.kind == KIND_ATTACHED else 0
 
 
 def encode_varint(value: int) -> bytes:
@@ -91,11 +101,79 @@ def _decode_varint(buf: bytearray | memoryview, start: int) -> tuple[int, int] |
     return None
 
 
+class GrowingBuffer:
+    """Room for ``size`` declared bytes that is never much more than what was written into
+    it: uninitialized pieces, each as large as all before it, until half of it arrived; then
+    one array of the whole size, the pieces copied in (growing copies at most half of it).
+    ``charge(n)`` and ``release(n)`` hear of every allocation and of its end."""
+
+    __slots__ = ("_charge", "_piece_filled", "_pieces", "_release", "allocated", "filled", "size")
+
+    def __init__(self, size: int, first: int, charge, release):
+        """``first``: the first piece (a payload of at most twice that gets its whole size)."""
+        self.size, self._charge, self._release = size, charge, release
+        first = size if size <= 2 * first else first
+        charge(first)
+        self._pieces = [np.empty(first, dtype=np.uint8)]  # filled before it is read
+        self.allocated, self.filled, self._piece_filled = first, 0, 0
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self.size
+
+    def writable(self) -> memoryview:
+        """The unfilled rest of the current piece (empty once complete)."""
+        if self.filled == self.allocated < self.size:
+            self._grow()
+        return memoryview(self._pieces[-1])[self._piece_filled :]
+
+    def advance(self, count: int) -> None:
+        self.filled += count
+        self._piece_filled += count
+
+    def _grow(self) -> None:
+        if 2 * self.filled < self.size:
+            self._charge(self.filled)
+            self._pieces.append(np.empty(self.filled, dtype=np.uint8))
+            self.allocated += self.filled
+            self._piece_filled = 0
+            return
+        self._charge(self.size)
+        whole = np.empty(self.size, dtype=np.uint8)
+        start = 0
+        for piece in self._pieces:
+            whole[start : start + len(piece)] = piece
+            start += len(piece)
+        self._release(self.allocated)
+        self._pieces, self.allocated, self._piece_filled = [whole], self.size, self.filled
+
+    def take(self) -> np.ndarray:
+        """The complete bytes (one uint8 array of exactly ``size``); releases the charge."""
+        if not self.complete:
+            raise RuntimeError("the buffer is not complete")
+        (whole,) = self._pieces
+        self.discard()
+        return whole
+
+    def discard(self) -> None:
+        self._release(self.allocated)
+        self._pieces, self.allocated = [], 0
+
+
 class FrameDecoder:
     """Incremental decoder: ``feed(data)``, then ``next_frame()`` until it returns None.
 
     Raises ``RPCProtocolError`` on malformed input and ``MessageTooLargeError`` when a header
     declares a payload (plus attachment) larger than ``max_payload_size``, before buffering it.
+
+    Memory follows the bytes that arrived, never a declaration: a payload (or an attachment
+    received into a buffer of the decoder's own) that did not arrive whole goes into a
+    ``GrowingBuffer`` (at first ``INITIAL_ALLOCATION`` bytes or what arrived, or the whole
+    payload when that is at most twice as much; then at most twice what arrived). Those
+    buffers are charged to ``budget`` (a host's ``ByteBudget``: ``ResourceLimitError`` when
+    it is used up) until the frame is handed out or ``close()``.
+    With ``awaiting_open`` set (a callee before each call), any frame but OPEN is a protocol
+    error as soon as its header is read.
 
     A payload being received is filled in place: ``writable()`` is the part still missing (a
     reader may receive straight into it) and ``advance(n)`` counts bytes written there. After
@@ -104,20 +182,40 @@ class FrameDecoder:
     and ``take_attachment()`` before the next frame.
     """
 
-    def __init__(self, max_payload_size: int):
+    def __init__(
+        self,
+        max_payload_size: int,
+        budget: ByteBudget | None = None,
+        first_allocation: int = INITIAL_ALLOCATION,
+    ):
+        """``first_allocation``: the first buffer of a payload that did not arrive whole (a
+        data lane's record size, so records decrypt in place)."""
         self.max_payload_size = max_payload_size
+        self.budget = budget
+        self.first_allocation = first_allocation
+        self.awaiting_open = False
         self._buffer = bytearray()
         self._pending_header: p2p_pb2.RPCFrameHeader | None = None
-        self._payload: bytearray | None = None
-        self._payload_filled = 0
+        self._payload: GrowingBuffer | None = None
         self._attachment_wanted: int | None = None  # size of the attachment that follows
+        self._attachment_own: GrowingBuffer | None = None  # ours (begin_attachment(None))
         self._attachment: object = None  # the caller's buffer, while it is filled
         self._attachment_view: memoryview | None = None
         self._attachment_filled = 0
+        self._charged = 0  # bytes of our own buffers charged to the budget
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._buffer) + self._payload_filled + self._attachment_filled
+        payload = self._payload.filled if self._payload is not None else 0
+        own = self._attachment_own.filled if self._attachment_own is not None else 0
+        return len(self._buffer) + payload + own + self._attachment_filled
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the payload or attachment buffers this decoder allocated itself."""
+        payload = self._payload.allocated if self._payload is not None else 0
+        own = self._attachment_own.allocated if self._attachment_own is not None else 0
+        return payload + own
 
     @property
     def in_frame(self) -> bool:
@@ -131,30 +229,61 @@ class FrameDecoder:
 
     @property
     def bytes_wanted(self) -> int:
-        """How many more bytes would complete the current payload (0 if not inside one)."""
-        view = self.writable()
-        return 0 if view is None else len(view)
+        """How many more bytes would complete the current payload or attachment (0 if not
+        inside one)."""
+        if self._attachment_own is not None:
+            return self._attachment_own.size - self._attachment_own.filled
+        if self._attachment_view is not None:
+            return self._attachment_view.nbytes - self._attachment_filled
+        if self._payload is not None:
+            return self._payload.size - self._payload.filled
+        return 0
+
+    def _charge(self, count: int) -> None:
+        if self.budget is not None:
+            self.budget.reserve(count)
+            self._charged += count
+
+    def _uncharge(self, count: int) -> None:
+        if self.budget is not None and count:
+            self.budget.release(count)
+            self._charged -= count
+
+    def _growing(self, size: int) -> GrowingBuffer:
+        first = max(self.first_allocation, len(self._buffer))
+        return GrowingBuffer(size, first, self._charge, self._uncharge)
 
     def writable(self) -> memoryview | None:
-        """The unfilled rest of the payload or attachment being received (None: none is)."""
+        """The unfilled rest of the buffer of the payload or attachment being received (None:
+        none is); a full buffer of a frame still missing bytes grows first."""
+        if self._attachment_own is not None:
+            return self._attachment_own.writable()
         if self._attachment_view is not None:
             return self._attachment_view[self._attachment_filled :]
         if self._payload is not None:
-            return memoryview(self._payload)[self._payload_filled :]
+            return self._payload.writable()
         return None
 
     def advance(self, count: int) -> None:
         """``count`` bytes were written at the start of ``writable()``."""
-        if self._attachment_view is not None:
+        if self._attachment_own is not None:
+            self._attachment_own.advance(count)
+        elif self._attachment_view is not None:
             self._attachment_filled += count
         elif self._payload is not None:
-            self._payload_filled += count
+            self._payload.advance(count)
         elif count:
             raise RuntimeError("advance() without a payload or attachment being received")
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        target = self.writable()
-        if target is not None and len(data):
+        if self._payload is None and self._attachment_view is None and not self._attachment_own:
+            self._buffer += data  # between frames (the common case of small messages)
+            return
+        data = memoryview(data).cast("B")
+        while len(data):
+            target = self.writable()
+            if target is None or not len(target):
+                break
             take = min(len(data), len(target))
             target[:take] = data[:take]
             self.advance(take)
@@ -163,56 +292,79 @@ class FrameDecoder:
             self._buffer += data
 
     def begin_attachment(self, buffer=None):
-        """Receive the pending attachment into ``buffer`` (None: a new uint8 numpy array);
-        bytes already buffered go there at once. Returns the buffer."""
+        """Receive the pending attachment into ``buffer`` (None: a new uint8 numpy array,
+        grown as bytes arrive, which ``take_attachment`` returns); bytes already buffered go
+        there at once. Returns ``buffer``."""
         size = self._attachment_wanted
-        if size is None or self._attachment_view is not None:
+        if size is None or self._attachment_view is not None or self._attachment_own is not None:
             raise RuntimeError("no attachment is due")
-        if buffer is None:
-            buffer = np.empty(size, dtype=np.uint8)
-        view = memoryview(buffer).cast("B")
-        if view.readonly or view.nbytes != size:
-            raise ValueError(
-                f"an attachment of {size} bytes needs a writable buffer of that size, "
-                f"got {view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
-            )
-        self._attachment, self._attachment_view, self._attachment_filled = buffer, view, 0
         take = min(size, len(self._buffer))
-        if take:
+        if buffer is None:
+            own = self._attachment_own = self._growing(size)
+            if take:
+                own.writable()[:take] = self._buffer[:take]
+                own.advance(take)
+        else:
+            view = memoryview(buffer).cast("B")
+            if view.readonly or view.nbytes != size:
+                raise ValueError(
+                    f"an attachment of {size} bytes needs a writable buffer of that size, "
+                    f"got {view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
+                )
+            self._attachment, self._attachment_view = buffer, view
             view[:take] = self._buffer[:take]
-            del self._buffer[:take]
             self._attachment_filled = take
+        del self._buffer[:take]
         return buffer
 
     @property
     def attachment_complete(self) -> bool:
-        return self._attachment_view is not None and self._attachment_filled == len(
-            self._attachment_view
+        if self._attachment_own is not None:
+            return self._attachment_own.complete
+        return (
+            self._attachment_view is not None and self._attachment_filled == self._attachment_wanted
         )
 
     def take_attachment(self):
         """The filled attachment buffer; the decoder moves on to the next frame."""
         if not self.attachment_complete:
             raise RuntimeError("the attachment is not complete")
-        buffer = self._attachment
+        if self._attachment_own is not None:
+            buffer = self._attachment_own.take()
+        else:
+            buffer = self._attachment
+            self._attachment_view.release()
+        self._attachment = self._attachment_view = self._attachment_wanted = None
+        self._attachment_own, self._attachment_filled = None, 0
+        return buffer
+
+    def close(self) -> None:
+        """Drop every buffer and give their bytes back to the budget (the stream is done)."""
+        for growing in (self._payload, self._attachment_own):
+            if growing is not None:
+                growing.discard()
+        self._uncharge(self._charged)
+        self._buffer = bytearray()
+        self._payload = self._pending_header = self._attachment_own = None
         self._attachment = self._attachment_view = self._attachment_wanted = None
         self._attachment_filled = 0
-        return buffer
 
     def _complete(self, header: p2p_pb2.RPCFrameHeader, payload) -> Frame:
         frame = Frame(header, payload)
-        if header.kind == FrameKind.ATTACHED_MESSAGE:
+        if header.kind == KIND_ATTACHED:
             self._attachment_wanted = header.attachment_size
+        elif header.kind == KIND_OPEN:
+            self.awaiting_open = False
         return frame
 
     def next_frame(self) -> Frame | None:
         if self._attachment_wanted is not None:
             raise RuntimeError("the attachment of the previous frame was not taken")
         if self._payload is not None:
-            if self._payload_filled < len(self._payload):
+            if not self._payload.complete:
                 return None
-            header, payload = self._pending_header, self._payload
-            self._pending_header, self._payload, self._payload_filled = None, None, 0
+            header, payload = self._pending_header, memoryview(self._payload.take())
+            self._pending_header, self._payload = None, None
             return self._complete(header, payload)
 
         decoded = _decode_varint(self._buffer, 0)
@@ -230,9 +382,12 @@ class FrameDecoder:
             raise RPCProtocolError(f"malformed frame header: {e}") from None
         if header.kind not in _KNOWN_KINDS:
             raise RPCProtocolError(f"malformed frame: unknown kind {header.kind}")
+        if self.awaiting_open and header.kind != KIND_OPEN:
+            kind = FrameKind.Name(header.kind)
+            raise RPCProtocolError(f"a call must start with OPEN, got {kind}")
         if header.payload_size and header.kind not in MESSAGE_KINDS:
             raise RPCProtocolError("malformed frame: only MESSAGE frames carry a payload")
-        if header.attachment_size and header.kind != FrameKind.ATTACHED_MESSAGE:
+        if header.attachment_size and header.kind != KIND_ATTACHED:
             raise RPCProtocolError("malformed frame: only ATTACHED_MESSAGE frames have attachments")
         if header.payload_size + header.attachment_size > self.max_payload_size:
             raise MessageTooLargeError(
@@ -247,10 +402,10 @@ class FrameDecoder:
             payload = self._buffer[:size]
             del self._buffer[:size]
             return self._complete(header, payload)
-        # Start a payload buffer of the announced (already limit-checked) size.
-        self._pending_header = header
-        self._payload = bytearray(size)
-        self._payload_filled = len(self._buffer)
-        self._payload[: self._payload_filled] = self._buffer
-        self._buffer.clear()
+        # The rest is received into a buffer that grows as it arrives (never the declared size).
+        self._pending_header, self._payload = header, self._growing(size)
+        if self._buffer:
+            self._payload.writable()[: len(self._buffer)] = self._buffer
+            self._payload.advance(len(self._buffer))
+            self._buffer.clear()
         return None

@@ -50,6 +50,7 @@ from swarmtrain.p2p.lane import (
     lane_listen_host,
     lanes_disabled_by_env,
 )
+from swarmtrain.p2p.limits import ResourceLimits
 from swarmtrain.p2p.listen_check import check_addresses_free
 from swarmtrain.p2p.private_network import PrivateNoiseTransport, resolve_swarm_key
 from swarmtrain.p2p.relay import RelayManager
@@ -97,6 +98,9 @@ class P2PConfig:
     # Private runs (swarmtrain.p2p.private_network): only peers with the same key (>= 32 bytes,
     # or a key file path, loaded here) complete the handshake with us.
     swarm_key: bytes | str | None = field(default=None, repr=False)
+    # What other peers may make us hold (swarmtrain.p2p.limits): calls and lanes per peer,
+    # bytes in flight per host.
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -124,6 +128,13 @@ class P2PConfig:
             raise ValueError("relay_max_reservations must be non-negative")
         if not 0 <= self.data_lane_port <= 65535:
             raise ValueError("data_lane_port must be in 0..65535")
+        if not isinstance(self.limits, ResourceLimits):
+            raise TypeError(f"limits must be a ResourceLimits, got {type(self.limits).__name__}")
+        if self.limits.max_bytes_in_flight < self.max_message_size:
+            raise ValueError(
+                f"limits.max_bytes_in_flight ({self.limits.max_bytes_in_flight}) must be at "
+                f"least max_message_size ({self.max_message_size})"
+            )
         if self.use_auto_relay and not self.use_relay:
             raise ValueError("use_auto_relay needs use_relay=True")
         object.__setattr__(self, "swarm_key", resolve_swarm_key(self.swarm_key))
@@ -185,7 +196,7 @@ class P2P(Dialling):
         self.key_pair = key_pair
         self.config = config
         self.peer_id: ID = host.get_id()
-        self._rpc_server = rpc.RPCServer(config.max_message_size)
+        self._rpc_server = rpc.RPCServer(config.max_message_size, config.limits)
         self._stream_pool = rpc_client.StreamPool(self._open_rpc_stream)
         self._bulk_pool = rpc_client.StreamPool(
             self._open_bulk_stream, preferred=lambda s: isinstance(s.stream, LaneStream)
@@ -243,6 +254,7 @@ class P2P(Dialling):
                                 self,
                                 lane_listen_host(config.host_maddrs, config.client_mode),
                                 config.data_lane_port,
+                                config.limits,
                             )
                             await self.lanes.start(nursery)
                         if config.use_relay or config.relay_service:
@@ -492,4 +504,7 @@ class P2P(Dialling):
             "lanes_opened": self.lanes.lanes_opened if self.lanes else 0,
             "lanes_accepted": self.lanes.lanes_accepted if self.lanes else 0,
             "lane_fallbacks": self.lanes.fallbacks if self.lanes else 0,
+            "bytes_in_flight": self._rpc_server.budget.used,
+            "calls_refused": self._rpc_server.calls_per_peer.refused
+            + self._rpc_server.budget.refused,
         }

@@ -14,7 +14,17 @@ connection in 1 MiB AES-256-GCM records (``lane_records``) instead:
 A ticket is single-use and expires after ``TICKET_TTL``. Only ``bulk=True`` calls use lanes,
 and every failure to get one (no direct connection, relayed peers, callees behind NAT or in
 client mode, a firewall, an old peer without the ticket method) falls back to the libp2p
-stream; a peer whose lane failed is not tried again for ``RETRY_AFTER`` seconds.
+stream. A peer whose lane failed is not tried again for a while: ``RETRY_FIRST`` seconds
+after a first failure, doubling up to ``RETRY_AFTER`` while they go on (a success forgets
+them); a callee that offers no lanes is asked again after ``RETRY_AFTER``.
+
+Limits (``ResourceLimits``): a peer holds at most ``max_lanes_per_peer`` lanes and tickets
+at once (more: the ticket call fails with ``ResourceLimitError`` and its bulk calls use
+libp2p) and ``max_tickets_per_peer`` unredeemed tickets (its oldest is dropped); the book
+of all tickets drops from the peer holding the most when full, so nobody's flood of
+tickets stops others from getting one. Connections that have not shown a ticket are
+capped per source IP and in all (the oldest is closed for a new one), and closed after
+``HANDSHAKE_TIMEOUT``, so silent sockets cannot keep an honest caller out.
 """
 
 from __future__ import annotations
@@ -24,81 +34,52 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import trio
 from libp2p.network.stream.exceptions import StreamError, StreamReset
 
-from swarmtrain.p2p.errors import AddressInUseError
-from swarmtrain.p2p.lane_records import (
-    KEY_SIZE,
-    TICKET_ID_SIZE,
-    RecordOpener,
-    RecordSealer,
+from swarmtrain.p2p.errors import AddressInUseError, ResourceLimitError
+from swarmtrain.p2p.lane_books import (
+    MAX_PENDING_HANDSHAKES,
+    RETRY_AFTER,
+    PendingHandshakes,
+    TicketBook,
+    retry_delay,
 )
+from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSealer
 from swarmtrain.p2p.lane_stream import LaneStream
+from swarmtrain.p2p.limits import PeerCounter, ResourceLimits
 from swarmtrain.proto import p2p_pb2
 
 logger = logging.getLogger(__name__)
 
 TICKET_METHOD = "swarmtrain::Lane.ticket"
 LANE_VERSION = 1
-TICKET_TTL = 10.0
-MAX_OUTSTANDING_TICKETS = 1024
 HANDSHAKE_TIMEOUT = 5.0
-MAX_PENDING_HANDSHAKES = 64  # connections that have not shown a valid ticket yet
 CONNECT_TIMEOUT = 2.0
 OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
-RETRY_AFTER = 300.0
-
-
-@dataclass
-class _Ticket:
-    peer_id: object
-    caller_key: bytes
-    callee_key: bytes
-    expires_at: float
-
-
-class TicketBook:
-    """Outstanding tickets (sans-IO): issued per peer, used once, expire after ``ttl``."""
-
-    def __init__(self, ttl: float = TICKET_TTL, capacity: int = MAX_OUTSTANDING_TICKETS):
-        self.ttl, self.capacity = ttl, capacity
-        self._tickets: dict[bytes, _Ticket] = {}
-
-    def issue(self, peer_id, now: float) -> tuple[bytes, _Ticket]:
-        self._tickets = {k: t for k, t in self._tickets.items() if t.expires_at > now}
-        if len(self._tickets) >= self.capacity:
-            raise RuntimeError("too many outstanding lane tickets")
-        ticket_id = os.urandom(TICKET_ID_SIZE)
-        ticket = _Ticket(peer_id, os.urandom(KEY_SIZE), os.urandom(KEY_SIZE), now + self.ttl)
-        self._tickets[ticket_id] = ticket
-        return ticket_id, ticket
-
-    def redeem(self, ticket_id: bytes, now: float) -> _Ticket | None:
-        ticket = self._tickets.pop(bytes(ticket_id), None)
-        if ticket is None or ticket.expires_at <= now:
-            return None
-        return ticket
-
-    def __len__(self) -> int:
-        return len(self._tickets)
 
 
 class DataLanes:
     """Both ends of the lanes of one ``P2P`` host: the listener + ticket handler (unless the
     host is in client mode) and ``open(peer_id)`` for callers."""
 
-    def __init__(self, p2p, listen_host: str | None, port: int = 0):
+    def __init__(
+        self, p2p, listen_host: str | None, port: int = 0, limits: ResourceLimits | None = None
+    ):
+        limits = limits if limits is not None else ResourceLimits()
         self._p2p = p2p
         self._listen_host = listen_host
         self._port = port
         self._listener: trio.socket.SocketType | None = None
-        self.tickets = TicketBook()
+        self.tickets = TicketBook(per_peer=limits.max_tickets_per_peer)
+        self.open_lanes = PeerCounter(limits.max_lanes_per_peer, "data lanes")
         self._failed_until: dict[object, float] = {}
+        self._failures: dict[object, int] = {}  # failed lanes in a row, per peer
         self._opening: set[object] = set()
-        self._pending_handshakes = 0
+        self.pending_handshakes = PendingHandshakes(
+            MAX_PENDING_HANDSHAKES, limits.max_pending_handshakes_per_ip
+        )
         self.lanes_opened = 0
         self.lanes_accepted = 0
         self.fallbacks = 0
@@ -130,7 +111,15 @@ class DataLanes:
     async def _issue_ticket(self, request, context) -> p2p_pb2.LaneTicket:
         if self._listener is None or not self._p2p.lanes_offered():
             return p2p_pb2.LaneTicket(version=LANE_VERSION)
-        ticket_id, ticket = self.tickets.issue(context.remote_id, trio.current_time())
+        peer = context.remote_id
+        held = self.open_lanes.count(peer) + self.tickets.outstanding(peer)
+        if held >= self.open_lanes.limit:
+            self.open_lanes.refused += 1
+            raise ResourceLimitError(
+                f"too many data lanes from one peer ({held} open or ticketed, limit "
+                f"{self.open_lanes.limit})"
+            )
+        ticket_id, ticket = self.tickets.issue(peer, trio.current_time())
         return p2p_pb2.LaneTicket(
             version=LANE_VERSION,
             ticket_id=ticket_id,
@@ -150,29 +139,40 @@ class DataLanes:
                         logger.debug("lane accept failed: %r", e)
                         await trio.sleep(0.1)
                         continue
-                    if self._pending_handshakes >= MAX_PENDING_HANDSHAKES:
-                        conn.close()  # a flood of connections without tickets
-                        continue
                     raw = socket.socket(fileno=conn.detach())
                     raw.setblocking(False)
-                    nursery.start_soon(self._serve_connection, raw)
+                    try:
+                        ip = raw.getpeername()[0]
+                    except OSError:
+                        raw.close()
+                        continue
+                    handshake = trio.CancelScope(deadline=trio.current_time() + HANDSHAKE_TIMEOUT)
+                    for old in self.pending_handshakes.admit(handshake, ip):
+                        old.cancel()  # silent sockets make room for newcomers, oldest first
+                    nursery.start_soon(self._serve_connection, raw, handshake)
         finally:
             listener.close()
 
-    async def _serve_connection(self, raw: socket.socket) -> None:
+    async def _serve_connection(self, raw: socket.socket, handshake: trio.CancelScope) -> None:
         sock = trio.socket.from_stdlib_socket(raw)
         lane = None
+        counted = None
         try:
             ticket = None
-            self._pending_handshakes += 1
             try:
-                with trio.move_on_after(HANDSHAKE_TIMEOUT):
+                with handshake:
                     ticket_id = await _receive_ticket_id(sock)
                     ticket = self.tickets.redeem(ticket_id, trio.current_time())
             finally:
-                self._pending_handshakes -= 1
+                self.pending_handshakes.done(handshake)
             if ticket is None:
                 return
+            try:
+                self.open_lanes.acquire(ticket.peer_id)
+            except ResourceLimitError as e:
+                logger.debug("refusing a lane of %s: %s", ticket.peer_id, e)
+                return
+            counted = ticket.peer_id
             lane = LaneStream(
                 raw, sock, RecordSealer(ticket.callee_key), RecordOpener(ticket.caller_key)
             )
@@ -185,6 +185,8 @@ class DataLanes:
         except (OSError, StreamError) as e:
             logger.debug("lane connection failed: %r", e)
         finally:
+            if counted is not None:
+                self.open_lanes.release(counted)
             if lane is not None:
                 await lane.reset()
             else:
@@ -239,15 +241,22 @@ class DataLanes:
         return handover[0] if handover else None
 
     async def _open_or_remember(self, peer_id, remote_ip: str) -> LaneStream | None:
+        offered = True
         try:
             lane = await self._open(peer_id, remote_ip)
+            offered = lane is not None
         except Exception as e:  # any failure: fall back, remember for a while
             logger.debug("no data lane to %s (%s): %r", peer_id, remote_ip, e)
             lane = None
         if lane is None:
             self.fallbacks += 1
-            self._failed_until[peer_id] = trio.current_time() + RETRY_AFTER
+            failures = self._failures.get(peer_id, 0) + 1
+            self._failures[peer_id] = failures
+            wait = RETRY_AFTER if not offered else retry_delay(failures)
+            self._failed_until[peer_id] = trio.current_time() + wait
             return None
+        self._failures.pop(peer_id, None)
+        self._failed_until.pop(peer_id, None)
         self.lanes_opened += 1
         return lane
 

@@ -50,7 +50,7 @@ class RecordSealer:
     def __init__(self, key: bytes):
         self._aead = _aead(key)
         self._counter = 0
-        self._buffer = bytearray(HEADER_SIZE + MAX_RECORD_CIPHERTEXT)
+        self._buffer = bytearray()  # sized to the largest record sealed so far
         self.ended = False
 
     def _seal_one(self, plaintext) -> memoryview:
@@ -59,6 +59,8 @@ class RecordSealer:
         if self._counter >= _MAX_COUNTER:
             raise LaneRecordError("record counter exhausted")
         size = len(plaintext) + TAG_SIZE
+        if len(self._buffer) < HEADER_SIZE + size:
+            self._buffer = bytearray(HEADER_SIZE + size)  # (views of the old one may live on)
         record = memoryview(self._buffer)[: HEADER_SIZE + size]
         record[:HEADER_SIZE] = size.to_bytes(HEADER_SIZE, "big")
         self._aead.encrypt_into(_nonce(self._counter), plaintext, None, record[HEADER_SIZE:])

@@ -12,12 +12,14 @@ from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamErro
 from swarmtrain.p2p.lane_records import (
     HEADER_SIZE,
     MAX_RECORD_CIPHERTEXT,
+    MAX_RECORD_PLAINTEXT,
     TAG_SIZE,
     LaneRecordError,
     RecordOpener,
     RecordSealer,
 )
 
+RECV_BUFFER_FIRST = 64 * 1024
 WRITE_STALL_TIMEOUT = 60.0  # a write that makes no progress this long fails (TooSlowError)
 ACCEPTED = b"swarmtrain-lane-ok"
 
@@ -48,6 +50,8 @@ class LaneStream:
     #: a cancelled write harms only this lane (RPCStream need not shield writes from
     #: cancellation, as it must for Noise over a shared libp2p connection)
     cancel_safe = True
+    #: the most plaintext one record carries (a receive buffer this large takes it in place)
+    record_size = MAX_RECORD_PLAINTEXT
 
     def __init__(self, raw: socket.socket, sock, sealer: RecordSealer, opener: RecordOpener):
         """``raw`` is the connected stdlib socket and ``sock`` its trio wrapper."""
@@ -55,7 +59,9 @@ class LaneStream:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._raw, self._sock = raw, sock
         self._sealer, self._opener = sealer, opener
-        self._recv_buffer = bytearray(MAX_RECORD_CIPHERTEXT)
+        # grows with the records' bytes as they arrive (up to MAX_RECORD_CIPHERTEXT), so an
+        # idle or silent lane holds no record buffer
+        self._recv_buffer = bytearray()
         # plaintext of the last record not yet returned by read() / read_into()
         self._pending: bytes | memoryview = b""
         # the record being received: header bytes so far, then its size and body bytes so far
@@ -110,11 +116,21 @@ class LaneStream:
                     self._rx_got = 0
         except LaneRecordError as e:
             raise StreamError(f"lane: {e}") from None
-        body = memoryview(self._recv_buffer)[: self._rx_size]
         while self._rx_got < self._rx_size:
+            if self._rx_got == len(self._recv_buffer):
+                self._grow_recv_buffer()
+            body = memoryview(self._recv_buffer)[: min(self._rx_size, len(self._recv_buffer))]
             self._rx_got = await self._fill(body, self._rx_got)
+            body.release()
         self._rx_size, self._rx_header_got = None, 0
-        return body
+        return memoryview(self._recv_buffer)[: self._rx_got]
+
+    def _grow_recv_buffer(self) -> None:
+        """Room for more of the record being received: double what arrived (64 KiB first)."""
+        size = min(MAX_RECORD_CIPHERTEXT, max(RECV_BUFFER_FIRST, 2 * len(self._recv_buffer)))
+        grown = bytearray(size)  # a new buffer: views of the old one may still be around
+        grown[: self._rx_got] = self._recv_buffer[: self._rx_got]
+        self._recv_buffer = grown
 
     async def _receive_record(self) -> bytes:
         """The next record's plaintext (b"" for the end record)."""

@@ -36,12 +36,14 @@ from swarmtrain.p2p.errors import (
     MessageTooLargeError,
     NoSuchMethodError,
     RemoteError,
+    ResourceLimitError,
     RPCCancelledError,
     RPCError,
     RPCProtocolError,
     RPCTimeoutError,
 )
-from swarmtrain.p2p.framing import MESSAGE_KINDS, FrameKind
+from swarmtrain.p2p.framing import KIND_END, KIND_MESSAGE, KIND_OPEN, MESSAGE_KINDS, FrameKind
+from swarmtrain.p2p.limits import ByteBudget, PeerCounter, ResourceLimits
 from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.proto import p2p_pb2
 from swarmtrain.utils.exception_groups import collapse_exception_groups
@@ -144,7 +146,7 @@ async def receive_item(
     """The message of a MESSAGE or ATTACHED_MESSAGE frame (``Attached``, with the attachment
     received into ``attachment_buffer(message, size)`` or a new numpy array)."""
     message = parse_message(message_type, frame.payload, what)
-    if frame.kind == FrameKind.MESSAGE:
+    if frame.kind == KIND_MESSAGE:
         return message
     if not attachments:
         raise RPCProtocolError(f"{what} came with an attachment, which this method does not take")
@@ -165,7 +167,18 @@ def _remote_failure(method: str, header: p2p_pb2.RPCFrameHeader) -> RPCError:
         return RPCCancelledError(f"{method}: the peer cancelled the call: {text}")
     if code == ErrorCode.TIMEOUT:
         return RPCTimeoutError(f"{method}: the peer timed out: {text}")
+    if code == ErrorCode.RESOURCE_EXHAUSTED:
+        return ResourceLimitError(f"{method}: the peer refused the call: {text}")
     return RemoteError(method, kind or "Exception", text)
+
+
+def _error_code(error: RPCError) -> int:
+    """The ERROR code that tells the caller about a call we refuse."""
+    if isinstance(error, MessageTooLargeError):
+        return ErrorCode.MESSAGE_TOO_LARGE
+    if isinstance(error, ResourceLimitError):
+        return ErrorCode.RESOURCE_EXHAUSTED
+    return ErrorCode.PROTOCOL_ERROR
 
 
 class _IncomingMessages:
@@ -196,7 +209,7 @@ class _IncomingMessages:
             raise RPCTimeoutError(f"no request message for {self._idle_timeout} s")
         if frame is None:
             raise RPCCancelledError("the caller closed the stream before END")
-        if frame.kind == FrameKind.END:
+        if frame.kind == KIND_END:
             self.finished.set()
             raise StopAsyncIteration
         raise RPCProtocolError(f"unexpected frame {FrameKind.Name(frame.kind)} in a request")
@@ -205,8 +218,18 @@ class _IncomingMessages:
 class RPCServer:
     """Handler registry plus the callee side of the protocol. Owned by a ``P2P`` object."""
 
-    def __init__(self, default_max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE):
+    def __init__(
+        self,
+        default_max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        limits: ResourceLimits | None = None,
+    ):
         self.default_max_message_size = default_max_message_size
+        self.limits = limits if limits is not None else ResourceLimits()
+        #: bytes held by incoming messages not yet complete, over all inbound streams
+        self.budget = ByteBudget(self.limits.max_bytes_in_flight)
+        self.calls_per_peer = PeerCounter(
+            self.limits.max_inbound_calls_per_peer, "concurrent inbound calls"
+        )
         self.request_idle_timeout = DEFAULT_REQUEST_IDLE_TIMEOUT
         self._handlers: dict[str, HandlerSpec] = {}
         self._active_calls: set[trio.CancelScope] = set()
@@ -270,8 +293,20 @@ class RPCServer:
             await self._became_idle.wait()
 
     async def serve_stream(self, net_stream, remote_id) -> None:
-        """Serve one incoming call. Never raises: failures go to the caller or the debug log."""
-        stream = RPCStream(net_stream, self.default_max_message_size)
+        """Serve one incoming call. Never raises: failures go to the caller or the debug log.
+
+        A peer past ``limits.max_inbound_calls_per_peer`` streams gets ERROR(RESOURCE_EXHAUSTED)
+        at once; receive buffers are charged to the host's ``budget``."""
+        stream = RPCStream(net_stream, self.default_max_message_size, self.budget)
+        try:
+            self.calls_per_peer.acquire(remote_id)
+        except ResourceLimitError as e:
+            logger.debug("refusing a stream from %s: %s", remote_id, e)
+            await self._send_error_quietly(
+                stream, ErrorCode.RESOURCE_EXHAUSTED, type(e).__name__, str(e)
+            )
+            await stream.aclose()
+            return
         scope = trio.CancelScope()
         self._active_calls.add(scope)
         try:
@@ -296,19 +331,16 @@ class RPCServer:
                 await self._send_error_quietly(
                     stream, ErrorCode.CANCELLED, "Cancelled", "the callee is shutting down"
                 )
-        except (RPCProtocolError, MessageTooLargeError) as e:
-            logger.debug("rejecting a malformed call from %s: %s", remote_id, e)
-            code = (
-                ErrorCode.MESSAGE_TOO_LARGE
-                if isinstance(e, MessageTooLargeError)
-                else ErrorCode.PROTOCOL_ERROR
-            )
-            await self._send_error_quietly(stream, code, type(e).__name__, str(e))
+        except (RPCProtocolError, MessageTooLargeError, ResourceLimitError) as e:
+            logger.debug("rejecting a call from %s: %s", remote_id, e)
+            await self._send_error_quietly(stream, _error_code(e), type(e).__name__, str(e))
         except RPCError as e:
             logger.debug("call from %s ended early: %s", remote_id, e)
         except Exception:
             logger.exception("unexpected failure serving a call from %s", remote_id)
         finally:
+            stream.release_buffers()
+            self.calls_per_peer.release(remote_id)
             self._active_calls.discard(scope)
             if not self._active_calls:
                 self._became_idle.set()
@@ -324,6 +356,7 @@ class RPCServer:
 
     async def _serve(self, stream: RPCStream, remote_id, idle_timeout: float) -> bool:
         """Serve one call; True if it ended cleanly and the stream may carry another."""
+        stream.expect_open()  # nothing but a header-sized OPEN is read before the method
         with trio.move_on_after(idle_timeout) as open_scope:
             frame = await stream.receive_frame()
         if open_scope.cancelled_caught or frame is None:
@@ -334,7 +367,7 @@ class RPCServer:
         return ended_cleanly
 
     async def _serve_call(self, stream: RPCStream, remote_id, frame) -> bool:
-        if frame.kind != FrameKind.OPEN:
+        if frame.kind != KIND_OPEN:
             raise RPCProtocolError(f"a call must start with OPEN, got {FrameKind.Name(frame.kind)}")
         spec = self._handlers.get(frame.header.method)
         if spec is None:
@@ -367,6 +400,7 @@ class RPCServer:
                     # (normally the end of stream) means it gave up on the call.
                     nonlocal caller_gone
                     await incoming.finished.wait()
+                    stream.expect_open()  # (the caller's next call, if anything)
                     try:
                         frame = await stream.receive_frame()
                     except RPCError:
@@ -456,8 +490,8 @@ class RPCServer:
             raise  # the caller is gone or too slow: nobody to answer
         except RPCProtocolError:
             raise
-        except MessageTooLargeError as e:
-            await stream.send_error(ErrorCode.MESSAGE_TOO_LARGE, type(e).__name__, str(e))
+        except (MessageTooLargeError, ResourceLimitError) as e:
+            await stream.send_error(_error_code(e), type(e).__name__, str(e))
             return False
         except Exception as e:
             logger.debug("handler %s raised", spec.name, exc_info=True)

@@ -11,7 +11,7 @@ import trio
 from google.protobuf.message import Message
 
 from swarmtrain.p2p.errors import RPCCancelledError, RPCProtocolError, RPCTimeoutError
-from swarmtrain.p2p.framing import MESSAGE_KINDS, FrameKind
+from swarmtrain.p2p.framing import KIND_END, KIND_ERROR, MESSAGE_KINDS, FrameKind
 from swarmtrain.p2p.rpc import (
     CALLER_STREAM_REUSE_TIME,
     Attached,
@@ -120,10 +120,10 @@ class _ResponseReader(Generic[TOut]):
         frame = await self.stream.receive_frame()
         if frame is None:
             raise RPCCancelledError(f"{self.method}: the peer closed the stream before END")
-        if frame.kind == FrameKind.END:
+        if frame.kind == KIND_END:
             self.finished = self.ended_with_end = True
             return None
-        if frame.kind == FrameKind.ERROR:
+        if frame.kind == KIND_ERROR:
             self.finished = True
             raise _remote_failure(self.method, frame.header)
         if frame.kind not in MESSAGE_KINDS:

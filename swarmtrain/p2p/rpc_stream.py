@@ -18,6 +18,7 @@ from swarmtrain.p2p.errors import (
     RPCTimeoutError,
 )
 from swarmtrain.p2p.framing import (
+    KIND_OPEN,
     Frame,
     FrameDecoder,
     FrameKind,
@@ -25,6 +26,7 @@ from swarmtrain.p2p.framing import (
     encode_header,
     message_header,
 )
+from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
 from swarmtrain.proto import p2p_pb2
 
 READ_SIZE = 1024 * 1024
@@ -38,10 +40,13 @@ _END_FRAME = encode_header(p2p_pb2.RPCFrameHeader(kind=FrameKind.END))
 class RPCStream:
     """Frames over one libp2p stream. Not safe for concurrent senders (one sender task)."""
 
-    def __init__(self, stream, max_message_size: int):
+    def __init__(self, stream, max_message_size: int, budget: ByteBudget | None = None):
+        """``budget``: the host's budget of bytes in flight, charged for receive buffers."""
         self.stream = stream
         self._cancel_safe = getattr(stream, "cancel_safe", False)
-        self._decoder = FrameDecoder(max_message_size)
+        # a data lane delivers whole records: a first buffer of one record takes them in place
+        first = max(INITIAL_ALLOCATION, getattr(stream, "record_size", 0))
+        self._decoder = FrameDecoder(max_message_size, budget, first)
         self._eof = False
         self._pushed_back: Frame | None = None
         self.frames_received = 0
@@ -51,6 +56,16 @@ class RPCStream:
 
     def set_max_message_size(self, max_message_size: int) -> None:
         self._decoder.max_payload_size = max_message_size
+
+    def expect_open(self) -> None:
+        """Until the next OPEN, any other frame is a protocol error once its header is read
+        (a callee between calls: nothing the caller declares is buffered before a method)."""
+        self._decoder.awaiting_open = True
+
+    def release_buffers(self) -> None:
+        """Drop what is buffered and give it back to the budget (the stream is done)."""
+        self._pushed_back = None
+        self._decoder.close()
 
     def unread(self, frame: Frame | None) -> None:
         """Put a frame back: the next ``receive_frame`` returns it again."""
@@ -177,7 +192,7 @@ class RPCStream:
         self, method: str, first_payload: bytes | None = None, *, end: bool = False
     ) -> None:
         """Send OPEN, then optionally one message and END (one write when they are small)."""
-        data = encode_header(p2p_pb2.RPCFrameHeader(kind=FrameKind.OPEN, method=method))
+        data = encode_header(p2p_pb2.RPCFrameHeader(kind=KIND_OPEN, method=method))
         if first_payload is not None and len(first_payload) <= 64 * 1024:
             data += message_header(len(first_payload)) + first_payload
             if end:

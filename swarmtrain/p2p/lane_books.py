@@ -1,0 +1,127 @@
+"""The books a data lane's callee and caller keep (sans-IO): tickets, connections that have
+not shown a ticket yet, and how long a caller parks a peer whose lane failed. How lanes use
+them is ``lane.py``'s job."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from swarmtrain.p2p.lane_records import KEY_SIZE, TICKET_ID_SIZE
+from swarmtrain.p2p.limits import ResourceLimits
+
+TICKET_TTL = 10.0
+MAX_OUTSTANDING_TICKETS = 1024
+MAX_PENDING_HANDSHAKES = 64  # connections that have not shown a valid ticket yet
+RETRY_FIRST = 10.0  # after a first failed lane; doubles per failure in a row
+RETRY_AFTER = 300.0
+
+
+@dataclass
+class _Ticket:
+    peer_id: object
+    caller_key: bytes
+    callee_key: bytes
+    expires_at: float
+
+
+class TicketBook:
+    """Outstanding tickets (sans-IO): issued per peer, used once, expire after ``ttl``.
+
+    A peer holds at most ``per_peer`` (a new one drops its oldest); when the whole book is
+    full, a new ticket drops the oldest of the peer holding the most, so one peer (or a few)
+    filling the book never keeps another peer from getting a ticket."""
+
+    def __init__(
+        self,
+        ttl: float = TICKET_TTL,
+        capacity: int = MAX_OUTSTANDING_TICKETS,
+        per_peer: int = ResourceLimits.max_tickets_per_peer,
+    ):
+        self.ttl, self.capacity, self.per_peer = ttl, capacity, per_peer
+        self._tickets: dict[bytes, _Ticket] = {}  # in the order issued
+        self._per_peer: Counter[Hashable] = Counter()
+        self.dropped = 0
+
+    def _drop_oldest_of(self, peer_id) -> None:
+        for ticket_id, ticket in self._tickets.items():
+            if ticket.peer_id == peer_id:
+                self._remove(ticket_id)
+                self.dropped += 1
+                return
+
+    def _remove(self, ticket_id: bytes) -> _Ticket | None:
+        ticket = self._tickets.pop(ticket_id, None)
+        if ticket is not None:
+            self._per_peer[ticket.peer_id] -= 1
+            if self._per_peer[ticket.peer_id] <= 0:
+                del self._per_peer[ticket.peer_id]
+        return ticket
+
+    def issue(self, peer_id, now: float) -> tuple[bytes, _Ticket]:
+        for ticket_id in [k for k, t in self._tickets.items() if t.expires_at <= now]:
+            self._remove(ticket_id)
+        if self._per_peer[peer_id] >= self.per_peer:
+            self._drop_oldest_of(peer_id)
+        elif len(self._tickets) >= self.capacity:
+            self._drop_oldest_of(self._per_peer.most_common(1)[0][0])
+        ticket_id = os.urandom(TICKET_ID_SIZE)
+        ticket = _Ticket(peer_id, os.urandom(KEY_SIZE), os.urandom(KEY_SIZE), now + self.ttl)
+        self._tickets[ticket_id] = ticket
+        self._per_peer[peer_id] += 1
+        return ticket_id, ticket
+
+    def redeem(self, ticket_id: bytes, now: float) -> _Ticket | None:
+        ticket = self._remove(bytes(ticket_id))
+        if ticket is None or ticket.expires_at <= now:
+            return None
+        return ticket
+
+    def outstanding(self, peer_id) -> int:
+        """Unredeemed tickets of ``peer_id`` (expired ones included until the next issue)."""
+        return self._per_peer.get(peer_id, 0)
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+
+class PendingHandshakes:
+    """Lane connections that have not shown a ticket yet (sans-IO): at most ``per_ip`` from
+    one source IP and ``total`` in all. ``admit`` returns the tokens to close for a new one
+    (the oldest of its IP, else the oldest of all), so newcomers always get their turn."""
+
+    def __init__(self, total: int = MAX_PENDING_HANDSHAKES, per_ip: int = 8):
+        self.total, self.per_ip = total, per_ip
+        self._pending: OrderedDict[object, str] = OrderedDict()  # token -> source IP
+        self._per_ip: Counter[str] = Counter()
+        self.evicted = 0
+
+    def admit(self, token, ip: str) -> list:
+        evict = []
+        if self._per_ip[ip] >= self.per_ip:
+            evict.append(next(t for t, source in self._pending.items() if source == ip))
+        elif len(self._pending) >= self.total:
+            evict.append(next(iter(self._pending)))
+        for old in evict:
+            self.done(old)
+        self.evicted += len(evict)
+        self._pending[token] = ip
+        self._per_ip[ip] += 1
+        return evict
+
+    def done(self, token) -> None:
+        ip = self._pending.pop(token, None)
+        if ip is not None:
+            self._per_ip[ip] -= 1
+            if self._per_ip[ip] <= 0:
+                del self._per_ip[ip]
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def retry_delay(failures: int) -> float:
+    """How long a caller parks a peer's lanes after ``failures`` failed lanes in a row."""
+    return min(RETRY_AFTER, RETRY_FIRST * 2.0 ** min(failures - 1, 32))
