@@ -12,6 +12,7 @@ import pytest
 from swarmtrain.optim import (
     ClockSkewDetected,
     GlobalProgress,
+    ImplausibleProgress,
     LocalProgress,
     LonePeer,
     PerformanceEMA,
@@ -59,6 +60,9 @@ def fetch(core, now, *records, expiration=None):
         {"metadata_expiration": -1},
         {"stall_factor": 0.5},
         {"gossip_period": math.nan},
+        {"quorum_fraction": 1.0},
+        {"quorum_fraction": -0.1},
+        {"max_rate_factor": 0.5},
     ],
 )
 def test_config_rejects_bad_values(settings):
@@ -133,7 +137,8 @@ def test_eta_is_unknown_until_someone_reports_a_speed():
     fetch(core, T0 + 2, record(b"a", 0, 112, sps=100.0, time=T0 + 2))
     assert core.global_progress.samples_per_second == pytest.approx(100.0)
     assert describe_eta(core.global_progress, T0 + 2) == "4.00 s"
-    fetch(core, T0 + 3, record(b"a", 0, 600, sps=0.0, time=T0 + 3))  # reached: nothing to wait
+    # reached: nothing to wait (at its 100 samples/s: a jump at 0 samples/s would not count)
+    fetch(core, T0 + 3, record(b"a", 0, 600, sps=100.0, time=T0 + 3))
     assert describe_eta(core.global_progress, T0 + 3) == "0.00 s"
 
 
@@ -146,11 +151,12 @@ def test_global_epoch_samples_and_eta_from_peers():
         record(b"a", 1, 20, sps=10, time=T0 + 1),
         record(b"b", 1, 30, sps=20, time=T0),  # 1 s old: +20 estimated samples
         record(b"c", 0, 50, sps=10, time=T0 + 1),  # behind (still averaging): not counted
-        record(b"d", 5, 90, sps=10, time=T0 + 1, client_mode=True),  # clients set no epoch
+        record(b"d", 2, 90, sps=10, time=T0 + 1, client_mode=True),  # clients set no epoch
+        record(b"e", 1, 0, sps=0.0, time=T0 + 1),  # a, b and e: 3 of the 5 voters are at 1
     )
     assert progress.epoch == 1
     assert progress.samples_accumulated == 50
-    assert (progress.num_peers, progress.num_clients) == (5, 1)
+    assert (progress.num_peers, progress.num_clients) == (6, 1)
     # estimated 20 + 30 + 20 = 70; 30 remaining at the 10 + 20 samples/s of a and b (we, c and
     # the client report other epochs)
     assert progress.eta_next_epoch == pytest.approx(T0 + 1 + 1.0)
@@ -213,8 +219,10 @@ def test_gossip_only_brings_the_next_fetch_earlier():
         now = T0 + 1 + i * 0.1
         core.on_gossip(b"[owner:a]", record(b"a", 0, i, sps=1.0, time=now), now + 60, now)
     assert core.global_progress.next_fetch_time == pytest.approx(T0 + 11)
-    # news that the epoch nearly ended brings it to the last fetch + the min period
-    core.on_gossip(b"[owner:a]", record(b"a", 0, 999, sps=1.0, time=T0 + 4), T0 + 70, now=T0 + 4)
+    # news that the epoch nearly ended brings it to the last fetch + the min period (from a peer
+    # new to us: in an epoch we joined midway its samples are taken on trust; a's own jump to
+    # 999 at 1 sample/s would be capped by its speed)
+    core.on_gossip(b"[owner:c]", record(b"c", 0, 999, sps=1.0, time=T0 + 4), T0 + 70, now=T0 + 4)
     assert core.global_progress.next_fetch_time == pytest.approx(T0 + 1 + 0.5)
 
 
@@ -225,12 +233,129 @@ def test_fetch_failure_retries_after_default_period():
     assert core.num_fetches == 0
 
 
-# --------------------------------------------------------------- staleness
+# ------------------------------------------------ lying peers (audit 3) and honest ones
+
+
+def implausible(core, now):
+    return [w for w in core.warnings(now) if isinstance(w, ImplausibleProgress)]
+
+
+def test_epoch_claim_far_ahead_is_ignored_and_reported_once():
+    for honest in ([], [record(b"b", 3, 20, time=T0)]):  # a swarm of 2, and one of 3
+        core = make_core(target=100)
+        core.update_epoch(3, now=T0)
+        core.report_local_progress(3, 10, now=T0 + 1)
+        liar = record(b"evil", 10**9, 1, time=T0 + 1)
+        progress = fetch(core, T0 + 1, liar, *honest)
+        assert progress.epoch == 3 and not core.ready_to_update_epoch(T0 + 1)
+        assert progress.num_peers == 1 + len(honest)  # the liar is not counted at all
+        (warning,) = implausible(core, T0 + 1)
+        assert (warning.peer_id, warning.key, warning.epoch) == (b"evil", b"[owner:evil]", 10**9)
+        assert b"evil".hex() in str(warning) and "epoch 1000000000" in str(warning)
+        fetch(core, T0 + 2, liar, *honest)
+        assert implausible(core, T0 + 2) == []  # once per peer
+        assert core.global_progress.epoch == 3
+
+
+def test_samples_far_beyond_the_speed_do_not_end_the_epoch():
+    core = make_core(target=1000)
+    core.report_local_progress(0, 10, now=T0 + 1)
+    fetch(core, T0 + 1, record(b"a", 0, 10, sps=10, time=T0 + 1))
+    core.update_epoch(1, now=T0 + 2)  # we saw epoch 1 begin: nobody's samples on trust now
+    fetch(core, T0 + 2, record(b"a", 1, 0, sps=10, time=T0 + 2))
+    assert core.global_progress.epoch == 1
+    core.report_local_progress(1, 20, now=T0 + 4)
+    liar = record(b"evil", 1, 10**12, sps=1e12, time=T0 + 4)
+    progress = fetch(core, T0 + 4, record(b"a", 1, 20, sps=10, time=T0 + 4), liar)
+    # the liar counts at most 8x the typical 10 samples/s over the 2 s of the epoch, plus 1 s
+    assert progress.samples_accumulated == 20 + 20 + 8 * 10 * 3
+    assert not core.ready_to_update_epoch(T0 + 4)
+    assert progress.samples_per_second == pytest.approx(10 + 10 + 80)  # its speed capped too
+    assert progress.eta_next_epoch > T0 + 4 + 5
+    (warning,) = implausible(core, T0 + 4)
+    assert (warning.peer_id, warning.samples, warning.allowed) == (b"evil", 10**12, 240)
+    assert "240 of the 1000000000000 samples" in str(warning)
+    # and it cannot come back with a jump either: +80 samples/s at most
+    fetch(core, T0 + 5, liar)
+    assert core.global_progress.samples_accumulated == 20 + 20 + 8 * 10 * 4
+
+
+def test_samples_of_a_new_peer_in_a_witnessed_epoch_count_since_it_began():
+    core = make_core(target=1000)
+    core.report_local_progress(0, 10, now=T0 + 1)
+    core.update_epoch(1, now=T0 + 2)
+    fetch(core, T0 + 12, record(b"late", 1, 90, sps=10, time=T0 + 12))  # seen after 10 s
+    assert core.global_progress.samples_accumulated == 90
+    assert implausible(core, T0 + 12) == []
+
+
+def test_peer_that_just_stepped_still_counts_toward_the_epoch_in_a_swarm_of_two():
+    core = make_core(target=100)
+    core.report_local_progress(0, 30, now=T0 + 3)  # 10 samples/s
+    fetch(core, T0 + 3, record(b"a", 0, 30, sps=10, time=T0 + 3))
+    core.on_gossip(b"[owner:a]", record(b"a", 0, 40, sps=10, time=T0 + 4), T0 + 64, now=T0 + 4)
+    core.report_local_progress(0, 50, now=T0 + 5)
+    # a reached the target in its view (our 50 + its 50) and stepped; its report of 50 was
+    # never sent, its step was: extrapolated from its last report, it still counts
+    core.on_gossip(b"[owner:a]", record(b"a", 1, 0, sps=10, time=T0 + 5), T0 + 65, now=T0 + 5)
+    progress = core.global_progress
+    assert progress.epoch == 0  # one of two peers does not make a quorum...
+    assert progress.samples_accumulated == 100  # ...but the epoch did reach its target
+    assert progress.num_peers == 2
+    assert core.ready_to_update_epoch(T0 + 5)
+    assert implausible(core, T0 + 5) == []
+    core.update_epoch(None, now=T0 + 5.1)  # we step too: together again
+    assert core.global_progress.epoch == 1 and core.global_progress.samples_accumulated == 0
+
+
+def test_swarm_that_stepped_is_ahead_of_a_peer_that_did_not():
+    core = make_core(target=100)
+    core.update_epoch(5, now=T0)
+    progress = fetch(core, T0 + 1, record(b"a", 6, 0, time=T0 + 1), record(b"b", 6, 0, time=T0))
+    assert progress.epoch == 6 and core.ready_to_update_epoch(T0 + 1)
+
+
+def test_burst_after_a_pause_counts_in_full():
+    core = make_core(target=10_000)
+    core.report_local_progress(0, 10, now=T0 + 1)
+    core.update_epoch(1, now=T0 + 1)
+    fetch(core, T0 + 1, record(b"a", 1, 0, sps=10, time=T0 + 1))
+    fetch(core, T0 + 2, record(b"a", 1, 10, sps=10, time=T0 + 2))
+    # silent for 20 s (its network was down), then all it accumulated at 10 samples/s at once
+    fetch(core, T0 + 22, record(b"a", 1, 210, sps=10, time=T0 + 22))
+    assert core.global_progress.samples_accumulated == 210
+    assert implausible(core, T0 + 22) == []
+
+
+def test_late_joiner_follows_the_swarm_even_a_swarm_of_one():
+    for others in ([record(b"a", 50, 10)], [record(b"a", 50, 10), record(b"b", 50, 5)]):
+        core = make_core(target=100)  # not trained yet: it does not vote
+        core.announce(now=T0)  # waiting for peers does not make it vote either
+        assert fetch(core, T0, *others).epoch == 50
+        assert core.ready_to_update_epoch(T0)  # the Optimizer loads the state
+        assert implausible(core, T0) == []
+    # a peer that trained holds its ground against one peer alone (it may lie), not two
+    core = make_core(target=100)
+    core.report_local_progress(0, 5, now=T0)
+    assert fetch(core, T0, record(b"a", 50, 10)).epoch == 0
+    assert fetch(core, T0 + 1, record(b"a", 50, 10), record(b"b", 50, 5)).epoch == 50
+
+
+def test_quorum_is_more_than_half_of_the_voters():
+    core = make_core(target=100)
+    core.update_epoch(5, now=T0)
+    ahead = [record(bytes([i]), 20, 0) for i in range(2)]
+    behind = [record(bytes([10 + i]), 5, 0) for i in range(2)]
+    assert fetch(core, T0, *ahead, *behind).epoch == 5  # 2 of 5 at 20: ignored
+    assert len(implausible(core, T0)) == 2
+    more = [record(bytes([8]), 20, 0), record(bytes([9]), 20, 0)]
+    assert fetch(core, T0 + 1, *ahead, *more, *behind).epoch == 20  # 4 of 7
 
 
 def test_stale_departed_and_older_records():
     core = make_core(target=100)
-    fetch(core, T0, record(b"a", 2, 10), record(b"b", 0, 10), expiration=T0 + 10)
+    b = record(b"b", 0, 10, client_mode=True)  # a client: it does not vote on the epoch
+    fetch(core, T0, record(b"a", 2, 10), b, expiration=T0 + 10)
     assert core.global_progress.epoch == 2
     assert set(core.peers(T0)) == {b"[owner:a]", b"[owner:b]"}
     # an older record does not replace a newer one, from gossip or from the DHT
@@ -290,7 +415,7 @@ def test_auxiliary_peer_never_publishes_and_lagging_peer_stops():
     assert core.global_progress.num_peers == 0
     core.report_local_progress(0, 5, now=T0 + 2)
     assert core.take_store(T0 + 2) is not None
-    fetch(core, T0 + 3, record(b"a", 3, 0))  # two epochs ahead, and we stopped reporting
+    fetch(core, T0 + 3, record(b"a", 3, 0), record(b"b", 3, 0))  # 2 of 3 two epochs ahead
     assert not core.is_active and core.take_store(T0 + 3) is None
 
 

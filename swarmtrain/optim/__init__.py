@@ -17,6 +17,7 @@ from swarmtrain.optim.state_averager import TrainingStateAverager as TrainingSta
 
 from .progress_core import ClockSkewDetected as ClockSkewDetected
 from .progress_core import GlobalProgress as GlobalProgress
+from .progress_core import ImplausibleProgress as ImplausibleProgress
 from .progress_core import LocalProgress as LocalProgress
 from .progress_core import LonePeer as LonePeer
 from .progress_core import PerformanceEMA as PerformanceEMA

@@ -11,10 +11,25 @@ it replaces what we hold for its owner only if it does not expire earlier. A rec
 expiration passed is stale and forgotten; a ``None`` record says its owner left the run. Our own
 record is never taken from the network: the local state is always newer.
 
-Global progress (hivemind's semantics):
+Global progress (hivemind's semantics, made robust to a minority of lying peers):
 
-- the global epoch is the largest epoch among our own and the live records of non-client peers;
-- ``samples_accumulated`` sums the samples that peers at the global epoch reported;
+- the global epoch is what a quorum vouches for: the voters are the live non-client peers, and
+  this peer once it trained (reported samples or changed epoch; a newcomer that has not trained
+  yet does not vote, so it follows the swarm it joins, even a swarm of one); the quorum is more
+  than ``quorum_fraction`` of the voters (two of two: then a lone liar cannot move an
+  established peer); the global epoch is the quorum-th highest voter's epoch, never below our
+  own. hivemind takes the largest epoch of any record, so one record claiming epoch 1e9 sent
+  every peer into state downloads;
+- a record claiming an epoch more than one ahead of the global epoch is ignored (not counted
+  at all) and reported once by :class:`ImplausibleProgress`; a peer one epoch ahead just
+  stepped: it counts as a peer, its samples toward the next epoch, and the samples it
+  accumulated in the global epoch before it stepped still count toward it (so that in a swarm
+  of two, the peer that did not step yet sees the target reached as the other one did);
+- a peer's samples count at most what ``max_rate_factor`` times the swarm's reference speed
+  allows since it entered the epoch (the reference: the lower median of the reported samples/s,
+  or this peer's own measured speed in the epoch if faster); its reported samples/s is capped
+  the same way for the ETA. A record whose samples exceed twice that bound is reported once;
+- ``samples_accumulated`` sums those samples of the peers at the global epoch;
 - the ETA extrapolates each such peer's samples from its report time at its samples/s, and
   divides what remains of ``target_batch_size`` by the samples/s of those peers. (hivemind
   counts peers behind for speed too, "they will catch up"; but a peer behind is usually still
@@ -33,6 +48,7 @@ counts). ``ready_to_update_epoch`` holds when the swarm is ahead of us, the targ
 or the ETA passed.
 
 Warnings are decisions, returned once each by :meth:`ProgressCore.warnings`:
+:class:`ImplausibleProgress` (a peer's record was ignored or its samples capped, once per peer),
 :class:`ClockSkewDetected` (a record's report time is far in our future, or a gossiped one,
 which travels in milliseconds, far in our past), :class:`LonePeer` (no other peer for
 ``lone_peer_timeout`` seconds), :class:`TargetNotReached` (an epoch lasted ``stall_factor``
@@ -42,13 +58,14 @@ times the duration its first ETA promised, without reaching the target).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Union
 
 __all__ = [
     "ClockSkewDetected",
     "GlobalProgress",
+    "ImplausibleProgress",
     "LocalProgress",
     "LonePeer",
     "PerformanceEMA",
@@ -61,6 +78,7 @@ __all__ = [
 
 EPS = 1e-20  #: samples/s of a peer that has not measured its speed yet (never zero: we divide)
 _MIN_KNOWN_RATE = 1e-9  # total samples/s below this means "speed unknown" (no ETA to judge)
+_CREDIT_SLACK = 1.0  # s of samples at the capped speed a peer may be ahead of its bound
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -96,6 +114,10 @@ class ProgressConfig:
     :param stall_factor: report an epoch that lasts this many times its first ETA
     :param min_stall_time: ... and at least this long (s; short epochs jitter a lot)
     :param lone_peer_timeout: report having seen no other peer for this long (s)
+    :param quorum_fraction: the global epoch is the highest that more than this fraction of the
+      voting peers is at or beyond (see the module docstring)
+    :param max_rate_factor: a peer's samples count at most at this multiple of the swarm's
+      reference speed (heterogeneous swarms need room: a peer faster than this is undercounted)
     """
 
     target_batch_size: int
@@ -111,6 +133,8 @@ class ProgressConfig:
     stall_factor: float = 3.0
     min_stall_time: float = 30.0
     lone_peer_timeout: float = 30.0
+    quorum_fraction: float = 0.5
+    max_rate_factor: float = 8.0
 
     def __post_init__(self) -> None:
         if (
@@ -148,6 +172,12 @@ class ProgressConfig:
         _check_positive("stall_factor", self.stall_factor)
         if self.stall_factor < 1:
             raise ValueError("stall_factor must be at least 1")
+        _check_non_negative("quorum_fraction", self.quorum_fraction)
+        if self.quorum_fraction >= 1:
+            raise ValueError("quorum_fraction must be in [0, 1)")
+        _check_positive("max_rate_factor", self.max_rate_factor)
+        if self.max_rate_factor < 1:
+            raise ValueError("max_rate_factor must be at least 1")
 
 
 class PerformanceEMA:
@@ -328,13 +358,61 @@ class TargetNotReached:
         )
 
 
-ProgressWarning = Union[ClockSkewDetected, LonePeer, TargetNotReached]
+@dataclass(frozen=True)
+class ImplausibleProgress:
+    """A peer's record claims more than the swarm vouches for: ``epoch`` more than one ahead of
+    the swarm's ``swarm_epoch`` (the record is ignored), or ``samples`` far beyond the
+    ``allowed`` its speed allows (they count only up to it)."""
+
+    peer_id: bytes  #: as the record states it
+    key: bytes  #: the record's owner marker (the key that signed it)
+    epoch: int
+    samples: int
+    swarm_epoch: int
+    allowed: int | None = None  #: None: the epoch was implausible
+
+    def __str__(self) -> str:
+        who = f"peer {self.peer_id.hex()[:16]} (key {self.key.hex()[-16:]})"
+        if self.allowed is None:
+            return (
+                f"ignoring the progress of {who}: it claims epoch {self.epoch} while the swarm "
+                f"vouches for epoch {self.swarm_epoch} (a faulty or malicious peer?)"
+            )
+        return (
+            f"counting at most {self.allowed} of the {self.samples} samples {who} claims for "
+            f"epoch {self.epoch}: more than its speed allows (a faulty or malicious peer?)"
+        )
+
+
+ProgressWarning = Union[ClockSkewDetected, ImplausibleProgress, LonePeer, TargetNotReached]
 
 
 @dataclass(frozen=True)
 class _Record:
     progress: LocalProgress | None  # None: the peer left
     expiration_time: float
+
+
+@dataclass
+class _Credit:
+    """How many samples of a peer's epoch may count: ``base`` plus the capped speed times the
+    time since ``since`` (our clock)."""
+
+    epoch: int
+    base: int
+    since: float
+
+    def bound(self, rate: float, until: float) -> float:
+        return self.base + rate * (max(0.0, until - self.since) + _CREDIT_SLACK)
+
+
+@dataclass(frozen=True)
+class _Carry:
+    """A peer's samples in the epoch it left for the next one (they still count toward it)."""
+
+    credit: _Credit
+    samples: float  #: its last report there, extrapolated to the time it stepped
+    left_at: float  #: our clock
 
 
 class ProgressCore:
@@ -359,6 +437,13 @@ class ProgressCore:
         self._ema = PerformanceEMA(config.performance_ema_alpha, now=now)
         self._local = LocalProgress(peer_id, 0, 0, self._ema.samples_per_second, now, client_mode)
         self._records: dict[bytes, _Record] = {}
+        self._credits: dict[bytes, _Credit] = {}
+        self._carries: dict[bytes, _Carry] = {}
+        self._trained = False  # this peer votes on the epoch once it trained
+        self._epoch_witnessed = False  # we saw the global epoch begin (not joined it midway)
+        self._local_epoch_started_at = now
+        self._ignored: set[bytes] = set()  # keys whose records the last recompute ignored
+        self._implausible_warned: set[bytes] = set()
         self._last_active_epoch = -math.inf
         self._last_fetch_time: float | None = None
         self._fetched_this_epoch = False
@@ -462,8 +547,11 @@ class ProgressCore:
         )  # validates epoch and samples
         if samples_accumulated > 0:
             self._last_active_epoch = max(self._global.epoch, epoch)
+            self._trained = True
         if epoch != previous.epoch:
             self._epoch_changed = True
+            self._trained = True
+            self._local_epoch_started_at = now
         self._store_pending = self._gossip_pending = True
         self._recompute(now)
         return self._local
@@ -544,9 +632,70 @@ class ProgressCore:
             return False
         if progress is not None:
             self._check_clock(progress, now, gossiped)
+        self._track_credit(key, held.progress if held is not None else None, progress, now)
         self._records[key] = _Record(progress, expiration_time)
         self._num_merged += 1
         return True
+
+    def _track_credit(
+        self, key: bytes, old: LocalProgress | None, new: LocalProgress | None, now: float
+    ) -> None:
+        """Start counting ``key``'s samples afresh when it enters an epoch (see _Credit)."""
+        if new is None:
+            self._credits.pop(key, None)
+            self._carries.pop(key, None)
+            return
+        credit = self._credits.get(key)
+        if credit is not None and credit.epoch == new.epoch:
+            return
+        if credit is not None and old is not None and new.epoch == old.epoch + 1:
+            # it stepped: what it accumulated in the old epoch still counts toward it (its last
+            # report, extrapolated to when it stepped: the report before a step is often not sent)
+            stepped_after = max(0.0, min(new.time, now) - old.time)
+            samples = old.samples_accumulated + old.samples_per_second * stepped_after
+            self._carries[key] = _Carry(credit, samples, now)
+            self._credits[key] = _Credit(new.epoch, 0, now)
+            return
+        self._carries.pop(key, None)
+        if not self._epoch_witnessed:  # we joined this epoch midway: take its samples so far
+            base = min(new.samples_accumulated, self.config.target_batch_size)
+            self._credits[key] = _Credit(new.epoch, base, now)
+        elif new.epoch == self._global.epoch:  # it can have counted since the epoch began
+            self._credits[key] = _Credit(new.epoch, 0, self._epoch_started_at)
+        else:
+            self._credits[key] = _Credit(new.epoch, 0, now)
+
+    def _vouched_epoch(self, live: Mapping[bytes, LocalProgress]) -> int:
+        """The highest epoch that a quorum of the voters is at or beyond, never below ours."""
+        votes = sorted((peer.epoch for peer in live.values() if not peer.client_mode), reverse=True)
+        if self._trained:
+            votes = sorted([*votes, self._local.epoch], reverse=True)
+        if not votes:
+            return self._local.epoch
+        quorum = min(len(votes), math.floor(len(votes) * self.config.quorum_fraction) + 1)
+        if len(votes) >= 2:
+            quorum = max(quorum, 2)
+        return max(self._local.epoch, votes[quorum - 1])
+
+    def _reference_rate(self, others: Iterable[LocalProgress], now: float) -> float:
+        """The speed a typical peer reports: the lower median of the known samples/s (ours
+        included), or our own measured speed in this epoch if faster (0: nobody knows)."""
+        rates = sorted(
+            rate
+            for rate in (
+                *(peer.samples_per_second for peer in others),
+                self._local.samples_per_second if self._trained else 0.0,
+            )
+            if rate >= _MIN_KNOWN_RATE
+        )
+        median = rates[(len(rates) - 1) // 2] if rates else 0.0
+        took = max(0.0, now - self._local_epoch_started_at) + _CREDIT_SLACK
+        return max(median, self._local.samples_accumulated / took)
+
+    def _warn_implausible(self, key: bytes, warning: ImplausibleProgress) -> None:
+        if key not in self._implausible_warned:
+            self._implausible_warned.add(key)
+            self._pending_warnings.append(warning)
 
     def _check_clock(self, progress: LocalProgress, now: float, gossiped: bool) -> None:
         offset = progress.time - now
@@ -639,21 +788,63 @@ class ProgressCore:
         self._records = {
             key: record for key, record in self._records.items() if record.expiration_time > now
         }
-        others = [r.progress for r in self._records.values() if r.progress is not None]
-        epoch = self._local.epoch
-        for peer in others:
-            if not peer.client_mode:
-                epoch = max(epoch, peer.epoch)
+        live = {
+            key: record.progress
+            for key, record in self._records.items()
+            if record.progress is not None
+        }
+        for tracked in (self._credits, self._carries):
+            for key in [key for key in tracked if key not in live]:
+                del tracked[key]
+        epoch = self._vouched_epoch(live)
+        self._ignored = {key for key, peer in live.items() if peer.epoch > epoch + 1}
+        for key in self._ignored:
+            peer = live[key]
+            self._warn_implausible(
+                key,
+                ImplausibleProgress(peer.peer_id, key, peer.epoch, peer.samples_accumulated, epoch),
+            )
+        others = {key: peer for key, peer in live.items() if key not in self._ignored}
         active_self = self._last_active_epoch >= epoch - 1
-        participants = [*others, self._local] if active_self else others
+        participants = [*others.values(), self._local] if active_self else list(others.values())
+        if epoch == self._global.epoch + 1 and not self._epoch_witnessed:
+            self._epoch_witnessed = True  # from now on, no peer's samples are taken on trust
+            for credit in self._credits.values():
+                credit.base = 0
+        max_rate = config.max_rate_factor * self._reference_rate(others.values(), now)
 
-        samples, estimated, rate = 0, 0.0, 0.0
-        for peer in participants:
-            if peer.epoch == epoch:
-                rate += peer.samples_per_second
-                samples += peer.samples_accumulated
-                elapsed = max(0.0, now - peer.time)
-                estimated += peer.samples_accumulated + elapsed * peer.samples_per_second
+        samples, estimated, rate = 0.0, 0.0, 0.0
+        if active_self and self._local.epoch == epoch:  # our own samples are not in doubt
+            local = self._local
+            rate += local.samples_per_second
+            samples += local.samples_accumulated
+            elapsed = max(0.0, now - local.time)
+            estimated += local.samples_accumulated + elapsed * local.samples_per_second
+        for key, peer in others.items():
+            carry = self._carries.get(key)
+            if peer.epoch == epoch + 1 and carry is not None and carry.credit.epoch == epoch:
+                bound = carry.credit.bound(max_rate, carry.left_at)
+                samples += min(carry.samples, bound)
+                estimated += min(carry.samples, bound)
+                continue
+            if peer.epoch != epoch:
+                continue
+            credit = self._credits.get(key)
+            bound = math.inf if credit is None else credit.bound(max_rate, now)
+            if peer.samples_accumulated > 2 * bound:
+                allowed = int(bound)
+                self._warn_implausible(
+                    key,
+                    ImplausibleProgress(
+                        peer.peer_id, key, peer.epoch, peer.samples_accumulated, epoch, allowed
+                    ),
+                )
+            peer_rate = min(peer.samples_per_second, max_rate)
+            rate += peer_rate
+            samples += min(peer.samples_accumulated, bound)
+            elapsed = max(0.0, now - peer.time)
+            estimated += min(peer.samples_accumulated + elapsed * peer_rate, bound)
+        samples = int(samples)
         eta = max(0.0, config.target_batch_size - estimated) / (rate + EPS)
 
         num_peers = len(participants)

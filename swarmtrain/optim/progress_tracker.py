@@ -39,7 +39,8 @@ and closes the ``PubSub`` it opened. The DHT, and a ``PubSub`` passed in, stay o
 
 Error handling: a failed DHT store or fetch is logged and retried on schedule; invalid gossip is
 dropped and counted (``statistics().gossip_rejected``); warnings (clock skew, a lone peer, an
-epoch that never reaches its target) are logged once each.
+epoch that never reaches its target, a peer whose implausible progress is ignored) are logged
+once each. The global epoch is what a quorum of peers vouches for (see the core).
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ class AsyncProgressTracker:
         max_clock_skew: float = 10.0,
         stall_factor: float = 3.0,
         lone_peer_timeout: float = 30.0,
+        quorum_fraction: float = 0.5,
+        max_rate_factor: float = 8.0,
         status_loglevel: int = logging.DEBUG,
         private_key: Ed25519PrivateKey | None = None,
         pubsub: PubSub | None = None,
@@ -195,6 +198,8 @@ class AsyncProgressTracker:
             max_clock_skew=max_clock_skew,
             stall_factor=stall_factor,
             lone_peer_timeout=lone_peer_timeout,
+            quorum_fraction=quorum_fraction,
+            max_rate_factor=max_rate_factor,
         )
         validator = dht.node.record_validator
         if not isinstance(validator, CompositeValidator):

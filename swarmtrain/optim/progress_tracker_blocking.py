@@ -86,6 +86,11 @@ class ProgressTracker(BackgroundService):
         return self.global_progress.epoch
 
     @property
+    def local_public_key(self) -> bytes:
+        """This peer's ``[owner:...]`` marker: the subkey of its progress record."""
+        return self._tracker().local_public_key
+
+    @property
     def ready_to_update_epoch(self) -> bool:
         return self._tracker().ready_to_update_epoch
 
@@ -135,3 +140,7 @@ class ProgressTracker(BackgroundService):
 
     def statistics(self) -> ProgressTrackerStatistics:
         return self._tracker().statistics()
+
+    def peers(self) -> dict[bytes, LocalProgress]:
+        """Live progress records of the other peers, by owner marker."""
+        return self._tracker().peers()
