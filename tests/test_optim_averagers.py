@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from swarm_util import FAST, group_of, swarm
 
 from swarmtrain.averaging import AveragingStage, FailureReason, MatchmakingError, StepControl
 from swarmtrain.compression import (
@@ -18,36 +18,11 @@ from swarmtrain.compression import (
     RoleAdaptiveCompression,
     TensorRole,
 )
-from swarmtrain.dht import DHT, get_dht_time
+from swarmtrain.dht import get_dht_time
 from swarmtrain.optim._optimizer_state import dump_optimizer_state, load_optimizer_state
 from swarmtrain.optim._tensor_infos import TaggedCompression
 from swarmtrain.optim.grad_averager import GradientAverager
 from swarmtrain.optim.state_averager import TrainingStateAverager
-from swarmtrain.utils.background import BackgroundRuntime
-
-HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
-FAST = {"min_matchmaking_time": 1.0, "request_timeout": 0.5}
-
-
-def group_of(size: int) -> dict:
-    return {**FAST, "target_group_size": size, "min_group_size": size}
-
-
-@contextlib.contextmanager
-def swarm(size: int) -> Iterator[tuple[list[DHT], list]]:
-    """``size`` connected DHTs and a list for averagers; everything is shut down on exit."""
-    dhts = [DHT(**HOST)]
-    averagers: list = []
-    try:
-        for _ in range(size - 1):
-            dhts.append(DHT(dhts[0].get_visible_maddrs(), **HOST))
-        yield dhts, averagers
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in reversed(dhts):
-            dht.shutdown()
-    assert BackgroundRuntime.active_references() == 0
 
 
 def run_all(*fns: Callable[[], object]) -> list:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from swarm_util import FAST, group_of, swarm
 
 from swarmtrain.averaging import AveragingError, NonFiniteError
 from swarmtrain.averaging.errors import AllReduceError
-from swarmtrain.dht import DHT
 from swarmtrain.optim.grad_averager import GradientAverager
 from swarmtrain.optim.power_sgd import (
     PowerSGDGradientAverager,
@@ -21,30 +20,6 @@ from swarmtrain.optim.power_sgd import (
     matrix_shape,
     orthogonalize_,
 )
-from swarmtrain.utils.background import BackgroundRuntime
-
-HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
-FAST = {"min_matchmaking_time": 1.0, "request_timeout": 0.5}
-
-
-def group_of(size: int) -> dict:
-    return {**FAST, "target_group_size": size, "min_group_size": size}
-
-
-@contextlib.contextmanager
-def swarm(size: int) -> Iterator[tuple[list[DHT], list]]:
-    dhts = [DHT(**HOST)]
-    averagers: list = []
-    try:
-        for _ in range(size - 1):
-            dhts.append(DHT(dhts[0].get_visible_maddrs(), **HOST))
-        yield dhts, averagers
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in reversed(dhts):
-            dht.shutdown()
-    assert BackgroundRuntime.active_references() == 0
 
 
 def run_all(*fns: Callable[[], object]) -> list:

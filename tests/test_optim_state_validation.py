@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
+from swarm_util import FAST, swarm
 
 from swarmtrain.averaging.state_checks import DonorBans, RejectReason, StateRejected, TensorSpec
-from swarmtrain.dht import DHT
 from swarmtrain.optim._optimizer_state import encode_tensors
 from swarmtrain.optim._state_checks import (
     EPOCH_LIMIT,
@@ -20,10 +19,6 @@ from swarmtrain.optim._state_checks import (
     optimizer_state_specs,
 )
 from swarmtrain.optim.state_averager import TrainingStateAverager
-from swarmtrain.utils.background import BackgroundRuntime
-
-HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
-FAST = {"min_matchmaking_time": 1.0, "request_timeout": 0.5}
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -199,22 +194,6 @@ class HostileAverager(TrainingStateAverager):
         metadata, tensors, _ = super().get_current_state()
         self.poison(metadata, tensors)
         return metadata, tensors  # compression infos are made from the tensors sent
-
-
-@contextlib.contextmanager
-def swarm(size: int) -> Iterator[tuple[list[DHT], list]]:
-    dhts = [DHT(**HOST)]
-    averagers: list = []
-    try:
-        for _ in range(size - 1):
-            dhts.append(DHT(dhts[0].get_visible_maddrs(), **HOST))
-        yield dhts, averagers
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in reversed(dhts):
-            dht.shutdown()
-    assert BackgroundRuntime.active_references() == 0
 
 
 def averager(dht, model, cls=TrainingStateAverager, **kwargs) -> TrainingStateAverager:
