@@ -3,6 +3,7 @@
 The modules below are pure (no I/O); the networked node builds on them.
 """
 
+from .asyncio_node import AsyncioDHTNode as AsyncioDHTNode
 from .blacklist import Blacklist as Blacklist
 from .blacklist import BlacklistStatistics as BlacklistStatistics
 from .dht import DHT as DHT
