@@ -99,6 +99,14 @@ MODULE_MAP = {
 # (hivemind module, name) -> (module, name) where the name is spelled differently here, or comes
 # from a library that hivemind vendors (py-multiaddr) or from the standard library.
 NAME_MAP = {
+    # hivemind's DHTNode is awaited from asyncio; swarmtrain's DHTNode is trio code
+    ("hivemind.dht.node", "DHTNode"): ("swarmtrain.dht", "AsyncioDHTNode"),
+    ("hivemind.dht", "DHTNode"): ("swarmtrain.dht", "AsyncioDHTNode"),
+    # the same validator API (sign_value / validate / strip_value / local_public_key), Ed25519
+    ("hivemind.dht.crypto", "RSASignatureValidator"): (
+        "swarmtrain.dht",
+        "Ed25519SignatureValidator",
+    ),
     ("hivemind.utils.multiaddr", "Multiaddr"): ("multiaddr", "Multiaddr"),
     ("hivemind.utils.logging", "get_logger"): ("logging", "getLogger"),
     ("hivemind.utils.networking", "LOCALHOST"): ("swarmtrain.p2p", "LOCALHOST"),
@@ -130,7 +138,9 @@ CONFTEST = '''
 """Written by the harness: run ``forked`` tests in a forked child, reap leftover children."""
 
 import json
+import multiprocessing.connection  # noqa: F401  (hivemind imports it; its tests rely on it)
 import os
+import signal
 
 import psutil
 import pytest
@@ -158,8 +168,13 @@ def pytest_runtest_protocol(item, nextitem):
             code = 3
         os._exit(code)
     os.close(write_end)
+    problem = None
     with os.fdopen(read_end) as pipe:
-        payload = pipe.read()
+        try:
+            payload = pipe.read()
+        except BaseException as e:  # pytest-timeout's alarm fires here, in the parent
+            os.kill(pid, signal.SIGKILL)
+            payload, problem = "", f"{type(e).__name__}: {e}"
     _, status = os.waitpid(pid, 0)
     if payload:
         reports = [item.config.hook.pytest_report_from_serializable(config=item.config, data=d)
@@ -168,7 +183,8 @@ def pytest_runtest_protocol(item, nextitem):
         from _pytest.reports import TestReport
 
         reports = [TestReport(item.nodeid, item.location, {}, "failed",
-                              f"forked test process died (wait status {status})", "call")]
+                              problem or f"forked test process died (wait status {status})",
+                              "call")]
     for report in reports:
         hook.pytest_runtest_logreport(report=report)
     hook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
@@ -187,7 +203,7 @@ def reap_children():
 PYTEST_INI = """
 [pytest]
 asyncio_default_fixture_loop_scope = function
-timeout = 60
+timeout = {timeout}
 markers =
     forked: run in a forked subprocess (pytest-forked)
 """
@@ -255,7 +271,7 @@ def rewrite_imports(source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def extract(mirror: str, files: list[str], dest: Path) -> None:
+def extract(mirror: str, files: list[str], dest: Path, timeout: float) -> None:
     archive = subprocess.run(
         ["git", "-C", mirror, "archive", "HEAD", "tests"], check=True, capture_output=True
     ).stdout
@@ -270,7 +286,7 @@ def extract(mirror: str, files: list[str], dest: Path) -> None:
             target.write_text(rewrite_imports(member.read().decode()))
     (dest / "_hivemind_compat_support.py").write_text(SUPPORT_MODULE.lstrip())
     (dest / "conftest.py").write_text(CONFTEST.lstrip())
-    (dest / "pytest.ini").write_text(textwrap.dedent(PYTEST_INI).lstrip())
+    (dest / "pytest.ini").write_text(textwrap.dedent(PYTEST_INI).lstrip().format(timeout=timeout))
 
 
 def plugin_path() -> str | None:
@@ -343,6 +359,9 @@ def main() -> int:
     parser.add_argument("--keep", help="write the rewritten tests here and keep them")
     parser.add_argument("--reasons", action="store_true", help="print each failure's message")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument(
+        "--timeout", type=float, default=30, help="seconds per test (pytest-timeout; default 30)"
+    )
     args = parser.parse_args()
 
     repo_root = Path(__file__).resolve().parents[1]
@@ -355,7 +374,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hivemind-compat-") as tmp:
         workdir = Path(args.keep or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        extract(args.mirror, args.files, workdir)
+        extract(args.mirror, args.files, workdir, args.timeout)
         totals = {"passed": 0, "failed": 0, "skipped": 0}
         print(f"{'file':<26} {'passed':>6} {'failed':>6} {'skipped':>7}")
         for name in args.files:
