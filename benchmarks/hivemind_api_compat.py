@@ -102,7 +102,14 @@ NAME_MAP = {
     # hivemind's DHTNode is awaited from asyncio; swarmtrain's DHTNode is trio code
     ("hivemind.dht.node", "DHTNode"): ("swarmtrain.dht", "AsyncioDHTNode"),
     ("hivemind.dht", "DHTNode"): ("swarmtrain.dht", "AsyncioDHTNode"),
-    # the same validator API (sign_value / validate / strip_value / local_public_key), Ed25519
+    # the base class of the errors a failed averaging step raises
+    ("hivemind.averaging.partition", "AllreduceException"): (
+        "swarmtrain.averaging",
+        "AveragingError",
+    ),
+    # the same validator API (sign_value / validate / strip_value / local_public_key), Ed25519;
+    # a new signing key is hivemind's RSAPrivateKey()
+    ("hivemind.utils.crypto", "RSAPrivateKey"): ("swarmtrain.dht", "generate_private_key"),
     ("hivemind.dht.crypto", "RSASignatureValidator"): (
         "swarmtrain.dht",
         "Ed25519SignatureValidator",

@@ -31,6 +31,7 @@ from swarmtrain.dht import (
     RoutingTable,
     SchemaValidator,
     ValueWithExpiration,
+    generate_private_key,
     get_dht_time,
     serialize,
 )
@@ -441,3 +442,12 @@ def test_signature_validator_pickles_with_its_key():
         process.join(30)
     assert b"[signature:" in signed
     assert validator.validate(dataclasses.replace(record, value=signed))
+
+
+def test_generate_private_key_makes_a_new_signing_key_each_time():
+    first, second = generate_private_key(), generate_private_key()
+    signer = Ed25519SignatureValidator(first)
+    assert signer.local_public_key != Ed25519SignatureValidator(second).local_public_key
+    record = _record("key", b"value", subkey=b"sub" + signer.local_public_key)
+    signed = dataclasses.replace(record, value=signer.sign_value(record))
+    assert Ed25519SignatureValidator().validate(signed)

@@ -45,3 +45,4 @@ from .validation import DHTRecord as DHTRecord
 from .validation import Ed25519SignatureValidator as Ed25519SignatureValidator
 from .validation import RecordValidatorBase as RecordValidatorBase
 from .validation import SchemaValidator as SchemaValidator
+from .validation import generate_private_key as generate_private_key

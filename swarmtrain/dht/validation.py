@@ -41,6 +41,7 @@ __all__ = [
     "Ed25519SignatureValidator",
     "RecordValidatorBase",
     "SchemaValidator",
+    "generate_private_key",
 ]
 
 NO_SUBKEY = b""  #: ``DHTRecord.subkey`` of a regular (non-dictionary) value
@@ -156,6 +157,12 @@ _SIGNING_DOMAIN = b"swarmtrain.dht.record.v1"
 def _owner_marker(public_key: Ed25519PublicKey) -> bytes:
     raw = public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
     return b"[owner:" + base58.b58encode(raw) + b"]"
+
+
+def generate_private_key() -> Ed25519PrivateKey:
+    """A new Ed25519 key to sign records with (``Ed25519SignatureValidator(key)``,
+    ``ProgressTracker(private_key=key)``): hivemind's ``RSAPrivateKey()``."""
+    return Ed25519PrivateKey.generate()
 
 
 class Ed25519SignatureValidator(RecordValidatorBase):
