@@ -193,6 +193,8 @@ def pytest_runtest_protocol(item, nextitem):
                               problem or f"forked test process died (wait status {status})",
                               "call")]
     for report in reports:
+        if isinstance(report.longrepr, list):  # a skip's (path, line, reason), made a list by JSON
+            report.longrepr = tuple(report.longrepr)
         hook.pytest_runtest_logreport(report=report)
     hook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
