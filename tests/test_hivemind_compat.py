@@ -416,8 +416,12 @@ def test_composite_validator_merges_into_its_members():
     assert len(composite.validators) == 1
     assert not composite.merge_with(Ed25519SignatureValidator())  # no member takes it
     assert len(composite.validators) == 1
-    assert composite.merge_with(CompositeValidator([Ed25519SignatureValidator()]))
+    with pytest.raises(AttributeError, match="no signature validator"):
+        composite.local_public_key  # noqa: B018
+    signer = Ed25519SignatureValidator()
+    assert composite.merge_with(CompositeValidator([signer]))
     assert len(composite.validators) == 2
+    assert composite.local_public_key == signer.local_public_key
 
 
 def _sign_in_child(connection) -> None:

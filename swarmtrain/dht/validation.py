@@ -117,6 +117,15 @@ class CompositeValidator(RecordValidatorBase):
                 self._validators.append(new)
         self._validators.sort(key=lambda validator: validator.priority)
 
+    @property
+    def local_public_key(self) -> bytes:
+        """The owner marker this composite signs with: its signature validator's
+        ``local_public_key``. :raises AttributeError: it has no signature validator"""
+        for validator in self._validators:
+            if isinstance(validator, Ed25519SignatureValidator):
+                return validator.local_public_key
+        raise AttributeError("this CompositeValidator has no signature validator")
+
     def merge_with(self, other: RecordValidatorBase) -> bool:
         """Merge ``other`` into the member validator that accepts it (a composite: each of its
         validators); False, changing nothing, if no member merges it."""
