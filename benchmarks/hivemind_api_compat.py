@@ -1,7 +1,7 @@
 """hivemind's own public-API tests, run against swarmtrain with only their imports renamed.
 
     python benchmarks/hivemind_api_compat.py [--mirror PATH] [--files test_dht.py ...]
-                                             [--keep DIR] [--reasons] [-k EXPR]
+                                             [--keep DIR] [--reasons] [-k EXPR] [--timeout S]
 
 Not part of our test suite: the tests are hivemind's (MIT), so they are never copied into this
 repository. This script reads them at run time from a bare git mirror of hivemind
@@ -26,6 +26,10 @@ Import rewriting: ``from hivemind.X import A`` becomes ``from swarmtrain.Y impor
 that swarmtrain does not have becomes a placeholder that raises ``ImportError`` naming the
 missing name when the test uses it, so only the tests that use it fail (hivemind's files import
 many names that only a few tests use). ``import hivemind.X`` binds ``hivemind`` to ``swarmtrain``.
+Renamed: ``DHTNode`` -> ``AsyncioDHTNode`` (hivemind's node is awaited from asyncio, ours is
+trio code), ``RSASignatureValidator`` -> ``Ed25519SignatureValidator`` and ``RSAPrivateKey`` ->
+``generate_private_key`` (we sign with Ed25519), ``AllreduceException`` -> ``AveragingError``.
+Each file runs one test at a time, with ``--timeout`` seconds per test (default 30).
 hivemind's helpers in ``tests/test_utils`` are rewritten the same way; hivemind's
 ``conftest.py`` (MPFuture/RSA key cleanup) is replaced by a small one of ours that reaps child
 processes and runs ``@pytest.mark.forked`` tests in a forked child, as pytest-forked does for
