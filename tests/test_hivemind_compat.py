@@ -135,6 +135,12 @@ def test_progress_tracker_performance_ema_follows_reports():
             assert speed > 1
             assert tracker.local_progress.samples_per_second == speed
             assert tracker.performance_ema.num_updates == 2
+        # stopped, the tracker still reads its last state (as in hivemind); reports raise
+        assert not tracker.is_alive()
+        assert tracker.performance_ema.samples_per_second == speed
+        assert tracker.global_epoch == 0 and tracker.local_progress.samples_accumulated == 30
+        with pytest.raises(RuntimeError, match="shut down"):
+            tracker.report_local_progress(0, 40)
     finally:
         dht.shutdown()
 
