@@ -1,7 +1,7 @@
 """hivemind's own public-API tests, run against swarmtrain with only their imports renamed.
 
     python benchmarks/hivemind_api_compat.py [--mirror PATH] [--files test_dht.py ...]
-                                             [--keep DIR] [--reasons] [-k EXPR]
+                                             [--keep DIR] [--reasons] [-k EXPR] [--timeout S]
 
 Not part of our test suite: the tests are hivemind's (MIT), so they are never copied into this
 repository. This script reads them at run time from a bare git mirror of hivemind
@@ -26,6 +26,10 @@ Import rewriting: ``from hivemind.X import A`` becomes ``from swarmtrain.Y impor
 that swarmtrain does not have becomes a placeholder that raises ``ImportError`` naming the
 missing name when the test uses it, so only the tests that use it fail (hivemind's files import
 many names that only a few tests use). ``import hivemind.X`` binds ``hivemind`` to ``swarmtrain``.
+Renamed: ``DHTNode`` -> ``AsyncioDHTNode`` (hivemind's node is awaited from asyncio, ours is
+trio code), ``RSASignatureValidator`` -> ``Ed25519SignatureValidator`` and ``RSAPrivateKey`` ->
+``generate_private_key`` (we sign with Ed25519), ``AllreduceException`` -> ``AveragingError``.
+Each file runs one test at a time, with ``--timeout`` seconds per test (default 30).
 hivemind's helpers in ``tests/test_utils`` are rewritten the same way; hivemind's
 ``conftest.py`` (MPFuture/RSA key cleanup) is replaced by a small one of ours that reaps child
 processes and runs ``@pytest.mark.forked`` tests in a forked child, as pytest-forked does for
@@ -99,6 +103,21 @@ MODULE_MAP = {
 # (hivemind module, name) -> (module, name) where the name is spelled differently here, or comes
 # from a library that hivemind vendors (py-multiaddr) or from the standard library.
 NAME_MAP = {
+    # hivemind's DHTNode is awaited from asyncio; swarmtrain's DHTNode is trio code
+    ("hivemind.dht.node", "DHTNode"): ("swarmtrain.dht", "AsyncioDHTNode"),
+    ("hivemind.dht", "DHTNode"): ("swarmtrain.dht", "AsyncioDHTNode"),
+    # the base class of the errors a failed averaging step raises
+    ("hivemind.averaging.partition", "AllreduceException"): (
+        "swarmtrain.averaging",
+        "AveragingError",
+    ),
+    # the same validator API (sign_value / validate / strip_value / local_public_key), Ed25519;
+    # a new signing key is hivemind's RSAPrivateKey()
+    ("hivemind.utils.crypto", "RSAPrivateKey"): ("swarmtrain.dht", "generate_private_key"),
+    ("hivemind.dht.crypto", "RSASignatureValidator"): (
+        "swarmtrain.dht",
+        "Ed25519SignatureValidator",
+    ),
     ("hivemind.utils.multiaddr", "Multiaddr"): ("multiaddr", "Multiaddr"),
     ("hivemind.utils.logging", "get_logger"): ("logging", "getLogger"),
     ("hivemind.utils.networking", "LOCALHOST"): ("swarmtrain.p2p", "LOCALHOST"),
@@ -130,7 +149,9 @@ CONFTEST = '''
 """Written by the harness: run ``forked`` tests in a forked child, reap leftover children."""
 
 import json
+import multiprocessing.connection  # noqa: F401  (hivemind imports it; its tests rely on it)
 import os
+import signal
 
 import psutil
 import pytest
@@ -158,8 +179,13 @@ def pytest_runtest_protocol(item, nextitem):
             code = 3
         os._exit(code)
     os.close(write_end)
+    problem = None
     with os.fdopen(read_end) as pipe:
-        payload = pipe.read()
+        try:
+            payload = pipe.read()
+        except BaseException as e:  # pytest-timeout's alarm fires here, in the parent
+            os.kill(pid, signal.SIGKILL)
+            payload, problem = "", f"{type(e).__name__}: {e}"
     _, status = os.waitpid(pid, 0)
     if payload:
         reports = [item.config.hook.pytest_report_from_serializable(config=item.config, data=d)
@@ -168,8 +194,11 @@ def pytest_runtest_protocol(item, nextitem):
         from _pytest.reports import TestReport
 
         reports = [TestReport(item.nodeid, item.location, {}, "failed",
-                              f"forked test process died (wait status {status})", "call")]
+                              problem or f"forked test process died (wait status {status})",
+                              "call")]
     for report in reports:
+        if isinstance(report.longrepr, list):  # a skip's (path, line, reason), made a list by JSON
+            report.longrepr = tuple(report.longrepr)
         hook.pytest_runtest_logreport(report=report)
     hook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
@@ -187,7 +216,7 @@ def reap_children():
 PYTEST_INI = """
 [pytest]
 asyncio_default_fixture_loop_scope = function
-timeout = 60
+timeout = {timeout}
 markers =
     forked: run in a forked subprocess (pytest-forked)
 """
@@ -255,7 +284,7 @@ def rewrite_imports(source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def extract(mirror: str, files: list[str], dest: Path) -> None:
+def extract(mirror: str, files: list[str], dest: Path, timeout: float) -> None:
     archive = subprocess.run(
         ["git", "-C", mirror, "archive", "HEAD", "tests"], check=True, capture_output=True
     ).stdout
@@ -270,7 +299,7 @@ def extract(mirror: str, files: list[str], dest: Path) -> None:
             target.write_text(rewrite_imports(member.read().decode()))
     (dest / "_hivemind_compat_support.py").write_text(SUPPORT_MODULE.lstrip())
     (dest / "conftest.py").write_text(CONFTEST.lstrip())
-    (dest / "pytest.ini").write_text(textwrap.dedent(PYTEST_INI).lstrip())
+    (dest / "pytest.ini").write_text(textwrap.dedent(PYTEST_INI).lstrip().format(timeout=timeout))
 
 
 def plugin_path() -> str | None:
@@ -343,6 +372,9 @@ def main() -> int:
     parser.add_argument("--keep", help="write the rewritten tests here and keep them")
     parser.add_argument("--reasons", action="store_true", help="print each failure's message")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument(
+        "--timeout", type=float, default=30, help="seconds per test (pytest-timeout; default 30)"
+    )
     args = parser.parse_args()
 
     repo_root = Path(__file__).resolve().parents[1]
@@ -355,7 +387,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hivemind-compat-") as tmp:
         workdir = Path(args.keep or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        extract(args.mirror, args.files, workdir)
+        extract(args.mirror, args.files, workdir, args.timeout)
         totals = {"passed": 0, "failed": 0, "skipped": 0}
         print(f"{'file':<26} {'passed':>6} {'failed':>6} {'skipped':>7}")
         for name in args.files:

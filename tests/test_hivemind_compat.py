@@ -6,16 +6,38 @@ Each test runs the real thing: DHTs on loopback, real averagers and trackers.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import dataclasses
+import multiprocessing as mp
+import pickle
 
 import pydantic
+import pydantic.v1
 import pytest
 import torch
+import trio
 
 from swarmtrain.compression import CompressionType
-from swarmtrain.dht import DHT, SchemaValidator, get_dht_time
+from swarmtrain.dht import (
+    DHT,
+    DHTID,
+    AsyncioDHTNode,
+    BytesWithPublicKey,
+    CompositeValidator,
+    DHTNode,
+    DHTRecord,
+    Ed25519SignatureValidator,
+    RoutingTable,
+    SchemaValidator,
+    ValueWithExpiration,
+    generate_private_key,
+    get_dht_time,
+    serialize,
+)
 from swarmtrain.optim import GradientAverager, ProgressTracker
 from swarmtrain.optim.state_averager import ZERO_GRAD_SET_TO_NONE_DEFAULT, TrainingStateAverager
+from swarmtrain.p2p import P2P
 
 QUICK_REFRESH = {
     "min_refresh_period": 0.2,
@@ -84,7 +106,6 @@ def test_add_validators_to_a_running_dht():
 @pytest.mark.parametrize(
     "keyword, value, names",
     [
-        ("parallel_rpc", 16, "num_workers"),
         ("cache_refresh_before_expiry", 5, "cache_locally"),
         ("reuse_get_requests", True, "get_many"),
         ("p2p", object(), "DHTNode.create"),
@@ -96,7 +117,7 @@ def test_hivemind_only_keywords_fail_naming_our_equivalent(keyword, value, names
 
 
 def test_hivemind_only_keywords_with_our_behaviour_are_accepted():
-    dht = DHT(parallel_rpc=None, cache_refresh_before_expiry=0, reuse_get_requests=False)
+    dht = DHT(cache_refresh_before_expiry=0, reuse_get_requests=False)
     try:
         assert dht.store("k", 1, get_dht_time() + 30)
     finally:
@@ -114,6 +135,12 @@ def test_progress_tracker_performance_ema_follows_reports():
             assert speed > 1
             assert tracker.local_progress.samples_per_second == speed
             assert tracker.performance_ema.num_updates == 2
+        # stopped, the tracker still reads its last state (as in hivemind); reports raise
+        assert not tracker.is_alive()
+        assert tracker.performance_ema.samples_per_second == speed
+        assert tracker.global_epoch == 0 and tracker.local_progress.samples_accumulated == 30
+        with pytest.raises(RuntimeError, match="shut down"):
+            tracker.report_local_progress(0, 40)
     finally:
         dht.shutdown()
 
@@ -191,3 +218,246 @@ def test_compression_type_has_the_protobuf_enum_helpers():
         CompressionType.Value("ZIP")
     with pytest.raises(ValueError):
         CompressionType.Name(99)
+
+
+# ------------------------------------------------------------------ DHT ids and routing
+
+
+def test_dht_id_bytes_common_prefix_and_distances_to_many():
+    node_id = DHTID.generate()
+    assert bytes(node_id) == node_id.to_bytes() and len(bytes(node_id)) == DHTID.HASH_NBYTES
+    assert DHTID.from_bytes(bytes(node_id)) == node_id
+    ids = [DHTID(0b1011 << 150), DHTID(0b1010 << 150), DHTID(0b1011 << 150 | 1)]
+    assert DHTID.longest_common_prefix_length(*ids) == DHTID.NBITS - 154 + 3
+    others = [DHTID.generate() for _ in range(3)]
+    assert node_id.xor_distance(others) == [int(node_id) ^ int(other) for other in others]
+    assert node_id.xor_distance(others[0]) == int(node_id) ^ int(others[0])
+
+
+def test_routing_table_hivemind_lookups_and_the_default_clock():
+    table = RoutingTable(DHTID.generate(), bucket_size=2, depth_modulo=5)
+    before = get_dht_time()
+    peers = {DHTID.generate(): f"peer-{index}" for index in range(40)}
+    for node_id, peer in peers.items():
+        table.add_or_update_node(node_id, peer)  # no `now`: the DHT clock
+    main = dict(table)
+    assert 0 < len(main) < len(peers)  # buckets of 2: some peers are only replacements
+    for node_id, peer in main.items():
+        assert node_id in table and peer in table
+        assert table[node_id] == peer and table[peer] == node_id
+        assert table.get(node_id=node_id) == peer and table.get(peer_id=peer) == node_id
+    replacement_id, replacement_peer = next(
+        (node_id, peer) for node_id, peer in peers.items() if node_id not in main
+    )
+    assert replacement_peer not in table and replacement_id not in table
+    with pytest.raises(KeyError):
+        table[replacement_peer]
+    assert table.get(peer_id=replacement_peer, default="none") == "none"
+    with pytest.raises(TypeError, match="exactly one"):
+        table.get()
+    assert all(bucket.nodes_to_peer_id is bucket.nodes for bucket in table.buckets)
+    assert all(before <= bucket.last_updated <= get_dht_time() for bucket in table.buckets)
+
+
+def test_value_with_expiration_indexes_like_hiveminds_tuple():
+    found = ValueWithExpiration("value", 123.0)
+    assert found[0] == "value" and found[1] == 123.0 and found[:] == ("value", 123.0)
+    value, expiration = found
+    assert (value, expiration) == ("value", 123.0)
+
+
+# ------------------------------------------------------------------------ asyncio DHTNode
+
+
+def test_asyncio_dht_node_store_get_find_from_asyncio():
+    async def main():
+        first = await AsyncioDHTNode.create(num_replicas=2)
+        second = await AsyncioDHTNode.create(
+            initial_peers=await first.get_visible_maddrs(), num_replicas=2, parallel_rpc=2
+        )
+        try:
+            ticks = 0
+
+            async def tick():  # the asyncio loop keeps running while the nodes work
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.001)
+                    ticks += 1
+
+            ticker = asyncio.create_task(tick())
+            expiration = get_dht_time() + 30
+            assert await second.store("key", [1, "a"], expiration)
+            assert await first.get("key") == ValueWithExpiration([1, "a"], expiration)
+            stored = await first.store_many(
+                ["x", "y", "d"], [1, 2, 3], expiration, subkeys=[None, None, "sub"]
+            )
+            assert stored == {"x": True, "y": True, ("d", "sub"): True}
+            found = await second.get_many(["x", "y", "missing"])
+            assert found["x"].value == 1 and found["y"].value == 2 and found["missing"] is None
+            assert (await second.get("d", latest=True)).value["sub"].value == 3
+            with pytest.raises(ValueError, match="same length"):
+                await first.store_many(["x"], [1, 2], expiration)
+            nearest = await second.find_nearest_nodes([first.node_id], k_nearest=1)
+            assert nearest == {first.node_id: {first.node_id: first.peer_id}}
+            both = (await second.find_nearest_nodes([second.node_id], k_nearest=5))[second.node_id]
+            assert set(both) == {first.node_id, second.node_id}
+            alone = await second.find_nearest_nodes([second.node_id], exclude_self=True)
+            assert list(alone[second.node_id]) == [first.node_id]
+            assert len(second.protocol.storage) + len(first.protocol.storage) >= 4
+            ticker.cancel()
+            assert ticks > 0
+        finally:
+            await asyncio.gather(first.shutdown(), second.shutdown())
+        with pytest.raises(RuntimeError, match="shut down"):
+            await first.get("key")
+
+    asyncio.run(main())
+
+
+def test_asyncio_dht_node_takes_one_record_validator():
+    class Schema(pydantic.BaseModel):
+        epoch: pydantic.StrictInt
+
+    async def main():
+        node = await AsyncioDHTNode.create(record_validator=SchemaValidator(Schema))
+        try:
+            assert not await node.store("epoch", "seven", get_dht_time() + 30)
+            assert await node.store("epoch", 7, get_dht_time() + 30)
+        finally:
+            await node.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.trio
+async def test_parallel_rpc_caps_the_nodes_concurrent_rpcs():
+    with pytest.raises(ValueError, match="parallel_rpc"):
+        async with P2P.create() as p2p, DHTNode.create(p2p, parallel_rpc=0):
+            pass
+    in_flight = peak = 0
+    async with (
+        P2P.create() as p2p_a,
+        DHTNode.create(p2p_a) as first,
+        P2P.create(p2p_a.get_visible_maddrs()) as p2p_b,
+        DHTNode.create(p2p_b, [*p2p_a.get_visible_maddrs()]) as second,
+        P2P.create(p2p_a.get_visible_maddrs()) as p2p_c,
+        DHTNode.create(p2p_c, [*p2p_a.get_visible_maddrs()], parallel_rpc=1) as capped,
+    ):
+        original = capped.protocol.call_store
+
+        async def counting_store(*args):
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                return await original(*args)
+            finally:
+                in_flight -= 1
+
+        capped.protocol.call_store = counting_store
+        await capped.find_nearest_nodes([capped.node_id])  # knows both others
+        async with trio.open_nursery() as nursery:
+            for index in range(4):
+                nursery.start_soon(capped.store, f"k{index}", index, get_dht_time() + 30)
+        assert peak == 1  # 4 stores x 2 remote replicas, one RPC at a time
+        assert (await first.get("k3")).value == 3 and (await second.get("k0")).value == 0
+
+
+# ---------------------------------------------------------------------- record validators
+
+
+class V1Schema(pydantic.v1.BaseModel):
+    name: bytes
+    counts: dict[bytes, pydantic.v1.conint(ge=0, strict=True)]
+    owned: dict[BytesWithPublicKey, pydantic.v1.StrictInt]
+
+
+def _record(key, value, subkey=None) -> DHTRecord:
+    return DHTRecord(
+        serialize(key),
+        serialize(subkey) if subkey is not None else b"",
+        serialize(value),
+        get_dht_time() + 30,
+    )
+
+
+def test_schema_validator_checks_pydantic_v1_models_without_conversions():
+    validator = SchemaValidator(V1Schema, allow_extra_keys=False)
+    owner = Ed25519SignatureValidator().local_public_key
+    assert validator.validate(_record("name", b"bytes"))
+    assert not validator.validate(_record("name", 666))  # v1 would turn it into b"666"
+    assert not validator.validate(_record("name", []))
+    assert validator.validate(_record("counts", 7, subkey=b"peer"))
+    assert not validator.validate(_record("counts", -1, subkey=b"peer"))
+    assert not validator.validate(_record("counts", 7.0, subkey=b"peer"))
+    assert not validator.validate(_record("counts", 7, subkey=66))
+    assert not validator.validate(_record("counts", ""))  # v1 would turn "" into {}
+    assert validator.validate(_record("owned", 1, subkey=b"x" + owner))
+    assert not validator.validate(_record("owned", 1, subkey=b"no owner marker"))
+    assert not validator.validate(_record("unknown", 1))
+
+
+def test_bytes_with_public_key_in_pydantic_v2_models():
+    class Schema(pydantic.BaseModel):
+        owned: dict[BytesWithPublicKey, int]
+
+    validator = SchemaValidator(Schema)
+    owner = Ed25519SignatureValidator().local_public_key
+    assert validator.validate(_record("owned", 1, subkey=b"x" + owner))
+    assert not validator.validate(_record("owned", 1, subkey=b"no owner marker"))
+    assert not validator.validate(_record("owned", 1, subkey="x" + owner.decode()))  # str
+
+
+def test_composite_validator_merges_into_its_members():
+    class First(pydantic.BaseModel):
+        a: pydantic.StrictInt
+
+    class Second(pydantic.BaseModel):
+        b: pydantic.StrictInt
+
+    composite = CompositeValidator([SchemaValidator(First, allow_extra_keys=False)])
+    assert not composite.validate(_record("b", 1))
+    assert composite.merge_with(SchemaValidator(Second, allow_extra_keys=False))
+    assert composite.validate(_record("b", 1)) and not composite.validate(_record("b", "x"))
+    assert len(composite.validators) == 1
+    assert not composite.merge_with(Ed25519SignatureValidator())  # no member takes it
+    assert len(composite.validators) == 1
+    with pytest.raises(AttributeError, match="no signature validator"):
+        composite.local_public_key  # noqa: B018
+    signer = Ed25519SignatureValidator()
+    assert composite.merge_with(CompositeValidator([signer]))
+    assert len(composite.validators) == 2
+    assert composite.local_public_key == signer.local_public_key
+
+
+def _sign_in_child(connection) -> None:
+    validator, record = connection.recv()
+    connection.send(validator.sign_value(record))
+
+
+def test_signature_validator_pickles_with_its_key():
+    validator = Ed25519SignatureValidator()
+    record = _record("key", b"value", subkey=b"sub" + validator.local_public_key)
+    copy = pickle.loads(pickle.dumps(validator))
+    assert copy.local_public_key == validator.local_public_key
+    assert validator.validate(dataclasses.replace(record, value=copy.sign_value(record)))
+    parent, child = mp.get_context("spawn").Pipe()
+    process = mp.get_context("spawn").Process(target=_sign_in_child, args=(child,))
+    process.start()
+    try:
+        parent.send((validator, record))
+        assert parent.poll(60)
+        signed = parent.recv()
+    finally:
+        process.join(30)
+    assert b"[signature:" in signed
+    assert validator.validate(dataclasses.replace(record, value=signed))
+
+
+def test_generate_private_key_makes_a_new_signing_key_each_time():
+    first, second = generate_private_key(), generate_private_key()
+    signer = Ed25519SignatureValidator(first)
+    assert signer.local_public_key != Ed25519SignatureValidator(second).local_public_key
+    record = _record("key", b"value", subkey=b"sub" + signer.local_public_key)
+    signed = dataclasses.replace(record, value=signer.sign_value(record))
+    assert Ed25519SignatureValidator().validate(signed)

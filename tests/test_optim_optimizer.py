@@ -342,7 +342,10 @@ def test_state_dict_round_trip_and_context_manager(dhts):
         assert opt.local_epoch == 7
         opt.zero_grad()
         assert all(p.grad is None for p in model.parameters())
-    assert opt.tracker is None and opt.state_averager is None
+    assert not opt.tracker.is_alive() and not opt.state_averager.is_alive()
+    assert opt.local_epoch == 7  # still readable, as in hivemind
+    with pytest.raises(RuntimeError, match="shut down"):
+        opt.step(batch_size=2)
 
 
 @pytest.mark.parametrize("form", ["instance", "factory"])

@@ -3,6 +3,7 @@
 The modules below are pure (no I/O); the networked node builds on them.
 """
 
+from .asyncio_node import AsyncioDHTNode as AsyncioDHTNode
 from .blacklist import Blacklist as Blacklist
 from .blacklist import BlacklistStatistics as BlacklistStatistics
 from .dht import DHT as DHT
@@ -49,3 +50,4 @@ from .validation import DHTRecord as DHTRecord
 from .validation import Ed25519SignatureValidator as Ed25519SignatureValidator
 from .validation import RecordValidatorBase as RecordValidatorBase
 from .validation import SchemaValidator as SchemaValidator
+from .validation import generate_private_key as generate_private_key

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .serialization import serialize
@@ -54,9 +54,12 @@ class DHTID(int):
         """Big-endian encoding, :attr:`HASH_NBYTES` bytes long."""
         return int.to_bytes(self, self.HASH_NBYTES, "big")
 
-    def xor_distance(self, other: int) -> int:
-        """Kademlia distance between this id and ``other``."""
-        return int(self) ^ int(other)
+    def xor_distance(self, other: int | Sequence[int]) -> int | list[int]:
+        """Kademlia distance between this id and ``other``; a list of distances if ``other`` is a
+        sequence of ids (as in hivemind)."""
+        if isinstance(other, int):
+            return int(self) ^ int(other)
+        return self.xor_distances(other)
 
     def xor_distances(self, others: Iterable[int]) -> list[int]:
         """Distances from this id to each of ``others``."""
@@ -76,6 +79,13 @@ class DHTID(int):
         for other in ids[1:]:
             differing |= int(ids[0]) ^ int(other)
         return cls.NBITS - differing.bit_length()
+
+    #: hivemind's name of :meth:`common_prefix_length`
+    longest_common_prefix_length = common_prefix_length
+
+    def __bytes__(self) -> bytes:
+        """``bytes(node_id) == node_id.to_bytes()`` (an int's ``bytes()`` would be zero bytes)."""
+        return self.to_bytes()
 
     def __repr__(self) -> str:
         return f"DHTID({int(self):#0{self.HASH_NBYTES * 2 + 2}x})"

@@ -59,11 +59,6 @@ logger = logging.getLogger(__name__)
 # hivemind DHTNode keywords without an equivalent here: the value that means what swarmtrain
 # does anyway (accepted and dropped), and the error for any other value.
 _HIVEMIND_ONLY_KEYWORDS = {
-    "parallel_rpc": (
-        None,
-        "hivemind's parallel_rpc (a cap on one node's concurrent outgoing RPCs) has no "
-        "equivalent: swarmtrain bounds the RPCs of each search with num_workers",
-    ),
     "cache_refresh_before_expiry": (
         0,
         "swarmtrain does not refresh cached values before they expire (hivemind's "
@@ -101,6 +96,8 @@ class DHTNodeConfig:
       every store writes to); it ends once this many nodes nearest to the key answered and no
       nearer node is left to ask. Between ``num_replicas`` and ``beam_size``
     :param num_workers: concurrent RPCs per search
+    :param parallel_rpc: at most this many of the node's own RPCs (searches, stores, bootstrap
+      pings, cache writes) in flight at once, across all its searches (None: no cap)
     :param client_mode: call others but serve nothing and stay out of their routing tables
     :param wait_timeout: seconds to wait for one RPC before counting the peer as unresponsive
     :param refresh_timeout: look up a random id in every bucket unused for this long (None: off)
@@ -115,6 +112,7 @@ class DHTNodeConfig:
     beam_size: int | None = None
     latest_beam_size: int | None = None
     num_workers: int = 4
+    parallel_rpc: int | None = None
     client_mode: bool = False
     wait_timeout: float = 3.0
     refresh_timeout: float | None = 600.0
@@ -133,6 +131,14 @@ class DHTNodeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.parallel_rpc is not None and (
+            isinstance(self.parallel_rpc, bool)
+            or not isinstance(self.parallel_rpc, int)
+            or self.parallel_rpc < 1
+        ):
+            raise ValueError(
+                f"parallel_rpc must be a positive integer or None, got {self.parallel_rpc!r}"
+            )
         if self.beam_size is None:
             object.__setattr__(self, "beam_size", max(self.bucket_size, self.num_replicas))
         if self.beam_size < self.num_replicas:
@@ -202,6 +208,16 @@ class DHTNode:
             max_subkeys=config.max_subkeys,
         )
         self._num_refreshes = 0
+        self._rpc_limiter = (
+            trio.CapacityLimiter(config.parallel_rpc) if config.parallel_rpc is not None else None
+        )
+
+    async def _call(self, rpc, *args):
+        """``await rpc(*args)`` within the ``parallel_rpc`` cap."""
+        if self._rpc_limiter is None:
+            return await rpc(*args)
+        async with self._rpc_limiter:
+            return await rpc(*args)
 
     # ---------------------------------------------------------------- lifetime
 
@@ -263,7 +279,7 @@ class DHTNode:
             peers.update(self.p2p.get_connected_peers())
         async with trio.open_nursery() as nursery:
             for peer in peers:
-                nursery.start_soon(self.protocol.call_ping, peer)
+                nursery.start_soon(self._call, self.protocol.call_ping, peer)
         if initial_peers and len(self.protocol.routing_table) == 0:
             logger.warning("none of the initial DHT peers answered; starting a new DHT")
         if len(self.protocol.routing_table) > 0:
@@ -286,16 +302,23 @@ class DHTNode:
         return self.protocol.routing_table
 
     async def find_nearest_nodes(
-        self, queries: Collection[DHTID], k: int | None = None, exclude_self: bool = False
+        self,
+        queries: Collection[DHTID],
+        k: int | None = None,
+        exclude_self: bool = False,
+        beam_size: int | None = None,
     ) -> dict[DHTID, dict[DHTID, PeerID]]:
         """For each query id, up to ``k`` (default ``beam_size``) live nodes nearest to it.
 
+        :param beam_size: nodes the search keeps (default ``k``; a wider beam is slower but
+          less likely to miss a nearer node)
         :returns: {query: {node_id: peer_id}, nearest first}; includes this node unless it is
           a client or ``exclude_self``
         """
         k = k if k is not None else self.config.beam_size
+        beam_size = max(beam_size, k) if beam_size is not None else k
         queries = list(dict.fromkeys(queries))
-        found, _ = await self._search(queries, k, include_self=not exclude_self)
+        found, _ = await self._search(queries, beam_size, include_self=not exclude_self)
         return {
             query: dict(sorted(found[query].items(), key=lambda item: item[0] ^ query)[:k])
             for query in queries
@@ -322,7 +345,7 @@ class DHTNode:
 
         async def get_neighbors(node_id: DHTID, batch: list[DHTID]):
             # a peer's nodes beyond the beam_size nearest to a query would not enter our beam
-            response = await self.protocol.call_find(peers[node_id], batch, beam_size)
+            response = await self._call(self.protocol.call_find, peers[node_id], batch, beam_size)
             if response is None:
                 return None
             answer = {}
@@ -396,7 +419,9 @@ class DHTNode:
                 except MalformedRequestError:
                     results.append(False)
             else:
-                results.extend(await self.protocol.call_store(peer_id, [item]) or [False])
+                results.extend(
+                    await self._call(self.protocol.call_store, peer_id, [item]) or [False]
+                )
 
         async with trio.open_nursery() as nursery:
             for node_id, peer_id in nearest.items():
@@ -504,6 +529,7 @@ class DHTNode:
         targets = [node_id for node_id in nearest if node_id in lacking]
         for node_id in targets[: self.config.cache_nearest]:
             self._nursery.start_soon(
+                self._call,
                 self.protocol.call_store,
                 nearest[node_id],
                 items[: self.config.limits.max_items],

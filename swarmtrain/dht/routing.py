@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from .identifiers import DHTID
+from .storage import get_dht_time
 
 __all__ = ["KBucket", "PingRequest", "RoutingTable", "RoutingTableStatistics"]
 
@@ -57,6 +58,11 @@ class KBucket(Generic[PeerT]):
         self.replacement_nodes: dict[DHTID, PeerT] = {}  # same order
         self.pending_pings: set[DHTID] = set()
         self.last_updated = float("-inf")
+
+    @property
+    def nodes_to_peer_id(self) -> dict[DHTID, PeerT]:
+        """hivemind's name of :attr:`nodes` (main-list nodes, least recently seen first)."""
+        return self.nodes
 
     def has_in_range(self, node_id: int) -> bool:
         """Whether ``node_id`` falls into this bucket's range."""
@@ -167,14 +173,17 @@ class RoutingTable(Generic[PeerT]):
         return bisect.bisect_right(self._lowers, node_id) - 1
 
     def add_or_update_node(
-        self, node_id: DHTID, peer_id: PeerT, *, now: float
+        self, node_id: DHTID, peer_id: PeerT, *, now: float | None = None
     ) -> PingRequest[PeerT] | None:
-        """Record that ``node_id`` (reachable as ``peer_id``) was just seen alive at time ``now``.
+        """Record that ``node_id`` (reachable as ``peer_id``) was just seen alive at time ``now``
+        (default: :func:`~swarmtrain.dht.storage.get_dht_time`).
 
         :returns: a node the caller should ping (see :class:`PingRequest`), or None
         """
         if node_id == self.node_id:
             return None
+        if now is None:
+            now = get_dht_time()
         previous_uid = self._peer_id_to_uid.get(peer_id)
         if previous_uid is not None and previous_uid != node_id:
             self.remove(previous_uid)  # the peer restarted with a new DHT id
@@ -220,11 +229,35 @@ class RoutingTable(Generic[PeerT]):
         if not self.remove(node_id):
             raise KeyError(node_id)
 
-    def __contains__(self, node_id: object) -> bool:
-        """Whether ``node_id`` is in a bucket's main list (replacements do not count)."""
-        if not isinstance(node_id, int) or not DHTID.MIN <= node_id < DHTID.MAX:
+    def __contains__(self, item: object) -> bool:
+        """Whether a node id (an ``int``), or the peer id of a node, is in a bucket's main list
+        (replacements do not count)."""
+        if not isinstance(item, int):
+            node_id = self._peer_id_to_uid.get(item)  # type: ignore[call-overload]
+            return node_id is not None and node_id in self
+        if not DHTID.MIN <= item < DHTID.MAX:
             return False
-        return node_id in self.buckets[self.get_bucket_index(node_id)].nodes
+        return item in self.buckets[self.get_bucket_index(item)].nodes
+
+    def __getitem__(self, item: DHTID | PeerT) -> PeerT | DHTID:
+        """The peer id of a main-list node id, or the node id of a main-list node's peer id
+        (hivemind's lookup in both directions). :raises KeyError: not in a main list"""
+        if item not in self:
+            raise KeyError(item)
+        if isinstance(item, int):
+            return self._uid_to_peer_id[DHTID(item)]
+        return self._peer_id_to_uid[item]
+
+    def get(
+        self, *, node_id: DHTID | None = None, peer_id: PeerT | None = None, default=None
+    ) -> PeerT | DHTID | None:
+        """``self[node_id]`` or ``self[peer_id]`` (exactly one of them), else ``default``."""
+        if (node_id is None) == (peer_id is None):
+            raise TypeError("pass exactly one of node_id and peer_id")
+        try:
+            return self[node_id if node_id is not None else peer_id]
+        except KeyError:
+            return default
 
     def __len__(self) -> int:
         return sum(len(bucket) for bucket in self.buckets)

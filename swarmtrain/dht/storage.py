@@ -53,6 +53,10 @@ class ValueWithExpiration(Generic[ValueT]):
     def __iter__(self) -> Iterator[object]:
         return iter((self.value, self.expiration_time))
 
+    def __getitem__(self, index: int | slice) -> object:
+        """``found[0]`` is the value, ``found[1]`` the expiration time (hivemind's tuple)."""
+        return (self.value, self.expiration_time)[index]
+
 
 class TimedStorage(Generic[KeyT, ValueT]):
     """A dict whose entries expire; at most ``maxsize`` entries, evicting the soonest-expiring.

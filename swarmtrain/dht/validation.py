@@ -16,14 +16,20 @@ from __future__ import annotations
 import base64
 import dataclasses
 import re
+import sys
 from collections.abc import Iterable
-from typing import Annotated, Any
+from typing import Any
 
 import base58
 import pydantic
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
 
 from .serialization import DHTValueError, deserialize, serialize
 
@@ -35,6 +41,7 @@ __all__ = [
     "Ed25519SignatureValidator",
     "RecordValidatorBase",
     "SchemaValidator",
+    "generate_private_key",
 ]
 
 NO_SUBKEY = b""  #: ``DHTRecord.subkey`` of a regular (non-dictionary) value
@@ -110,6 +117,25 @@ class CompositeValidator(RecordValidatorBase):
                 self._validators.append(new)
         self._validators.sort(key=lambda validator: validator.priority)
 
+    @property
+    def local_public_key(self) -> bytes:
+        """The owner marker this composite signs with: its signature validator's
+        ``local_public_key``. :raises AttributeError: it has no signature validator"""
+        for validator in self._validators:
+            if isinstance(validator, Ed25519SignatureValidator):
+                return validator.local_public_key
+        raise AttributeError("this CompositeValidator has no signature validator")
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        """Merge ``other`` into the member validator that accepts it (a composite: each of its
+        validators); False, changing nothing, if no member merges it."""
+        if isinstance(other, CompositeValidator):
+            self.extend(other.validators)
+            return True
+        merged = any(existing.merge_with(other) for existing in self._validators)
+        self._validators.sort(key=lambda validator: validator.priority)
+        return merged
+
     def validate(self, record: DHTRecord) -> bool:
         for index, validator in enumerate(reversed(self._validators)):
             if not validator.validate(record):
@@ -142,6 +168,12 @@ def _owner_marker(public_key: Ed25519PublicKey) -> bytes:
     return b"[owner:" + base58.b58encode(raw) + b"]"
 
 
+def generate_private_key() -> Ed25519PrivateKey:
+    """A new Ed25519 key to sign records with (``Ed25519SignatureValidator(key)``,
+    ``ProgressTracker(private_key=key)``): hivemind's ``RSAPrivateKey()``."""
+    return Ed25519PrivateKey.generate()
+
+
 class Ed25519SignatureValidator(RecordValidatorBase):
     """Owner-protected records: only the owner of the key named in the key or subkey may write.
 
@@ -170,6 +202,15 @@ class Ed25519SignatureValidator(RecordValidatorBase):
         validator = cls()
         validator._node_default = True
         return validator
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (to hand a validator to another process): the private key travels raw."""
+        raw = self._private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        return {"private_key": raw, "node_default": self._node_default}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(Ed25519PrivateKey.from_private_bytes(state["private_key"]))
+        self._node_default = state["node_default"]
 
     @property
     def local_public_key(self) -> bytes:
@@ -229,12 +270,37 @@ def _require_owner_marker(value: bytes) -> bytes:
     return value
 
 
-#: A schema field type: bytes that contain an ``[owner:...]`` marker (e.g. protected subkeys).
-BytesWithPublicKey = Annotated[bytes, pydantic.AfterValidator(_require_owner_marker)]
+def _strict_bytes(value: Any) -> bytes:
+    if not isinstance(value, bytes):
+        raise TypeError(f"expected bytes, got {type(value).__name__}")
+    return value
+
+
+def _is_pydantic_v1_model(schema: Any) -> bool:
+    v1 = sys.modules.get("pydantic.v1")  # a v1 model's module imported it
+    return v1 is not None and isinstance(schema, type) and issubclass(schema, v1.BaseModel)
+
+
+class BytesWithPublicKey(bytes):
+    """A schema field type: bytes that contain an ``[owner:...]`` marker (e.g. protected
+    subkeys). Works in pydantic v2 models and in ``pydantic.v1`` ones (hivemind's schemas)."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_after_validator_function(
+            _require_owner_marker, core_schema.bytes_schema()
+        )
+
+    @classmethod
+    def __get_validators__(cls):  # pydantic.v1
+        yield _strict_bytes
+        yield _require_owner_marker
 
 
 class SchemaValidator(RecordValidatorBase):
-    """Checks values of known keys against a pydantic v2 model: each field name is a DHT key.
+    """Checks values of known keys against a pydantic model: each field name is a DHT key.
 
     A record whose key is ``field_name`` (or ``f"{prefix}_{field_name}"``) must hold a value the
     field's type accepts in pydantic's strict mode (no coercion: ``3.0`` is not an ``int``;
@@ -248,6 +314,10 @@ class SchemaValidator(RecordValidatorBase):
     key's subkeys at once, signed ones included, and put unsigned values under other peers'
     ``[owner:...]`` subkeys. So a ``dict[BytesWithPublicKey, ...]`` field is owned per subkey
     with no further validator.
+
+    A ``pydantic.v1`` model (hivemind's schemas) works too: pydantic.v1 has no strict mode, so a
+    value passes if its field accepts it unchanged (declare numbers as ``StrictInt`` or
+    ``confloat(strict=True)``, as hivemind asks).
     """
 
     def __init__(
@@ -256,12 +326,19 @@ class SchemaValidator(RecordValidatorBase):
         prefix: str | None = None,
         allow_extra_keys: bool = True,
     ):
-        if not (isinstance(schema, type) and issubclass(schema, pydantic.BaseModel)):
-            raise TypeError(f"schema must be a pydantic.BaseModel subclass, got {schema!r}")
-        self._fields: dict[bytes, list[tuple[type[pydantic.BaseModel], str]]] = {}
-        for name, field in schema.model_fields.items():
+        if isinstance(schema, type) and issubclass(schema, pydantic.BaseModel):
+            names = {name: field.alias or name for name, field in schema.model_fields.items()}
+        elif _is_pydantic_v1_model(schema):
+            names = {name: name for name in schema.__fields__}
+        else:
+            raise TypeError(
+                f"schema must be a pydantic.BaseModel (or pydantic.v1.BaseModel) subclass, "
+                f"got {schema!r}"
+            )
+        self._fields: dict[bytes, list[tuple[type, str]]] = {}
+        for name, lookup_name in names.items():
             raw_key = f"{prefix}_{name}" if prefix is not None else name
-            self._fields.setdefault(serialize(raw_key), []).append((schema, field.alias or name))
+            self._fields.setdefault(serialize(raw_key), []).append((schema, lookup_name))
         self._allow_extra_keys = allow_extra_keys
 
     def validate(self, record: DHTRecord) -> bool:
@@ -279,7 +356,12 @@ class SchemaValidator(RecordValidatorBase):
         return any(self._matches(schema, name, value) for schema, name in fields)
 
     @staticmethod
-    def _matches(schema: type[pydantic.BaseModel], name: str, value: Any) -> bool:
+    def _matches(schema: type, name: str, value: Any) -> bool:
+        if _is_pydantic_v1_model(schema):
+            # pydantic.v1 has no strict mode: a value passes if the field accepts it unchanged
+            # (declare numbers as StrictInt / confloat(strict=True): 3.0 == 3 in Python)
+            parsed, error = schema.__fields__[name].validate(value, {}, loc=name, cls=schema)
+            return error is None and parsed == value
         try:
             schema.model_validate({name: value}, strict=True)
         except pydantic.ValidationError as e:

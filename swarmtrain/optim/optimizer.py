@@ -278,6 +278,7 @@ class Optimizer(EpochUpdates):
         self.state_averager: TrainingStateAverager | None = None
         self.grad_averager: GradientAverager | None = None
         self.tracker: ProgressTracker | None = None
+        self._shut_down = False  # shutdown() keeps the components to inspect (hivemind's)
         self._rounds: GradientRounds | None = None
         #: warnings with what to do: peers with another model, state downloads that keep failing
         self.health = SwarmHealth(self.run_id)
@@ -378,7 +379,7 @@ class Optimizer(EpochUpdates):
 
     @property
     def _state_averager(self) -> TrainingStateAverager:
-        if self.state_averager is None:
+        if self.state_averager is None or self._shut_down:
             raise RuntimeError("this Optimizer was shut down")
         return self.state_averager
 
@@ -392,7 +393,7 @@ class Optimizer(EpochUpdates):
 
     @property
     def _tracker(self) -> ProgressTracker:
-        if self.tracker is None:
+        if self.tracker is None or self._shut_down:
             raise RuntimeError("this Optimizer was shut down")
         return self.tracker
 
@@ -415,10 +416,14 @@ class Optimizer(EpochUpdates):
     @property
     def local_epoch(self) -> int:
         """This peer's epoch: the number of optimizer steps of the swarm it took part in."""
+        if self._shut_down and self.state_averager is not None:
+            return self.state_averager.local_epoch  # the last one, also after shutdown()
         return self._state_averager.local_epoch
 
     @property
     def global_epoch(self) -> int:
+        if self._shut_down and self.tracker is not None:
+            return self.tracker.global_epoch
         return self._tracker.global_epoch
 
     @property
@@ -695,7 +700,10 @@ class Optimizer(EpochUpdates):
 
     def shutdown(self) -> None:
         """Stop the tracker (it says goodbye), the gradient averager, then the state averager
-        (after its background thread)."""
+        (after its background thread). They stay readable (``local_epoch``, ``tracker``,
+        ``state_averager.is_alive()``); ``step()`` and the other calls raise RuntimeError."""
+        if self._shut_down:
+            return
         if self._rounds is not None:
             self._rounds.cancel()
         errors = []
@@ -708,7 +716,7 @@ class Optimizer(EpochUpdates):
                 except Exception as e:  # stop the others anyway
                     errors.append(e)
         finally:
-            self.tracker = self.state_averager = self.grad_averager = None
+            self._shut_down = True  # the stopped components stay readable
         if errors:
             raise errors[0]
 

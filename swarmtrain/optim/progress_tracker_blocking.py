@@ -64,22 +64,28 @@ class ProgressTracker(BackgroundService):
     def _tracker(self) -> AsyncProgressTracker:
         return self._running()[1]
 
+    def _readable(self) -> AsyncProgressTracker:
+        """The tracker to read from: after shutdown, its last state (as in hivemind)."""
+        if self._shut_down and self._service is not None:
+            return self._service
+        return self._tracker()
+
     # Reads take the core's current snapshots directly (frozen objects, replaced whole), and
     # reports run in this thread under the tracker's lock, waking the loop without waiting for
     # it: a training step never waits for a loop busy with averaging or the DHT.
 
     @property
     def global_progress(self) -> GlobalProgress:
-        return self._tracker()._core.global_progress
+        return self._readable()._core.global_progress
 
     @property
     def local_progress(self) -> LocalProgress:
-        return self._tracker()._core.local_progress
+        return self._readable()._core.local_progress
 
     @property
     def performance_ema(self) -> PerformanceEMA:
         """This peer's samples/s, as reported (``.samples_per_second``; hivemind's name)."""
-        return self._tracker().performance_ema
+        return self._readable().performance_ema
 
     @property
     def global_epoch(self) -> int:
