@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import multiprocessing as mp
 import pickle
+import time
 
 import pydantic
 import pydantic.v1
@@ -18,6 +19,7 @@ import pytest
 import torch
 import trio
 
+from swarmtrain.averaging import StepControl
 from swarmtrain.compression import CompressionType
 from swarmtrain.dht import (
     DHT,
@@ -35,7 +37,7 @@ from swarmtrain.dht import (
     get_dht_time,
     serialize,
 )
-from swarmtrain.optim import GradientAverager, ProgressTracker
+from swarmtrain.optim import GradientAverager, Optimizer, ProgressTracker
 from swarmtrain.optim.state_averager import ZERO_GRAD_SET_TO_NONE_DEFAULT, TrainingStateAverager
 from swarmtrain.p2p import P2P
 
@@ -461,3 +463,50 @@ def test_generate_private_key_makes_a_new_signing_key_each_time():
     record = _record("key", b"value", subkey=b"sub" + signer.local_public_key)
     signed = dataclasses.replace(record, value=signer.sign_value(record))
     assert Ed25519SignatureValidator().validate(signed)
+
+
+def test_optimizer_scheduled_grads_is_the_pre_scheduled_gradient_round():
+    """hivemind's ``Optimizer.scheduled_grads``: the round pre-scheduled before an epoch ends
+    (None with no one to average with); after shutdown it is None or done."""
+    first = DHT()
+    second = DHT(first.get_visible_maddrs())
+    dhts, opts, seen = [first, second], [], [[], []]
+    try:
+        for dht in dhts:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 1)
+            opt = Optimizer(
+                dht=dht,
+                run_id="scheduled_grads",
+                target_batch_size=64,
+                batch_size_per_step=8,
+                params=model.parameters(),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+                matchmaking_time=2.0,
+                averaging_timeout=10.0,
+                tracker_opts={"gossip_period": 0.1, "min_refresh_period": 0.2},
+            )
+            opts.append((opt, model))
+        assert all(opt.scheduled_grads is None for opt, _ in opts)  # nothing scheduled yet
+
+        def train(index: int) -> None:
+            opt, model = opts[index]
+            deadline = time.monotonic() + 40
+            while opt.local_epoch < 2:
+                assert time.monotonic() < deadline, "stuck"
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                seen[index].append(opt.scheduled_grads)
+                time.sleep(0.02)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for future in [pool.submit(train, i) for i in range(2)]:
+                future.result(timeout=60)
+        assert all(any(isinstance(c, StepControl) for c in controls) for controls in seen)
+    finally:
+        for opt, _ in opts:
+            opt.shutdown()
+            assert opt.scheduled_grads is None or opt.scheduled_grads.done()
+        for dht in reversed(dhts):
+            dht.shutdown()

@@ -80,6 +80,7 @@ from typing import Any, Union
 
 import torch
 
+from swarmtrain.averaging import StepControl
 from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.optim._epoch_gradients import GradientRounds
 from swarmtrain.optim._epoch_sync import EpochSync
@@ -430,6 +431,12 @@ class Optimizer(EpochUpdates):
     def epochs_averaged(self) -> int:
         """Epochs whose gradients were averaged with a group."""
         return self._rounds.averaged if self._rounds is not None else 0
+
+    @property
+    def scheduled_grads(self) -> StepControl | None:
+        """The gradient round pre-scheduled for the end of this epoch (hivemind's name), if
+        any: matchmaking for it is under way; None without gradient averaging."""
+        return self._rounds.scheduled if self._rounds is not None else None
 
     @property
     def epochs_alone(self) -> int:
