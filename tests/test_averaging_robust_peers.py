@@ -12,7 +12,8 @@ from test_averaging_averager import Swarm, local, random_tensors, step_all
 
 from swarmtrain.averaging import AveragingError, MatchmakingError
 from swarmtrain.averaging.errors import AllReduceError
-from swarmtrain.dht import get_dht_time
+from swarmtrain.dht import DHT, get_dht_time
+from swarmtrain.optim import DiLoCoOptimizer, Optimizer
 
 FULL5 = {"target_group_size": 5, "min_group_size": 5, "min_matchmaking_time": 2.0}
 
@@ -90,3 +91,43 @@ async def test_a_peer_claiming_an_implausible_weight_is_banned_across_rounds():
             assert isinstance(result, dict) and set(result) == {a.peer_id for a in honest}
         assert isinstance(results[4], MatchmakingError), results[4]  # found nobody
         swarm.stop_all()
+
+
+def test_optimizers_pass_the_aggregation_to_their_averagers():
+    dht = DHT([], use_relay=False, relay_service=False, use_autonat=False)
+    model = torch.nn.Linear(4, 2)
+
+    def optimizer(**kwargs):
+        return Optimizer(
+            dht=dht,
+            run_id="robust_opt",
+            target_batch_size=8,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            aggregation="centered_clip",
+            **kwargs,
+        )
+
+    try:
+        with optimizer() as opt:
+            assert opt.grad_averager.config.aggregation == "centered_clip"
+            assert opt.state_averager.config.aggregation == "mean"  # parameters: exact mean
+        with optimizer(use_local_updates=True) as opt:
+            assert opt.state_averager.config.aggregation == "centered_clip"  # the only round
+        diloco = DiLoCoOptimizer(
+            model.parameters(),
+            dht=dht,
+            run_id="robust_diloco",
+            inner_steps=2,
+            num_fragments=2,
+            aggregation="centered_clip",
+        )
+        try:
+            assert [a.config.aggregation for a in diloco.averagers] == ["centered_clip"] * 2
+        finally:
+            diloco.shutdown()
+        with pytest.raises(ValueError, match="aggregation"):
+            DiLoCoOptimizer(
+                model.parameters(), dht=dht, run_id="bad", inner_steps=2, aggregation="median"
+            )
+    finally:
+        dht.shutdown()

@@ -628,8 +628,14 @@ def _plausible(delta_norm: float, own: torch.Tensor, ratio: float) -> bool:
     """Whether ``delta_norm <= ratio * |own|`` (or ``own`` is zero). A strided sample of
     ``own`` bounds its norm from below, so the full pass runs only when that is not enough."""
     flat = own.detach().reshape(-1)
-    sample = flat[:: max(1, flat.numel() // _SAMPLES)]
-    if delta_norm <= ratio * float(torch.linalg.vector_norm(sample.double())):
-        return True
+    array = as_numpy(flat)
+    if array is not None:
+        sample = array[:: max(1, array.size // _SAMPLES)].astype(np.float64)
+        if delta_norm <= ratio * math.sqrt(float(np.dot(sample, sample))):
+            return True
+    else:
+        sample = flat[:: max(1, flat.numel() // _SAMPLES)]
+        if delta_norm <= ratio * float(torch.linalg.vector_norm(sample.double())):
+            return True
     own_norm = float(torch.linalg.vector_norm(flat.double()))
     return own_norm == 0 or delta_norm <= ratio * own_norm
