@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from swarmtrain.averaging.allreduce_core import (
+    DEFAULT_MAX_PEER_WEIGHT,
     AllReduceCore,
     AllReduceGroup,
     AllReduceStatistics,
@@ -77,6 +78,7 @@ from swarmtrain.averaging.allreduce_parts import (
 from swarmtrain.averaging.errors import NonFiniteError
 from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, largest_part_size
+from swarmtrain.averaging.robust_aggregation import check_aggregation
 from swarmtrain.compression import (
     CompressionBase,
     CompressionInfo,
@@ -146,6 +148,10 @@ class AllReduceConfig:
       seconds; must exceed ``sender_timeout`` (None: never)
     :param allreduce_timeout: the whole round ends after this many seconds; unfinished slices
       keep local values (None: no limit)
+    :param aggregation: how our slice is reduced: ``"mean"`` (weighted mean) or
+      ``"centered_clip"`` (CenteredClip with ``clip_tau`` and ``clip_iterations``, robust to a
+      minority of senders sending anything)
+    :param max_peer_weight: a sender claiming a larger weight is banned
     """
 
     compression: CompressionBase = field(default_factory=NoCompression)
@@ -153,6 +159,10 @@ class AllReduceConfig:
     sender_timeout: float | None = 10.0
     reducer_timeout: float | None = 20.0
     allreduce_timeout: float | None = 60.0
+    aggregation: str = "mean"
+    clip_tau: float | None = None
+    clip_iterations: int = 5
+    max_peer_weight: float = DEFAULT_MAX_PEER_WEIGHT
 
     def __post_init__(self):
         if not isinstance(self.compression, CompressionBase):
@@ -167,6 +177,10 @@ class AllReduceConfig:
             self.sender_timeout is None or self.reducer_timeout <= self.sender_timeout
         ):
             raise ValueError("reducer_timeout must be longer than sender_timeout")
+        check_aggregation(self.aggregation, self.clip_tau, self.clip_iterations)
+        weight = self.max_peer_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"max_peer_weight must be a positive number, got {weight!r}")
 
 
 @dataclass(frozen=True)
@@ -458,6 +472,10 @@ class AllReduceRunner:
             reducer_timeout=config.reducer_timeout,
             now=now,
             delta_buffers=self._delta_buffers,
+            max_peer_weight=config.max_peer_weight,
+            aggregation=config.aggregation,
+            clip_tau=config.clip_tau,
+            clip_iterations=config.clip_iterations,
         )
         self._part_ready = [anyio.Event() for _ in range(core.num_local_parts)]
         self._notify(tuple(k for k in range(core.num_local_parts) if core.is_part_ready(k)))

@@ -17,13 +17,18 @@ Reducer side (the local slice, if any): each sender opens one stream and sends i
 order; a part is averaged once every sender that is not banned contributed it. A sender is
 banned when it never opens a stream within ``sender_timeout`` of the start, when its next part
 does not arrive within ``sender_timeout`` of the previous result, when it sends bad data
-(NaN or inf values included: ``Failure.NON_FINITE``), or when its stream fails. The reducer
-then finishes with the others; the parts it had contributed before stay in.
+(NaN or inf values included: ``Failure.NON_FINITE``; a weight above ``max_peer_weight``:
+``Failure.IMPLAUSIBLE``), or when its stream fails. The reducer then finishes with the others;
+the parts it had contributed before stay in. ``aggregation="centered_clip"`` replaces the
+weighted mean of each part by CenteredClip (``robust_aggregation``), which bounds how far one
+sender's values can move the result.
 
 Sender side (the local tensors, unless AUX): for each reducer we receive one delta
 (average - local) per part. A reducer that sends nothing for ``reducer_timeout``, sends bad
 data (NaN or inf included), rejects us or disconnects is *failed*: its slice keeps our local
-values where no delta arrived yet.
+values where no delta arrived yet. So is one whose delta is absurd: a norm more than
+``max_delta_ratio`` (1e3) times our own part's (``Failure.IMPLAUSIBLE``; a cheap check, skipped
+where our part is zero).
 
 ``reducer_timeout`` must exceed ``sender_timeout``: a reducer legitimately waits up to
 ``sender_timeout`` for a slow sender before it can answer.
@@ -36,6 +41,7 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from swarmtrain.averaging.finite import all_finite
@@ -44,14 +50,24 @@ from swarmtrain.averaging.partition import (
     DEFAULT_PART_SIZE_BYTES,
     PART_LAYOUTS,
     TensorPartContainer,
+    as_numpy,
     difference,
     largest_part_size,
 )
+
+DEFAULT_MAX_PEER_WEIGHT = 1e9
+"""A sender's weight above this is refused (``Failure.IMPLAUSIBLE``): weights are sample
+counts, and a larger claim would let one peer's values replace everyone's (or overflow the
+float32 sums)."""
+DEFAULT_MAX_DELTA_RATIO = 1e3
+"""A reducer whose delta's norm exceeds this many times our part's norm has failed."""
 
 __all__ = [
     "AllReduceCore",
     "AllReduceGroup",
     "AllReduceStatistics",
+    "DEFAULT_MAX_DELTA_RATIO",
+    "DEFAULT_MAX_PEER_WEIGHT",
     "AveragingMode",
     "Failure",
     "PartOutcome",
@@ -88,6 +104,11 @@ class Failure(enum.Enum):
     NON_FINITE = "non_finite"  # NaN or inf values: left out, so that no average gets them
     REJECTED = "rejected"
     DEADLINE = "deadline"
+    IMPLAUSIBLE = "implausible"  # a weight above max_peer_weight, or an absurd delta
+
+
+BAD_BEHAVIOUR = frozenset({Failure.BAD_DATA, Failure.NON_FINITE, Failure.IMPLAUSIBLE})
+"""Failures that a peer's own data caused (not the network): worth a ban across rounds."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +215,11 @@ class AllReduceCore:
       after the previous result (None: no limit)
     :param reducer_timeout: seconds a reducer may take for each result (None: no limit)
     :param now: the start time of the round
+    :param max_peer_weight: senders claiming a larger weight are banned (``IMPLAUSIBLE``)
+    :param max_delta_ratio: a reducer's delta with a norm above this many times our part's
+      fails it (``IMPLAUSIBLE``; None: no check)
+    :param aggregation: ``"mean"`` or ``"centered_clip"`` (see ``TensorPartReducer``), with
+      ``clip_tau`` and ``clip_iterations``
     """
 
     def __init__(
@@ -208,12 +234,27 @@ class AllReduceCore:
         reducer_timeout: float | None = None,
         now: float = 0.0,
         delta_buffers: Sequence[torch.Tensor] | None = None,
+        max_peer_weight: float = DEFAULT_MAX_PEER_WEIGHT,
+        max_delta_ratio: float | None = DEFAULT_MAX_DELTA_RATIO,
+        aggregation: str = "mean",
+        clip_tau: float | None = None,
+        clip_iterations: int = 5,
     ):
         if not 0 <= local_index < group.size:
             raise ValueError(f"local_index {local_index} is outside the group")
+        max_peer_weight = float(max_peer_weight)
+        if not max_peer_weight > 0:
+            raise ValueError(f"max_peer_weight must be positive, got {max_peer_weight}")
+        if max_delta_ratio is not None and not max_delta_ratio > 0:
+            raise ValueError(f"max_delta_ratio must be positive or None, got {max_delta_ratio}")
         weight = float(weight)
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"weight must be finite and non-negative, got {weight}")
+        if weight > max_peer_weight:
+            raise ValueError(
+                f"weight {weight} is above max_peer_weight ({max_peer_weight}): the other "
+                "members would refuse it"
+            )
         for name, value in (
             ("sender_timeout", sender_timeout),
             ("reducer_timeout", reducer_timeout),
@@ -231,6 +272,8 @@ class AllReduceCore:
         self.local_index = local_index
         self.mode = group.modes[local_index]
         self.weight = weight
+        self.max_peer_weight = max_peer_weight
+        self.max_delta_ratio = max_delta_ratio
         self.sender_timeout = math.inf if sender_timeout is None else float(sender_timeout)
         self.reducer_timeout = math.inf if reducer_timeout is None else float(reducer_timeout)
         self.start_time = now
@@ -251,6 +294,9 @@ class AllReduceCore:
             [p.numel() for p in self._local_parts],
             [self.container.part_dtype(local_index, k) for k in range(n_local)],
             len(group.sender_indices),
+            aggregation=aggregation,
+            clip_tau=clip_tau,
+            clip_iterations=clip_iterations,
         )
         self._senders: dict[int, _Sender] = {}
         self._sender_weight: dict[int, float] = {}
@@ -335,6 +381,9 @@ class AllReduceCore:
             return Reject.DUPLICATE_SENDER
         if not math.isfinite(weight) or weight < 0:
             self.ban_sender(peer, Failure.BAD_DATA)
+            return Reject.BAD_PART
+        if weight > self.max_peer_weight:
+            self.ban_sender(peer, Failure.IMPLAUSIBLE)
             return Reject.BAD_PART
         self._senders[peer] = _Sender.ACTIVE
         self._sender_weight[peer] = float(weight)
@@ -471,7 +520,8 @@ class AllReduceCore:
         """A result from ``reducer``: a delta, or ``unchanged`` (keep local values).
 
         ``delta`` None without ``unchanged`` means it could not be decoded. Returns False (and
-        fails the reducer) for bad data; ``Failure.NON_FINITE`` for NaN or inf values.
+        fails the reducer) for bad data; ``Failure.NON_FINITE`` for NaN or inf values,
+        ``Failure.IMPLAUSIBLE`` for a delta far larger than our part (``max_delta_ratio``).
         """
         if reducer not in self._reducer_activity or self.container.reducer_done(reducer):
             return False
@@ -492,9 +542,16 @@ class AllReduceCore:
         if bad:
             self.fail_reducer(reducer, Failure.BAD_DATA)
             return False
-        if not unchanged and not all_finite(delta):
-            self.fail_reducer(reducer, Failure.NON_FINITE)
-            return False
+        if not unchanged:
+            norm = _finite_norm(delta)
+            if norm is None:
+                self.fail_reducer(reducer, Failure.NON_FINITE)
+                return False
+            if self.max_delta_ratio is not None and not _plausible(
+                norm, self.container.input_part(reducer, part_index), self.max_delta_ratio
+            ):
+                self.fail_reducer(reducer, Failure.IMPLAUSIBLE)
+                return False
         self.container.register_delta(reducer, part_index, None if unchanged else delta)
         self._reducer_activity[reducer] = now
         return True
@@ -544,3 +601,41 @@ class AllReduceCore:
             failed_reducers=frozenset(self.failed_reducers),
             finished=self.finished,
         )
+
+
+_SAMPLES = 64
+
+
+def _finite_norm(tensor: torch.Tensor) -> float | None:
+    """The L2 norm of ``tensor``, or None if it holds NaN or inf (one pass, like ``all_finite``:
+    a finite sum of squares proves every value finite)."""
+    array = as_numpy(tensor)
+    if array is not None and array.dtype != np.float16:
+        flat = array.reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            squares = float(np.einsum("i,i", flat, flat))  # one thread, no temporary
+        if math.isfinite(squares):
+            return math.sqrt(squares)
+        if not np.isfinite(flat).all():
+            return None
+        return float(np.linalg.norm(flat.astype(np.float64)))  # finite, but squares overflow
+    if not all_finite(tensor):
+        return None
+    return float(torch.linalg.vector_norm(tensor.detach().reshape(-1).double()))
+
+
+def _plausible(delta_norm: float, own: torch.Tensor, ratio: float) -> bool:
+    """Whether ``delta_norm <= ratio * |own|`` (or ``own`` is zero). A strided sample of
+    ``own`` bounds its norm from below, so the full pass runs only when that is not enough."""
+    flat = own.detach().reshape(-1)
+    array = as_numpy(flat)
+    if array is not None:
+        sample = array[:: max(1, array.size // _SAMPLES)].astype(np.float64)
+        if delta_norm <= ratio * math.sqrt(float(np.dot(sample, sample))):
+            return True
+    else:
+        sample = flat[:: max(1, flat.numel() // _SAMPLES)]
+        if delta_norm <= ratio * float(torch.linalg.vector_norm(sample.double())):
+            return True
+    own_norm = float(torch.linalg.vector_norm(flat.double()))
+    return own_norm == 0 or delta_norm <= ratio * own_norm

@@ -18,16 +18,17 @@ import numpy as np
 import torch
 import trio
 
-from swarmtrain.averaging.allreduce import AllReduceRunner, AllReduceService
-from swarmtrain.averaging.allreduce_core import AllReduceGroup, AveragingMode
+from swarmtrain.averaging.allreduce import AllReduceResult, AllReduceRunner, AllReduceService
+from swarmtrain.averaging.allreduce_core import BAD_BEHAVIOUR, AllReduceGroup, AveragingMode
 from swarmtrain.averaging.averager_config import (
     AveragerConfig,
     check_averaged_tensors,
     compute_schema_hash,
 )
+from swarmtrain.averaging.ban_list import BanList
 from swarmtrain.averaging.control import AveragingStage, StepControl
 from swarmtrain.averaging.errors import AllReduceError, AveragingError, MatchmakingError
-from swarmtrain.averaging.load_balancing import load_balance_peers
+from swarmtrain.averaging.load_balancing import bounded_load_balance
 from swarmtrain.averaging.matchmaking import Matchmaking
 from swarmtrain.averaging.matchmaking_rules import next_group_bits
 from swarmtrain.averaging.matchmaking_types import (
@@ -163,6 +164,8 @@ class AsyncDecentralizedAverager:
         #: encoded tensor bytes sent in all-reduce rounds so far: parts (as a sender) and
         #: averaged deltas (as a reducer)
         self.part_bytes_sent = self.delta_bytes_sent = 0
+        #: members that sent poison, avoided in matchmaking for a while (DHT time)
+        self.bans = BanList(config.ban_duration)
         # (snapshot, flat delta buffers) of the last round that ended well, reused by the next
         self._spare_round_buffers: tuple[list[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
@@ -427,6 +430,7 @@ class AsyncDecentralizedAverager:
                     scheduled_time=control.scheduled_time,
                     gather=control.data_for_gather,
                     expected_group_size=control.expected_group_size,
+                    banned={p.to_bytes() for p in self.bans.banned(get_dht_time())},
                 )
             except MatchmakingError as e:
                 retry = control.allow_retries and e.reason.retryable
@@ -482,13 +486,14 @@ class AsyncDecentralizedAverager:
     ) -> AllReduceGroup:
         """The all-reduce round of an assembled group over ``total_size`` values: slices by
         bandwidth (none for clients; aux peers send nothing), parts cut with the part layout
-        of the group (its members' lowest), id ``group_id + suffix``."""
+        of the group (its members' lowest), id ``group_id + suffix``. Bandwidths are claims:
+        they are bounded (``bounded_load_balance``), so no member becomes the sole reducer."""
         modes = group.modes
         bandwidths = [
             0.0 if m == AveragingMode.CLIENT else b
             for m, b in zip(modes, group.bandwidths, strict=True)
         ]
-        counts = load_balance_peers(
+        counts = bounded_load_balance(
             total_size, bandwidths, senders=[m != AveragingMode.AUX for m in modes]
         )
         return AllReduceGroup(
@@ -499,6 +504,20 @@ class AsyncDecentralizedAverager:
             leader=PeerID(group.leader) if group.leader in group.peer_ids else None,
             part_layout=min(group.part_layout, PART_LAYOUT),
         )
+
+    def _ban_offenders(self, result: AllReduceResult) -> None:
+        """Members whose own data failed the round (poison, not the network) are avoided in
+        matchmaking for a while (``self.bans``)."""
+        now = get_dht_time()
+        for peer, reason in (*result.banned_senders.items(), *result.failed_reducers.items()):
+            if reason in BAD_BEHAVIOUR and peer != self.peer_id:
+                until = self.bans.ban(peer, now)
+                logger.warning(
+                    "member %s sent %s data: avoided in matchmaking for %.0f s",
+                    peer,
+                    reason.value,
+                    until - now,
+                )
 
     async def _run_allreduce(self, group: MatchmakingGroup, weight: float) -> GatheredData:
         assert self._allreduce is not None
@@ -527,6 +546,7 @@ class AsyncDecentralizedAverager:
         result = await runner.run()
         self.part_bytes_sent += result.part_bytes_sent
         self.delta_bytes_sent += result.delta_bytes_sent
+        self._ban_offenders(result)
         failed = {*result.banned_senders, *result.failed_reducers}
         others = {p for p in allreduce_group.peer_ids if p != self.peer_id}
         if others and others <= failed:

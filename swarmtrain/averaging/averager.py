@@ -54,6 +54,7 @@ from swarmtrain.averaging.averager_config import (
 )
 from swarmtrain.averaging.control import StepControl
 from swarmtrain.averaging.state_sharing import StateDownloadFailure
+from swarmtrain.dht import get_dht_time
 from swarmtrain.p2p import PeerID
 from swarmtrain.utils.background import BackgroundRuntime, BackgroundService
 
@@ -205,6 +206,12 @@ class DecentralizedAverager(BackgroundService):
         ``(parts as a sender, averaged deltas as a reducer)``; framing not counted."""
         _, core = self._running()
         return core.part_bytes_sent, core.delta_bytes_sent
+
+    @property
+    def banned_peers(self) -> frozenset[PeerID]:
+        """Members avoided in matchmaking now, for having sent poison (``ban_duration``)."""
+        _, core = self._running()
+        return frozenset(core.bans.banned(get_dht_time()))
 
     @property
     def state_download_failure(self) -> StateDownloadFailure | None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmtrain.averaging.allreduce import AllReduceConfig
-from swarmtrain.averaging.allreduce_core import AveragingMode
+from swarmtrain.averaging.allreduce_core import DEFAULT_MAX_PEER_WEIGHT, AveragingMode
+from swarmtrain.averaging.ban_list import DEFAULT_BAN_DURATION
 from swarmtrain.averaging.matchmaking_types import MatchmakingConfig
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from swarmtrain.compression import CompressionBase, NoCompression, WireFormatError, dtype_name
@@ -58,6 +59,17 @@ class AveragerConfig:
     :param declare_state_period: re-declare ourselves as a state donor this often
     :param matchmaking_time_keyword: the keyword the user set ``min_matchmaking_time`` with, as
       messages name it (``Optimizer`` and ``DiLoCoOptimizer`` call it ``matchmaking_time``)
+    :param aggregation: how a reducer combines its slice: ``"mean"`` (weighted mean, the
+      default) or ``"centered_clip"`` (CenteredClip, Gorbunov et al. 2022: robust to a minority
+      of members sending arbitrary values; costs a copy of every member's part while reducing)
+    :param clip_tau: CenteredClip's clipping radius, an L2 norm per part (None: adaptive, the
+      weighted median distance of the members' parts to their coordinate-wise median)
+    :param clip_iterations: CenteredClip's number of iterations
+    :param max_peer_weight: a member claiming a larger weight is left out of the round and
+      banned (default 1e9; weights are sample counts)
+    :param ban_duration: a member that sent poison (NaN/inf, bad data, an implausible weight or
+      delta) is avoided in matchmaking for this many seconds, doubling per repeated offence
+      (``BanList``; 0: no bans across rounds)
     """
 
     prefix: str
@@ -79,6 +91,11 @@ class AveragerConfig:
     allow_state_sharing: bool | None = None
     declare_state_period: float = 30.0
     matchmaking_time_keyword: str = "min_matchmaking_time"
+    aggregation: str = "mean"
+    clip_tau: float | None = None
+    clip_iterations: int = 5
+    max_peer_weight: float = DEFAULT_MAX_PEER_WEIGHT
+    ban_duration: float = DEFAULT_BAN_DURATION
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not self.prefix:
@@ -102,6 +119,11 @@ class AveragerConfig:
             _positive(name, getattr(self, name), allow_none=True)
         _positive("reducer_timeout", self.reducer_timeout, allow_none=True)
         _positive("declare_state_period", self.declare_state_period)
+        _positive("max_peer_weight", self.max_peer_weight)
+        if isinstance(self.ban_duration, bool) or not isinstance(self.ban_duration, (int, float)):
+            raise TypeError(f"ban_duration must be a number, got {self.ban_duration!r}")
+        if not math.isfinite(self.ban_duration) or self.ban_duration < 0:
+            raise ValueError(f"ban_duration must be finite and non-negative: {self.ban_duration}")
         if isinstance(self.part_size_bytes, bool) or not isinstance(self.part_size_bytes, int):
             raise TypeError(f"part_size_bytes must be an int, got {self.part_size_bytes!r}")
         if self.part_size_bytes <= 0:
@@ -151,6 +173,10 @@ class AveragerConfig:
             sender_timeout=sender,
             reducer_timeout=self.reducer_timeout or 2 * sender,
             allreduce_timeout=self.allreduce_timeout,
+            aggregation=self.aggregation,
+            clip_tau=self.clip_tau,
+            clip_iterations=self.clip_iterations,
+            max_peer_weight=self.max_peer_weight,
         )
 
     @property

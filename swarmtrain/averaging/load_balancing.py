@@ -28,7 +28,20 @@ from collections.abc import Iterable, Sequence
 
 from swarmtrain.averaging.partition import apportion
 
-__all__ = ["butterfly_cost", "load_balance_peers", "optimize_fractions"]
+__all__ = [
+    "MAX_BANDWIDTH_RATIO",
+    "MAX_SHARE",
+    "bound_bandwidths",
+    "bounded_load_balance",
+    "butterfly_cost",
+    "load_balance_peers",
+    "optimize_fractions",
+]
+
+MAX_BANDWIDTH_RATIO = 4.0
+"""A bandwidth claim above this many times the group's median claim counts as the bound."""
+MAX_SHARE = 0.5
+"""With two or more reducers, none reduces more than this share of the vector."""
 
 
 def _check_bandwidths(bandwidths: Iterable[float | None]) -> list[float | None]:
@@ -143,4 +156,49 @@ def load_balance_peers(
         threshold = min_size / vector_size
         if max(fractions) >= threshold:
             fractions = [f if f >= threshold else 0.0 for f in fractions]
+    return apportion(vector_size, fractions)
+
+
+def bound_bandwidths(
+    bandwidths: Sequence[float | None], max_ratio: float = MAX_BANDWIDTH_RATIO
+) -> list[float | None]:
+    """Claims clamped to ``max_ratio`` x the (lower) median of the positive claims (None and 0
+    stay): a peer that claims 1e12 cannot take the whole vector, nor raise everyone's default."""
+    checked = _check_bandwidths(bandwidths)
+    positive = sorted(b for b in checked if b is not None and b > 0)
+    if not positive:
+        return checked
+    bound = max_ratio * positive[(len(positive) - 1) // 2]
+    return [None if b is None else min(b, bound) for b in checked]
+
+
+def bounded_load_balance(
+    vector_size: int,
+    bandwidths: Sequence[float | None],
+    *,
+    senders: Sequence[bool] | None = None,
+    max_ratio: float = MAX_BANDWIDTH_RATIO,
+    max_share: float = MAX_SHARE,
+) -> tuple[int, ...]:
+    """:func:`load_balance_peers` on claims that peers make about themselves: claims bounded by
+    :func:`bound_bandwidths`, then no peer reduces more than ``max_share`` of the vector while
+    another peer could (the excess goes to the others in proportion to their bandwidths)."""
+    bounded = bound_bandwidths(bandwidths, max_ratio)
+    resolved, _ = _resolve(bounded, senders)
+    fractions = list(optimize_fractions(bounded, senders))
+    eligible = [i for i, b in enumerate(resolved) if b > 0]
+    if len(eligible) >= 2 and max_share * len(eligible) >= 1:
+        capped: set[int] = set()
+        while True:
+            over = [i for i in eligible if i not in capped and fractions[i] > max_share]
+            if not over:
+                break
+            capped.update(over)
+            excess = math.fsum(fractions[i] - max_share for i in over)
+            for i in over:
+                fractions[i] = max_share
+            rest = [i for i in eligible if i not in capped]
+            weight = math.fsum(resolved[i] for i in rest)
+            for i in rest:
+                fractions[i] += excess * resolved[i] / weight
     return apportion(vector_size, fractions)

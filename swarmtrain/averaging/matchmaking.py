@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -333,10 +333,12 @@ class Matchmaking:
         scheduled_time: float | None = None,
         gather: bytes = b"",
         expected_group_size: int | None = None,
+        banned: Iterable[bytes] = (),
     ) -> GroupAssembled:
         """Find a group under ``{prefix}.0b{group_bits}`` before ``deadline`` (DHT time).
         ``expected_group_size``: as a leader, assemble as soon as the group has this many
         members (e.g. every peer known to be present) instead of at the declaration's end.
+        ``banned``: peer ids (bytes) we neither lead nor follow.
 
         :raises MatchmakingError: no group (too few peers, schema mismatch, deadline)
         """
@@ -354,6 +356,7 @@ class Matchmaking:
                 nonce=os.urandom(16),
                 expected_group_size=expected_group_size,
                 part_layout=self.part_layout,
+                banned=banned,
             )
             self.rounds_started += 1
             self._core, self._round_done = core, trio.Event()

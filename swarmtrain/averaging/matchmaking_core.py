@@ -111,6 +111,8 @@ class MatchmakingCore:
     :param part_layout: the newest all-reduce part layout we speak; told to our leader, or to
       our followers in the group (the group uses its members' lowest,
       ``MatchmakingGroup.part_layout``)
+    :param banned: peers we neither lead nor follow this round (``BanList.banned``): their
+      join requests get ``NOT_LOOKING``, their declarations are skipped
 
     Usage: ``start(now)``, then pass every event in; after every call, carry out the returned
     actions in order, then call ``tick(now)`` once ``now >= next_deadline()``. Stop after a
@@ -132,6 +134,7 @@ class MatchmakingCore:
         nonce: bytes = b"",
         expected_group_size: int | None = None,
         part_layout: int = 0,
+        banned: Iterable[PeerId] = (),
     ):
         if not isinstance(config, MatchmakingConfig):
             raise TypeError("config must be a MatchmakingConfig")
@@ -156,6 +159,7 @@ class MatchmakingCore:
         self.nonce = nonce
         _check_part_layout(part_layout)
         self.part_layout = part_layout
+        self.banned = frozenset(banned)
         # A leader assembles once its group reaches this size (the config's target, or the
         # caller's smaller estimate of the peers present: no wait for the declaration to lapse).
         self.assemble_at = _assemble_at(config, expected_group_size)
@@ -390,7 +394,7 @@ class MatchmakingCore:
     ) -> tuple[RejectReason | None, PeerId | None]:
         if not isinstance(request, JoinRequest) or not isinstance(peer, bytes) or not peer:
             return RejectReason.PROTOCOL_VIOLATION, None
-        if self._phase not in _LOOKING:
+        if self._phase not in _LOOKING or peer in self.banned:
             return RejectReason.NOT_LOOKING, None
         if not self.declares or now >= self._expiration:
             return RejectReason.NOT_DECLARED, None
@@ -527,6 +531,7 @@ class MatchmakingCore:
         if (
             suggested is not None
             and suggested != self.peer_id
+            and suggested not in self.banned
             and self._redirects < self.config.max_redirects
         ):
             self._redirects += 1
@@ -561,6 +566,8 @@ class MatchmakingCore:
             ):
                 continue
             if (candidate.peer_id, candidate.expiration) in self._tried:
+                continue
+            if candidate.peer_id in self.banned:
                 continue
             self._tried.add((candidate.peer_id, candidate.expiration))
             self._redirects = 0

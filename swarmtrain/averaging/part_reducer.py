@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from swarmtrain.averaging.partition import accumulator_dtype, as_numpy, scaled_sum
+from swarmtrain.averaging.robust_aggregation import centered_clip, check_aggregation
 
 
 class TensorPartReducer:
@@ -17,10 +18,16 @@ class TensorPartReducer:
     :param part_numels: number of values in each part of the slice
     :param part_dtypes: dtype of each part (sums are kept in float32, or float64 for float64)
     :param num_senders: number of senders; each contributes every part once, or is banned
+    :param aggregation: ``"mean"`` (sums as parts arrive) or ``"centered_clip"`` (keeps every
+      sender's copy of a part until it is complete, at most ``num_senders`` x part size, then
+      aggregates with :func:`~swarmtrain.averaging.robust_aggregation.centered_clip`)
+    :param clip_tau: CenteredClip's radius (None: adaptive, see ``centered_clip``)
+    :param clip_iterations: CenteredClip's number of iterations
 
     A part is *complete* when every sender that is not banned contributed it. Its result is the
-    weighted mean of the contributions, or None when their total weight is zero (then every
-    sender keeps its own values: no NaN). Contributions made before a sender was banned stay in.
+    weighted mean (or CenteredClip) of the contributions, or None when their total weight is
+    zero (then every sender keeps its own values: no NaN). Contributions made before a sender
+    was banned stay in.
     """
 
     def __init__(
@@ -28,11 +35,23 @@ class TensorPartReducer:
         part_numels: Sequence[int],
         part_dtypes: Sequence[torch.dtype],
         num_senders: int,
+        *,
+        aggregation: str = "mean",
+        clip_tau: float | None = None,
+        clip_iterations: int = 5,
     ):
         if len(part_numels) != len(part_dtypes):
             raise ValueError("part_numels and part_dtypes have different lengths")
         if num_senders < 0:
             raise ValueError("num_senders must be non-negative")
+        check_aggregation(aggregation, clip_tau, clip_iterations)
+        self.aggregation = aggregation
+        self.clip_tau = clip_tau
+        self.clip_iterations = clip_iterations
+        # centered_clip: per part, each sender's contribution (a copy) and weight
+        self._kept: list[dict[int, tuple[torch.Tensor, float]]] = [
+            {} for _ in range(len(part_numels))
+        ]
         self.part_numels = tuple(int(n) for n in part_numels)
         self.part_dtypes = tuple(part_dtypes)
         self.num_parts = len(self.part_numels)
@@ -86,7 +105,11 @@ class TensorPartReducer:
         if self.is_complete(part_index):  # every active sender already contributed it
             raise ValueError(f"part {part_index} is already complete")
         dtype = accumulator_dtype(self.part_dtypes[part_index])
-        self._sums[part_index] = scaled_sum(self._sums[part_index], tensor, weight, dtype)
+        if self.aggregation == "mean":
+            self._sums[part_index] = scaled_sum(self._sums[part_index], tensor, weight, dtype)
+        else:  # a copy: the caller may reuse the tensor's buffer once this returns
+            kept = tensor.detach().reshape(-1).to(dtype, copy=True)
+            self._kept[part_index][sender] = kept, weight
         self._weights[part_index] += weight
         self._contributed[part_index].add(sender)
         return self._complete_ready((part_index,))
@@ -111,11 +134,24 @@ class TensorPartReducer:
         for k in candidates:
             if k in self._results or not active <= self._contributed[k]:
                 continue
-            total, weight = self._sums[k], self._weights[k]
-            self._results[k] = _divide(total, weight) if total is not None and weight > 0 else None
-            self._sums[k] = None
+            if self.aggregation == "mean":
+                total, weight = self._sums[k], self._weights[k]
+                self._results[k] = (
+                    _divide(total, weight) if total is not None and weight > 0 else None
+                )
+                self._sums[k] = None
+            else:
+                self._results[k] = self._clipped(k)
             completed.append(k)
         return tuple(completed)
+
+    def _clipped(self, part_index: int) -> torch.Tensor | None:
+        kept, self._kept[part_index] = self._kept[part_index], {}
+        if not self._weights[part_index] > 0:
+            return None
+        rows = [t for t, _ in kept.values()]
+        weights = torch.tensor([w for _, w in kept.values()], dtype=torch.float64)
+        return centered_clip(torch.stack(rows), weights, self.clip_tau, self.clip_iterations)
 
     def _check_sender(self, sender: int) -> None:
         if not 0 <= sender < self.num_senders:

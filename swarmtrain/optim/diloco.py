@@ -199,6 +199,8 @@ class DiLoCoOptimizer:
       (default fp16)
     :param batch_size_per_step: samples per inner step (our weight in the average is the
       samples since the fragment's last sync); None: each inner step counts as one sample
+    :param aggregation: how pseudo-gradients are averaged: ``"mean"`` or ``"centered_clip"``
+      (robust to a minority of peers sending garbage; see ``AveragerConfig``)
     :param averager_opts: more :class:`~swarmtrain.averaging.AveragerConfig` keywords for the
       averagers (they override the ones derived from the arguments here)
     :param matchmaking_time: the averager's ``min_matchmaking_time``: how long a round waits
@@ -229,6 +231,7 @@ class DiLoCoOptimizer:
         outer_optimizer: OuterOptimizerFactory | None = None,
         pseudo_grad_compression: CompressionBase | None = None,
         batch_size_per_step: int | None = None,
+        aggregation: str = "mean",
         averager_opts: dict[str, Any] | None = None,
         matchmaking_time: float = 15.0,
         averaging_timeout: float = 60.0,
@@ -308,6 +311,7 @@ class DiLoCoOptimizer:
             "allreduce_timeout": float(averaging_timeout),
             "min_group_size": min_group_size,
             "target_group_size": target_group_size,
+            "aggregation": aggregation,
         }
         opts.update(averager_opts or {})
         opts.setdefault("compression", pseudo_grad_compression)

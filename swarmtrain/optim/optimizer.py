@@ -159,6 +159,9 @@ class Optimizer(EpochUpdates):
       (e.g. ``("exp_avg_sq",)``)
     :param extra_tensors: more tensors averaged and shared with the state (e.g. batch-norm
       statistics; CPU tensors with ``offload_optimizer``)
+    :param aggregation: how gradients are averaged (the state too, with
+      ``use_local_updates``): ``"mean"`` or ``"centered_clip"`` (robust to a minority of peers
+      sending garbage; ``clip_tau``, ``clip_iterations``: see ``AveragerConfig``)
     :param averager_opts: more ``AveragerConfig`` keywords for both averagers
     :param tracker_opts: more ``ProgressTracker`` keywords
     :param verbose: log progress at INFO level (else DEBUG) and show swarmtrain's logs on stderr
@@ -195,6 +198,7 @@ class Optimizer(EpochUpdates):
         grad_averager_factory: GradientAveragerFactory | None = None,
         average_opt_statistics: Sequence[str] = (),
         extra_tensors: Sequence[torch.Tensor] = (),
+        aggregation: str = "mean",
         averager_opts: dict[str, Any] | None = None,
         tracker_opts: dict[str, Any] | None = None,
         verbose: bool = False,
@@ -295,6 +299,8 @@ class Optimizer(EpochUpdates):
                 load_state_compression = state_averaging_compression
             if load_state_compression is not None:
                 state_opts.setdefault("state_compression", load_state_compression)
+            if self.use_local_updates:  # the state round is the only one
+                state_opts.setdefault("aggregation", aggregation)
             self.state_averager = TrainingStateAverager(
                 dht=dht,
                 optimizer=optimizer,
@@ -314,7 +320,8 @@ class Optimizer(EpochUpdates):
                 **state_opts,
             )
             if not self.use_local_updates:
-                self._make_grad_averager(grad_averager_factory, grad_compression, common)
+                grad_common = {"aggregation": aggregation, **common}
+                self._make_grad_averager(grad_averager_factory, grad_compression, grad_common)
             self.tracker = ProgressTracker(
                 dht,
                 run_id,
