@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from polling import wait_until
 
 from swarmtrain.dht import DHT
 from swarmtrain.optim import ProgressTracker
@@ -147,8 +148,13 @@ async def test_progress_is_logged_at_the_status_level_once_per_change(caplog):
         ) as tracker,
     ):
         tracker.report_local_progress(0, 10)
-        await trio.sleep(2.5)
-    records = [r for r in caplog.records if "samples of 1000" in r.getMessage()]
+        with trio.fail_after(20):  # a fetch every 0.2-0.3 s
+            await wait_until(lambda: len(_fetch_logs(caplog)) >= 5)
+    records = _fetch_logs(caplog)
     at_info = [r for r in records if r.levelno == logging.INFO]
     assert len(records) >= 5, [r.getMessage() for r in records]  # a fetch every 0.2-0.3 s
     assert 1 <= len(at_info) <= 2, [r.getMessage() for r in at_info]  # 0 peers, then 1
+
+
+def _fetch_logs(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "samples of 1000" in r.getMessage()]

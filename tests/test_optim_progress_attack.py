@@ -38,7 +38,10 @@ def test_forged_progress_neither_stops_nor_desyncs_honest_peers(dhts, caplog):  
 
         claimer = threading.Thread(target=keep_claiming_samples, daemon=True)
         claimer.start()
-        time.sleep(1.0)  # the records reach the honest peers (gossip and DHT)
+        deadline = time.monotonic() + 20  # the liars' records reach the honest peers
+        while not all(len(p.opt.tracker.peers()) >= len(honest) + 1 for p in honest):
+            assert time.monotonic() < deadline, [len(p.opt.tracker.peers()) for p in honest]
+            time.sleep(0.05)
         seen = {p.opt.global_epoch for p in honest}
         in_threads(*(lambda p=p: p.train_until(6) for p in honest))
         stop.set()
