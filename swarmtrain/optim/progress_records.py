@@ -9,10 +9,7 @@ from typing import Annotated, Any
 import pydantic
 
 from swarmtrain.dht import (
-    NO_SUBKEY,
     BytesWithPublicKey,
-    DHTRecord,
-    RecordValidatorBase,
 )
 
 from .progress_core import (
@@ -43,17 +40,6 @@ class TrainingProgressSchema(pydantic.BaseModel):
     """``{prefix}_progress``: ``{owner marker: record, or None once the peer left}``."""
 
     progress: dict[BytesWithPublicKey, LocalProgressSchema | None]
-
-
-class _SubkeysOnly(RecordValidatorBase):
-    """Rejects a plain (subkey-less) value under the progress key: it would not be signed, and
-    could stand in for every peer's record at once."""
-
-    def __init__(self, key: bytes):
-        self._key = key
-
-    def validate(self, record: DHTRecord) -> bool:
-        return record.key != self._key or record.subkey != NO_SUBKEY
 
 
 @dataclass(frozen=True)

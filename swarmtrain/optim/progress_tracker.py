@@ -88,7 +88,6 @@ from .progress_records import (
     ProgressTrackerStatistics,
     TrainingProgressSchema,
     _parse_progress,
-    _SubkeysOnly,
 )
 
 __all__ = [
@@ -209,7 +208,6 @@ class AsyncProgressTracker:
             [
                 SchemaValidator(TrainingProgressSchema, prefix=prefix),
                 Ed25519SignatureValidator(private_key),
-                _SubkeysOnly(serialize(key)),
             ]
         )
         signer = next(v for v in validator.validators if isinstance(v, Ed25519SignatureValidator))
