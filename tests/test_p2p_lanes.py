@@ -106,6 +106,57 @@ async def test_a_lane_read_cancelled_midway_resumes_where_it_stopped():
         sock_b.close()
 
 
+async def _yields_during(work) -> int:
+    """How often other tasks ran while ``work()`` (which never waits for its socket) ran."""
+    turns = 0
+    running = True
+
+    async def ticker():
+        nonlocal turns
+        while running:
+            turns += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await trio.sleep(0.01)  # the ticker is running
+        before = turns
+        await work()
+        yielded = turns - before
+        running = False
+    return yielded
+
+
+@pytest.mark.trio
+async def test_a_long_transfer_lets_other_tasks_run():
+    key = os.urandom(32)
+    lane, sock_b = lane_over_socketpair(key)
+    lane.yield_every_bytes = 8 * 1024
+    try:
+        records = []
+        sealer = RecordSealer(key)
+        for _ in range(16):  # 16 records of 4 KiB, all in the socket buffer before reading
+            records += [bytes(r) for r in sealer.seal(os.urandom(4096))]
+        await sock_b.send(b"".join(records))
+        view = memoryview(bytearray(4096))
+
+        async def read_all():
+            for _ in range(16):
+                assert await lane.read_into(view) == 4096
+
+        # every byte is there: without pacing the reader never waits and nobody else runs
+        assert await _yields_during(read_all) >= 6
+
+        async def write_all():  # 64 KiB fit in the socket buffer: the writer never waits
+            for _ in range(16):
+                await lane.write(os.urandom(4096))
+
+        assert await _yields_during(write_all) >= 6
+    finally:
+        await lane.reset()
+        sock_b.close()
+
+
 # ------------------------------------------------------------------ real hosts
 
 

@@ -52,6 +52,25 @@ class RPCTimeoutError(RPCError, TimeoutError):
     """The call (or the next message of a stream) did not complete within its timeout."""
 
 
+class LaneError(P2PError):
+    """A direct data lane failed (``swarmtrain.p2p.lane``): the connection was cut, a record did
+    not authenticate, or the handshake failed. RPC callers never see it: ``RPCStream`` turns
+    it into the RPC error of the call (``RPCCancelledError``), as it does libp2p's stream
+    errors, and a lane that cannot be set up makes the call fall back to libp2p."""
+
+
+class LaneResetError(LaneError):
+    """The lane's connection was cut or failed, or the peer broke the record protocol."""
+
+
+class LaneClosedError(LaneError):
+    """The lane was closed on our side (or broke) and cannot be used any more."""
+
+
+class LaneEndOfStream(LaneError):
+    """The peer ended its direction of the lane cleanly (its end record arrived)."""
+
+
 class AddressInUseError(P2PError, OSError):
     """Another socket (often another swarmtrain peer) already listens on this address.
 

@@ -36,9 +36,8 @@ import socket
 from collections.abc import Callable, Sequence
 
 import trio
-from libp2p.network.stream.exceptions import StreamError, StreamReset
 
-from swarmtrain.p2p.errors import AddressInUseError, ResourceLimitError
+from swarmtrain.p2p.errors import AddressInUseError, LaneError, LaneResetError, ResourceLimitError
 from swarmtrain.p2p.lane_books import (
     MAX_PENDING_HANDSHAKES,
     RETRY_AFTER,
@@ -182,7 +181,7 @@ class DataLanes:
                 return
             self.lanes_accepted += 1
             await self._p2p._serve_lane(lane, ticket.peer_id)
-        except (OSError, StreamError) as e:
+        except (OSError, LaneError) as e:
             logger.debug("lane connection failed: %r", e)
         finally:
             if counted is not None:
@@ -316,6 +315,6 @@ async def _receive_ticket_id(sock) -> bytes:
     while len(data) < TICKET_ID_SIZE:
         chunk = await sock.recv(TICKET_ID_SIZE - len(data))
         if not chunk:
-            raise StreamReset("the lane closed during the handshake")
+            raise LaneResetError("the lane closed during the handshake")
         data += chunk
     return data

@@ -7,8 +7,8 @@ from __future__ import annotations
 import socket
 
 import trio
-from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
 
+from swarmtrain.p2p.errors import LaneClosedError, LaneEndOfStream, LaneResetError
 from swarmtrain.p2p.lane_records import (
     HEADER_SIZE,
     MAX_RECORD_CIPHERTEXT,
@@ -20,6 +20,9 @@ from swarmtrain.p2p.lane_records import (
 )
 
 RECV_BUFFER_FIRST = 64 * 1024
+#: a lane that moves this many bytes without ever waiting for its socket lets other tasks run
+#: (once), so a long transfer on a fast link cannot hold the event loop
+YIELD_EVERY_BYTES = 4 * 1024 * 1024
 WRITE_STALL_TIMEOUT = 60.0  # a write that makes no progress this long fails (TooSlowError)
 ACCEPTED = b"swarmtrain-lane-ok"
 
@@ -45,7 +48,7 @@ class _Held:
 
 class LaneStream:
     """One lane with the byte-stream interface ``RPCStream`` expects of a libp2p stream:
-    ``read`` (raises ``StreamEOF`` at the clean end), ``write``, ``close``, ``reset``."""
+    ``read`` (raises ``LaneEndOfStream`` at the clean end), ``write``, ``close``, ``reset``."""
 
     #: a cancelled write harms only this lane (RPCStream need not shield writes from
     #: cancellation, as it must for Noise over a shared libp2p connection)
@@ -75,6 +78,8 @@ class LaneStream:
         self._broken = False
         self.eof_received = False
         self.bytes_on_wire = 0
+        self.yield_every_bytes = YIELD_EVERY_BYTES
+        self._moved_without_wait = 0  # bytes read or written since this lane last yielded
 
     # ---------------------------------------------------------------- reading
 
@@ -92,15 +97,25 @@ class LaneStream:
             except BlockingIOError:
                 pass
             except OSError as e:
-                raise StreamReset(f"the lane failed: {e!r}") from None
+                raise LaneResetError(f"the lane failed: {e!r}") from None
             try:
                 await trio.lowlevel.wait_readable(self._raw)
             except trio.ClosedResourceError:
-                raise StreamClosed("the lane was closed") from None
+                raise LaneClosedError("the lane was closed") from None
+            self._moved_without_wait = 0
         if count == 0:
-            raise StreamReset("the lane was cut without an end record")
+            raise LaneResetError("the lane was cut without an end record")
         self.bytes_on_wire += count
+        await self._pace(count)
         return got + count
+
+    async def _pace(self, count: int) -> None:
+        """Count bytes moved without waiting; past ``yield_every_bytes``, let other tasks run.
+        Never raises ``Cancelled`` (it may sit in the middle of a record)."""
+        self._moved_without_wait += count
+        if self._moved_without_wait >= self.yield_every_bytes:
+            self._moved_without_wait = 0
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _receive_body(self) -> memoryview:
         """The next record's ciphertext (a view of the receive buffer, valid until the next
@@ -115,7 +130,7 @@ class LaneStream:
                     self._rx_size = self._opener.ciphertext_size(bytes(self._rx_header))
                     self._rx_got = 0
         except LaneRecordError as e:
-            raise StreamError(f"lane: {e}") from None
+            raise LaneResetError(f"lane: {e}") from None
         while self._rx_got < self._rx_size:
             if self._rx_got == len(self._recv_buffer):
                 self._grow_recv_buffer()
@@ -138,21 +153,21 @@ class LaneStream:
         try:
             return self._opener.open(body)
         except LaneRecordError as e:
-            raise StreamError(f"lane: {e}") from None
+            raise LaneResetError(f"lane: {e}") from None
 
     async def read(self, n: int | None = None) -> bytes:
         """Up to ``n`` bytes (one record's worth when ``n`` is None)."""
         if self.closed:
-            raise StreamClosed("the lane is closed")
+            raise LaneClosedError("the lane is closed")
         await trio.lowlevel.checkpoint_if_cancelled()
         async with _Held(self._recv_lock):
             if not self._pending:
                 if self.eof_received:
-                    raise StreamEOF("the peer ended the lane")
+                    raise LaneEndOfStream("the peer ended the lane")
                 self._pending = await self._receive_record()
                 if not self._pending:
                     self.eof_received = True
-                    raise StreamEOF("the peer ended the lane")
+                    raise LaneEndOfStream("the peer ended the lane")
             if n is None or n >= len(self._pending):
                 data, self._pending = self._pending, b""
             else:
@@ -161,16 +176,16 @@ class LaneStream:
 
     async def read_into(self, view: memoryview) -> int:
         """Receive up to ``len(view)`` bytes into ``view``; the count. A record that fits is
-        decrypted straight into ``view`` (no copy). Raises ``StreamEOF`` at the clean end."""
+        decrypted straight into ``view`` (no copy). Raises ``LaneEndOfStream`` at the clean end."""
         if self.closed:
-            raise StreamClosed("the lane is closed")
+            raise LaneClosedError("the lane is closed")
         if not len(view):
             return 0
         await trio.lowlevel.checkpoint_if_cancelled()
         async with _Held(self._recv_lock):
             if not self._pending:
                 if self.eof_received:
-                    raise StreamEOF("the peer ended the lane")
+                    raise LaneEndOfStream("the peer ended the lane")
                 body = await self._receive_body()
                 size = len(body) - TAG_SIZE
                 try:
@@ -178,10 +193,10 @@ class LaneStream:
                         return self._opener.open_into(body, view[:size])
                     self._pending = memoryview(self._opener.open(body))
                 except LaneRecordError as e:
-                    raise StreamError(f"lane: {e}") from None
+                    raise LaneResetError(f"lane: {e}") from None
                 if not self._pending:
                     self.eof_received = True
-                    raise StreamEOF("the peer ended the lane")
+                    raise LaneEndOfStream("the peer ended the lane")
             count = min(len(view), len(self._pending))
             view[:count] = self._pending[:count]
             self._pending = self._pending[count:]
@@ -191,7 +206,7 @@ class LaneStream:
         """The callee's first record must be the accept marker (it holds the keys)."""
         record = await self._receive_record()
         if record != ACCEPTED:
-            raise StreamError("the lane did not start with the accept record")
+            raise LaneResetError("the lane did not start with the accept record")
 
     # ---------------------------------------------------------------- writing
 
@@ -202,24 +217,27 @@ class LaneStream:
         sent = 0
         while sent < len(view):
             try:
-                sent += self._raw.send(view[sent:])
+                count = self._raw.send(view[sent:])
+                sent += count
+                await self._pace(count)
                 continue
             except BlockingIOError:
                 pass
             except OSError as e:
-                raise StreamReset(f"the lane failed: {e!r}") from None
+                raise LaneResetError(f"the lane failed: {e!r}") from None
             try:
                 with trio.fail_after(WRITE_STALL_TIMEOUT):
                     await trio.lowlevel.wait_writable(self._raw)
             except trio.ClosedResourceError:
-                raise StreamClosed("the lane was closed") from None
+                raise LaneClosedError("the lane was closed") from None
+            self._moved_without_wait = 0
         self.bytes_on_wire += len(data)
 
     async def write(self, data) -> None:
         """Send ``data``. Cancellation-safe for the connection as a whole: a write cancelled
         midway breaks only this lane (it is then closed without an end record)."""
         if self.closed or self._broken:
-            raise StreamClosed("the lane is closed")
+            raise LaneClosedError("the lane is closed")
         if not len(data):
             return
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -258,7 +276,7 @@ class LaneStream:
             if not self._sealer.ended and not self._broken:
                 async with self._send_lock:
                     await self._send_all(self._sealer.seal_end())
-        except (StreamError, LaneRecordError):
+        except (LaneResetError, LaneClosedError, LaneRecordError):
             pass
         finally:
             self._close_socket()

@@ -5,6 +5,9 @@ so a cancelled call stops *between* pieces and then closes the stream. (py-libp2
 writes are made all-or-nothing too, ``_libp2p_fixes.fix_cancelled_frame_writes``: a frame cut
 by a cancellation killed the whole connection, see LIBP2P-NOTES.) Data lanes are
 ``cancel_safe``: their writes are not shielded.
+
+This is the one place where the stream errors of both transports (py-libp2p's ``StreamError``
+family and the lanes' ``LaneError`` family) become RPC errors.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import trio
 from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
 
 from swarmtrain.p2p.errors import (
+    LaneClosedError,
+    LaneEndOfStream,
+    LaneError,
+    LaneResetError,
     RPCCancelledError,
     RPCProtocolError,
     RPCTimeoutError,
@@ -125,12 +132,12 @@ class RPCStream:
                 self._decoder.advance(count)
                 return
             data = await self.stream.read(max(READ_SIZE, self._decoder.bytes_wanted))
-        except StreamEOF:
+        except (StreamEOF, LaneEndOfStream):
             self._eof = True
             return
-        except StreamReset:
+        except (StreamReset, LaneResetError):
             raise RPCCancelledError("the peer reset the stream") from None
-        except StreamError as e:
+        except (StreamError, LaneError) as e:
             raise RPCCancelledError(f"the stream failed: {e!r}") from None
         if not data:
             self._eof = True
@@ -151,9 +158,9 @@ class RPCStream:
             raise RPCTimeoutError(
                 f"the peer did not accept data for {WRITE_STALL_TIMEOUT} s"
             ) from None
-        except (StreamClosed, StreamReset) as e:
+        except (StreamClosed, StreamReset, LaneClosedError, LaneResetError) as e:
             raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
-        except StreamError as e:
+        except (StreamError, LaneError) as e:
             raise RPCCancelledError(f"the stream failed: {e!r}") from None
         self.bytes_sent += len(data)
 
