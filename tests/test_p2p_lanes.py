@@ -18,6 +18,7 @@ from swarmtrain.p2p.lane_records import (
     RecordOpener,
     RecordSealer,
 )
+from swarmtrain.p2p.rpc_stream import DirectByteStream
 from swarmtrain.proto import p2p_pb2
 
 # ------------------------------------------------------------------ records (sans-IO)
@@ -125,6 +126,16 @@ async def _yields_during(work) -> int:
         yielded = turns - before
         running = False
     return yielded
+
+
+@pytest.mark.trio
+async def test_a_lane_is_the_byte_stream_rpc_streams_expect():
+    lane, sock_b = lane_over_socketpair(os.urandom(32))
+    try:
+        assert isinstance(lane, DirectByteStream) and lane.cancel_safe and lane.record_size
+    finally:
+        await lane.reset()
+        sock_b.close()
 
 
 @pytest.mark.trio

@@ -12,6 +12,8 @@ family and the lanes' ``LaneError`` family) become RPC errors.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import trio
 from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
 
@@ -44,10 +46,40 @@ CLOSE_TIMEOUT = 2.0
 _END_FRAME = encode_header(p2p_pb2.RPCFrameHeader(kind=FrameKind.END))
 
 
-class RPCStream:
-    """Frames over one libp2p stream. Not safe for concurrent senders (one sender task)."""
+@runtime_checkable
+class ByteStream(Protocol):
+    """What ``RPCStream`` needs of the stream under it: a py-libp2p stream (raising
+    py-libp2p's ``StreamError`` family) or a data lane (``DirectByteStream``)."""
 
-    def __init__(self, stream, max_message_size: int, budget: ByteBudget | None = None):
+    async def read(self, n: int | None = None) -> bytes: ...
+
+    async def write(self, data) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def reset(self) -> None: ...
+
+
+@runtime_checkable
+class DirectByteStream(ByteStream, Protocol):
+    """A byte stream of our own (a data lane, ``swarmtrain.p2p.lane_stream.LaneStream``): it
+    raises the ``LaneError`` family, and offers what ``RPCStream`` uses when present."""
+
+    #: a cancelled write harms only this stream (writes need no shielding)
+    cancel_safe: bool
+    #: the stream delivers whole records of up to this many bytes
+    record_size: int
+
+    async def read_into(self, view: memoryview) -> int: ...
+
+    def is_reusable(self) -> bool: ...
+
+
+class RPCStream:
+    """Frames over one byte stream (a libp2p stream or a data lane). Not safe for concurrent
+    senders (one sender task)."""
+
+    def __init__(self, stream: ByteStream, max_message_size: int, budget: ByteBudget | None = None):
         """``budget``: the host's budget of bytes in flight, charged for receive buffers."""
         self.stream = stream
         self._cancel_safe = getattr(stream, "cancel_safe", False)
