@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 from collections.abc import Iterable, Sequence
@@ -66,16 +65,24 @@ class DHTID(int):
         :raises ValueError: the peer id is empty or longer than :data:`MAX_PEER_ID_BYTES`
         """
         raw = peer_id if isinstance(peer_id, bytes) else peer_id.to_bytes()
-        if not 0 < len(raw) <= MAX_PEER_ID_BYTES:
-            raise ValueError(f"a peer id must be 1 to {MAX_PEER_ID_BYTES} bytes, got {len(raw)}")
-        return _node_id_of_peer(raw)
+        node_id = _NODE_IDS.get(raw)
+        if node_id is None:
+            if not 0 < len(raw) <= MAX_PEER_ID_BYTES:
+                raise ValueError(
+                    f"a peer id must be 1 to {MAX_PEER_ID_BYTES} bytes, got {len(raw)}"
+                )
+            node_id = _derive_node_id(raw)
+        return node_id
 
     def is_node_id_of(self, peer_id: bytes | _HasBytes) -> bool:
         """Whether this is the node id of ``peer_id`` (False for a malformed peer id)."""
-        try:
-            return self == DHTID.from_peer_id(peer_id)
-        except ValueError:
-            return False
+        raw = peer_id if isinstance(peer_id, bytes) else peer_id.to_bytes()
+        node_id = _NODE_IDS.get(raw)
+        if node_id is None:
+            if not 0 < len(raw) <= MAX_PEER_ID_BYTES:
+                return False
+            node_id = _derive_node_id(raw)
+        return self == node_id
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> DHTID:  # type: ignore[override]
@@ -125,7 +132,15 @@ class DHTID(int):
         return f"DHTID({int(self):#0{self.HASH_NBYTES * 2 + 2}x})"
 
 
-@functools.lru_cache(maxsize=_NODE_ID_CACHE_SIZE)
-def _node_id_of_peer(raw: bytes) -> DHTID:
+#: node ids of recently seen peer ids (a check of a known peer is one dict lookup); bounded:
+#: cleared when full, as only peer ids of at most MAX_PEER_ID_BYTES enter it
+_NODE_IDS: dict[bytes, DHTID] = {}
+
+
+def _derive_node_id(raw: bytes) -> DHTID:
     digest = hashlib.blake2b(raw, digest_size=DHTID.HASH_NBYTES, person=_NODE_ID_PERSON).digest()
-    return DHTID.from_bytes(digest)
+    node_id = DHTID.from_bytes(digest)
+    if len(_NODE_IDS) >= _NODE_ID_CACHE_SIZE:
+        _NODE_IDS.clear()
+    _NODE_IDS[raw] = node_id
+    return node_id
