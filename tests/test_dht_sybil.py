@@ -112,6 +112,11 @@ async def test_sybil_ids_next_to_a_key_cannot_censor_it():
             for peer_id in honest:
                 assert await lister.announce(peer_id) is None
             assert all(lister.claimed_id in node.routing_table for node in s.nodes)
+            # asked directly, a Sybil's answer (with its claimed id) is ignored and it is banned
+            target = sybils[0].p2p.peer_id
+            assert await writer.protocol.call_ping(target) is None
+            assert writer.protocol.blacklist.is_banned(target, get_dht_time())
+            assert writer.routing_table.get_node_id(target) is None
 
             assert await writer.store(KEY, "after", get_dht_time() + 61)
             found = await reader.get(KEY, latest=True)
