@@ -1,6 +1,9 @@
+import hashlib
+
 import pytest
 
 from swarmtrain.dht import DHTID, serialize
+from swarmtrain.dht.identifiers import MAX_PEER_ID_BYTES
 
 
 def test_generate_is_hash_of_serialized_key():
@@ -37,3 +40,29 @@ def test_distances_and_prefixes():
     assert DHTID.common_prefix_length(a) == 160
     assert DHTID.common_prefix_length(DHTID(0), DHTID(DHTID.MAX - 1)) == 0
     assert repr(DHTID(255)).startswith("DHTID(0x000")
+
+
+def test_node_id_is_the_personalised_hash_of_the_peer_id():
+    from swarmtrain.p2p.identity import generate_identity, peer_id_of
+
+    peer_id = peer_id_of(generate_identity())
+    raw = peer_id.to_bytes()
+    digest = hashlib.blake2b(raw, digest_size=20, person=b"swarmtrain/node").digest()
+    assert DHTID.from_peer_id(peer_id) == DHTID.from_peer_id(raw) == DHTID.from_bytes(digest)
+    assert isinstance(DHTID.from_peer_id(raw), DHTID)
+    # not the id of a key with the same bytes (personalised), nor sha256 as libp2p-kad's
+    assert DHTID.from_peer_id(raw) != DHTID.from_serialized_key(raw)
+    assert DHTID.from_peer_id(raw) != DHTID.from_peer_id(raw[:-1] + bytes([raw[-1] ^ 1]))
+
+
+def test_is_node_id_of_binds_one_id_to_one_peer():
+    raw = bytes(range(38))
+    own = DHTID.from_peer_id(raw)
+    assert own.is_node_id_of(raw)
+    assert not DHTID(own ^ 1).is_node_id_of(raw)  # the place next to it is not for sale
+    assert not own.is_node_id_of(raw + b"\x00")
+    for malformed in (b"", b"x" * (MAX_PEER_ID_BYTES + 1), b"x" * 8 * 1024 * 1024):
+        assert not own.is_node_id_of(malformed)  # never hashed nor cached
+        with pytest.raises(ValueError, match="peer id must be"):
+            DHTID.from_peer_id(malformed)
+    assert DHTID.from_peer_id(b"x" * MAX_PEER_ID_BYTES).is_node_id_of(b"x" * MAX_PEER_ID_BYTES)

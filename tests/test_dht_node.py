@@ -466,9 +466,10 @@ async def test_malformed_rpc_payloads_are_rejected_cleanly():
         node = s.nodes[0]
         store = node.protocol.method_name("rpc_store")
         find = node.protocol.method_name("rpc_find")
+        ping = node.protocol.method_name("rpc_ping")
         async with P2P.create(node.p2p.get_visible_maddrs()) as raw:
-            fake_id = DHTID.generate().to_bytes()
-            me = dht_pb2.DHTNodeInfo(node_id=fake_id, maddrs=raw.get_visible_maddrs())
+            raw_id = DHTID.from_peer_id(raw.peer_id).to_bytes()
+            me = dht_pb2.DHTNodeInfo(node_id=raw_id, maddrs=raw.get_visible_maddrs())
             expiration = get_dht_time() + 30
 
             def store_request(value=b"\x01", key=serialize("k"), subkey=b"", **kwargs):
@@ -493,7 +494,7 @@ async def test_malformed_rpc_payloads_are_rejected_cleanly():
                 "bad node id": store_request(peer=dht_pb2.DHTNodeInfo(node_id=b"short")),
                 "foreign maddr": store_request(
                     peer=dht_pb2.DHTNodeInfo(
-                        node_id=fake_id, maddrs=[f"/ip4/1.2.3.4/tcp/1/p2p/{node.p2p.peer_id}"]
+                        node_id=raw_id, maddrs=[f"/ip4/1.2.3.4/tcp/1/p2p/{node.p2p.peer_id}"]
                     )
                 ),
             }
@@ -503,6 +504,18 @@ async def test_malformed_rpc_payloads_are_rejected_cleanly():
                         node.p2p.peer_id, store, request, dht_pb2.DHTStoreResponse
                     )
                 assert info.value.error_type == "MalformedRequestError", reason
+            # a node id the caller did not derive from its peer id (a Sybil's chosen place)
+            chosen = dht_pb2.DHTNodeInfo(node_id=DHTID.generate().to_bytes())
+            for method, request, response_type in (
+                (store, store_request(peer=chosen), dht_pb2.DHTStoreResponse),
+                (find, dht_pb2.DHTFindRequest(keys=[raw_id], peer=chosen), dht_pb2.DHTFindResponse),
+                (ping, dht_pb2.DHTPingRequest(peer=chosen), dht_pb2.DHTPingResponse),
+            ):
+                with pytest.raises(RemoteError, match="not the node id of") as info:
+                    await raw.call_protobuf_handler(
+                        node.p2p.peer_id, method, request, response_type
+                    )
+                assert info.value.error_type == "NodeIdMismatchError"
             with pytest.raises(RemoteError, match="20 bytes"):
                 await raw.call_protobuf_handler(
                     node.p2p.peer_id,
@@ -526,7 +539,7 @@ async def test_malformed_rpc_payloads_are_rejected_cleanly():
             )
             assert list(response.store_ok) == [True]
             assert (await node.get("k")).value == "fine"
-            assert DHTID.from_bytes(fake_id) in node.routing_table
+            assert DHTID.from_bytes(raw_id) in node.routing_table
 
 
 @pytest.mark.trio

@@ -10,12 +10,14 @@ from .dht import DHT as DHT
 from .dht import AsyncDHT as AsyncDHT
 from .dht import AsyncioDHT as AsyncioDHT
 from .identifiers import DHTID as DHTID
+from .identifiers import MAX_PEER_ID_BYTES as MAX_PEER_ID_BYTES
 from .node import DHTNode as DHTNode
 from .node import DHTNodeConfig as DHTNodeConfig
 from .node import DHTNodeStatistics as DHTNodeStatistics
 from .protocol import DHTProtocol as DHTProtocol
 from .protocol import DHTProtocolLimits as DHTProtocolLimits
 from .protocol import MalformedRequestError as MalformedRequestError
+from .protocol import NodeIdMismatchError as NodeIdMismatchError
 from .routing import KBucket as KBucket
 from .routing import PingRequest as PingRequest
 from .routing import RoutingTable as RoutingTable

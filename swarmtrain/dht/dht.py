@@ -35,7 +35,8 @@ from .validation import RecordValidatorBase
 __all__ = ["DHT", "AsyncDHT", "AsyncioDHT"]
 
 T = TypeVar("T")
-_NODE_FIELDS = frozenset(f.name for f in dataclasses.fields(DHTNodeConfig))
+#: keywords of ``DHTNode.create`` (the rest go to ``P2P.create``)
+_NODE_FIELDS = frozenset(f.name for f in dataclasses.fields(DHTNodeConfig)) | {"node_id"}
 
 
 class AsyncDHT:

@@ -5,18 +5,31 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from .serialization import serialize
 
-__all__ = ["DHTID"]
+__all__ = ["DHTID", "MAX_PEER_ID_BYTES"]
+
+#: longest peer id (bytes) a node id is derived from: libp2p peer ids are a sha256 multihash
+#: (34 bytes) or an identity multihash of a public key of at most 42 bytes (44 bytes)
+MAX_PEER_ID_BYTES = 64
+#: blake2b personalisation of node ids, so that no key id and no other use of the hash collides
+#: with a node id by construction
+_NODE_ID_PERSON = b"swarmtrain/node"
+_NODE_ID_CACHE_SIZE = 8192
+
+
+class _HasBytes(Protocol):
+    def to_bytes(self) -> bytes: ...
 
 
 class DHTID(int):
     """A node or key identifier: an integer in ``[DHTID.MIN, DHTID.MAX)``, compared by XOR distance.
 
     Key ids are the hash of the msgpack-serialized key (:meth:`generate`), so every peer derives
-    the same id from the same key; node ids are random unless a seed source is given.
+    the same id from the same key. A node's id is the hash of its libp2p peer id
+    (:meth:`from_peer_id`): receivers check it, so a node cannot choose where it sits.
     """
 
     HASH_NBYTES = 20  # 160 bits
@@ -42,6 +55,34 @@ class DHTID(int):
         """Id of an already serialized key: ``from_serialized_key(serialize(k)) == generate(k)``."""
         digest = hashlib.blake2b(serialized_key, digest_size=cls.HASH_NBYTES).digest()
         return cls.from_bytes(digest)
+
+    @classmethod
+    def from_peer_id(cls, peer_id: bytes | _HasBytes) -> DHTID:
+        """The node id of a peer: blake2b-160 (personalised ``swarmtrain/node``) of its peer id
+        bytes. Results are cached (a few thousand peers), so checking a known peer costs a
+        dictionary lookup.
+
+        :raises ValueError: the peer id is empty or longer than :data:`MAX_PEER_ID_BYTES`
+        """
+        raw = peer_id if isinstance(peer_id, bytes) else peer_id.to_bytes()
+        node_id = _NODE_IDS.get(raw)
+        if node_id is None:
+            if not 0 < len(raw) <= MAX_PEER_ID_BYTES:
+                raise ValueError(
+                    f"a peer id must be 1 to {MAX_PEER_ID_BYTES} bytes, got {len(raw)}"
+                )
+            node_id = _derive_node_id(raw)
+        return node_id
+
+    def is_node_id_of(self, peer_id: bytes | _HasBytes) -> bool:
+        """Whether this is the node id of ``peer_id`` (False for a malformed peer id)."""
+        raw = peer_id if isinstance(peer_id, bytes) else peer_id.to_bytes()
+        node_id = _NODE_IDS.get(raw)
+        if node_id is None:
+            if not 0 < len(raw) <= MAX_PEER_ID_BYTES:
+                return False
+            node_id = _derive_node_id(raw)
+        return self == node_id
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> DHTID:  # type: ignore[override]
@@ -89,3 +130,17 @@ class DHTID(int):
 
     def __repr__(self) -> str:
         return f"DHTID({int(self):#0{self.HASH_NBYTES * 2 + 2}x})"
+
+
+#: node ids of recently seen peer ids (a check of a known peer is one dict lookup); bounded:
+#: cleared when full, as only peer ids of at most MAX_PEER_ID_BYTES enter it
+_NODE_IDS: dict[bytes, DHTID] = {}
+
+
+def _derive_node_id(raw: bytes) -> DHTID:
+    digest = hashlib.blake2b(raw, digest_size=DHTID.HASH_NBYTES, person=_NODE_ID_PERSON).digest()
+    node_id = DHTID.from_bytes(digest)
+    if len(_NODE_IDS) >= _NODE_ID_CACHE_SIZE:
+        _NODE_IDS.clear()
+    _NODE_IDS[raw] = node_id
+    return node_id

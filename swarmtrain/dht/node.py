@@ -237,8 +237,22 @@ class DHTNode:
         ``initial_peers`` are multiaddrs of DHT nodes; without them the node bootstraps from the
         peers ``p2p`` is connected to. ``client_mode`` defaults to the host's. Other keywords
         are :class:`DHTNodeConfig` fields.
+
+        The node id is derived from the host's peer id (``DHTID.from_peer_id(p2p.peer_id)``)
+        and other nodes check it, so it cannot be chosen: ``node_id`` (hivemind's keyword) is
+        accepted only if it is that id; a node placed elsewhere needs another identity.
+
+        :raises ValueError: ``node_id`` is not the node id of ``p2p.peer_id``
         """
         check_hivemind_only_keywords(kwargs)
+        own_id = DHTID.from_peer_id(p2p.peer_id)
+        if node_id is not None and node_id != own_id:
+            raise ValueError(
+                f"node_id={node_id!r} is not this host's node id {own_id!r}: node ids are "
+                "derived from peer ids (DHTID.from_peer_id(p2p.peer_id)) and other nodes reject "
+                "any other; leave node_id out, or use another identity (identity_path) to get "
+                "another id"
+            )
         kwargs.setdefault("client_mode", p2p.config.client_mode)
         config = DHTNodeConfig(**kwargs)
         if isinstance(initial_peers, str):
@@ -247,7 +261,7 @@ class DHTNode:
         # validator: it stores and returns signed records for others.
         validator = CompositeValidator([Ed25519SignatureValidator.verifier(), *record_validators])
         async with trio.open_nursery() as nursery:
-            self = cls(p2p, node_id or DHTID.generate(), config, validator, nursery)
+            self = cls(p2p, own_id, config, validator, nursery)
             try:
                 self.protocol.serve()
                 await self._bootstrap(initial_peers)

@@ -13,6 +13,12 @@ Peers that call us with a node id (non-client nodes) and peers that answer us ar
 routing table; when a bucket is full, the protocol pings its stalest node in the owner's task
 group (``nursery``) and keeps whichever answers.
 
+Node ids are bound to peer ids (``DHTID.from_peer_id``): a request whose node id is not its
+caller's fails with :class:`NodeIdMismatchError`, a response whose node id is not its sender's
+is dropped and the sender blacklisted, and ``nearest_peers`` entries whose node id is not their
+peer id's are dropped (the peer that listed them is blacklisted too). So nothing enters the
+routing table or a search at a place its peer did not get by hashing its identity.
+
 Resource handling: :meth:`serve` registers the handlers and :meth:`close` removes them; the
 owner (``DHTNode``) calls both and owns the task group.
 """
@@ -42,6 +48,7 @@ __all__ = [
     "DHTProtocolLimits",
     "FindResult",
     "MalformedRequestError",
+    "NodeIdMismatchError",
     "StoreItem",
     "merge_found_values",
 ]
@@ -57,6 +64,10 @@ FoundValue = ValueWithExpiration[bytes | DictionaryDHTValue]
 
 class MalformedRequestError(ValueError):
     """A DHT request broke a size limit or carried undecodable data; nothing was changed."""
+
+
+class NodeIdMismatchError(MalformedRequestError):
+    """A peer announced a node id that is not ``DHTID.from_peer_id`` of its peer id."""
 
 
 @dataclass(frozen=True)
@@ -224,6 +235,12 @@ class DHTProtocol:
         if not info.node_id:
             return None, [], ()
         node_id = _parse_dht_id(info.node_id, "peer.node_id")
+        if not node_id.is_node_id_of(remote_id):
+            raise NodeIdMismatchError(
+                f"peer.node_id {node_id!r} is not the node id of {remote_id}: node ids are "
+                "DHTID.from_peer_id(peer_id) (a peer of an older swarmtrain, or one that tries "
+                "to choose its place in the DHT)"
+            )
         if len(info.maddrs) > self.limits.max_maddrs:
             raise MalformedRequestError(
                 f"peer.maddrs has {len(info.maddrs)} addresses, more than {self.limits.max_maddrs}"
@@ -463,6 +480,8 @@ class DHTProtocol:
             node_id, _, _ = self._parse_node_info(peer_id, response.peer)
         except MalformedRequestError as e:
             logger.warning("malformed %s response from %s: %s", method, peer_id, e)
+            if isinstance(e, NodeIdMismatchError):
+                self._on_failure(peer_id)
             return None
         if node_id is not None:
             self.update_routing_table(node_id, peer_id)
@@ -520,12 +539,22 @@ class DHTProtocol:
             logger.warning("%s answered rpc_find with a wrong number of results", peer_id)
             return None
         now = get_dht_time()
-        return {
-            key_id: FindResult(
-                self._parse_found_value(peer_id, result, now), self._parse_nearest(result)
+        found, num_unbound = {}, 0
+        for key_id, result in zip(key_ids, response.results, strict=True):
+            nearest, unbound = self._parse_nearest(result)
+            found[key_id] = FindResult(self._parse_found_value(peer_id, result, now), nearest)
+            num_unbound += unbound
+        if num_unbound:
+            # our nodes only list pairs they checked: this peer made them up (or runs an
+            # older version); use the rest of its answer, but ask it nothing more for a while
+            logger.warning(
+                "%s listed %d nearest peers whose node ids are not derived from their peer ids;"
+                " ignored them and blacklisted it",
+                peer_id,
+                num_unbound,
             )
-            for key_id, result in zip(key_ids, response.results, strict=True)
-        }
+            self._on_failure(peer_id)
+        return found
 
     def _parse_found_value(
         self, peer_id: PeerID, result: dht_pb2.DHTFindResult, now: float
@@ -548,12 +577,18 @@ class DHTProtocol:
             return ValueWithExpiration(dictionary, result.expiration_time)
         return None
 
-    def _parse_nearest(self, result: dht_pb2.DHTFindResult) -> dict[DHTID, PeerID]:
+    def _parse_nearest(self, result: dht_pb2.DHTFindResult) -> tuple[dict[DHTID, PeerID], int]:
+        """The listed peers we may call, and how many listed pairs were not bound (dropped)."""
         nearest: dict[DHTID, PeerID] = {}
+        unbound = 0
         for info in result.nearest_peers[: self.limits.max_nearest_peers]:
             if len(info.node_id) != DHTID.HASH_NBYTES or not info.peer_id:
                 continue
-            node_id, peer_id = DHTID.from_bytes(info.node_id), PeerID(info.peer_id)
+            node_id = DHTID.from_bytes(info.node_id)
+            if not node_id.is_node_id_of(info.peer_id):
+                unbound += 1
+                continue
+            peer_id = PeerID(info.peer_id)
             if peer_id == self.p2p.peer_id or node_id == self.node_id:
                 continue
             maddrs = tuple(info.maddrs[: self.limits.max_maddrs])
@@ -570,7 +605,7 @@ class DHTProtocol:
                     logger.debug("ignoring bad addresses of %s: %s", peer_id, e)
                     continue
             nearest[node_id] = peer_id
-        return nearest
+        return nearest, unbound
 
 
 def _parse_dht_id(raw: bytes, what: str) -> DHTID:
