@@ -204,18 +204,22 @@ def test_peers_with_different_models_get_a_model_mismatch_warning(dhts):
 
 
 def test_late_joiner_loads_state_and_catches_up(dhts):
-    first = [Peer(dht, i) for i, dht in enumerate(dhts(2))]
+    # synchronous state rounds: a delayed one may overlap the next epoch's optimizer step (the
+    # epoch skips its own round then), so peers agree only approximately (as in hivemind)
+    sync = {"delay_state_averaging": False}
+    first = [Peer(dht, i, **sync) for i, dht in enumerate(dhts(2))]
     joiner = None
     try:
         in_threads(*(lambda p=p: p.train_until(3) for p in first))
-        joiner = Peer(dhts(1)[0], 2, seed=123)  # other initial parameters
+        joiner = Peer(dhts(1)[0], 2, seed=123, **sync)  # other initial parameters
         assert not joiner.opt.is_synchronized_with_peers()
         rows = joiner.shard[:BATCH]
         torch.nn.functional.mse_loss(joiner.model(X[rows]), Y[rows]).backward()
         joiner.opt.step()  # behind by more than one epoch: loads the state instead
         joiner.opt.zero_grad()
         assert joiner.opt.local_epoch == 3
-        assert_same_params(params_of(joiner.model), params_of(first[0].model))
+        loaded = params_of(joiner.model)  # exactly one donor's (they differ if a round failed)
+        assert any(all(map(torch.equal, loaded, params_of(p.model))) for p in first)
         assert joiner.opt.is_synchronized_with_peers()
 
         peers = [*first, joiner]

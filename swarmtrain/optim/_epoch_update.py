@@ -13,7 +13,7 @@ attributes used here are set by ``Optimizer.__init__``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import Any
 
@@ -24,7 +24,9 @@ from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.optim.epoch_core import (
     AuxiliaryCatchUp,
     BatchCheck,
+    EpochAdvanced,
     EpochCore,
+    FinishEpoch,
     RoundPlan,
     RoundWait,
     SkipBatch,
@@ -121,7 +123,8 @@ class EpochUpdates:
         )
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
-        tracker, state_averager, core = self._tracker, self._state_averager, self._epoch_core
+        """End this epoch as the epoch core decides (see the module docstring)."""
+        tracker, core = self._tracker, self._epoch_core
         with tracker.pause_updates():
             plan = core.begin_epoch_end(
                 self.local_epoch, tracker.global_progress, grad_scaler is not None
@@ -132,57 +135,12 @@ class EpochUpdates:
                 self._rounds.tag_along()
             elif plan.begin_round:
                 averaged, wait_for_trigger = self._run_gradient_round(plan, grad_scaler)
-            decision = core.on_round_result(averaged, state_averager.averaging_in_progress)
+            decision = core.on_round_result(averaged, self._state_averager.averaging_in_progress)
             if isinstance(decision, AuxiliaryCatchUp):
                 self._auxiliary_catch_up(decision.load_state)
                 return
-            if decision.state_round_skipped:  # as hivemind: the next epoch's round will run
-                logger.log(
-                    self.status_loglevel,
-                    "%s: skipping state averaging: the last round is still running",
-                    self.run_id,
-                )
-            averaging_opts = None
-            if decision.average_state:
-                averaging_opts = {"timeout": self.averaging_timeout}
-                if decision.state_round_weight is not None:  # receive the average, do not pull
-                    averaging_opts["weight"] = decision.state_round_weight
-            optimizer_step = decision.optimizer_step
-            if decision.step_with_averaged_now:
-                assert self.grad_averager is not None
-                with self.grad_averager.use_averaged_gradients():
-                    state_averager.step(increment_epoch=True, optimizer_step=True)
-                optimizer_step = False
-            try:
-                gathered = state_averager.step(
-                    increment_epoch=decision.increment_in_state_step,
-                    optimizer_step=optimizer_step,
-                    wait_for_trigger=wait_for_trigger if optimizer_step else None,
-                    delay_optimizer_step=decision.delay_optimizer_step and optimizer_step,
-                    averaging_round=decision.average_state,
-                    delay_averaging=decision.delay_state_averaging,
-                    averaging_opts=averaging_opts,
-                )
-            except BaseException:
-                self._gradients_consumed.set()  # nothing will consume them
-                raise
-            advanced = core.on_epoch_finished(
-                self.local_epoch, gathered.values() if gathered else None
-            )
-            if advanced.adopted_from is not None:
-                logger.log(
-                    self.status_loglevel,
-                    "%s: the state round's group was in epoch %d: moving there from epoch %d",
-                    self.run_id,
-                    advanced.epoch,
-                    advanced.adopted_from,
-                )
-                state_averager.local_epoch = advanced.epoch
-            self.last_epoch_samples = self.local_samples_accumulated
-            self.local_samples_accumulated = 0.0
-            tracker.update_epoch(advanced.epoch)
-            if advanced.serve_state:
-                state_averager.state_sharing_priority = advanced.epoch
+            gathered = self._finish_epoch(decision, wait_for_trigger)
+            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered))
         if grad_scaler is not None:
             grad_scaler.on_swarm_epoch_end_()
         logger.log(
@@ -192,6 +150,63 @@ class EpochUpdates:
             self.local_epoch,
             "with" if decision.average_state else "no",
         )
+
+    def _finish_epoch(
+        self, decision: FinishEpoch, wait_for_trigger: Callable[[], Any] | None
+    ) -> Collection[Any] | None:
+        """The optimizer step and the state round ``decision`` asks for; the epochs of the
+        state round's group if it averaged here."""
+        state_averager = self._state_averager
+        if decision.state_round_skipped:  # as hivemind: the next epoch's round will run
+            logger.log(
+                self.status_loglevel,
+                "%s: skipping state averaging: the last round is still running",
+                self.run_id,
+            )
+        averaging_opts = None
+        if decision.average_state:
+            averaging_opts = {"timeout": self.averaging_timeout}
+            if decision.state_round_weight is not None:  # receive the average, do not pull
+                averaging_opts["weight"] = decision.state_round_weight
+        optimizer_step = decision.optimizer_step
+        if decision.step_with_averaged_now:
+            assert self.grad_averager is not None
+            with self.grad_averager.use_averaged_gradients():
+                state_averager.step(increment_epoch=True, optimizer_step=True)
+            optimizer_step = False
+        try:
+            gathered = state_averager.step(
+                increment_epoch=decision.increment_in_state_step,
+                optimizer_step=optimizer_step,
+                wait_for_trigger=wait_for_trigger if optimizer_step else None,
+                delay_optimizer_step=decision.delay_optimizer_step and optimizer_step,
+                averaging_round=decision.average_state,
+                delay_averaging=decision.delay_state_averaging,
+                averaging_opts=averaging_opts,
+            )
+        except BaseException:
+            self._gradients_consumed.set()  # nothing will consume them
+            raise
+        return gathered.values() if gathered else None
+
+    def _advance_epoch(self, advanced: EpochAdvanced) -> None:
+        """Move to ``advanced.epoch`` (maybe the state group's): reset the samples, tell the
+        tracker, serve the state at that priority."""
+        state_averager = self._state_averager
+        if advanced.adopted_from is not None:
+            logger.log(
+                self.status_loglevel,
+                "%s: the state round's group was in epoch %d: moving there from epoch %d",
+                self.run_id,
+                advanced.epoch,
+                advanced.adopted_from,
+            )
+            state_averager.local_epoch = advanced.epoch
+        self.last_epoch_samples = self.local_samples_accumulated
+        self.local_samples_accumulated = 0.0
+        self._tracker.update_epoch(advanced.epoch)
+        if advanced.serve_state:
+            state_averager.state_sharing_priority = advanced.epoch
 
     def _run_gradient_round(
         self, plan: RoundPlan, grad_scaler: Any
