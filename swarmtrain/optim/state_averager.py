@@ -74,6 +74,7 @@ from swarmtrain.optim._tensor_infos import tag_compression
 from swarmtrain.optim.state_step_core import (
     AveragingPlace,
     StateAveragerTraits,
+    StatePhases,
     StateStepRequest,
     plan_state_step,
 )
@@ -505,6 +506,20 @@ class TrainingStateAverager(DecentralizedAverager):
                 wait_for_trigger, optimizer_step, zero_grad, control, set_to_none=set_to_none
             )
             return None
+        return self._run_phases_here(
+            phases, control, wait_for_trigger, optimizer_step, zero_grad, set_to_none
+        )
+
+    def _run_phases_here(
+        self,
+        phases: StatePhases,
+        control: StepControl | None,
+        wait_for_trigger: Callable[[], Any] | None,
+        optimizer_step: bool,
+        zero_grad: bool,
+        set_to_none: bool,
+    ) -> dict | None:
+        """The optimizer phase in this thread, then the round here or in the worker."""
         try:
             self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad, set_to_none)
         except BaseException:
