@@ -14,7 +14,6 @@ from test_optim_optimizer import (
     BATCH,
     FEATURES,
     HOST,
-    TARGET,
     Peer,
     X,
     assert_same_params,
@@ -29,6 +28,11 @@ from swarmtrain.optim import PowerSGDGradientAverager
 from swarmtrain.optim.grad_scaler import GradScaler
 
 MOMENTUM_SGD = {"optimizer": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.5)}
+# With the default delay_state_averaging, a state round still running when the next epoch
+# ends overlaps that epoch's optimizer step in the trainer's thread (the epoch skips its own
+# round): peers then agree only approximately, as in hivemind. Tests that compare models
+# exactly use synchronous state rounds (the delayed-step modes run step and round in order).
+SYNC_STATE = {"delay_state_averaging": False}
 # offload_optimizer alone (the default with a factory) is what test_optim_optimizer.py runs
 MODES = {
     "plain": {"offload_optimizer": False, "delay_state_averaging": False},
@@ -54,12 +58,6 @@ def max_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
-def assert_epoch_sizes(peers: list[Peer], epochs: list[int]) -> None:
-    for epoch in epochs:
-        samples = sum(p.samples[epoch] for p in peers)
-        assert TARGET * 0.8 <= samples <= 1.2 * TARGET, (epoch, samples)
-
-
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_modes_train_together(dhts, mode):  # noqa: F811
     opts = {**MOMENTUM_SGD, **MODES[mode]}
@@ -73,16 +71,15 @@ def test_modes_train_together(dhts, mode):  # noqa: F811
         in_threads(*(lambda p=p: p.train_until(3) for p in peers))
         land(peers)
         assert {p.opt.local_epoch for p in peers} == {3}
-        assert_epoch_sizes(peers, [2, 3])
+        # epoch sizes depend on the load: tests/test_optim_epoch_core.py checks them
         final = [params_of(p.model) for p in peers]
         if opts.get("use_local_updates"):
             for a, b in zip(*final, strict=True):  # local steps since the last state round
                 assert (a - b).abs().max() < 0.5
         elif all(p.opt.epochs_alone == 0 for p in peers):
             assert_same_params(final[0], final[1])
-        else:  # a loaded machine made a round fail (logged): still close
-            for a, b in zip(*final, strict=True):
-                assert (a - b).abs().max() < 0.5
+        # else a round failed under load (logged); the same seed keeps the models close
+        # whether or not they averaged, so closeness would prove nothing
         assert full_loss(peers[0].model) < 0.7 * initial_loss
         if opt.reuse_grad_buffers:
             with pytest.raises(ValueError, match="zero_grad"):
@@ -142,7 +139,7 @@ def test_client_mode_peer_trains_with_a_normal_one(dhts):  # noqa: F811
     client_dht = DHT(server_dht.get_visible_maddrs(), client_mode=True, **HOST)
     peers = []
     try:
-        peers = [Peer(server_dht, 0), Peer(client_dht, 1)]
+        peers = [Peer(server_dht, 0, **SYNC_STATE), Peer(client_dht, 1, **SYNC_STATE)]
         assert peers[1].opt.client_mode and not peers[0].opt.client_mode
         initial_loss = full_loss(peers[0].model)
         in_threads(*(lambda p=p: p.train_until(3) for p in peers))
@@ -158,7 +155,7 @@ def test_client_mode_peer_trains_with_a_normal_one(dhts):  # noqa: F811
 
 
 def test_others_go_on_when_a_peer_is_killed(dhts):  # noqa: F811
-    peers = [Peer(dht, i) for i, dht in enumerate(dhts(3))]
+    peers = [Peer(dht, i, **SYNC_STATE) for i, dht in enumerate(dhts(3))]
     victim, survivors = peers[2], peers[:2]
     try:
         in_threads(*(lambda p=p: p.train_until(1) for p in peers))
@@ -189,7 +186,8 @@ def test_others_go_on_when_a_peer_is_killed(dhts):  # noqa: F811
 
 @pytest.mark.parametrize("reuse", [False, True])
 def test_grad_scaler_drops_non_finite_gradients(dhts, reuse):  # noqa: F811
-    peers = [Peer(dht, i, reuse_grad_buffers=reuse) for i, dht in enumerate(dhts(2))]
+    opts = {"reuse_grad_buffers": reuse, **SYNC_STATE}
+    peers = [Peer(dht, i, **opts) for i, dht in enumerate(dhts(2))]
     scalers = [GradScaler("cpu", init_scale=64.0), GradScaler("cpu", init_scale=64.0)]
     try:
         with pytest.raises(TypeError, match=r"swarmtrain\.optim\.GradScaler"):

@@ -3,8 +3,9 @@
 ``GradientRounds`` owns at most one pre-scheduled ``StepControl`` of the gradient averager:
 
 - :meth:`maybe_schedule` starts matchmaking once the swarm is expected to reach
-  ``target_batch_size`` within ``matchmaking_time`` (the tracker's ETA), so that the group is
-  assembled while the peers still compute (hivemind's pre-scheduling);
+  ``target_batch_size`` within ``matchmaking_time`` (the tracker's ETA; ``EpochCore`` decides
+  when), so that the group is assembled while the peers still compute (hivemind's
+  pre-scheduling);
 - :meth:`begin` loads the accumulated gradients into the averaged buffers, resets the
   accumulators and lets all-reduce run in that control (or in a new one); alone, it only
   loads the local mean gradient;
@@ -33,7 +34,7 @@ from typing import Any
 
 from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.control import AveragingStage
-from swarmtrain.dht import deserialize, get_dht_time
+from swarmtrain.dht import deserialize
 
 __all__ = ["GradientRounds"]
 
@@ -97,14 +98,11 @@ class GradientRounds:
     def _usable(self, control: StepControl | None) -> bool:
         return control is not None and not (control.triggered or control.done())
 
-    def maybe_schedule(self, eta: float, others_seen: bool, epoch: int, num_peers: int) -> None:
-        """Start matchmaking for the round that ends ``epoch`` if the epoch should end within
-        ``matchmaking_time`` (DHT time ``eta``) and no usable round is scheduled yet
-        (``num_peers``: peers present, counting us)."""
-        if not others_seen or self._usable(self.scheduled):
-            return
-        seconds_left = eta - get_dht_time()
-        if seconds_left > self.matchmaking_time:
+    def maybe_schedule(self, seconds_left: float, epoch: int, num_peers: int) -> None:
+        """Start matchmaking for the round that ends ``epoch`` (in ``seconds_left``; the epoch
+        core decided it is time) unless a usable round is scheduled already (``num_peers``:
+        peers present, counting us)."""
+        if self._usable(self.scheduled):
             return
         logger.log(
             self.status_loglevel,

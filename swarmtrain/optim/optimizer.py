@@ -83,9 +83,9 @@ import torch
 from swarmtrain.averaging import StepControl
 from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.optim._epoch_gradients import GradientRounds
-from swarmtrain.optim._epoch_sync import EpochSync
 from swarmtrain.optim._epoch_update import EpochUpdates, scaler_method
 from swarmtrain.optim._optimizer_options import check_positive, resolve_modes
+from swarmtrain.optim.epoch_core import EpochCore, EpochModes
 from swarmtrain.optim.grad_averager import GradientAverager
 from swarmtrain.optim.progress_core import GlobalProgress
 from swarmtrain.optim.progress_tracker_blocking import ProgressTracker
@@ -267,7 +267,20 @@ class Optimizer(EpochUpdates):
             show_logs()
         self.local_samples_accumulated = 0.0  #: this epoch, this peer
         self.last_epoch_samples = 0.0  #: samples this peer contributed to its last epoch
-        self.skipped_batches = 0  #: batches dropped for non-finite gradients
+        self._epoch_core = EpochCore(  # decides what each step and epoch end does
+            EpochModes(
+                auxiliary=self.auxiliary,
+                client_mode=self.client_mode,
+                use_local_updates=self.use_local_updates,
+                offload_optimizer=self.offload_optimizer,
+                delay_optimizer_step=self.delay_optimizer_step,
+                delay_grad_averaging=self.delay_grad_averaging,
+                delay_state_averaging=self.delay_state_averaging,
+                reuse_grad_buffers=self.reuse_grad_buffers,
+                average_state_every=self.average_state_every,
+                matchmaking_time=self.matchmaking_time,
+            )
+        )
 
         common: dict[str, Any] = {
             "min_matchmaking_time": self.matchmaking_time,
@@ -290,7 +303,6 @@ class Optimizer(EpochUpdates):
         self._last_progress: GlobalProgress | None = None  # the tracker's, at the last step
         self._gradients_consumed = threading.Event()  # the optimizer took the last round's result
         self._gradients_consumed.set()
-        self._epoch_sync = EpochSync()  # whether a peer one epoch behind must catch up
         try:
             state_opts = dict(common)
             if state_averaging_compression is not None:
@@ -536,9 +548,11 @@ class Optimizer(EpochUpdates):
                 raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
             check_positive("batch_size", batch_size)
 
-        tracker = self._tracker  # two calls into it per step: report, then read the swarm
+        tracker, core = self._tracker, self._epoch_core  # two calls into the tracker per step
         progress = self._last_progress or tracker.global_progress
-        if self._is_behind(progress.epoch) and self._is_behind(tracker.global_epoch):
+        if core.is_behind(self.local_epoch, progress.epoch) and core.is_behind(
+            self.local_epoch, tracker.global_epoch
+        ):
             self._catch_up()
             return loss
 
@@ -547,32 +561,16 @@ class Optimizer(EpochUpdates):
             if not self._accumulate(batch_size, grad_scaler):
                 return loss
         progress = self._last_progress = tracker.global_progress
-        if self._rounds is not None:
-            if not (self.auxiliary and progress.epoch > self.local_epoch):  # aux: round is over
-                self._rounds.maybe_schedule(
-                    progress.eta_next_epoch,
-                    self._others_seen(progress),
-                    self.local_epoch,
-                    self._peers_present(progress),
-                )
-        if (  # as tracker.ready_to_update_epoch, on this snapshot
-            progress.epoch > self.local_epoch
-            or progress.samples_accumulated >= progress.target_batch_size
-            or get_dht_time() >= progress.eta_next_epoch
-        ):
+        plan = core.on_progress(self.local_epoch, progress, get_dht_time())
+        if plan.schedule_round:
+            assert self._rounds is not None
+            self._rounds.maybe_schedule(plan.seconds_left, self.local_epoch, plan.num_peers_present)
+        if plan.end_epoch:
             self._last_progress = None
             self._update_global_epoch(grad_scaler)
         return loss
 
     # ------------------------------------------------------------------ state
-
-    def _is_behind(self, swarm_epoch: int) -> bool:
-        """Whether this peer must catch up with the swarm (``swarmtrain.optim._epoch_sync``);
-        an auxiliary peer catches up by itself when it misses a round, so only when two or more
-        epochs behind."""
-        if self.auxiliary:
-            return self.local_epoch < swarm_epoch - 1
-        return self._epoch_sync.must_catch_up(self.local_epoch, swarm_epoch)
 
     def _catch_up(self) -> None:
         """Load the state from peers; if none could serve it and the swarm is one epoch ahead
@@ -588,19 +586,19 @@ class Optimizer(EpochUpdates):
         self._last_progress = None
         if self.load_state_from_peers():
             return
-        swarm_epoch = self._tracker.global_epoch
         failure = self._state_averager.state_download_failure
         no_donor = failure is not None and not failure.donors
-        if not self.auxiliary and (swarm_epoch == self.local_epoch + 1 or no_donor):
-            if swarm_epoch <= self.local_epoch:
-                return
+        enter = self._epoch_core.after_failed_catch_up(
+            self.local_epoch, self._tracker.global_epoch, no_donor
+        )
+        if enter is not None:
             logger.warning(
                 "%s: no peer served its state: moving to the swarm's epoch %d with this peer's "
                 "own parameters",
                 self.run_id,
-                swarm_epoch,
+                enter.epoch,
             )
-            self._enter_epoch(swarm_epoch)
+            self._enter_epoch(enter.epoch)
 
     def _enter_epoch(self, epoch: int) -> None:
         """Start ``epoch`` afresh: drop the accumulated gradients, tell the tracker, serve the
@@ -668,11 +666,8 @@ class Optimizer(EpochUpdates):
                 detail,
             )
             return False
-        global_epoch = tracker.global_epoch
-        epoch = state_averager.local_epoch
-        if global_epoch - 1 <= epoch < global_epoch:
-            epoch = global_epoch  # the donor was about to move on
-        self._enter_epoch(epoch)
+        enter = self._epoch_core.after_load(state_averager.local_epoch, tracker.global_epoch)
+        self._enter_epoch(enter.epoch)  # the swarm's, if the donor was about to move on
         logger.log(
             self.status_loglevel,
             "%s: loaded the training state, now at epoch %d",

@@ -71,6 +71,13 @@ from swarmtrain.optim._state_checks import (
     optimizer_state_specs,
 )
 from swarmtrain.optim._tensor_infos import tag_compression
+from swarmtrain.optim.state_step_core import (
+    AveragingPlace,
+    StateAveragerTraits,
+    StatePhases,
+    StateStepRequest,
+    plan_state_step,
+)
 
 __all__ = ["TrainingStateAverager"]
 
@@ -439,7 +446,8 @@ class TrainingStateAverager(DecentralizedAverager):
         wait_for_trigger: Callable[[], Any] | None = None,
         averaging_opts: dict[str, Any] | None = None,
     ) -> Any:
-        """Do some of the following, in this order (hivemind's semantics).
+        """Do some of the following, in this order (hivemind's semantics; which ones and where:
+        ``swarmtrain.optim.state_step_core``).
 
         :param wait_for_delayed_updates: wait for delayed phases still running (default: when
           ``averaging_round``, or with ``delta_rule_averaging`` before a delayed optimizer step;
@@ -460,68 +468,70 @@ class TrainingStateAverager(DecentralizedAverager):
           ``weight``, ``allow_retries``)
         :returns: the round's ``{peer_id: epoch}`` if it ran here and succeeded, else None
         """
-        if delay_averaging is None:
-            delay_averaging = delay_optimizer_step
-        # a new round needs the last one applied (one set of buffers); under the delta rule an
-        # optimizer step in this thread need not wait (the round's result is added on top), a
-        # delayed one would queue behind the round in the worker thread
-        delayed_step = delay_optimizer_step and (optimizer_step or zero_grad)
-        should_wait = averaging_round or (self.delta_rule_averaging and delayed_step)
-        if wait_for_delayed_updates is None:
-            wait_for_delayed_updates = should_wait
-        if should_wait and not (wait_for_delayed_updates and apply_delayed_updates):
-            raise ValueError("wait for (and apply) delayed updates before scheduling a new one")
-        if delay_optimizer_step and not delay_averaging:
-            raise ValueError("a delayed optimizer step needs delay_averaging too")
-        if delay_optimizer_step and not self.offload_optimizer:
-            raise ValueError("delay_optimizer_step needs offload_optimizer")
-        if averaging_control is not None and not averaging_round:
-            raise ValueError("averaging_control is only used with averaging_round=True")
-        if averaging_opts and not averaging_round:
+        phases = plan_state_step(
+            StateStepRequest(
+                wait_for_delayed_updates=wait_for_delayed_updates,
+                apply_delayed_updates=apply_delayed_updates,
+                increment_epoch=increment_epoch,
+                optimizer_step=optimizer_step,
+                zero_grad=zero_grad,
+                delay_optimizer_step=delay_optimizer_step,
+                averaging_round=averaging_round,
+                delay_averaging=delay_averaging,
+                has_averaging_control=averaging_control is not None,
+                has_wait_for_trigger=wait_for_trigger is not None,
+                has_averaging_opts=bool(averaging_opts),
+            ),
+            self._traits,
+        )
+        if phases.warn_unused_averaging_opts:
             logger.warning("averaging_opts %s are unused: averaging_round=False", averaging_opts)
-        if wait_for_trigger is not None:
-            if not (optimizer_step or zero_grad or averaging_round):
-                raise ValueError("wait_for_trigger needs something to trigger")
-            if not (self.reuse_tensors or self.custom_gradients):
-                raise ValueError(
-                    "wait_for_trigger needs reuse_tensors or custom_gradients: otherwise it is "
-                    "unclear which gradients the delayed optimizer step should use"
-                )
-
-        if wait_for_delayed_updates:
+        if phases.wait_for_delayed_updates:
             self.wait_for_delayed_updates()
         self._forget_finished_updates()
-        if apply_delayed_updates:
+        if phases.apply_delayed_updates:
             self._apply_delayed_updates()
-        if increment_epoch:
+        if phases.increment_epoch:
             self.local_epoch += 1
-        if not (optimizer_step or zero_grad or averaging_round):
+        if not phases.work:
             return None
-
-        if self.offload_optimizer and not self.custom_gradients:
+        if phases.load_local_grads:
             with self.lock_optimizer:
                 self._load_local_grads_into_optimizer_()
         control = None
-        if averaging_round:
+        if phases.prepare_round:
             control = self._prepare_round(averaging_control, dict(averaging_opts or {}))
-
-        if delay_optimizer_step:
+        if phases.optimizer_in_worker:  # the round, if any, follows the step there
             self._submit(
                 wait_for_trigger, optimizer_step, zero_grad, control, set_to_none=set_to_none
             )
             return None
+        return self._run_phases_here(
+            phases, control, wait_for_trigger, optimizer_step, zero_grad, set_to_none
+        )
+
+    def _run_phases_here(
+        self,
+        phases: StatePhases,
+        control: StepControl | None,
+        wait_for_trigger: Callable[[], Any] | None,
+        optimizer_step: bool,
+        zero_grad: bool,
+        set_to_none: bool,
+    ) -> dict | None:
+        """The optimizer phase in this thread, then the round here or in the worker."""
         try:
             self._optimizer_phase(wait_for_trigger, optimizer_step, zero_grad, set_to_none)
         except BaseException:
             if control is not None:
                 control.cancel()
             raise
-        if self.offload_optimizer and (optimizer_step or zero_grad):
+        if phases.apply_parameters:
             with self.lock_optimizer:
                 self._apply_optimizer_parameters_()
         if control is None:
             return None
-        if delay_averaging:  # the round averages the state as of now, not of when it runs
+        if phases.averaging is AveragingPlace.IN_WORKER:  # it averages the state as of now
             self._load_round_inputs(control)
             self._submit(None, False, False, control, inputs_loaded=True)
             return None
@@ -529,6 +539,15 @@ class TrainingStateAverager(DecentralizedAverager):
         if gathered is not None:
             self._apply_round()
         return gathered
+
+    @property
+    def _traits(self) -> StateAveragerTraits:
+        return StateAveragerTraits(
+            offload_optimizer=self.offload_optimizer,
+            delta_rule_averaging=self.delta_rule_averaging,
+            reuse_tensors=self.reuse_tensors,
+            custom_gradients=self.custom_gradients,
+        )
 
     def _prepare_round(self, control: StepControl | None, opts: dict[str, Any]) -> StepControl:
         if control is not None and (control.triggered or control.done()):
