@@ -235,17 +235,18 @@ class Lab:
             )
 
     def set_loss(self, host: Host, probability: float) -> None:
-        """Drop each packet ``host`` sends or receives with ``probability`` (iptables
-        statistic, so a round trip loses about twice that). 0 removes the rules."""
+        """Drop each packet that arrives at ``host`` with ``probability`` (iptables statistic in
+        its INPUT chain; set it on both ends for loss both ways: a drop in the OUTPUT chain
+        would fail the sender's ``send`` with EPERM instead of losing the packet). 0 removes
+        the rule."""
         if not 0 <= probability < 1:
             raise ValueError("probability must be in [0, 1)")
-        for chain in ("INPUT", "OUTPUT"):
-            self.exec(host.ns, "iptables", "-F", chain)
-            if probability:
-                self.exec(
-                    *(host.ns, "iptables", "-A", chain, "-m", "statistic"),
-                    *("--mode", "random", "--probability", f"{probability}", "-j", "DROP"),
-                )
+        self.exec(host.ns, "iptables", "-F", "INPUT")
+        if probability:
+            self.exec(
+                *(host.ns, "iptables", "-A", "INPUT", "-m", "statistic"),
+                *("--mode", "random", "--probability", f"{probability}", "-j", "DROP"),
+            )
 
     def add_latency(self, host: Host, delay: float, jitter: float = 0.0) -> PeerProcess:
         """Delay every TCP connection ``host`` opens to a lab address by ``delay`` s (plus up
