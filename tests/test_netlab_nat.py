@@ -115,3 +115,46 @@ def test_bulk_calls_behind_nat_fall_back_to_libp2p(swarm):
         result = swarm.ask("a", call)
         assert result["correct"], result
         assert result["lanes_opened"] == lanes and result["lane_fallbacks"] == 0, result
+
+
+@pytest.mark.slow
+def test_symmetric_nat_hole_punch_fails_and_is_counted(swarm):
+    # runs after test_symmetric_nat_pair_averages_through_the_relay: the punch started by the
+    # relayed dial between a and c gives up (py-libp2p: 3 rounds of 5 s dials and pauses)
+    def failed() -> int:
+        return sum(swarm.paths(name)["hole_punches_failed"] for name in "ac")
+
+    if not swarm.paths("a")["paths"].get("c"):
+        _average(swarm, "ac", "sym", rounds=1)
+    assert _wait_for(failed, 60, "a failed hole punch between a and c") >= 1
+    assert swarm.paths("a")["paths"]["c"] == ["relayed"]
+
+
+@pytest.mark.slow
+def test_a_lane_offered_from_behind_a_nat_costs_one_open_wait():
+    # "d" does not know it is behind a NAT (AutoNAT off), so it offers data lanes; after a
+    # hole punch, a's bulk call tries a lane to d's NAT box, which drops it: the call goes
+    # over libp2p after lane.OPEN_WAIT, and the failure is remembered for the next calls
+    reason = netlab.iptables_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with netlab.Lab() as lab:
+        swarm = NatSwarm(
+            lab,
+            {"a": "cone", "d": "cone"},
+            options={"d": {"use_autonat": False, "use_auto_relay": True}},
+        )
+        swarm.ask_all({name: {"op": "wait_circuit", "timeout": 60} for name in "ad"}, 90)
+        info = swarm.ask("d", {"op": "info"})
+        assert info["reachability"] == "unknown"
+        circuit = next(a for a in info["maddrs"] if "/p2p-circuit" in a)
+        swarm.ask("a", {"op": "connect", "maddr": circuit})  # relayed, then hole-punched
+        _wait_for(lambda: "direct" in swarm.paths("a")["paths"].get("d", []), 30, "a-d direct")
+        call = {"op": "bulk_call", "peer": swarm.peer_id("d"), "mib": 4, "bulk": True}
+        first = swarm.ask("a", call)
+        assert first["correct"] and first["lanes_opened"] == 0
+        assert first["seconds"] >= 0.5  # it waited lane.OPEN_WAIT for the lane
+        assert _wait_for(lambda: swarm.paths("a")["lane_fallbacks"], 10, "the fallback") == 1
+        second = swarm.ask("a", call)
+        assert second["correct"] and second["lanes_opened"] == 0
+        assert swarm.paths("a")["lane_fallbacks"] == 1  # not tried again

@@ -29,8 +29,9 @@ class NatSwarm:
         *,
         start_timeout: float = 90.0,
         log: tuple[str, ...] = (),
-        nat_peer_options: dict | None = None,
+        options: dict[str, dict] | None = None,
     ):
+        """``options``: extra ``DHT`` keywords per peer name (e.g. ``use_autonat=False``)."""
         self.lab = lab
         self.hosts: dict[str, Host] = {}
         self.peers: dict[str, PeerProcess] = {}
@@ -40,14 +41,15 @@ class NatSwarm:
         for name, nat in homes.items():
             self.hosts[name] = lab.add_home(name, nat=nat).add_host(name)
         started = time.monotonic()
-        self._start("relay", {}, log)
-        self._start("boot", {}, log)
+        self._start("relay", (options or {}).get("relay", {}), log)
+        self._start("boot", (options or {}).get("boot", {}), log)
         for name in ("relay", "boot"):
             self.info[name] = self.peers[name].recv(start_timeout)
         bootstrap = [self.public_maddr(name) for name in ("relay", "boot")]
         self.peers["boot"].ask({"op": "connect", "maddr": bootstrap[0]}, start_timeout)
         for name in homes:
-            self._start(name, {"initial_peers": bootstrap, **(nat_peer_options or {})}, log)
+            extra = (options or {}).get(name, {})
+            self._start(name, {"initial_peers": bootstrap, **extra}, log)
         for name in homes:
             self.info[name] = self.peers[name].recv(start_timeout)
         self.startup_seconds = time.monotonic() - started
