@@ -11,7 +11,7 @@ swarmtrain's defaults. ``--mbit``: limit every link to that rate (tc tbf; 0 = no
 Prints, as JSON lines: startup and AutoNAT times; DHT store/get across NATs; per pair (a-b
 cone/cone, a-c cone/symmetric, a-relay NAT/public) the round times of a 2-peer
 ``DecentralizedAverager`` (median, all), the connection kinds held after each round, the bytes
-that crossed the public hosts per round and per payload byte, the hole-punch outcome and time;
+that crossed the public hosts per round and per payload byte, the hole-punch counters;
 then bulk-call costs (8 MiB, median of ``--calls``): ``bulk=True`` against ``bulk=False`` to the
 relay (a lane), to b (direct, no lane offered), to c (relayed), and to d (a lane offered but
 unreachable: the first call pays the fallback). Baselines come from the same run.
@@ -35,16 +35,6 @@ HOMES = {"a": "cone", "b": "cone", "c": "symmetric", "d": "cone"}
 
 def report(**fields) -> None:
     print(json.dumps(fields), flush=True)
-
-
-def wait_for(condition, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    return None
 
 
 def average_pair(swarm: NatSwarm, pair: tuple[str, str], prefix: str, args) -> None:
@@ -73,15 +63,7 @@ def average_pair(swarm: NatSwarm, pair: tuple[str, str], prefix: str, args) -> N
         paths.append("+".join(kinds))
         crossed.append(swarm.public_bytes() - mark)
     payload = args.floats * 4
-    direct_after = None
-    if pair[1] != "relay":
-        direct_after = wait_for(
-            lambda: (
-                "direct" in swarm.paths(pair[0])["paths"].get(pair[1], [])
-                and time.monotonic() - started
-            ),
-            args.punch_wait,
-        )
+    direct_at_end = "direct" in swarm.paths(pair[0])["paths"].get(pair[1], [])
     counters = {name: swarm.paths(name) for name in pair}
     report(
         pair="-".join(pair),
@@ -92,7 +74,8 @@ def average_pair(swarm: NatSwarm, pair: tuple[str, str], prefix: str, args) -> N
         public_bytes_per_round=crossed,
         public_bytes_per_payload_byte=[round(c / payload, 2) for c in crossed],
         public_bytes_total=swarm.public_bytes() - before,
-        direct_after_seconds=None if not direct_after else round(direct_after, 1),
+        direct_at_end=direct_at_end,
+        seconds=round(time.monotonic() - started, 1),
         hole_punches={
             n: (c["hole_punches_succeeded"], c["hole_punches_failed"]) for n, c in counters.items()
         },
@@ -137,7 +120,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--mbit", type=float, default=0.0)
-    parser.add_argument("--punch_wait", type=float, default=40.0)
     args = parser.parse_args()
     reason = netlab.iptables_unavailable_reason()
     if reason is not None:

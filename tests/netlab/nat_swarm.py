@@ -18,6 +18,7 @@ from .process import PeerProcess
 from .topology import Host, Lab
 
 PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer.py")
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_peer.py")
 LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0"]
 
 
@@ -30,8 +31,12 @@ class NatSwarm:
         start_timeout: float = 90.0,
         log: tuple[str, ...] = (),
         options: dict[str, dict] | None = None,
+        runner: str = PEER_SCRIPT,
+        runner_options: dict | None = None,
     ):
-        """``options``: extra ``DHT`` keywords per peer name (e.g. ``use_autonat=False``)."""
+        """``options``: extra ``DHT`` keywords per peer name (e.g. ``use_autonat=False``);
+        ``runner``: the script the NAT peers run (the public ones run ``peer.py``), given
+        ``runner_options`` and ``index`` (0, 1, ...) besides ``dht`` and ``log``."""
         self.lab = lab
         self.hosts: dict[str, Host] = {}
         self.peers: dict[str, PeerProcess] = {}
@@ -47,16 +52,19 @@ class NatSwarm:
             self.info[name] = self.peers[name].recv(start_timeout)
         bootstrap = [self.public_maddr(name) for name in ("relay", "boot")]
         self.peers["boot"].ask({"op": "connect", "maddr": bootstrap[0]}, start_timeout)
-        for name in homes:
+        for index, name in enumerate(homes):
             extra = (options or {}).get(name, {})
-            self._start(name, {"initial_peers": bootstrap, **extra}, log)
+            more = {**(runner_options or {}), "index": index}
+            self._start(name, {"initial_peers": bootstrap, **extra}, log, runner, more)
         for name in homes:
             self.info[name] = self.peers[name].recv(start_timeout)
         self.startup_seconds = time.monotonic() - started
 
-    def _start(self, name: str, dht: dict, log: tuple[str, ...]) -> None:
-        options = {"dht": {"host_maddrs": LISTEN_ALL, **dht}, "log": list(log)}
-        self.peers[name] = self.lab.spawn(self.hosts[name], PEER_SCRIPT, json.dumps(options))
+    def _start(
+        self, name: str, dht: dict, log, script: str = PEER_SCRIPT, more: dict | None = None
+    ) -> None:
+        options = {"dht": {"host_maddrs": LISTEN_ALL, **dht}, "log": list(log), **(more or {})}
+        self.peers[name] = self.lab.spawn(self.hosts[name], script, json.dumps(options))
 
     def public_maddr(self, name: str) -> str:
         """``name``'s address on the public segment (a public peer's only dialable one)."""
