@@ -17,6 +17,7 @@ classifier of ``swarmtrain demo`` (offline data), driven by JSON lines on stdin.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import sys
 import threading
@@ -69,8 +70,8 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
             inner_optimizer=lambda params: torch.optim.Adam(params, lr=0.003),
             inner_steps=command.get("inner_steps", 50),
             batch_size_per_step=batch,
-            matchmaking_time=2.0,
-            averaging_timeout=30.0,
+            matchmaking_time=command.get("matchmaking_time", 5.0),
+            averaging_timeout=60.0,
             min_group_size=2,
         )
     else:
@@ -81,9 +82,9 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
             batch_size_per_step=batch,
             optimizer=lambda params: torch.optim.Adam(params, lr=0.01),
             params=model.parameters(),
-            matchmaking_time=2.0,
-            averaging_timeout=30.0,
-            load_state_timeout=30.0,
+            matchmaking_time=command.get("matchmaking_time", 5.0),
+            averaging_timeout=60.0,
+            load_state_timeout=60.0,
         )
     try:
         loss_before, _ = evaluate(model, eval_set)
@@ -132,6 +133,13 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
 
 def main(options: dict) -> None:
     import swarmtrain
+
+    if options.get("log"):  # logger names to show on stderr
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f %(name)s %(message)s"))
+        for name in options["log"]:
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(options.get("log_level", "DEBUG"))
 
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=read_commands, args=(commands,), daemon=True).start()
