@@ -4,8 +4,10 @@
   rate limits (``tc tbf``), random loss (``iptables -m statistic``), latency and jitter (a
   transparent userspace delay proxy, ``delay_proxy``: netem is not in this kernel).
 - ``PeerProcess`` (``process``): a script inside a namespace, driven by JSON lines.
-- ``peer.py``: the runner a test starts in a namespace: a swarmtrain DHT (+ averager) that
-  answers commands (``peer_runner.PeerHandle`` wraps it for tests).
+- ``peer.py``: the runner a test starts in a namespace: a swarmtrain DHT (+ averagers) that
+  answers commands; ``train_peer.py``: an ``Optimizer`` / ``DiLoCoOptimizer`` peer;
+  ``nat_swarm.NatSwarm``: public relays and one such peer behind each home's NAT.
+- ``probe.py``: stdlib TCP/UDP probes (the harness's own tests).
 - ``unavailable_reason`` / ``iptables_unavailable_reason``: why a lab cannot run here (a test
   skips with that reason).
 """
