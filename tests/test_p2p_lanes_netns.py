@@ -1,29 +1,27 @@
 """Direct data lanes between hosts in separate network namespaces (root only).
 
-Two namespaces on one bridge: A (10.77.0.1) runs two callee hosts, "open" and "firewalled"
-(its lane port gets an iptables DROP rule), and B (10.77.0.2) runs the caller. Every host
+Two public hosts of a ``netlab.Lab``: A runs two callee hosts, "open" and "firewalled"
+(its lane port gets an iptables DROP rule), and B runs the caller. Every host
 listens on ``/ip4/0.0.0.0/tcp/0``, so lanes listen on 0.0.0.0 and the caller dials the address
 its libp2p connection comes from. Each namespace runs this file as a script (``peer_main``),
-driven with JSON lines over stdin/stdout (netns_util); starting the two processes once for the
-module keeps it fast (importing libp2p takes seconds).
+driven with JSON lines over stdin/stdout (``netlab.PeerProcess``); starting the two processes
+once for the module keeps it fast (importing libp2p takes seconds).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import netns_util
+import netlab
 
 pytestmark = pytest.mark.skipif(
-    netns_util.unavailable_reason() is not None,
-    reason=netns_util.unavailable_reason() or "",
+    netlab.unavailable_reason() is not None,
+    reason=netlab.unavailable_reason() or "",
 )
 
 MIB = 1 << 20
@@ -154,13 +152,13 @@ async def _peer(hosts: int) -> None:
 
 
 class Swarm:
-    def __init__(self, lan, a, b, a_hosts: list[dict], b_info: dict):
-        self.lan, self.a, self.b = lan, a, b
+    def __init__(self, lab, a, b, a_hosts: list[dict], b_info: dict):
+        self.lab, self.a, self.b = lab, a, b
         self.a_hosts, self.b_info = a_hosts, b_info
 
     def connect_b_to(self, host: int) -> dict:
         info = self.a_hosts[host]
-        maddr = f"/ip4/{self.lan.addresses[0]}/tcp/{info['port']}/p2p/{info['peer_id']}"
+        maddr = f"/ip4/{self.lab.hosts['a'].ip}/tcp/{info['port']}/p2p/{info['peer_id']}"
         return self.b.ask({"op": "connect", "maddr": maddr}, CALL_TIMEOUT)
 
     def bulk_call(self, host: int, mib: int, **options) -> dict:
@@ -177,20 +175,12 @@ class Swarm:
 @pytest.fixture(scope="module")
 def swarm():
     script = os.path.abspath(__file__)
-    with netns_util.Lan(2) as lan:
-        peers = []
-        try:
-            peers.append(netns_util.PeerProcess(lan.hosts[0], script, "--peer", "2"))
-            peers.append(netns_util.PeerProcess(lan.hosts[1], script, "--peer", "1"))
-            a, b = peers
-            a_hosts = a.recv(START_TIMEOUT)["hosts"]
-            (b_info,) = b.recv(START_TIMEOUT)["hosts"]
-            yield Swarm(lan, a, b, a_hosts, b_info)
-        finally:
-            for peer in peers:  # both shut down at the same time
-                peer.request_quit()
-            for peer in peers:
-                peer.close()
+    with netlab.Lab() as lab:  # stops both peers (at the same time) when it closes
+        a = lab.spawn(lab.add_public_host("a"), script, "--peer", "2")
+        b = lab.spawn(lab.add_public_host("b"), script, "--peer", "1")
+        a_hosts = a.recv(START_TIMEOUT)["hosts"]
+        (b_info,) = b.recv(START_TIMEOUT)["hosts"]
+        yield Swarm(lab, a, b, a_hosts, b_info)
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -199,7 +189,7 @@ def _delta(after: dict, before: dict) -> dict:
 
 def test_bulk_call_between_namespaces_takes_a_lane(swarm):
     assert swarm.a_hosts[OPEN]["lane_address"][0] == "0.0.0.0"
-    assert swarm.connect_b_to(OPEN)["observed_ips"] == [swarm.lan.addresses[0]]
+    assert swarm.connect_b_to(OPEN)["observed_ips"] == [swarm.lab.hosts["a"].ip]
     b_before = swarm.b_stats()
 
     # open_wait: on a busy machine, the call waits for its lane instead of taking libp2p
@@ -218,22 +208,9 @@ def test_bulk_call_between_namespaces_takes_a_lane(swarm):
 
 
 def _ensure_iptables() -> None:
-    """Install iptables from the local apt cache if it is missing (no download), else skip."""
-    if shutil.which("iptables") is None and shutil.which("apt-get") is not None:
-        try:
-            subprocess.run(
-                ["apt-get", "install", "-y", "-q", "--no-download", "iptables"],
-                capture_output=True,
-                timeout=60,
-                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
-            )
-        except subprocess.TimeoutExpired:
-            pass
-    if shutil.which("iptables") is None:
-        pytest.skip(
-            "iptables is not installed and not in the local apt cache "
-            "(apt-get install -y iptables to run this case)"
-        )
+    reason = netlab.iptables_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def test_firewalled_lane_falls_back_to_libp2p_once(swarm):
@@ -241,7 +218,7 @@ def test_firewalled_lane_falls_back_to_libp2p_once(swarm):
     connect_timeout = swarm.b_info["connect_timeout"]  # the parent does not import libp2p
     lane_port = swarm.a_hosts[FIREWALLED]["lane_address"][1]
     rule = ["INPUT", "-p", "tcp", "--dport", str(lane_port), "-j", "DROP"]
-    swarm.lan.exec(swarm.lan.hosts[0], "iptables", "-A", *rule)
+    swarm.lab.hosts["a"].exec("iptables", "-A", *rule)
     try:
         swarm.connect_b_to(FIREWALLED)
         b_before = swarm.b_stats()
@@ -270,7 +247,7 @@ def test_firewalled_lane_falls_back_to_libp2p_once(swarm):
         assert callee["tickets"] == 1 and callee["lanes_accepted"] == 0, callee
         assert callee["seen"] == [swarm.b_info["peer_id"]] * 2
     finally:
-        swarm.lan.exec(swarm.lan.hosts[0], "iptables", "-D", *rule)
+        swarm.lab.hosts["a"].exec("iptables", "-D", *rule)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--peer"]:

@@ -24,6 +24,7 @@ from swarmtrain.p2p.relay_routes import (
     parse_circuit_addr,
     renewal_time,
     reservations_due,
+    specify_relay_addrs,
 )
 
 REVERSE = "test::Relay.reverse"
@@ -86,6 +87,24 @@ def test_circuit_addrs_via():
         f"/ip4/10.0.0.1/tcp/1/p2p/{R}/p2p-circuit/p2p/{C}",
         f"/ip4/10.0.0.2/tcp/2/p2p/{R}/p2p-circuit/p2p/{C}",
     ]
+
+
+def test_wildcard_relay_addresses_become_the_ips_we_reach_the_relay_at():
+    # a relay listening on 0.0.0.0 reports that in its reservation: dialling it would reach
+    # the dialler's own machine (seen in tests/test_netlab_nat.py)
+    addrs = [
+        f"/ip4/0.0.0.0/tcp/4001/p2p/{R}",
+        "/ip6/::/tcp/4001",
+        "/ip4/10.0.0.1/tcp/4001",
+        "/ip4/10.0.0.1/tcp/4001",  # duplicate
+    ]
+    assert specify_relay_addrs(addrs, {"10.0.0.1", "2001:db8::1"}) == [
+        f"/ip4/10.0.0.1/tcp/4001/p2p/{R}",
+        "/ip6/2001:db8::1/tcp/4001",
+        "/ip4/10.0.0.1/tcp/4001",
+    ]
+    # reached only through a relayed connection (no IP): wildcard addresses are dropped
+    assert specify_relay_addrs(addrs[:1], set()) == []
 
 
 def test_reservation_renewal_schedule():
@@ -161,12 +180,14 @@ async def test_relayed_connection_is_upgraded_by_hole_punching(target_listens):
             (circuit,) = circuits(target)
             await dialer.connect(circuit)  # the dialer never learns a direct address
             assert dialer.relay.is_relayed(target.peer_id)
+            assert dialer.connection_paths()[target.peer_id][-1] == "relayed"
             reply = await dialer.call_protobuf_handler(
                 target.peer_id, REVERSE, StringValue(value="punch"), StringValue
             )
             assert reply.value == "hcnup"
             with trio.fail_after(5.0):
                 await wait_until(lambda: dialer.relay.is_direct(target.peer_id))
+            assert "direct" in dialer.connection_paths()[target.peer_id]
             with trio.fail_after(6.0):
                 await wait_until(lambda: dialer.relay.statistics().hole_punches_succeeded == 1)
             # new calls use the direct connection (libp2p prefers direct over relayed)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import multiaddr
 import trio
+from libp2p.connection_types import ConnectionType
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
@@ -40,6 +41,20 @@ class Dialling:
         """Whether an open connection to ``peer`` exists."""
         conns = self._host.get_network().connections.get(as_peer_id(peer), ())
         return any(not conn.is_closed for conn in conns)
+
+    def connection_paths(self) -> dict[ID, list[str]]:
+        """How each connected peer is reached: one entry per open connection, ``"direct"`` or
+        ``"relayed"`` (both while a hole-punched connection replaces a relayed one)."""
+        paths: dict[ID, list[str]] = {}
+        for peer, conns in self._host.get_network().connections.items():
+            kinds = [
+                "relayed" if conn.get_connection_type() == ConnectionType.RELAYED else "direct"
+                for conn in (conns if isinstance(conns, list) else [conns])
+                if not conn.is_closed
+            ]
+            if kinds:
+                paths[peer] = sorted(kinds)
+        return paths
 
     def _forget_closed_connections(self, peer_id: ID) -> None:
         # py-libp2p 0.8.1 can keep a dead connection listed; its new_stream then fails "No

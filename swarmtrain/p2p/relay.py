@@ -57,6 +57,7 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from libp2p.tools.anyio_service import background_trio_service
 
 from swarmtrain.p2p._libp2p_fixes import _fix_hole_punch_dial_leak
+from swarmtrain.p2p.autonat import observed_ips
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError
 from swarmtrain.p2p.relay_routes import (
     CIRCUIT,
@@ -65,6 +66,7 @@ from swarmtrain.p2p.relay_routes import (
     group_routes,
     renewal_time,
     reservations_due,
+    specify_relay_addrs,
 )
 
 if TYPE_CHECKING:
@@ -293,6 +295,8 @@ class RelayManager:
             except Exception:
                 logger.debug("relay %s sent an undecodable address", relay)
         relay_addrs += self._p2p.known_addrs(relay)  # the address we reached it at
+        # a relay listening on 0.0.0.0 reports that address: use the IP we reach it at instead
+        relay_addrs = specify_relay_addrs(relay_addrs, observed_ips(self._p2p, relay))
         circuit_addrs = circuit_addrs_via(relay, relay_addrs, self._p2p.peer_id)
         if not circuit_addrs:
             raise P2PError("the relay has no address we can advertise")

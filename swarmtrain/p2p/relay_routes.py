@@ -60,6 +60,27 @@ def group_routes(target: ID, addrs: Iterable[multiaddr.Multiaddr | str]) -> list
     return [CircuitRoute(relay, tuple(addrs), target) for relay, addrs in merged.items()]
 
 
+def specify_relay_addrs(
+    relay_addrs: Iterable[multiaddr.Multiaddr | str], observed_ips: Iterable[str]
+) -> list[str]:
+    """A relay's addresses with each wildcard one (``/ip4/0.0.0.0/...``, ``/ip6/::/...``: what a
+    relay listening on all interfaces reports in its reservation) replaced by one per IP we
+    reach the relay at; dialling a wildcard address reaches the dialler's own machine."""
+    ips = sorted(observed_ips)
+    result: list[str] = []
+    for addr in relay_addrs:
+        parts = str(addr).split("/")
+        candidates = [str(addr)]
+        if len(parts) > 2 and (parts[1], parts[2]) in (("ip4", "0.0.0.0"), ("ip6", "::")):
+            family = parts[1]
+            rest = "/".join(parts[3:])
+            candidates = [
+                f"/{family}/{ip}/{rest}" for ip in ips if (":" in ip) == (family == "ip6")
+            ]
+        result.extend(c for c in candidates if c not in result)
+    return result
+
+
 def circuit_addrs_via(relay: ID, relay_addrs: Iterable[multiaddr.Multiaddr | str], us: ID):
     """Our circuit addresses through ``relay``: ``<addr>/p2p/<relay>/p2p-circuit/p2p/<us>``."""
     result: list[str] = []

@@ -1,0 +1,207 @@
+"""A swarmtrain peer for netlab: run inside a namespace, driven by JSON lines on stdin.
+
+``python peer.py '<json options>'`` starts a DHT (its ``P2P`` host) with the options'
+``dht`` keywords (``initial_peers``, ``host_maddrs``, ``client_mode``, ``use_auto_relay``,
+...), registers a digest handler for bulk-call measurements, prints ``{"ready": ...}`` and
+then answers one line per command (``{"error": ...}`` when a command fails):
+
+- ``{"op": "info"}``: peer id, visible addresses, AutoNAT's verdict, relay reservations;
+- ``{"op": "wait_reachability", "timeout": s}``: wait for AutoNAT's verdict, then ``info``;
+- ``{"op": "wait_circuit", "timeout": s}``: wait for a ``/p2p-circuit`` address, then ``info``;
+- ``{"op": "store", "key", "value", "ttl"}`` / ``{"op": "get", "key"}``: DHT records;
+- ``{"op": "connect", "maddr"}``: dial a peer;
+- ``{"op": "average", "prefix", "rounds", "floats", "value", "group_size", "timeout"}``:
+  a ``DecentralizedAverager`` over ``floats`` float32 values all equal to ``value`` averages
+  ``rounds`` times; per round: seconds, group size, the first averaged value;
+- ``{"op": "paths"}``: per connected peer, the kinds of connection held
+  (``P2P.connection_paths``), relay and lane counters;
+- ``{"op": "bulk_call", "peer", "mib", "bulk"}``: stream ``mib`` MiB to ``peer``'s digest
+  handler; seconds taken, whether the digest matched;
+- ``{"op": "quit"}`` (or stdin closed): leave every ``async with`` and exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+
+import trio
+
+DIGEST = "netlab::Digest.digest"
+MIB = 1 << 20
+
+
+def say(message: dict) -> None:
+    print(json.dumps(message), flush=True)
+
+
+async def main(options: dict) -> None:
+    from google.protobuf.wrappers_pb2 import BytesValue, StringValue
+
+    from swarmtrain.dht import DHT, get_dht_time
+
+    if options.get("log"):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f %(name)s %(message)s"))
+        for name in options["log"]:
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(logging.DEBUG)
+
+    async def digest(requests, context):
+        total, sha = 0, hashlib.sha256()
+        async for request in requests:
+            total += len(request.value)
+            sha.update(request.value)
+        return StringValue(value=f"{total} {sha.hexdigest()}")
+
+    async with contextlib.AsyncExitStack() as stack:
+        dht = await stack.enter_async_context(DHT.create(**options.get("dht", {})))
+        p2p = dht.p2p
+        p2p.add_protobuf_handler(DIGEST, digest, BytesValue, stream_input=True)
+        averagers: dict[str, tuple] = {}  # prefix -> (tensors, averager)
+
+        def info() -> dict:
+            relay = p2p.relay
+            return {
+                "peer_id": str(p2p.peer_id),
+                "maddrs": p2p.get_visible_maddrs(),
+                "reachability": p2p.reachability.value,
+                "relays": [str(r) for r in relay.relays] if relay else [],
+            }
+
+        say({"ready": True, **info()})
+        while True:
+            line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+            if not line:
+                return
+            command = json.loads(line)
+            op = command["op"]
+            try:
+                if op == "quit":
+                    return
+                elif op == "info":
+                    say(info())
+                elif op == "wait_reachability":
+                    with trio.fail_after(command.get("timeout", 60)):
+                        await p2p.autonat.wait_reachability_known()
+                    say(info())
+                elif op == "wait_circuit":
+                    with trio.fail_after(command.get("timeout", 60)):
+                        while not any(  # noqa: ASYNC110 (no event for it)
+                            "/p2p-circuit" in a for a in p2p.get_visible_maddrs()
+                        ):
+                            await trio.sleep(0.05)
+                    say(info())
+                elif op == "store":
+                    expiration = get_dht_time() + command.get("ttl", 120)
+                    ok = await dht.store(command["key"], command["value"], expiration)
+                    say({"ok": bool(ok)})
+                elif op == "get":
+                    found = await dht.get(command["key"], latest=True)
+                    say({"value": None if found is None else found.value})
+                elif op == "connect":
+                    with trio.fail_after(command.get("timeout", 30)):
+                        peer = await p2p.connect(command["maddr"])
+                    say({"connected": str(peer), "paths": _paths(p2p)})
+                elif op == "average":
+                    prefix = command["prefix"]
+                    if prefix not in averagers:
+                        import torch  # only averaging peers pay for importing it
+
+                        from swarmtrain.averaging import DecentralizedAverager
+
+                        tensors = [torch.full((command["floats"],), float(command["value"]))]
+                        averagers[prefix] = (
+                            tensors,
+                            await stack.enter_async_context(
+                                DecentralizedAverager.create(
+                                    tensors,
+                                    dht,
+                                    prefix=prefix,
+                                    target_group_size=command["group_size"],
+                                    min_group_size=command["group_size"],
+                                    min_matchmaking_time=command.get("matchmaking_time", 2.0),
+                                    request_timeout=command.get("request_timeout", 1.0),
+                                    **command.get("averager", {}),
+                                )
+                            ),
+                        )
+                    averaged, averager = averagers[prefix]
+                    rounds = []
+                    for _ in range(command["rounds"]):
+                        averaged[0].fill_(float(command["value"]))  # no step is running
+                        started = time.perf_counter()
+                        with trio.fail_after(command.get("timeout", 60)):
+                            group = await averager.step(expected_group_size=command["group_size"])
+                        rounds.append(
+                            {
+                                "seconds": time.perf_counter() - started,
+                                "group": len(group),
+                                "value": float(averaged[0][0]),
+                                "paths": _paths(p2p),
+                            }
+                        )
+                    say(
+                        {
+                            "rounds": rounds,
+                            "part_bytes_sent": averager.part_bytes_sent,
+                            "delta_bytes_sent": averager.delta_bytes_sent,
+                        }
+                    )
+                elif op == "paths":
+                    say({"paths": _paths(p2p), **_counters(p2p)})
+                elif op == "bulk_call":
+                    chunks = [os.urandom(MIB) for _ in range(command["mib"])]
+                    before = _counters(p2p)
+                    started = time.perf_counter()
+                    reply = await p2p.call_protobuf_handler(
+                        command["peer"],
+                        DIGEST,
+                        [BytesValue(value=chunk) for chunk in chunks],
+                        StringValue,
+                        stream_input=True,
+                        bulk=command.get("bulk", True),
+                        timeout=command.get("timeout", 60),
+                    )
+                    elapsed = time.perf_counter() - started
+                    expected = f"{len(chunks) * MIB} {hashlib.sha256(b''.join(chunks)).hexdigest()}"
+                    after = _counters(p2p)
+                    say(
+                        {
+                            "seconds": elapsed,
+                            "correct": reply.value == expected,
+                            "paths": _paths(p2p),
+                            "lanes_opened": after["lanes_opened"] - before["lanes_opened"],
+                            "lane_fallbacks": after["lane_fallbacks"] - before["lane_fallbacks"],
+                        }
+                    )
+                else:
+                    say({"error": f"unknown op {op!r}"})
+            except Exception as e:
+                say({"error": f"{op}: {e!r}"})
+
+
+def _paths(p2p) -> dict[str, list[str]]:
+    return {str(peer): kinds for peer, kinds in p2p.connection_paths().items()}
+
+
+def _counters(p2p) -> dict:
+    stats = p2p.statistics()
+    relay = p2p.relay.statistics() if p2p.relay is not None else None
+    return {
+        "lanes_opened": stats["lanes_opened"],
+        "lanes_accepted": stats["lanes_accepted"],
+        "lane_fallbacks": stats["lane_fallbacks"],
+        "relayed_dials": relay.relayed_dials if relay else 0,
+        "hole_punches_succeeded": relay.hole_punches_succeeded if relay else 0,
+        "hole_punches_failed": relay.hole_punches_failed if relay else 0,
+    }
+
+
+if __name__ == "__main__":
+    trio.run(main, json.loads(sys.argv[1]))

@@ -1,0 +1,59 @@
+"""Commands the lab runs, and whether this machine can run a lab at all."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+_iptables_tried = False
+
+
+def run(*command: str, timeout: float = 10.0, check: bool = True) -> str:
+    """Run ``command``; its stdout. Raises ``RuntimeError`` with stderr when it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def unavailable_reason() -> str | None:
+    """Why network namespaces cannot be used here (None: they can)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "network namespace tests need root"
+    if shutil.which("ip") is None:
+        return "network namespace tests need iproute2 (`ip`)"
+    return None
+
+
+def iptables_unavailable_reason() -> str | None:
+    """Like ``unavailable_reason``, and iptables is installed: if it is missing, try once per
+    process to install it (``apt-get install -y iptables``, as CI may on a fresh machine)."""
+    global _iptables_tried
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    if shutil.which("iptables") is None and not _iptables_tried and shutil.which("apt-get"):
+        _iptables_tried = True
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for command in (
+            ["apt-get", "install", "-y", "-q", "--no-download", "iptables"],  # from the cache
+            ["apt-get", "update", "-q"],
+            ["apt-get", "install", "-y", "-q", "iptables"],
+        ):
+            try:
+                subprocess.run(command, capture_output=True, timeout=180, env=env)
+            except (subprocess.TimeoutExpired, OSError):
+                break
+            if shutil.which("iptables") is not None:
+                break
+    if shutil.which("iptables") is None:
+        return (
+            "iptables is missing and `apt-get install -y iptables` did not work here "
+            "(NAT boxes and packet loss need it)"
+        )
+    return None
+
+
+def tc_available() -> bool:
+    return shutil.which("tc") is not None

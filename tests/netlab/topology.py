@@ -1,0 +1,317 @@
+"""Hosts in network namespaces: a public segment (the "internet"), home networks behind NAT
+boxes, and the knobs that make links behave like WAN links.
+
+Layout (every box is a network namespace named ``<lab tag>-<name>``)::
+
+    public host --veth--+                         +--veth-- home host (10.231.250.2)
+    public host --veth--+-- br0 (the "net" ns) --veth-- NAT box ("<home>-nat")
+                        |   10.231.<run>.0/24        wan: 10.231.<run>.(100+k)
+                        +--veth-- NAT box ...        lan: 10.231.250.1 on bridge "lanbr"
+
+Every home uses the same LAN subnet, as home routers do (a peer that dials another home's
+private address reaches its own network, not the other peer). A NAT box forwards LAN -> WAN
+with iptables MASQUERADE and drops unsolicited packets from the WAN (a home router's
+firewall): ``nat="cone"`` keeps source ports (endpoint-independent mapping: DCUtR's predicted
+address WAN-IP:listen-port is right), ``nat="symmetric"`` adds ``--random-fully`` (every
+new connection, hole-punch dials included, gets a random WAN port: the prediction is wrong).
+
+Traffic goes only to addresses inside the lab: no namespace has a route out of it.
+
+Resource handling: ``Lab`` is a context manager; leaving it (also after an error) stops the
+processes it started, kills anything still running inside its namespaces and deletes them
+(deleting a namespace deletes its links). A lab left behind by a killed test run is deleted
+by the next ``Lab`` (namespaces carry the creating process's pid).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .process import PeerProcess
+from .system import run
+
+LAB_PREFIX = "nl"
+PUBLIC_NET = "10.231.{run}.0/24"
+HOME_LAN = "10.231.250"  # every home: 10.231.250.0/24, the NAT box at .1
+LAB_SUBNET = "10.231.0.0/16"  # everything the lab owns (delay proxies intercept this)
+NAT_KINDS = ("cone", "symmetric")
+DELAY_PROXY_PORT = 47000  # inside each delayed host's namespace
+QUIT_GRACE = 5.0  # seconds the lab's processes get to exit on their own when it closes
+_labs = itertools.count()
+
+
+@dataclass
+class Host:
+    """A machine: its namespace, its one interface and address, and the far end of its link."""
+
+    lab: Lab
+    name: str
+    ns: str
+    ip: str
+    ifname: str
+    uplink_ns: str  # namespace of the other end of the link (a bridge or a NAT box)
+    uplink_if: str
+    home: Home | None = None
+
+    def exec(self, *command: str, timeout: float = 10.0, check: bool = True) -> str:
+        return self.lab.exec(self.ns, *command, timeout=timeout, check=check)
+
+    def interface_bytes(self) -> tuple[int, int]:
+        """(received, sent) bytes on this host's interface so far (kernel counters)."""
+        base = f"/sys/class/net/{self.ifname}/statistics"
+        out = self.exec("cat", f"{base}/rx_bytes", f"{base}/tx_bytes").split()
+        return int(out[0]), int(out[1])
+
+
+@dataclass
+class Home:
+    """A home network: a NAT box (namespace ``router_ns``) and the hosts behind it."""
+
+    lab: Lab
+    name: str
+    nat: str
+    router_ns: str
+    wan_ip: str
+    wan_if: str
+    hosts: list[Host] = field(default_factory=list)
+
+    def add_host(self, name: str) -> Host:
+        """A host on this home's LAN (10.231.250.2, .3, ...), default route via the NAT box."""
+        index = len(self.hosts)
+        ip = f"{HOME_LAN}.{index + 2}"
+        ns = self.lab._new_ns(name)
+        inside, outside = self.lab._ifnames()
+        self.lab._veth(ns, inside, self.router_ns, outside)
+        self.lab.exec(self.router_ns, "ip", "link", "set", outside, "master", "lanbr")
+        self.lab.exec(self.router_ns, "ip", "link", "set", outside, "up")
+        self.lab._address(ns, inside, f"{ip}/24")
+        self.lab.exec(ns, "ip", "route", "add", "default", "via", f"{HOME_LAN}.1")
+        host = Host(self.lab, name, ns, ip, inside, self.router_ns, outside, home=self)
+        self.hosts.append(host)
+        self.lab.hosts[name] = host
+        return host
+
+
+class Lab:
+    """A set of namespaces joined by veths and bridges (see the module docstring)."""
+
+    def __init__(self) -> None:
+        number = next(_labs)
+        self.tag = f"{LAB_PREFIX}{os.getpid()}{'abcdefghijklmnopqrstuvwxyz'[number % 26]}"
+        self.run_octet = (os.getpid() * 7 + number) % 199 + 1  # 10.231.<1..199>.0/24
+        self.public_prefix = f"10.231.{self.run_octet}"
+        self.namespaces: list[str] = []
+        self.hosts: dict[str, Host] = {}
+        self.homes: dict[str, Home] = {}
+        self.processes: list[PeerProcess] = []
+        self._if_counter = itertools.count()
+        self._public_count = 0
+        self.net_ns = ""
+
+    # ------------------------------------------------------------- lifetime
+
+    def __enter__(self) -> Lab:
+        remove_stale_labs()
+        try:
+            self.net_ns = self._new_ns("net")
+            self.exec(self.net_ns, "ip", "link", "add", "br0", "type", "bridge")
+            self.exec(self.net_ns, "ip", "link", "set", "br0", "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop our processes, kill what else runs in our namespaces, delete them."""
+        for process in self.processes:
+            process.request_quit()
+        deadline = time.monotonic() + QUIT_GRACE
+        for process in self.processes:
+            try:
+                process.close(timeout=max(deadline - time.monotonic(), 0.1))
+            except Exception:
+                pass
+        self.processes.clear()
+        for ns in reversed(self.namespaces):
+            _delete_namespace(ns)
+        self.namespaces.clear()
+
+    # ------------------------------------------------------------- building
+
+    def exec(self, ns: str, *command: str, timeout: float = 10.0, check: bool = True) -> str:
+        return run("ip", "netns", "exec", ns, *command, timeout=timeout, check=check)
+
+    def _new_ns(self, name: str) -> str:
+        if not re.fullmatch(r"[a-z0-9]{1,12}", name):
+            raise ValueError(f"lab names are 1-12 lowercase letters or digits, not {name!r}")
+        ns = f"{self.tag}-{name}"
+        run("ip", "netns", "add", ns)
+        self.namespaces.append(ns)
+        self.exec(ns, "ip", "link", "set", "lo", "up")
+        return ns
+
+    def _ifnames(self) -> tuple[str, str]:
+        i = next(self._if_counter)
+        return f"eth{i}", f"port{i}"
+
+    def _veth(self, ns_a: str, if_a: str, ns_b: str, if_b: str) -> None:
+        # created in the first namespace, then one end moved: no name ever lives in the root one
+        self.exec(ns_a, "ip", "link", "add", if_a, "type", "veth", "peer", "name", if_b)
+        self.exec(ns_a, "ip", "link", "set", if_b, "netns", ns_b)
+
+    def _address(self, ns: str, ifname: str, cidr: str) -> None:
+        self.exec(ns, "ip", "addr", "add", cidr, "dev", ifname)
+        self.exec(ns, "ip", "link", "set", ifname, "up")
+
+    def _attach_public(self, ns: str, ip: str) -> tuple[str, str]:
+        inside, outside = self._ifnames()
+        self._veth(ns, inside, self.net_ns, outside)
+        self.exec(self.net_ns, "ip", "link", "set", outside, "master", "br0")
+        self.exec(self.net_ns, "ip", "link", "set", outside, "up")
+        self._address(ns, inside, f"{ip}/24")
+        return inside, outside
+
+    def add_public_host(self, name: str) -> Host:
+        """A host with a public address (10.231.<run>.1, .2, ...) on the internet segment."""
+        self._public_count += 1
+        ip = f"{self.public_prefix}.{self._public_count}"
+        ns = self._new_ns(name)
+        inside, outside = self._attach_public(ns, ip)
+        # an on-link default route: the host knows which IP it would reach "the internet" from
+        # (swarmtrain lists that address first for a wildcard listener); nothing answers there
+        self.exec(ns, "ip", "route", "add", "default", "dev", inside)
+        host = Host(self, name, ns, ip, inside, self.net_ns, outside)
+        self.hosts[name] = host
+        return host
+
+    def add_home(self, name: str, nat: str = "cone") -> Home:
+        """A NAT box on the internet segment (WAN 10.231.<run>.(100+k)) with an empty LAN."""
+        if nat not in NAT_KINDS:
+            raise ValueError(f"nat must be one of {NAT_KINDS}, not {nat!r}")
+        wan_ip = f"{self.public_prefix}.{100 + len(self.homes)}"
+        router = self._new_ns(f"{name}nat")
+        wan_if, _ = self._attach_public(router, wan_ip)
+        self.exec(router, "ip", "route", "add", "default", "dev", wan_if)
+        self.exec(router, "ip", "link", "add", "lanbr", "type", "bridge")
+        self._address(router, "lanbr", f"{HOME_LAN}.1/24")
+        self.exec(router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        masquerade = ["-t", "nat", "-A", "POSTROUTING", "-o", wan_if, "-j", "MASQUERADE"]
+        if nat == "symmetric":
+            masquerade.append("--random-fully")
+        for rule in (
+            masquerade,
+            # a home router's firewall: nothing from the WAN unless it answers our traffic
+            ["-P", "FORWARD", "DROP"],
+            ["-A", "FORWARD", "-i", "lanbr", "-o", wan_if, "-j", "ACCEPT"],
+            ["-A", "FORWARD", "-i", wan_if, "-o", "lanbr", "-m", "conntrack", "--ctstate",
+             "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+            ["-A", "INPUT", "-i", wan_if, "-m", "conntrack", "--ctstate",
+             "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+            ["-A", "INPUT", "-i", wan_if, "-j", "DROP"],
+        ):  # fmt: skip
+            self.exec(router, "iptables", *rule)
+        home = Home(self, name, nat, router, wan_ip, wan_if)
+        self.homes[name] = home
+        return home
+
+    # ------------------------------------------------------------- link conditions
+
+    def limit_rate(self, host: Host, mbit: float, burst_kbit: int = 256) -> None:
+        """Limit ``host``'s link to ``mbit`` Mbit/s each way (``tc tbf`` on both veth ends)."""
+        for ns, ifname in ((host.ns, host.ifname), (host.uplink_ns, host.uplink_if)):
+            self.exec(
+                *(ns, "tc", "qdisc", "replace", "dev", ifname, "root", "tbf"),
+                *("rate", f"{mbit}mbit", "burst", f"{burst_kbit}kbit", "latency", "200ms"),
+            )
+
+    def set_loss(self, host: Host, probability: float) -> None:
+        """Drop each packet that arrives at ``host`` with ``probability`` (iptables statistic in
+        its INPUT chain; set it on both ends for loss both ways: a drop in the OUTPUT chain
+        would fail the sender's ``send`` with EPERM instead of losing the packet). 0 removes
+        the rule."""
+        if not 0 <= probability < 1:
+            raise ValueError("probability must be in [0, 1)")
+        self.exec(host.ns, "iptables", "-F", "INPUT")
+        if probability:
+            self.exec(
+                *(host.ns, "iptables", "-A", "INPUT", "-m", "statistic"),
+                *("--mode", "random", "--probability", f"{probability}", "-j", "DROP"),
+            )
+
+    def add_latency(self, host: Host, delay: float, jitter: float = 0.0) -> PeerProcess:
+        """Delay every TCP connection ``host`` opens to a lab address by ``delay`` s (plus up
+        to ``jitter`` s, order kept) each way: a transparent proxy in its namespace
+        (``delay_proxy``) that iptables REDIRECTs those connections to. Give each host a
+        proxy for a delay on every path: a connection crosses the opener's proxy only.
+        The remote side then sees the proxy's source port, so do not use it where source
+        ports matter (hole punching)."""
+        port = DELAY_PROXY_PORT
+        script = os.path.join(os.path.dirname(__file__), "delay_proxy.py")
+        proxy = self.spawn(
+            host, script, "--port", str(port), "--delay", str(delay), "--jitter", str(jitter)
+        )
+        ready = proxy.recv(timeout=10)
+        self.exec(
+            *(host.ns, "iptables", "-t", "nat", "-A", "OUTPUT", "-p", "tcp"),
+            *("-d", LAB_SUBNET, "-m", "mark", "!", "--mark", ready["mark"]),
+            *("-j", "REDIRECT", "--to-ports", str(port)),
+        )
+        return proxy
+
+    # ------------------------------------------------------------- processes
+
+    def spawn(self, host: Host, script: str, *args: str, env: dict | None = None) -> PeerProcess:
+        """``python script *args`` inside ``host``'s namespace (JSON lines over stdio); stopped
+        when the lab closes."""
+        process = PeerProcess(host.ns, script, *args, env=env)
+        self.processes.append(process)
+        return process
+
+
+def _namespace_pids(ns: str) -> list[int]:
+    try:
+        out = run("ip", "netns", "pids", ns, check=False)
+    except subprocess.TimeoutExpired:
+        return []
+    return [int(p) for p in out.split()]
+
+
+def _delete_namespace(ns: str) -> None:
+    for pid in _namespace_pids(ns):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def remove_stale_labs() -> list[str]:
+    """Delete namespaces of labs whose creating process is gone (a killed test run)."""
+    removed = []
+    for line in run("ip", "netns", "list", check=False).splitlines():
+        match = re.match(rf"({LAB_PREFIX}(\d+)[a-z]-[a-z0-9]+)\b", line)
+        if match is None:
+            continue
+        pid = int(match.group(2))
+        try:
+            os.kill(pid, 0)
+            continue  # its lab is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        _delete_namespace(match.group(1))
+        removed.append(match.group(1))
+    if removed:
+        print(f"netlab: removed stale namespaces {removed}", file=sys.stderr)
+    return removed

@@ -1,0 +1,176 @@
+"""A training peer for netlab: ``swarmtrain.Optimizer`` or ``DiLoCoOptimizer`` on the small
+classifier of ``swarmtrain demo`` (offline data), driven by JSON lines on stdin.
+
+``python train_peer.py '<json options>'``: options ``dht`` (``DHT`` keywords), ``mode``
+(``"optimizer"`` or ``"diloco"``), ``index`` / ``peers`` (this peer's data shard). Prints
+``{"ready": ..., "peer_id", "maddrs"}``, then answers:
+
+- ``{"op": "wait_circuit", "timeout": s}``: wait for a ``/p2p-circuit`` address;
+- ``{"op": "train", "seconds": s, "peers": n, "run_id": ...}``: wait until the run has ``n``
+  peers (Optimizer), train for ``s`` seconds, then print ``{"trained": ..., "epoch": E}`` and
+  keep training until a ``{"op": "finish", "epoch": E}`` line arrives and our epoch (outer step
+  for DiLoCo) reaches it; then print ``{"done": ...}``: epochs, rounds averaged / alone, eval
+  loss before and after, the parameters;
+- ``{"op": "quit"}`` (or stdin closed): shut down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+
+from swarmtrain.cli.demo_peer import evaluate, make_data, make_model
+
+
+def say(message: dict) -> None:
+    print(json.dumps(message), flush=True)
+
+
+def read_commands(commands: queue.Queue) -> None:
+    for line in sys.stdin:
+        commands.put(json.loads(line))
+    commands.put({"op": "quit"})
+
+
+def progress(opt, mode: str) -> dict:
+    if mode == "diloco":
+        stats = opt.statistics()
+        return {
+            "epoch": stats.outer_step,
+            "averaged": stats.rounds_averaged,
+            "alone": stats.rounds_alone,
+            "last_group_size": stats.last_group_size,
+            "bytes_sent": stats.bytes_sent,
+        }
+    return {"epoch": opt.local_epoch, "averaged": opt.epochs_averaged, "alone": opt.epochs_alone}
+
+
+def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
+    import torch
+
+    import swarmtrain
+    from swarmtrain.optim.diloco import DiLoCoOptimizer
+
+    torch.set_num_threads(1)
+    mode, index, peers = options["mode"], options["index"], options["peers"]
+    (points, labels), eval_set = make_data()
+    shard = torch.arange(index, len(points), peers)
+    points, labels = points[shard], labels[shard]
+    model = make_model()
+    batch = 16
+    if mode == "diloco":
+        opt = DiLoCoOptimizer(
+            model.parameters(),
+            dht=dht,
+            run_id=command["run_id"],
+            inner_optimizer=lambda params: torch.optim.Adam(params, lr=0.003),
+            inner_steps=command.get("inner_steps", 50),
+            batch_size_per_step=batch,
+            matchmaking_time=command.get("matchmaking_time", 5.0),
+            averaging_timeout=60.0,
+            min_group_size=2,
+        )
+    else:
+        opt = swarmtrain.Optimizer(
+            dht=dht,
+            run_id=command["run_id"],
+            target_batch_size=command.get("target_batch_size", 512),
+            batch_size_per_step=batch,
+            optimizer=lambda params: torch.optim.Adam(params, lr=0.01),
+            params=model.parameters(),
+            matchmaking_time=command.get("matchmaking_time", 5.0),
+            averaging_timeout=60.0,
+            load_state_timeout=60.0,
+        )
+    try:
+        loss_before, _ = evaluate(model, eval_set)
+        if mode != "diloco":
+            opt.wait_for_peers(peers, timeout=60)
+        generator = torch.Generator().manual_seed(1000 + index)
+        started = time.monotonic()
+        finish_at = None
+        announced = False
+        while finish_at is None or progress(opt, mode)["epoch"] < finish_at:
+            rows = torch.randint(0, len(points), (batch,), generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(points[rows]), labels[rows])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if not announced and time.monotonic() - started >= command["seconds"]:
+                say({"trained": time.monotonic() - started, **progress(opt, mode)})
+                announced = True
+            while announced and finish_at is None:
+                try:
+                    message = commands.get_nowait()
+                except queue.Empty:
+                    break
+                if message["op"] == "finish":
+                    finish_at = message["epoch"]
+                elif message["op"] == "quit":
+                    return
+        loss_after, accuracy = evaluate(model, eval_set)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        say(
+            {
+                "done": time.monotonic() - started,
+                **progress(opt, mode),
+                "eval_loss_before": loss_before,
+                "eval_loss_after": loss_after,
+                "accuracy": accuracy,
+                "params": flat.tolist(),
+            }
+        )
+        # stay until told to quit: peers that are behind may still average with us
+        while commands.get()["op"] != "quit":
+            pass
+    finally:
+        opt.shutdown()
+
+
+def main(options: dict) -> None:
+    import swarmtrain
+
+    if options.get("log"):  # logger names to show on stderr
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f %(name)s %(message)s"))
+        for name in options["log"]:
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(options.get("log_level", "DEBUG"))
+
+    commands: queue.Queue = queue.Queue()
+    threading.Thread(target=read_commands, args=(commands,), daemon=True).start()
+    dht = swarmtrain.DHT(**options.get("dht", {}))
+    try:
+
+        def info() -> dict:
+            return {"peer_id": str(dht.peer_id), "maddrs": dht.get_visible_maddrs()}
+
+        say({"ready": True, **info()})
+        while True:
+            command = commands.get()
+            if command["op"] == "quit":
+                return
+            if command["op"] == "wait_circuit":
+                deadline = time.monotonic() + command.get("timeout", 60)
+                while not any("/p2p-circuit" in a for a in dht.get_visible_maddrs()):
+                    if time.monotonic() > deadline:
+                        say({"error": "no circuit address"})
+                        break
+                    time.sleep(0.05)
+                else:
+                    say(info())
+            elif command["op"] == "train":
+                train(dht, options, command, commands)
+                return
+            else:
+                say({"error": f"unknown op {command['op']!r}"})
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
