@@ -60,7 +60,6 @@ MAX_SHARE = 0.5
 """With two or more reducers, none reduces more than this share of the vector."""
 
 
-
 class NoReducerError(ValueError, AssertionError):
     """Every bandwidth is 0: nobody can reduce. A ``ValueError``; also an ``AssertionError``,
     which hivemind's ``load_balance_peers`` raises here, so ported ``except`` clauses hold."""
