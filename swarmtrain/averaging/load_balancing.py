@@ -58,6 +58,7 @@ MAX_BANDWIDTH_RATIO = 4.0
 """A bandwidth claim above this many times the group's median claim counts as the bound."""
 MAX_SHARE = 0.5
 """With two or more reducers, none reduces more than this share of the vector."""
+_MIN_RELATIVE_BANDWIDTH = 1e-300  # below this, 1 / ratio overflows
 
 
 class NoReducerError(ValueError, AssertionError):
@@ -92,11 +93,19 @@ def _resolve(
     if len(senders) != len(bandwidths):
         raise ValueError("bandwidths and senders have different lengths")
     specified = [float(b) for b in bandwidths if b is not None and b > 0]
-    default = math.fsum(specified) / len(specified) if specified else 1.0
+    default = math.fsum(b / len(specified) for b in specified) if specified else 1.0
     resolved = [default if b is None else float(b) for b in bandwidths]
     if not any(b > 0 for b in resolved):
         raise NoReducerError("at least one peer must have a positive (or unspecified) bandwidth")
     return resolved, senders
+
+
+def _relative(resolved: list[float]) -> list[float]:
+    """Bandwidths over the largest one (fractions depend only on their ratios), so that no sum
+    overflows and no division by a tiny claim does; a positive claim counts as at least
+    1e-300 of the largest (such a peer reduces next to nothing either way)."""
+    top = max(resolved)
+    return [0.0 if b == 0 else max(b / top, _MIN_RELATIVE_BANDWIDTH) for b in resolved]
 
 
 def butterfly_cost(
@@ -122,11 +131,12 @@ def butterfly_cost(
 def _costs(
     bandwidths: Sequence[float | None], senders: Sequence[bool] | None
 ) -> tuple[list[float], list[float], list[float]]:
-    """Resolved bandwidths ``b``, sender flags ``s`` (1.0 / 0.0) and reduce costs ``c``."""
+    """Bandwidths relative to the largest (:func:`_relative`), sender flags ``s`` (1.0 / 0.0)
+    and reduce costs ``c``."""
     resolved, is_sender = _resolve(bandwidths, senders)
     num_senders = sum(is_sender)
     s = [float(x) for x in is_sender]
-    return resolved, s, [num_senders - 2 * x for x in s]
+    return _relative(resolved), s, [num_senders - 2 * x for x in s]
 
 
 def _fill(
@@ -151,6 +161,8 @@ def _fill(
             break
     shares = {i: max(0.0, (level * b[i] - s[i]) / c[i]) for i in active}
     total = math.fsum(shares.values())
+    if total <= 0:  # only through rounding: fall back to bandwidth shares
+        shares, total = {i: b[i] for i in active}, math.fsum(b[i] for i in active)
     return {i: mass * share / total for i, share in shares.items()}
 
 
