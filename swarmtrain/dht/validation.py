@@ -294,7 +294,10 @@ class Ed25519SignatureValidator(RecordValidatorBase):
 
 def _require_owner_marker(value: bytes) -> bytes:
     if _OWNER_RE.search(value) is None:
-        raise ValueError("value must contain an [owner:<public key>] marker")
+        raise ValueError(
+            "value must contain an [owner:<base58 Ed25519 public key>] marker, as in "
+            "Ed25519SignatureValidator().local_public_key (hivemind's RSA keys do not apply)"
+        )
     return value
 
 
