@@ -196,7 +196,8 @@ def load_balance_peers(
     :param bandwidths: per peer (any sequence or 1-D array; see :func:`optimize_fractions`)
     :param min_size: peers that would reduce fewer values get none (their share goes to the
       others), unless that would leave nobody
-    :raises ValueError: a bandwidth is negative, NaN or infinite, or none is positive
+    :raises ValueError: a bandwidth is negative, NaN or infinite; :class:`NoReducerError`
+      (also an ``AssertionError``, as in hivemind) when none is positive
     """
     if vector_size < 0:
         raise ValueError(f"vector_size must be non-negative, got {vector_size}")
