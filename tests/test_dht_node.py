@@ -363,7 +363,8 @@ def test_an_added_signature_validator_signs_instead_of_the_nodes_verifier():
     composite = CompositeValidator([Ed25519SignatureValidator.verifier(), given])
     (kept,) = composite.validators
     assert kept.local_public_key == given.local_public_key
-    first, second = Ed25519SignatureValidator(), Ed25519SignatureValidator()
+    first = Ed25519SignatureValidator(Ed25519PrivateKey.generate())
+    second = Ed25519SignatureValidator(Ed25519PrivateKey.generate())
     (kept,) = CompositeValidator([first, second]).validators  # two of the user's: first wins
     assert kept.local_public_key == first.local_public_key
 
@@ -374,7 +375,7 @@ async def test_third_party_cannot_overwrite_a_signed_record():
 
     async with swarm() as s:
         for _ in range(5):
-            validator = Ed25519SignatureValidator()
+            validator = Ed25519SignatureValidator(Ed25519PrivateKey.generate())
             node = await s.add(validators=[validator])
             validators[node] = validator
         owner, reader, attacker = s.nodes[0], s.nodes[1], s.nodes[2]

@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from swarmtrain.p2p import P2P, PeerID
+from swarmtrain.utils.async_context import async_context_only
 from swarmtrain.utils.background import BackgroundService
 
 from .node import DHTNode, DHTNodeConfig, check_hivemind_only_keywords
@@ -71,8 +72,18 @@ class AsyncDHT:
         return await self.node.get_many(keys, latest=latest)
 
     async def run_coroutine(self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]]) -> T:
-        """``await coro_fn(self, node)``."""
-        return await coro_fn(self, self.node)
+        """``await coro_fn(self, node)`` (trio code: see :meth:`DHT.run_coroutine`)."""
+        try:
+            return await coro_fn(self, self.node)
+        except RuntimeError as e:
+            if str(e) != "no running event loop":  # asyncio's words, called outside asyncio
+                raise
+            raise RuntimeError(
+                "run_coroutine runs coro_fn on swarmtrain's trio loop, where asyncio calls "
+                "(asyncio.sleep, asyncio.gather, ...) find no running event loop: await trio's "
+                "or anyio's equivalents there (anyio.sleep), or await dht.aio's methods from "
+                "your own asyncio code"
+            ) from e
 
     def add_validators(self, record_validators: Sequence[RecordValidatorBase]) -> None:
         """See :meth:`DHTNode.add_validators`."""
@@ -112,6 +123,10 @@ class DHT(BackgroundService):
             self.run_in_background(await_ready=await_ready)
 
     @classmethod
+    @async_context_only(
+        "DHT.create(...) is a trio async context manager: `async with DHT.create(...) as dht:`; "
+        "hivemind's blocking form is DHT(...), with asyncio awaitables at DHT(...).aio"
+    )
     @asynccontextmanager
     async def create(
         cls,

@@ -29,6 +29,7 @@ from typing import Any
 import trio
 
 from swarmtrain.p2p import P2P, PeerID, PeerUnreachableError
+from swarmtrain.utils.async_context import async_context_only
 
 from .blacklist import Blacklist, BlacklistStatistics
 from .identifiers import DHTID
@@ -222,6 +223,11 @@ class DHTNode:
     # ---------------------------------------------------------------- lifetime
 
     @classmethod
+    @async_context_only(
+        "DHTNode.create(p2p, ...) is a trio async context manager, not awaited as in "
+        "hivemind: `async with DHTNode.create(p2p, ...) as node:`. From asyncio code, "
+        "`await AsyncioDHTNode.create(...)` is hivemind's DHTNode"
+    )
     @asynccontextmanager
     async def create(
         cls,

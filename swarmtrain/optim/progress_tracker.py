@@ -67,6 +67,7 @@ from swarmtrain.dht import (
     SchemaValidator,
     ValueWithExpiration,
     deserialize,
+    generate_private_key,
     get_dht_time,
     serialize,
 )
@@ -176,7 +177,9 @@ class AsyncProgressTracker:
 
         The settings are those of :class:`~swarmtrain.optim.progress_core.ProgressConfig`.
         ``client_mode`` defaults to the DHT's. ``private_key`` signs this peer's records unless
-        the DHT already has a signature validator (then that validator's key is used).
+        the DHT already has a signature validator (then that validator's key is used); without
+        it, a new key (not the process's default key: trackers in one process are distinct
+        peers).
         ``pubsub``: share the host's ``PubSub`` (a host runs at most one); without it the
         tracker opens its own, unless ``use_pubsub=False`` (then the DHT alone carries progress).
         """
@@ -207,7 +210,9 @@ class AsyncProgressTracker:
         validator.extend(
             [
                 SchemaValidator(TrainingProgressSchema, prefix=prefix),
-                Ed25519SignatureValidator(private_key),
+                Ed25519SignatureValidator(
+                    generate_private_key() if private_key is None else private_key
+                ),
             ]
         )
         signer = next(v for v in validator.validators if isinstance(v, Ed25519SignatureValidator))

@@ -55,6 +55,7 @@ from swarmtrain.p2p.listen_check import check_addresses_free
 from swarmtrain.p2p.private_network import PrivateNoiseTransport, resolve_swarm_key
 from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.p2p.rpc_stream import RPCStream
+from swarmtrain.utils.async_context import async_context_only
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
 logger = logging.getLogger(__name__)
@@ -213,6 +214,11 @@ class P2P(Dialling):
     # ---------------------------------------------------------------- lifetime
 
     @classmethod
+    @async_context_only(
+        "P2P.create(...) is a trio async context manager, not awaited as in hivemind: "
+        "`async with P2P.create(...) as p2p:`. A blocking DHT starts its own host: "
+        "DHT(host_maddrs=..., announce_maddrs=...)"
+    )
     @asynccontextmanager
     async def create(
         cls,
@@ -310,7 +316,10 @@ class P2P(Dialling):
         if len(failures) == len(self.config.initial_peers):
             all_rejected = key_mismatches == len(failures)
             error = SwarmKeyMismatchError if all_rejected else PeerUnreachableError
-            raise error("could not reach any of the initial peers:\n  " + "\n  ".join(failures))
+            raise error(
+                "failed to connect to bootstrap peers: could not reach any of the initial "
+                "peers:\n  " + "\n  ".join(failures)
+            )
         for failure in failures:
             logger.warning("initial peer unreachable (continuing with the others): %s", failure)
 
