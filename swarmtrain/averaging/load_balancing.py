@@ -42,6 +42,7 @@ MAX_BANDWIDTH_RATIO = 4.0
 """A bandwidth claim above this many times the group's median claim counts as the bound."""
 MAX_SHARE = 0.5
 """With two or more reducers, none reduces more than this share of the vector."""
+_MIN_RELATIVE_BANDWIDTH = 1e-300  # below this, 1 / ratio overflows
 
 
 def _check_bandwidths(bandwidths: Iterable[float | None]) -> list[float | None]:
@@ -71,11 +72,19 @@ def _resolve(
     if len(senders) != len(bandwidths):
         raise ValueError("bandwidths and senders have different lengths")
     specified = [float(b) for b in bandwidths if b is not None and b > 0]
-    default = math.fsum(specified) / len(specified) if specified else 1.0
+    default = math.fsum(b / len(specified) for b in specified) if specified else 1.0
     resolved = [default if b is None else float(b) for b in bandwidths]
     if not any(b > 0 for b in resolved):
         raise ValueError("at least one peer must have a positive (or unspecified) bandwidth")
     return resolved, senders
+
+
+def _relative(resolved: list[float]) -> list[float]:
+    """Bandwidths over the largest one (fractions depend only on their ratios), so that no sum
+    overflows and no division by a tiny claim does; a positive claim counts as at least
+    1e-300 of the largest (such a peer reduces next to nothing either way)."""
+    top = max(resolved)
+    return [0.0 if b == 0 else max(b / top, _MIN_RELATIVE_BANDWIDTH) for b in resolved]
 
 
 def butterfly_cost(
@@ -109,6 +118,7 @@ def optimize_fractions(
       by default
     """
     resolved, is_sender = _resolve(bandwidths, senders)
+    resolved = _relative(resolved)
     num_senders = sum(is_sender)
     reducers = [i for i, b in enumerate(resolved) if b > 0]
     s = [float(x) for x in is_sender]
@@ -184,7 +194,7 @@ def bounded_load_balance(
     :func:`bound_bandwidths`, then no peer reduces more than ``max_share`` of the vector while
     another peer could (the excess goes to the others in proportion to their bandwidths)."""
     bounded = bound_bandwidths(bandwidths, max_ratio)
-    resolved, _ = _resolve(bounded, senders)
+    resolved = _relative(_resolve(bounded, senders)[0])
     fractions = list(optimize_fractions(bounded, senders))
     eligible = [i for i, b in enumerate(resolved) if b > 0]
     if len(eligible) >= 2 and max_share * len(eligible) >= 1:
