@@ -18,7 +18,8 @@ from swarmtrain.p2p.framing import (
     message_header,
 )
 from swarmtrain.p2p.limits import ByteBudget
-from swarmtrain.proto import p2p_pb2
+from swarmtrain.p2p.rpc import parse_message
+from swarmtrain.proto import averaging_pb2, dht_pb2, matchmaking_pb2, p2p_pb2
 
 MAX_PAYLOAD = 4096
 FRAMING_ERRORS = (RPCProtocolError, MessageTooLargeError)
@@ -187,3 +188,24 @@ def test_byte_budget_refusal_is_typed():
     except ResourceLimitError:
         return
     raise AssertionError("the budget was not charged")
+
+
+@given(
+    st.sampled_from(
+        [
+            dht_pb2.DHTStoreRequest,
+            dht_pb2.DHTFindResponse,
+            averaging_pb2.AveragingTensorPart,
+            matchmaking_pb2.MatchmakingJoinRequest,
+            p2p_pb2.LaneTicket,
+        ]
+    ),
+    st.binary(max_size=200),
+)
+def test_rpc_payloads_parse_or_raise_protocol_error(message_type, payload):
+    """What every RPC handler and caller runs on a received payload."""
+    try:
+        message = parse_message(message_type, memoryview(payload), "request")
+    except RPCProtocolError:
+        return
+    assert isinstance(message, message_type)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -17,10 +18,22 @@ from swarmtrain.optim.progress_core import (
     ProgressConfig,
     ProgressCore,
 )
+from swarmtrain.optim.progress_records import _INVALID, _parse_progress
 
 KEYS = [f"[owner:peer{i}]".encode() for i in range(5)]
 LOCAL_KEY = b"[owner:local]"
 TARGET = 256
+# what a DHT record's value may decode to: dicts with the right keys and any values, or not
+field_values = (
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 2**64 - 1)
+    | st.floats()
+    | st.binary(max_size=8)
+    | st.text(max_size=4)
+)
+FIELDS = ["peer_id", "epoch", "samples_accumulated", "samples_per_second", "time", "client_mode"]
+values = st.none() | field_values | st.dictionaries(st.sampled_from([*FIELDS, "x"]), field_values)
 
 
 class ProgressSwarm(RuleBasedStateMachine):
@@ -147,3 +160,11 @@ class ProgressSwarm(RuleBasedStateMachine):
 
 
 TestProgressSwarm = ProgressSwarm.TestCase
+
+
+@given(values)
+def test_progress_records_from_the_dht_parse_or_are_invalid(value):
+    parsed = _parse_progress(value)
+    assert parsed is None or parsed is _INVALID or isinstance(parsed, LocalProgress)
+    if isinstance(parsed, LocalProgress):
+        assert parsed.to_dict() == {**value, "time": float(value["time"])}
