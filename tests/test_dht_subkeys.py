@@ -3,6 +3,9 @@ a list subkey made ``SchemaValidator.validate`` and every ``get`` of its key rai
 
 from __future__ import annotations
 
+import math
+
+import msgpack
 import pydantic
 import pytest
 from test_dht_node import swarm
@@ -10,6 +13,7 @@ from test_dht_node import swarm
 from swarmtrain.dht import DHTID, DHTRecord, SchemaValidator, get_dht_time, serialize
 from swarmtrain.dht.protocol import StoreItem
 from swarmtrain.dht.serialization import UnsupportedValueTypeError, check_serialized_subkey
+from swarmtrain.dht.storage import DictionaryDHTValue
 
 
 class Schema(pydantic.BaseModel):
@@ -52,3 +56,14 @@ async def test_get_skips_bad_subkeys_in_a_peers_answer_and_store_refuses_them():
         assert await attacker.protocol.call_store(victim.p2p.peer_id, [item]) is None
         assert len(victim.protocol.storage) <= 1  # at most the cached "good" subkey
         assert not await victim.store("other", "v", expiration, subkey=[3])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_packed_dictionary_with_a_non_finite_expiration_is_malformed(bad):
+    """Found by tests/test_fuzz_dht.py: a peer's packed dictionary could carry a NaN expiration;
+    stored in a cache it never expired and stopped the purge of the whole dictionary."""
+    for packed in ([1e10, [[b"k", b"v", bad]]], [bad, [[b"k", b"v", 1e10]]]):
+        with pytest.raises(ValueError, match="not finite"):
+            DictionaryDHTValue.unpackb(msgpack.packb(packed), now=0.0)
+    good = DictionaryDHTValue.unpackb(msgpack.packb([1e10, [[b"k", b"v", 1e10]]]), now=0.0)
+    assert [(k, item.value) for k, item in good.items(0.0)] == [(b"k", b"v")]
