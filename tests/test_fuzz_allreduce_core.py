@@ -11,7 +11,7 @@ import collections
 import math
 
 import torch
-from hypothesis import event
+from hypothesis import event, given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -21,6 +21,7 @@ from swarmtrain.averaging.allreduce_core import (
     AveragingMode,
     Failure,
 )
+from swarmtrain.averaging.part_reducer import TensorPartReducer
 
 NODE, CLIENT, AUX = AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.AUX
 SENDER_TIMEOUT, REDUCER_TIMEOUT = 5.0, 10.0
@@ -243,3 +244,52 @@ class AllReduceSwarm(RuleBasedStateMachine):
 
 
 TestAllReduceSwarm = AllReduceSwarm.TestCase
+
+
+@given(
+    st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0]), min_size=1, max_size=5),
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2), st.booleans()), max_size=30),
+    st.sampled_from(["mean", "centered_clip"]),
+    st.integers(0, 2**16),
+)
+def test_part_reducer_under_random_orders(weights, events, aggregation, seed):
+    """Senders contribute parts (or get banned) in any order: each part is taken once per
+    sender, completes when every unbanned sender gave it, and is the weighted mean (or a finite
+    CenteredClip inside the contributions' range) of what was given."""
+    generator = torch.Generator().manual_seed(seed)
+    numels = (4, 1, 3)
+    reducer = TensorPartReducer(numels, [torch.float32] * 3, len(weights), aggregation=aggregation)
+    data = [[torch.randn(n, generator=generator) for n in numels] for _ in weights]
+    given_parts: dict[int, set[int]] = collections.defaultdict(set)
+    completed: set[int] = set()
+    for sender, part, ban in [*events, *((s, p, False) for s in range(5) for p in range(3))]:
+        sender %= len(weights)
+        if ban:
+            done = reducer.ban(sender)
+        elif reducer.is_banned(sender) or sender in given_parts[part] or part in completed:
+            try:
+                reducer.accumulate(sender, part, data[sender][part], weights[sender])
+            except ValueError:
+                continue
+            raise AssertionError("a repeated, late or banned contribution was taken")
+        else:
+            done = reducer.accumulate(sender, part, data[sender][part], weights[sender])
+            given_parts[part].add(sender)
+        assert not completed & set(done)
+        completed |= set(done)
+        for k in done:
+            contributors = sorted(given_parts[k])
+            total = sum(weights[s] for s in contributors)
+            result = reducer.result(k)
+            if total == 0:
+                assert result is None
+                continue
+            stacked = torch.stack([data[s][k] for s in contributors]).double()
+            if aggregation == "mean":
+                mean = sum(weights[s] * data[s][k].double() for s in contributors) / total
+                assert torch.allclose(result.double(), mean, atol=1e-5)
+            else:
+                assert bool(torch.isfinite(result).all())
+                low, high = stacked.min(dim=0).values, stacked.max(dim=0).values
+                assert bool(((result >= low - 1e-4) & (result <= high + 1e-4)).all())
+    assert reducer.finished and completed == {0, 1, 2}
