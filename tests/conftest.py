@@ -15,8 +15,10 @@ os.environ.setdefault("SWARMTRAIN_LOG_LEVEL", "WARNING")
 #   sized for CI runs).
 # Deadlines are off: a busy 2-core box makes single examples slow, which says nothing.
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
+_BASE = settings.get_profile("default")  # (else a profile loaded later inherits from "ci")
 settings.register_profile(
     "ci",
+    parent=_BASE,
     max_examples=30,
     stateful_step_count=25,
     deadline=None,
@@ -26,10 +28,16 @@ settings.register_profile(
     suppress_health_check=_QUIET,
 )
 settings.register_profile(
-    "dev", max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=_QUIET
+    "dev",
+    parent=_BASE,
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=_QUIET,
 )
 settings.register_profile(
     "large",
+    parent=_BASE,
     max_examples=3000,
     stateful_step_count=100,
     deadline=None,
