@@ -95,6 +95,14 @@ class MatchmakingSwarm(RuleBasedStateMachine):
         peers = self.started()
         if peers:
             self.swarm.kill(peers[choice % len(peers)])
+            # a follower whose leader died may find its own expiration already passed: its
+            # shell ticks at once (next_deadline() <= now), before the clock moves on
+            swarm = self.swarm
+            for peer in sorted(swarm.cores):
+                core = swarm.cores[peer]
+                if swarm.alive(peer) and not core.done and core.next_deadline() <= swarm.now:
+                    swarm.dispatch(peer, core.tick(swarm.now))
+                    swarm.drain()
 
     @precondition(lambda self: self.count)
     @rule(choice=st.integers(0, 99))
