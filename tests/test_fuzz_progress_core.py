@@ -88,8 +88,8 @@ class ProgressSwarm(RuleBasedStateMachine):
     @rule(record=records(), ttl=st.floats(-5.0, 120.0) | st.just(math.inf))
     def gossip(self, record, ttl):
         key, progress = record
-        self.core.on_gossip(key, self.shifted(progress), self.now + ttl, self.now)
-        self.at = self.now
+        if self.core.on_gossip(key, self.shifted(progress), self.now + ttl, self.now):
+            self.at = self.now  # (gossip that changed nothing leaves the snapshot as it was)
 
     @rule()
     def fetch_failed(self):
