@@ -39,7 +39,12 @@ from swarmtrain.proto import dht_pb2
 from .blacklist import Blacklist
 from .identifiers import DHTID
 from .routing import PingRequest, RoutingTable
-from .serialization import MAX_VALUE_SIZE, DHTValueError, check_serialized
+from .serialization import (
+    MAX_VALUE_SIZE,
+    DHTValueError,
+    check_serialized,
+    check_serialized_subkey,
+)
 from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration, get_dht_time
 from .validation import NO_SUBKEY, DHTRecord, RecordValidatorBase
 
@@ -339,7 +344,12 @@ class DHTProtocol:
         ):
             self._check_serialized(key, self.limits.max_key_size, f"keys[{index}]")
             if subkey != NO_SUBKEY:
-                self._check_serialized(subkey, self.limits.max_subkey_size, f"subkeys[{index}]")
+                self._check_serialized(
+                    subkey,
+                    self.limits.max_subkey_size,
+                    f"subkeys[{index}]",
+                    check_serialized_subkey,
+                )
             if len(value) > self.limits.max_signed_value_size:
                 raise MalformedRequestError(
                     f"values[{index}] is {len(value)} bytes, larger than the limit "
@@ -351,9 +361,9 @@ class DHTProtocol:
         return items
 
     @staticmethod
-    def _check_serialized(data: bytes, max_size: int, what: str) -> None:
+    def _check_serialized(data: bytes, max_size: int, what: str, check=check_serialized) -> None:
         try:
-            check_serialized(data, max_size)
+            check(data, max_size)
         except DHTValueError as e:
             raise MalformedRequestError(f"{what}: {e}") from None
 
@@ -370,8 +380,13 @@ class DHTProtocol:
     def validate_record(self, item: StoreItem) -> bool:
         """Whether the validators accept ``item`` and its unsigned value is a valid DHT value.
 
-        :raises MalformedRequestError: the validators accept it, but its value is malformed
+        :raises MalformedRequestError: its subkey is malformed (a peer's answer to a lookup
+          is checked here), or the validators accept it but its value is malformed
         """
+        if item.subkey:
+            self._check_serialized(
+                item.subkey, self.limits.max_subkey_size, "subkey", check_serialized_subkey
+            )
         record = DHTRecord(
             item.key, item.subkey or NO_SUBKEY, item.value, float(item.expiration_time)
         )

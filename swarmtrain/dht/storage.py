@@ -10,6 +10,7 @@ well under a second in practice) and choose expirations much longer than the exp
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
@@ -185,14 +186,22 @@ class DictionaryDHTValue(TimedStorage[bytes, bytes]):
             for key, value, expiration_time in items:
                 if not isinstance(key, bytes) or not isinstance(value, bytes):
                     raise TypeError("subkeys and values must be bytes")
-                new.store(key, value, float(expiration_time), now)
-            new.latest_expiration_time = max(new.latest_expiration_time, float(latest))
+                new.store(key, value, _finite(expiration_time), now)
+            new.latest_expiration_time = max(new.latest_expiration_time, _finite(latest))
         except (ValueError, TypeError, msgpack.UnpackException) as e:
             raise ValueError(f"malformed packed DictionaryDHTValue: {e!r}") from e
         return new
 
     def __repr__(self) -> str:
         return f"DictionaryDHTValue({len(self)} subkeys, expires={self.latest_expiration_time})"
+
+
+def _finite(expiration_time: object) -> float:
+    """An expiration time from a peer (a NaN one would never expire and stop the purge)."""
+    value = float(expiration_time)  # type: ignore[arg-type]
+    if not math.isfinite(value):
+        raise ValueError(f"expiration time {value} is not finite")
+    return value
 
 
 class DHTLocalStorage(TimedStorage[DHTID, bytes | DictionaryDHTValue]):

@@ -382,7 +382,7 @@ class SchemaValidator(RecordValidatorBase):
                 value = {deserialize(record.subkey): value}
             elif isinstance(value, dict):
                 return False  # a whole dictionary in one unsigned record (class docstring)
-        except DHTValueError:
+        except (DHTValueError, TypeError):  # TypeError: a subkey that is a list or a dict
             return False
         return any(self._matches(schema, name, value) for schema, name in fields)
 
