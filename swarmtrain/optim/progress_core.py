@@ -42,6 +42,11 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   (never before the last fetch plus the period computed now), so a steady flow of gossip
   never postpones the DHT fallback.
 
+Records of dead peers (a killed run's, which never said goodbye): the owner of each non-client
+record ahead of this peer is dialled once (:meth:`ProgressCore.probes_due`, done by the
+tracker); a record whose owner cannot be reached is ignored until its owner stores a newer one
+(see :mod:`swarmtrain.optim.progress_liveness`).
+
 A peer publishes only while it is active: it reported samples during the global epoch or the
 one before (hivemind's rule, so auxiliary peers that never accumulate samples stay out of the
 counts). ``ready_to_update_epoch`` holds when the swarm is ahead of us, the target was reached,

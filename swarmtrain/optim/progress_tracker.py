@@ -29,11 +29,16 @@ Two channels (see ``proto/progress.proto``):
   in milliseconds. Receivers check it with the DHT's validators. A lost message costs only
   latency: the next DHT fetch brings the record.
 
+Dead peers: the owner of every record ahead of this peer is dialled (within ``probe_timeout``,
+at most 16 at once); records of owners that cannot be reached (a run killed without saying
+goodbye) are ignored until they store again (:mod:`swarmtrain.optim.progress_liveness`).
+
 Resource handling: ``create`` adds the progress validators to the DHT node (they stay
 registered: validators cannot be removed), opens a ``PubSub`` on the DHT's host unless one is
-passed in (or ``use_pubsub=False``), fetches the swarm's progress once, then runs four tasks in a
-task group owned by the tracker (DHT reporter, gossip publisher, DHT fetcher, gossip receiver)
-and yields. Leaving the ``async with`` publishes a departure record (``None``) when this peer has
+passed in (or ``use_pubsub=False``), fetches the swarm's progress once
+(and dials the owners of the records ahead of it), then runs five tasks in a task group owned
+by the tracker (DHT reporter, gossip publisher, DHT fetcher, owner prober, gossip receiver) and
+yields. Leaving the ``async with`` publishes a departure record (``None``) when this peer has
 published anything, bounded by ``shutdown_timeout`` even when cancelled, then stops the tasks
 and closes the ``PubSub`` it opened. The DHT, and a ``PubSub`` passed in, stay open.
 
