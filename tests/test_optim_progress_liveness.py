@@ -42,45 +42,41 @@ def at(peer: bytes, epoch: int, samples: int = 0, time=T0, client_mode=False) ->
     return LocalProgress(peer, epoch, samples, 10.0, time, client_mode)
 
 
-def candidate(peer=b"a", epoch=5, expiration=T0 + 60, client_mode=False) -> OwnerCandidate:
-    return OwnerCandidate(key(peer), peer, epoch, client_mode, expiration)
+def candidate(peer=b"a", expiration=T0 + 60) -> OwnerCandidate:
+    return OwnerCandidate(key(peer), peer, expiration)
 
 
 # ------------------------------------------------------------ OwnerLiveness
 
 
 def test_only_records_ahead_of_us_from_dialable_peers_are_probed():
-    liveness = OwnerLiveness(retry_period=10.0)
-    due = liveness.due(
-        [
-            candidate(b"ahead", epoch=5),
-            candidate(b"level", epoch=3),
-            candidate(b"behind", epoch=1),
-            candidate(b"client", epoch=9, client_mode=True),
-        ],
-        local_epoch=3,
-        now=T0,
+    core = make_core()
+    core.update_epoch(3, T0)
+    fetch(
+        core,
+        T0,
+        *(at(b"ahead", 4), at(b"level", 3), at(b"behind", 1), at(b"client", 4, client_mode=True)),
     )
-    assert due == [Probe(key(b"ahead"), b"ahead", T0 + 60)]
+    assert core.probes_due(T0) == [Probe(key(b"ahead"), b"ahead", T0 + 60)]
 
 
 def test_a_probe_in_flight_or_a_confirmed_owner_is_not_probed_again():
     liveness = OwnerLiveness(retry_period=10.0)
-    (probe,) = liveness.due([candidate()], 0, T0)
-    assert liveness.due([candidate()], 0, T0 + 1) == []  # still in flight
+    (probe,) = liveness.due([candidate()], T0)
+    assert liveness.due([candidate()], T0 + 1) == []  # still in flight
     assert liveness.on_result(probe, REACHABLE, T0 + 1) is False  # nothing was ignored
-    assert liveness.due([candidate(expiration=T0 + 90)], 0, T0 + 30) == []
+    assert liveness.due([candidate(expiration=T0 + 90)], T0 + 30) == []
     # another peer id under the same key is another claim: probed
-    assert len(liveness.due([OwnerCandidate(key(b"a"), b"b", 5, False, T0 + 90)], 0, T0)) == 1
+    assert len(liveness.due([OwnerCandidate(key(b"a"), b"b", T0 + 90)], T0)) == 1
 
 
 def test_an_unreachable_owner_is_ignored_until_it_stores_a_newer_record():
     liveness = OwnerLiveness(retry_period=10.0)
-    (probe,) = liveness.due([candidate(expiration=T0 + 60)], 0, T0)
+    (probe,) = liveness.due([candidate(expiration=T0 + 60)], T0)
     assert liveness.on_result(probe, UNREACHABLE, T0 + 3) is True
     assert not liveness.counts(key(b"a"), T0 + 60)
     assert liveness.ignored() == 1
-    assert liveness.due([candidate(expiration=T0 + 60)], 0, T0 + 100) == []  # still that record
+    assert liveness.due([candidate(expiration=T0 + 60)], T0 + 100) == []  # still that record
     assert liveness.counts(key(b"a"), T0 + 61)  # a newer record: its owner was alive to store it
     liveness.prune({key(b"a"): T0 + 61})
     assert liveness.ignored() == 0
@@ -88,26 +84,26 @@ def test_an_unreachable_owner_is_ignored_until_it_stores_a_newer_record():
 
 def test_a_failed_owner_is_retried_only_after_the_retry_period():
     liveness = OwnerLiveness(retry_period=10.0)
-    (probe,) = liveness.due([candidate(expiration=T0 + 60)], 0, T0)
+    (probe,) = liveness.due([candidate(expiration=T0 + 60)], T0)
     liveness.on_result(probe, UNREACHABLE, T0 + 3)
     newer = candidate(expiration=T0 + 65)
-    assert liveness.due([newer], 0, T0 + 5) == []  # counts again, but no new dial yet
+    assert liveness.due([newer], T0 + 5) == []  # counts again, but no new dial yet
     assert liveness.counts(newer.key, newer.expiration_time)
-    (again,) = liveness.due([newer], 0, T0 + 13)
+    (again,) = liveness.due([newer], T0 + 13)
     assert again.version == T0 + 65
 
 
 def test_an_owner_without_known_address_counts_only_while_another_owner_answered():
     liveness = OwnerLiveness(retry_period=10.0)
-    probes = {p.peer_id: p for p in liveness.due([candidate(b"a"), candidate(b"b")], 0, T0)}
+    probes = {p.peer_id: p for p in liveness.due([candidate(b"a"), candidate(b"b")], T0)}
     assert liveness.on_result(probes[b"a"], UNKNOWN, T0) is True
     assert not liveness.counts(key(b"a"), T0 + 60)  # nobody reached: a swarm that is gone?
     assert liveness.ignored() == 1
     assert liveness.on_result(probes[b"b"], REACHABLE, T0 + 1) is True
     assert liveness.counts(key(b"a"), T0 + 60)  # the swarm lives: benefit of the doubt
     assert liveness.ignored() == 0
-    assert liveness.due([candidate(b"a")], 0, T0 + 5) == []
-    assert len(liveness.due([candidate(b"a")], 0, T0 + 10)) == 1  # retried: an address may come
+    assert liveness.due([candidate(b"a")], T0 + 5) == []
+    assert len(liveness.due([candidate(b"a")], T0 + 10)) == 1  # retried: an address may come
     liveness.prune({key(b"a"): T0 + 60})  # the reachable owner's record is gone
     assert not liveness.counts(key(b"a"), T0 + 60)
     assert liveness.counts(key(b"a"), T0 + 61)  # stored again since: its owner lives
@@ -115,17 +111,17 @@ def test_an_owner_without_known_address_counts_only_while_another_owner_answered
 
 def test_a_record_stored_during_a_failed_probe_still_counts():
     liveness = OwnerLiveness(retry_period=10.0)
-    (probe,) = liveness.due([candidate(expiration=T0 + 60)], 0, T0)
+    (probe,) = liveness.due([candidate(expiration=T0 + 60)], T0)
     liveness.on_result(probe, UNREACHABLE, T0 + 3)  # the probe saw version T0 + 60
     assert liveness.counts(key(b"a"), T0 + 62)  # stored at T0 + 2: the owner lives
 
 
 def test_keys_without_records_are_forgotten():
     liveness = OwnerLiveness(retry_period=10.0)
-    (probe,) = liveness.due([candidate()], 0, T0)
+    (probe,) = liveness.due([candidate()], T0)
     liveness.on_result(probe, REACHABLE, T0)
     liveness.prune({})
-    assert len(liveness.due([candidate()], 0, T0 + 1)) == 1  # a new record, a new probe
+    assert len(liveness.due([candidate()], T0 + 1)) == 1  # a new record, a new probe
 
 
 @pytest.mark.parametrize("period", [0, -1, float("inf"), float("nan")])

@@ -633,18 +633,15 @@ class ProgressCore:
     def probes_due(self, now: float) -> list[Probe]:
         """Owners of records ahead of us to dial now (see ``progress_liveness``); report each
         outcome with :meth:`on_probe_result`."""
-        candidates = (
-            OwnerCandidate(
-                key,
-                record.progress.peer_id,
-                record.progress.epoch,
-                record.progress.client_mode,
-                record.expiration_time,
-            )
+        candidates = (  # nobody can dial a client; a record not ahead of us does not steer us
+            OwnerCandidate(key, record.progress.peer_id, record.expiration_time)
             for key, record in self._records.items()
-            if record.progress is not None and record.expiration_time > now
+            if record.progress is not None
+            and record.expiration_time > now
+            and not record.progress.client_mode
+            and record.progress.epoch > self._local.epoch
         )
-        return self._liveness.due(candidates, self._local.epoch, now)
+        return self._liveness.due(candidates, now)
 
     def on_probe_result(self, probe: Probe, outcome: ProbeOutcome, now: float) -> bool:
         """A probe ended; returns whether the global progress was recomputed."""

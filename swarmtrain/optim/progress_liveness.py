@@ -52,12 +52,10 @@ class Probe:
 
 @dataclass(frozen=True)
 class OwnerCandidate:
-    """What a probe decision needs to know of one record."""
+    """A record whose owner may be probed: one that would steer us (the caller decides)."""
 
     key: bytes
     peer_id: bytes
-    epoch: int
-    client_mode: bool
     expiration_time: float
 
 
@@ -93,18 +91,12 @@ class OwnerLiveness:
         """Keys whose records are ignored now (their owner failed and stored nothing newer)."""
         return len(self._failed_version) + (0 if self._confirmed else len(self._unknown_version))
 
-    def due(
-        self, candidates: Iterable[OwnerCandidate], local_epoch: int, now: float
-    ) -> list[Probe]:
+    def due(self, candidates: Iterable[OwnerCandidate], now: float) -> list[Probe]:
         """The probes to start now; each is in flight until :meth:`on_result` is called."""
-        return list(self._due(candidates, local_epoch, now))
+        return list(self._due(candidates, now))
 
-    def _due(
-        self, candidates: Iterable[OwnerCandidate], local_epoch: int, now: float
-    ) -> Iterator[Probe]:
+    def _due(self, candidates: Iterable[OwnerCandidate], now: float) -> Iterator[Probe]:
         for c in candidates:
-            if c.client_mode or c.epoch <= local_epoch:
-                continue  # nobody can dial a client; a record not ahead of us does not steer us
             if self._confirmed.get(c.key) == c.peer_id or c.key in self._probing:
                 continue
             if c.key in self._failed_version and not self.counts(c.key, c.expiration_time):
