@@ -130,6 +130,10 @@ class OwnerLiveness:
         self._unknown_version.pop(key, None)
         return True
 
+    def abandon(self, probe: Probe) -> None:
+        """A probe that could not run (our side failed): no verdict, tried again when due."""
+        self._probing.discard(probe.key)
+
     def prune(self, live: Mapping[bytes, float]) -> None:
         """Forget keys that have no record any more (``live``: key -> expiration time); a
         failed mark is dropped once its owner stored a newer record."""
