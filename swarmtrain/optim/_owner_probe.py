@@ -37,4 +37,7 @@ async def dial_owner(p2p, peer_id: bytes) -> ProbeOutcome:
     except (P2PError, OSError) as e:
         logger.debug("progress record owner %s cannot be dialled: %r", peer, e)
         return ProbeOutcome.UNREACHABLE
+    except Exception as e:  # whatever a record names, a probe never takes its caller down
+        logger.debug("dialling progress record owner %s failed: %r", peer, e, exc_info=True)
+        return ProbeOutcome.UNREACHABLE
     return ProbeOutcome.REACHABLE
