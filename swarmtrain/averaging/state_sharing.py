@@ -1,10 +1,11 @@
 """State sharing: donors serve their state, newcomers download it (``load_state_from_peers``).
 
 A donor (``allow_state_sharing``) declares its priority under ``{prefix}.all_averagers`` (subkey:
-its peer id) every ``declare_state_period`` and at once when the priority or the permission
-changes; it serves ``{prefix}::Averager.rpc_download_state`` (see proto/state_sharing.proto):
-a header (msgpack metadata, number of tensors), then each tensor compressed with
-``state_compression`` and streamed in chunks.
+its peer id; signed with its identity key, so nobody else can blank or replace it:
+``swarmtrain.dht.peer_records``) every ``declare_state_period`` and at once when the priority
+or the permission changes; it serves ``{prefix}::Averager.rpc_download_state`` (see
+proto/state_sharing.proto): a header (msgpack metadata, number of tensors), then each tensor
+compressed with ``state_compression`` and streamed in chunks.
 
 A newcomer reads the declarations, orders donors by priority (highest first, ties at random)
 and downloads from one donor at a time. Donors are dialled in turn ``DONOR_DIAL_DELAY`` apart
@@ -38,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -68,12 +70,19 @@ from swarmtrain.compression import (
     extract_async,
     split_for_streaming,
 )
-from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
+from swarmtrain.dht import (
+    DHTValueError,
+    PeerRecordValidator,
+    deserialize,
+    get_dht_time,
+    serialize,
+)
 from swarmtrain.p2p import P2PError, PeerID
 from swarmtrain.proto import state_sharing_pb2 as pb
 from swarmtrain.proto import tensor_pb2
 
 __all__ = [
+    "STATE_SHARING_KEY_PATTERN",
     "DonorFailure",
     "StateDownloadFailure",
     "StateSharing",
@@ -143,6 +152,10 @@ def state_sharing_key(prefix: str) -> str:
     return f"{prefix}.all_averagers"
 
 
+#: every state-sharing key, of any run: declarations under them are owned per peer
+STATE_SHARING_KEY_PATTERN = re.compile(r"(?s).+\.all_averagers")
+
+
 def rpc_download_state_name(prefix: str) -> str:
     return f"{prefix}::Averager.rpc_download_state"
 
@@ -201,6 +214,8 @@ class StateSharing:
     @asynccontextmanager
     async def create(cls, dht, prefix: str, **kwargs: Any) -> AsyncIterator[StateSharing]:
         self = cls(dht, prefix, **kwargs)
+        # declarations are owned: only a donor can write (or blank) its own subkey
+        dht.add_validators([PeerRecordValidator([STATE_SHARING_KEY_PATTERN])])
         if self.serve:
             self.p2p.add_protobuf_handler(
                 self.handler_name,

@@ -14,6 +14,7 @@ from .identifiers import MAX_PEER_ID_BYTES as MAX_PEER_ID_BYTES
 from .node import DHTNode as DHTNode
 from .node import DHTNodeConfig as DHTNodeConfig
 from .node import DHTNodeStatistics as DHTNodeStatistics
+from .peer_records import PeerRecordValidator as PeerRecordValidator
 from .protocol import DHTProtocol as DHTProtocol
 from .protocol import DHTProtocolLimits as DHTProtocolLimits
 from .protocol import MalformedRequestError as MalformedRequestError

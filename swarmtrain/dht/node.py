@@ -28,11 +28,12 @@ from typing import Any
 
 import trio
 
-from swarmtrain.p2p import P2P, PeerID, PeerUnreachableError
+from swarmtrain.p2p import P2P, PeerID, PeerSigner, PeerUnreachableError
 from swarmtrain.utils.async_context import async_context_only
 
 from .blacklist import Blacklist, BlacklistStatistics
 from .identifiers import DHTID
+from .peer_records import PeerRecordValidator
 from .protocol import (
     DHTProtocol,
     DHTProtocolLimits,
@@ -264,8 +265,15 @@ class DHTNode:
         if isinstance(initial_peers, str):
             raise TypeError("initial_peers must be a list of multiaddr strings, not one string")
         # Signatures are verified (and stripped) on every node, even one whose owner added no
-        # validator: it stores and returns signed records for others.
-        validator = CompositeValidator([Ed25519SignatureValidator.verifier(), *record_validators])
+        # validator: it stores and returns signed records for others. Per-peer records
+        # (swarmtrain.dht.peer_records) are signed with this host's identity key.
+        validator = CompositeValidator(
+            [
+                Ed25519SignatureValidator.verifier(),
+                PeerRecordValidator(signer=PeerSigner(p2p.key_pair)),
+                *record_validators,
+            ]
+        )
         async with trio.open_nursery() as nursery:
             self = cls(p2p, own_id, config, validator, nursery)
             try:

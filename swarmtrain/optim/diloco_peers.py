@@ -1,6 +1,7 @@
 """Who is in a DiLoCo run: each peer declares itself in the DHT, and reads the others.
 
-Key ``{run_id}_diloco.peers``, subkey: the peer's id, value ``{"donor": bool}`` (whether it
+Key ``{run_id}_diloco.peers``, subkey: the peer's id (signed with its identity key, so nobody
+else can write it: ``swarmtrain.dht.peer_records``), value ``{"donor": bool}`` (whether it
 serves its state to joiners), expiring ``ttl`` seconds after each store; a thread re-stores it
 every ``ttl / 3`` seconds, and :meth:`RunPresence.stop` replaces it with ``None`` (gone). The
 optimizer uses it to skip waits that cannot end well: a lone peer loads no state and starts
@@ -19,17 +20,18 @@ Resource handling: :meth:`RunPresence.start` stores the first record (blocking, 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 
 import trio
 
-from swarmtrain.dht import get_dht_time
+from swarmtrain.dht import PeerRecordValidator, get_dht_time
 
 from ._owner_probe import dial_owner
 from .progress_liveness import OwnerCandidate, OwnerLiveness, Probe, ProbeOutcome
 
-__all__ = ["RunPresence", "presence_key"]
+__all__ = ["PRESENCE_KEY_PATTERN", "RunPresence", "presence_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,10 @@ DEFAULT_TTL = 30.0
 
 def presence_key(run_id: str) -> str:
     return f"{run_id}_diloco.peers"
+
+
+#: every presence key, of any run: records under them are owned per peer
+PRESENCE_KEY_PATTERN = re.compile(r"(?s).*_diloco\.peers")
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,8 @@ class RunPresence:
         self._liveness_lock = threading.Lock()
 
     def start(self) -> None:
+        # records are owned: only a peer can write (or blank) its own subkey
+        self.dht.add_validators([PeerRecordValidator([PRESENCE_KEY_PATTERN])])
         self._store({"donor": self.donor})
         self._thread = threading.Thread(
             target=self._refresh, name=f"presence {self.key}", daemon=True
