@@ -1,5 +1,6 @@
 """``RunPresence``: who is in a DiLoCo run; a donor that died without saying goodbye (SIGKILL,
-a lost host) is not counted as present once a dial to it failed.
+a lost host) is not counted as present once a dial to it failed; records are owned per peer
+(issue 17.3): an outsider cannot mark a peer gone or wipe the run.
 
 Real DHTs over loopback. The dead donor stored its presence record and left without its goodbye
 record; its port then drops every SYN (a host gone from the network: each dial hangs).
@@ -12,8 +13,9 @@ import time
 
 from test_averaging_dead_donors import silent_port
 
-from swarmtrain.dht import DHT
-from swarmtrain.optim.diloco_peers import RunPresence
+from swarmtrain.dht import DHT, PeerRecordValidator, get_dht_time
+from swarmtrain.optim.diloco_peers import PRESENCE_KEY_PATTERN, RunPresence, presence_key
+from swarmtrain.utils.background import BackgroundRuntime
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
 
@@ -55,3 +57,30 @@ def test_a_dead_donor_is_not_present_after_one_failed_dial():
             presence.stop()
         for dht in (observer_dht, live_dht, bootstrap):
             dht.shutdown()
+
+
+def test_an_outsider_cannot_mark_a_peer_gone_or_wipe_the_run():
+    first = DHT([], **HOST)
+    initial = first.get_visible_maddrs()
+    second, evil = DHT(initial, **HOST), DHT(initial, **HOST)
+    presences = [RunPresence(dht, "run", donor=True) for dht in (first, second)]
+    try:
+        for presence in presences:
+            presence.start()
+        key, target = presence_key("run"), first.peer_id.to_bytes()
+        assert [p.peer_id for p in presences[1].others()] == [target]
+
+        # "first left" under first's subkey, and a plain value over everyone, "forever"
+        far = get_dht_time() + 10**9
+        evil.add_validators([PeerRecordValidator([PRESENCE_KEY_PATTERN])])
+        assert not evil.store(key, None, far, subkey=target)
+        assert not evil.store(key, "gone", far)
+
+        assert [p.peer_id for p in presences[1].others()] == [target]
+        assert [p.peer_id for p in presences[0].others()] == [second.peer_id.to_bytes()]
+    finally:
+        for presence in presences:
+            presence.stop()
+        for dht in (evil, second, first):
+            dht.shutdown()
+    assert BackgroundRuntime.active_references() == 0
