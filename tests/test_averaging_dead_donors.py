@@ -16,8 +16,8 @@ import torch
 import trio
 from test_averaging_averager import Swarm, random_tensors
 
-from swarmtrain.averaging.state_sharing import state_sharing_key
-from swarmtrain.dht import DHT, get_dht_time
+from swarmtrain.averaging.state_sharing import STATE_SHARING_KEY_PATTERN, state_sharing_key
+from swarmtrain.dht import DHT, PeerRecordValidator, get_dht_time
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
 
@@ -49,6 +49,8 @@ async def test_dead_donors_ahead_of_a_live_one_cost_a_short_delay_each():
             live.state_sharing_priority = 1.0
             for _ in range(2):  # two donors that offer their state first, then die silently
                 async with DHT.create(swarm.bootstrap, **HOST) as ghost:
+                    # its offer is signed as a donor's is (readers drop unsigned offers)
+                    ghost.add_validators([PeerRecordValidator([STATE_SHARING_KEY_PATTERN])])
                     stored = await ghost.store(
                         state_sharing_key(swarm.prefix),
                         9.0,
