@@ -33,6 +33,7 @@ from .serialization import TooManyElementsError as TooManyElementsError
 from .serialization import UnsupportedValueTypeError as UnsupportedValueTypeError
 from .serialization import ValueTooLargeError as ValueTooLargeError
 from .serialization import check_serialized as check_serialized
+from .serialization import check_serialized_subkey as check_serialized_subkey
 from .serialization import deserialize as deserialize
 from .serialization import serialize as serialize
 from .storage import CacheRefreshQueue as CacheRefreshQueue
