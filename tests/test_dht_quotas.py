@@ -16,7 +16,8 @@ import trio
 
 from swarmtrain.dht import DHT, DHTID, StorageQuota, get_dht_time, serialize
 from swarmtrain.dht.node import DEFAULT_MAX_EXPIRATION_HORIZON
-from swarmtrain.dht.protocol import StoreItem
+from swarmtrain.dht.protocol import StoreItem, merge_found_values
+from swarmtrain.dht.storage import DictionaryDHTValue, ValueWithExpiration
 from swarmtrain.dht.storage_quota import DEFAULT_MAX_BYTES_PER_PEER
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
@@ -45,6 +46,17 @@ def item(key, value, expiration, subkey=None) -> StoreItem:
 
 async def raw_store(attacker, victim, items) -> list[bool] | None:
     return await attacker.node.protocol.call_store(victim.peer_id, items)
+
+
+def test_a_dictionary_wins_a_merge_over_a_later_regular_value():
+    subkeys = DictionaryDHTValue()
+    subkeys.store(b"peer", b"declared", 20.0, now=0.0)
+    found = ValueWithExpiration(subkeys, 20.0)
+    wipe = ValueWithExpiration(b"x", 600.0)
+    assert merge_found_values(found, wipe, now=0.0) is found
+    assert merge_found_values(wipe, found, now=0.0) is found
+    later = ValueWithExpiration(b"y", 601.0)
+    assert merge_found_values(wipe, later, now=0.0) is later
 
 
 @pytest.mark.trio
