@@ -102,6 +102,10 @@ class TimedStorage(Generic[KeyT, ValueT]):
             self._heap = [(it.expiration_time, seq, k) for k, (it, seq) in self._data.items()]
             heapq.heapify(self._heap)
 
+    def _touch(self, key: KeyT) -> None:
+        """Make ``key``'s entry the newest write without changing it."""
+        self._data[key] = self._data.pop(key)
+
     def _on_remove(self, key: KeyT, item: ValueWithExpiration[ValueT]) -> None:
         """Called for each entry that expires or is evicted (subclasses keep accounts)."""
 
@@ -320,8 +324,8 @@ class DHTLocalStorage(TimedStorage[DHTID, bytes | DictionaryDHTValue]):
                 if previous.expiration_time >= expiration_time:
                     return StoreOutcome.OUTDATED
         elif dictionary is not None:
-            existing = dictionary.get(subkey, now)
-            if existing is not None and existing.expiration_time >= expiration_time:
+            existing = dictionary._data.get(subkey)  # an expired one expires before this
+            if existing is not None and existing[0].expiration_time >= expiration_time:
                 return StoreOutcome.OUTDATED
         refusal = self.ledger.refusal(peer, (key, subkey), nbytes, now)
         if refusal is not None:
@@ -339,10 +343,16 @@ class DHTLocalStorage(TimedStorage[DHTID, bytes | DictionaryDHTValue]):
                     self.max_subkeys, on_remove=lambda sub: self.ledger.release((key, sub))
                 )
             dictionary.store(subkey, value, expiration_time, now)
-            outer = max(dictionary.latest_expiration_time, expiration_time)
-            self._put(key, ValueWithExpiration(dictionary, outer))  # also: newest write
+            if previous is not None and previous.value is dictionary:
+                if expiration_time > previous.expiration_time:
+                    self._put(key, ValueWithExpiration(dictionary, expiration_time))
+                else:
+                    self._touch(key)  # the newest write, for eviction; same expiration
+            else:
+                self._put(key, ValueWithExpiration(dictionary, expiration_time))
         self.ledger.charge(peer, (key, subkey), nbytes, expiration_time)
-        self._purge(now)
+        if self.maxsize is not None and len(self._data) > self.maxsize:
+            self._purge(now)  # expired entries were purged by get() above
         self._evict_over_budget()
         return StoreOutcome.STORED
 

@@ -115,7 +115,13 @@ class StorageLedger(Generic[PeerT]):
         replaced, so it does not count), or None if it may."""
         if peer is None:
             return None
-        self.purge(now)
+        refusal = self._refusal(peer, ref, nbytes)
+        if refusal is not None:  # maybe only because of expired charges: purge, then decide
+            self.purge(now)
+            refusal = self._refusal(peer, ref, nbytes)
+        return refusal
+
+    def _refusal(self, peer: PeerT, ref: RecordRef, nbytes: int) -> StoreOutcome | None:
         records, used = self._usage.get(peer, (0, 0))
         previous = self._charges.get(ref)
         if previous is not None and previous.peer == peer:
