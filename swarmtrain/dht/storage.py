@@ -318,8 +318,10 @@ class DHTLocalStorage(TimedStorage[DHTID, bytes | DictionaryDHTValue]):
             else None
         )
         if subkey is None:
-            if dictionary is not None and len(dictionary.items(now)) > 0:
-                return StoreOutcome.KEY_HOLDS_DICTIONARY
+            if dictionary is not None:
+                dictionary.purge(now)
+                if len(dictionary) > 0:
+                    return StoreOutcome.KEY_HOLDS_DICTIONARY
             if dictionary is None and previous is not None:
                 if previous.expiration_time >= expiration_time:
                     return StoreOutcome.OUTDATED
