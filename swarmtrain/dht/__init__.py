@@ -40,9 +40,14 @@ from .storage import CacheRefreshQueue as CacheRefreshQueue
 from .storage import DHTExpiration as DHTExpiration
 from .storage import DHTLocalStorage as DHTLocalStorage
 from .storage import DictionaryDHTValue as DictionaryDHTValue
+from .storage import StorageStatistics as StorageStatistics
 from .storage import TimedStorage as TimedStorage
 from .storage import ValueWithExpiration as ValueWithExpiration
 from .storage import get_dht_time as get_dht_time
+from .storage_quota import PeerUsage as PeerUsage
+from .storage_quota import StorageLedger as StorageLedger
+from .storage_quota import StorageQuota as StorageQuota
+from .storage_quota import StoreOutcome as StoreOutcome
 from .traverse import FoundCallback as FoundCallback
 from .traverse import GetNeighbors as GetNeighbors
 from .traverse import simple_traverse_dht as simple_traverse_dht
