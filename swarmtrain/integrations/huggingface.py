@@ -44,107 +44,22 @@ Constraints: one process per peer (no DDP/FSDP/DeepSpeed under the adapter); not
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
+
+from swarmtrain.integrations._adapter import (
+    SwarmOptimizerAdapter,
+    refresh_offloaded_copies,
+    swarm_metrics,
+)
 
 __all__ = ["SwarmCallback", "SwarmScheduler", "TrainerOptimizer", "make_collaborative"]
 
-logger = logging.getLogger(__name__)
 
-
-def _main_parameters(swarm_optimizer: Any) -> list[torch.Tensor]:
-    """The model's parameters (whose ``.grad`` autograd writes) that ``swarm_optimizer`` trains."""
-    main = getattr(swarm_optimizer, "main_parameters", None)
-    if main is None:  # DiLoCoOptimizer: its inner optimizer holds the model's parameters
-        main = [p for group in swarm_optimizer.param_groups for p in group["params"]]
-    return list(main)
-
-
-class TrainerOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` in front of a ``swarmtrain.Optimizer`` or
-    ``DiLoCoOptimizer``, for Trainer and accelerate (see the module docstring).
-
-    :param swarm_optimizer: the collaborative optimizer (its DHT and lifetime are the caller's)
-    :param batch_size_per_step: samples per ``step()`` until :attr:`next_batch_size` is set
-      (``SwarmCallback`` sets it before every step)
-    """
-
-    def __init__(self, swarm_optimizer: Any, batch_size_per_step: int | None = None):
-        # torch.optim.Optimizer.__init__ is not called, as in accelerate's wrapper: the state
-        # and the param groups are the swarm optimizer's
-        if getattr(swarm_optimizer, "reuse_grad_buffers", False):
-            raise ValueError(
-                "reuse_grad_buffers=True does not work under Trainer: Trainer zeroes the model's "
-                "gradients after each step, and they would be the swarm's accumulators"
-            )
-        for name in ("step", "zero_grad", "state_dict", "load_state_dict", "param_groups"):
-            if not hasattr(swarm_optimizer, name):
-                raise TypeError(
-                    f"{type(swarm_optimizer).__name__} is not a swarmtrain optimizer (no {name})"
-                )
-        self.swarm_optimizer = swarm_optimizer
-        self.parameters = _main_parameters(swarm_optimizer)
-        self.batch_size_per_step = batch_size_per_step
-        self.next_batch_size: int | None = None  #: samples of the next step (then cleared)
-        self.samples_stepped = 0  #: samples reported to the swarm since construction
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The swarm optimizer's groups with the model's parameters in them (with
-        ``offload_optimizer`` its own hold CPU copies): what AMP unscales and clipping reads.
-        A copy: change the LR through the swarm optimizer's scheduler."""
-        groups, start = [], 0
-        for group in self.swarm_optimizer.param_groups:
-            count = len(group["params"])
-            groups.append({**group, "params": self.parameters[start : start + count]})
-            start += count
-        return groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.swarm_optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return getattr(self.swarm_optimizer, "defaults", {})
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError(
-            "the swarm's parameters are fixed when the swarm optimizer is made"
-        )
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One local step of ``next_batch_size`` (else ``batch_size_per_step``) samples."""
-        batch_size = self.next_batch_size or self.batch_size_per_step
-        self.next_batch_size = None
-        if batch_size is None:
-            raise ValueError(
-                "no batch size for this step: use make_collaborative() (its callback counts the "
-                "samples) or pass TrainerOptimizer(batch_size_per_step=...)"
-            )
-        self.samples_stepped += batch_size
-        return self.swarm_optimizer.step(closure, batch_size=batch_size)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.swarm_optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The swarm optimizer's state dict (inner optimizer, scheduler, swarm epoch)."""
-        return self.swarm_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.swarm_optimizer.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.swarm_optimizer!r})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("a TrainerOptimizer holds a running swarm optimizer: it cannot be pickled")
+class TrainerOptimizer(SwarmOptimizerAdapter):
+    """The adapter Trainer steps (see the module docstring and ``SwarmOptimizerAdapter``)."""
 
 
 class SwarmScheduler:
@@ -167,17 +82,6 @@ class SwarmScheduler:
         pass
 
 
-def swarm_metrics(swarm_optimizer: Any) -> dict[str, float]:
-    """What Trainer's logs get about the swarm: epoch, peers, samples/s."""
-    metrics: dict[str, float] = {"swarm_epoch": swarm_optimizer.local_epoch}
-    tracker = getattr(swarm_optimizer, "tracker", None)
-    if tracker is not None:
-        progress = tracker.global_progress
-        metrics["swarm_peers"] = progress.num_peers
-        metrics["swarm_samples_per_second"] = round(progress.samples_per_second, 3)
-    return metrics
-
-
 class SwarmCallback(TrainerCallback):
     """Trainer's side of the swarm: loads the state from peers at train start, counts the
     samples of each step, adds the swarm's progress to the logs (see the module docstring).
@@ -196,7 +100,7 @@ class SwarmCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         swarm = self.optimizer.swarm_optimizer
         if state.global_step > 0:  # resumed from a checkpoint: the model's weights are newer
-            _refresh_offloaded_copies(swarm)
+            refresh_offloaded_copies(swarm)
         if self.load_state_from_peers:
             self.loaded_state_from_peers = bool(swarm.load_state_from_peers())
         self._micro_batches = 0
@@ -224,20 +128,6 @@ class SwarmCallback(TrainerCallback):
             logs.update(metrics)
         if state.log_history:  # Trainer appended a copy of `logs` before calling us
             state.log_history[-1].update(metrics)
-
-
-def _refresh_offloaded_copies(swarm_optimizer: Any) -> None:
-    """With ``offload_optimizer`` the swarm optimizer steps on CPU copies of the parameters;
-    after Trainer loaded a checkpoint's weights into the model, copy them in (else the next
-    step would write the old values back)."""
-    if not getattr(swarm_optimizer, "offload_optimizer", False):
-        return
-    averager = swarm_optimizer.state_averager
-    averager.step(wait_for_delayed_updates=True)
-    copies = [p for group in swarm_optimizer.param_groups for p in group["params"]]
-    with averager.lock_optimizer, torch.no_grad():
-        for copy, param in zip(copies, swarm_optimizer.main_parameters, strict=True):
-            copy.copy_(param.detach().to(copy.device, copy.dtype))
 
 
 def make_collaborative(
