@@ -95,7 +95,7 @@ ALBERT_TINY = [
     "--per_device_train_batch_size", "8",
     "--learning_rate", "3e-3",
     "--warmup_epochs", "1",
-    "--max_epochs", "3",
+    "--max_epochs", "4",
     "--matchmaking_time", "1.0",
     "--averaging_timeout", "15",
     "--wait_for_peers", "2",
@@ -111,11 +111,17 @@ def test_albert_recipe_two_peers_learn_and_agree(tmp_path):
     from swarmtrain.dht import DHT
 
     albert = load(ROOT / "examples" / "albert" / "run_trainer.py")
+    monitor = load(ROOT / "examples" / "albert" / "run_training_monitor.py")
     host = {"use_relay": False, "relay_service": False, "use_autonat": False}
     first = DHT(**host)
     second = DHT(first.get_visible_maddrs(), **host)
+    third = DHT(first.get_visible_maddrs(), **host)
+    checkpoints = tmp_path / "checkpoints"
+    monitor_args = ["--save_every", "1", "--max_checkpoints", "1", "--max_seconds", "60"]
+    monitor_args += ["--refresh_period", "0.2", "--checkpoint_dir", str(checkpoints)]
     try:
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
+            saved = pool.submit(monitor.main, [*ALBERT_TINY, *monitor_args], third)
             futures = [
                 pool.submit(
                     albert.main,
@@ -125,10 +131,15 @@ def test_albert_recipe_two_peers_learn_and_agree(tmp_path):
                 for i, dht in enumerate((first, second))
             ]
             results = [f.result(timeout=100) for f in futures]
+            saved = saved.result(timeout=100)
     finally:
+        third.shutdown()
         second.shutdown()
         first.shutdown()
-    assert [r["epoch"] for r in results] == [3, 3]
+    assert [r["epoch"] for r in results] == [4, 4]
+    # the monitor followed the run and saved a checkpoint of the swarm's state
+    assert len(saved) == 1 and (Path(saved[0]) / "optimizer.pt").exists(), saved
+    assert torch.load(Path(saved[0]) / "optimizer.pt")["swarmtrain_local_epoch"] >= 1
     for result in results:
         losses = [loss for _, loss in result["epoch_losses"]]
         assert result["finite"] and len(losses) >= 3, result["epoch_losses"]
