@@ -302,3 +302,38 @@ def test_accumulation_mixed_precision_and_checkpoint_resume(dhts, tmp_path, prec
         assert eval_loss(fresh, held_out) < 0.85 * initial
     finally:
         opt.shutdown()
+
+
+def test_diloco_under_trainer(dhts, tmp_path):
+    """The adapter drives a DiLoCoOptimizer too: Trainer's steps are its inner steps, its outer
+    rounds run every ``inner_steps`` (one peer here, groups of one: the wiring, not the swarm;
+    DiLoCo's swarm behaviour is tested in test_optim_diloco.py)."""
+    from swarmtrain.optim import DiLoCoOptimizer
+
+    tokenizer = train_tokenizer()
+    held_out = masked_dataset(tokenizer, 64, seed=99)
+    (dht,) = dhts(1)
+    model = tiny_bert(tokenizer.get_vocab_size())
+    initial = eval_loss(model, held_out)
+    opt = DiLoCoOptimizer(
+        model.parameters(),
+        dht=dht,
+        run_id="hf_diloco",
+        inner_steps=4,
+        inner_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        min_group_size=1,
+        matchmaking_time=0.5,
+        averaging_timeout=10.0,
+    )
+    try:
+        trainer = make_trainer(model, masked_dataset(tokenizer, 256, seed=0), tmp_path, max_steps=8)
+        adapter = make_collaborative(trainer, opt, load_state_from_peers=False).optimizer
+        trainer.train()
+        opt.wait_for_pending_rounds()
+        assert opt.inner_step == 8 and opt.outer_step == 2
+        assert adapter.samples_stepped == 8 * BATCH
+        assert eval_loss(model, held_out) < 0.85 * initial
+        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+        assert logged[-1]["swarm_epoch"] == opt.local_epoch
+    finally:
+        opt.shutdown()
