@@ -202,6 +202,9 @@ class BackgroundService:
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
 
+    async def _aio_wait_ready(self) -> None:
+        """For ``obj.aio`` calls: wait (without blocking asyncio) until ``_running()`` is ready."""
+
     def _running(self) -> tuple[BackgroundRuntime, Any]:
         if self._forked():
             raise RuntimeError(
