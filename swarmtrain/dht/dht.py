@@ -154,6 +154,23 @@ class DHT(BackgroundService):
             ) as node:
                 yield AsyncDHT(p2p, node)
 
+    @classmethod
+    async def aio_create(cls, initial_peers: Sequence[str] = (), **kwargs: Any) -> DHT:
+        """From asyncio: ``dht = await DHT.aio_create(...)`` starts a blocking ``DHT`` (seconds:
+        host, bootstrap) without blocking the asyncio loop. Keywords: as ``DHT(...)``.
+
+        Import swarmtrain at module level: its first import (libp2p) takes a second or two
+        and would block the loop wherever it happens."""
+        dht = cls(initial_peers, start=False, **kwargs)
+        dht.run_in_background(await_ready=False)
+        assert dht._ready is not None
+        try:
+            await asyncio.shield(asyncio.wrap_future(dht._ready))
+        except asyncio.CancelledError:  # close it once started, off the loop
+            threading.Thread(target=dht.shutdown, daemon=True).start()
+            raise
+        return dht
+
     # ---------------------------------------------------------------- lifetime
 
     _service_name = "the DHT"
@@ -192,14 +209,15 @@ class DHT(BackgroundService):
         except FutureTimeoutError:
             raise FutureTimeoutError(f"the DHT was not ready within {timeout} s") from None
 
-    def shutdown(self) -> None:
-        """Stop the node and host (waits for a start still in progress first)."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the node and host (waits for a start still in progress first); ``timeout``:
+        cut the close short after this many seconds."""
         if self._ready is not None:
             try:
                 self._ready.result()
             except BaseException:
                 pass  # the start's error was raised to whoever waited for it
-        super().shutdown()
+        super().shutdown(timeout)
 
     async def _aio_wait_ready(self) -> None:
         if self._ready is not None and not self._ready.done():

@@ -14,17 +14,29 @@ writing each method twice more by hand (blocking, asyncio), declare it once::
 
 Both copy the implementation's docstring and signature (``inspect.signature``, ``help()``), so
 IDEs show the real parameters. Errors propagate with their own types. ``aio`` namespaces are
-generated per facade class from every ``forward`` (and :func:`aio_method`) it has.
+generated per facade class from every ``forward`` it has, plus its ``_aio_methods`` mapping
+(``{"step": AsyncImpl.step}``) for methods whose blocking form is written by hand because it
+keeps a hivemind flag that changes the return type (``wait=False``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["AioNamespace", "aio_method", "aio_namespace", "aio_property", "forward"]
+__all__ = [
+    "AioNamespace",
+    "ThreadAioNamespace",
+    "close_aio_worker",
+    "run_in_worker_thread",
+    "thread_aio_property",
+    "aio_namespace",
+    "aio_property",
+    "forward",
+]
 
 _FORWARD_ATTR = "__swarmtrain_forward__"
 
@@ -52,7 +64,6 @@ def forward(
     impl: Callable[..., Any],
     *,
     future_keyword: str | None = None,
-    blocking: bool = True,
 ) -> Callable[..., Any]:
     """A blocking method calling ``await service.<impl's name>(...)`` on the background loop.
 
@@ -60,8 +71,6 @@ def forward(
       used); the facade's ``_running()`` gives ``(runtime, service)``
     :param future_keyword: a keyword-only flag (hivemind's ``return_future``) that, when true,
       returns a ``concurrent.futures.Future`` at once instead of blocking
-    :param blocking: if False, return only a marker for the ``aio`` namespace (the facade keeps
-      a hand-written blocking method of that name, e.g. one with hivemind's ``wait=`` flag)
     """
     if not inspect.iscoroutinefunction(impl):
         raise TypeError(f"forward() needs an async function, got {impl!r}")
@@ -92,28 +101,7 @@ def forward(
             f"{name}(...)``."
         )
     setattr(blocking_method, _FORWARD_ATTR, impl)
-    if not blocking:
-        return _AioOnly(impl)
     return blocking_method
-
-
-class _AioOnly:
-    """Marker for :func:`aio_method`: adds ``impl`` to ``aio`` only; not visible on instances."""
-
-    def __init__(self, impl: Callable[..., Any]):
-        setattr(self, _FORWARD_ATTR, impl)
-        self._name = impl.__name__
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        raise AttributeError(f"{self._name} is only available as `await obj.aio.{self._name}()`")
-
-
-def aio_method(impl: Callable[..., Any]) -> Any:
-    """Declare ``impl`` for the ``aio`` namespace only (under the attribute name it gets)."""
-    return forward(impl, blocking=False)
 
 
 class AioNamespace:
@@ -152,6 +140,7 @@ def _collect(cls: type) -> dict[str, Callable[..., Any]]:
                 found[attr] = impl
             elif attr in found:
                 del found[attr]  # overridden by a plain attribute
+        found.update(vars(klass).get("_aio_methods", {}))
     return found
 
 
@@ -182,3 +171,113 @@ class aio_property:
         if obj is None:
             return cls
         return cls(obj)
+
+
+# ----------------------------------------------------------------- thread-based facades
+
+
+class ThreadAioNamespace:
+    """Base of the generated ``obj.aio`` classes of blocking objects that run their own threads
+    (``Optimizer``, ``DiLoCoOptimizer``): each awaitable runs the blocking method in the
+    object's one ``swarmtrain-aio`` worker thread, so calls run one at a time and in order.
+
+    Cancelling the awaiting asyncio task does not interrupt a call already running (a step
+    half-applied would corrupt the training state): it finishes in the worker, and the next
+    call waits for it.
+    """
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: Any):
+        self._owner = owner
+
+    def __repr__(self) -> str:
+        return f"<asyncio methods of {self._owner!r}>"
+
+
+def _worker(owner: Any) -> Any:
+    worker = owner.__dict__.get("_aio_worker")
+    if worker is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        worker = owner.__dict__.setdefault(
+            "_aio_worker", ThreadPoolExecutor(1, thread_name_prefix="swarmtrain-aio")
+        )
+    return worker
+
+
+def close_aio_worker(owner: Any) -> None:
+    """Let ``owner``'s aio worker thread end (call it from the owner's ``shutdown``)."""
+    worker = owner.__dict__.get("_aio_worker")
+    if worker is not None:
+        worker.shutdown(wait=False)
+
+
+def _thread_aio_function(name: str, blocking: Callable[..., Any]) -> Callable[..., Any]:
+    async def aio(self: ThreadAioNamespace, *args: Any, **kwargs: Any) -> Any:
+        import asyncio
+
+        method = getattr(self._owner, name)
+        call = functools.partial(method, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(_worker(self._owner), call)
+
+    functools.update_wrapper(aio, blocking)
+    del aio.__wrapped__
+    aio.__signature__ = inspect.signature(blocking)
+    aio.__doc__ = (blocking.__doc__ or "") + (
+        f"\n\nFrom asyncio: ``await obj.aio.{name}(...)`` runs this in the object's worker "
+        "thread; the asyncio loop is never blocked."
+    )
+    return aio
+
+
+class thread_aio_property:
+    """Class attribute ``aio = thread_aio_property("step", ...)``: ``obj.aio`` has an awaitable
+    per named blocking method (see :class:`ThreadAioNamespace`)."""
+
+    def __init__(self, *names: str):
+        self._names = names
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        methods: dict[str, Any] = {
+            n: _thread_aio_function(n, getattr(owner, n)) for n in self._names
+        }
+        methods["__doc__"] = (
+            f"asyncio awaitables over a :class:`{owner.__name__}` (reach them as ``obj.aio``)."
+        )
+        methods["__module__"] = owner.__module__
+        methods["__slots__"] = ()
+        self._class = type(f"Asyncio{owner.__name__}", (ThreadAioNamespace,), methods)
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        if obj is None:
+            return self._class
+        return self._class(obj)
+
+
+async def run_in_worker_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """From asyncio: ``fn(*args, **kwargs)`` in a fresh daemon thread (for constructors that
+    block for seconds); the loop is never blocked. Cancelling the await does not stop ``fn``:
+    if it was cancelled, the object it made is shut down when it is ready."""
+    import asyncio
+    import threading
+    from concurrent.futures import Future, InvalidStateError
+
+    future: Future = Future()  # cancelled by wrap_future when the awaiting task is
+
+    def run() -> None:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(e)
+            return
+        try:
+            future.set_result(result)
+        except InvalidStateError:  # the caller is gone: nobody else can close it
+            shutdown = getattr(result, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+    threading.Thread(target=run, name="swarmtrain-aio-create", daemon=True).start()
+    return await asyncio.wrap_future(future)
