@@ -221,3 +221,33 @@ async def test_an_abandoned_construction_is_shut_down():
         await creating
     release.set()
     assert await asyncio.to_thread(closed.wait, 10)
+
+
+# ------------------------------------------------------------------ shutdown timeout
+
+
+class HangingClose(BackgroundService):
+    """A service whose close never finishes by itself (a goodbye to a peer that is gone)."""
+
+    def __init__(self) -> None:
+        self.close_cancelled = threading.Event()
+
+        @asynccontextmanager
+        async def serve() -> AsyncIterator[None]:
+            try:
+                yield None
+            finally:
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    self.close_cancelled.set()
+
+        self._start_in_background(serve)
+
+
+def test_shutdown_timeout_cancels_a_close_that_hangs(caplog):
+    service = HangingClose()
+    service.shutdown(timeout=0.2)
+    assert service.close_cancelled.is_set()  # cut short (and waited for), not left running
+    assert "cancelled it" in caplog.text
+    assert BackgroundRuntime.active_references() == 0

@@ -126,11 +126,16 @@ class BackgroundRuntime:
         self._check_process()
         stopped = Future()
 
+        closed = threading.Event()  # set when the task has left, even cancelled
+
         async def serve(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-            stop_event = anyio.Event()
-            async with factory() as value:
-                task_status.started((value, stop_event))
-                await stop_event.wait()
+            try:
+                stop_event = anyio.Event()
+                async with factory() as value:
+                    task_status.started((value, stop_event))
+                    await stop_event.wait()
+            finally:
+                closed.set()
 
         future, (value, stop_event) = self.portal.start_task(serve)
 
@@ -143,10 +148,7 @@ class BackgroundRuntime:
                 future.result(timeout)
             except FutureTimeoutError:
                 future.cancel()  # the portal cancels the trio task: its close is cut short
-                try:
-                    future.result(_CANCEL_GRACE)
-                except (FutureCancelledError, FutureTimeoutError):
-                    pass
+                closed.wait(_CANCEL_GRACE)
                 logger.warning("closing %r took over %s s: cancelled it", factory, timeout)
 
         return value, stop
