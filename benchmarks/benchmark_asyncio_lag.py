@@ -98,12 +98,30 @@ def summary(lags: list[float]) -> dict:
     }
 
 
+async def idle(args) -> dict:
+    """The ticker alone for 5 s: the lag this machine's load gives any asyncio loop."""
+    ticker = Ticker(args.tick)
+    ticking = asyncio.create_task(ticker.run())
+    await asyncio.sleep(5.0)
+    ticking.cancel()
+    return {
+        "mode": "idle",
+        "epochs": 0,
+        "s_per_epoch": 0.0,
+        "startup_max_ms": 0.0,
+        **summary(ticker.lags),
+    }
+
+
 async def trainer(mode: str, args) -> dict:
     ctx = mp.get_context("spawn")
     run_id = f"lag_{mode}_{os.getpid()}"
     target = round(3 * BATCH / (STEP_PAUSE + 0.005) * args.epoch_seconds)
     ticker = Ticker(args.tick)
     ticking = asyncio.create_task(ticker.run())
+    if args.debug_slow:  # log each callback that ran on the loop for > 50 ms (what blocked it)
+        asyncio.get_running_loop().set_debug(True)
+        asyncio.get_running_loop().slow_callback_duration = 0.05
     await asyncio.sleep(0.2)
     model = make_model()
     if mode == "aio":
@@ -130,6 +148,7 @@ async def trainer(mode: str, args) -> dict:
         opt = swarmtrain.Optimizer(dht=dht, params=model.parameters(), **options)
         all(r.wait(120) for r in ready)
         opt.wait_for_peers(3, timeout=30)
+    await asyncio.sleep(3 * args.tick)  # let a tick blocked by the last call record its lag
     startup = summary(ticker.lags)
     ticker.lags.clear()
     first_epoch, started = opt.local_epoch, time.perf_counter()
@@ -167,13 +186,18 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--epoch-seconds", type=float, default=1.0)
     parser.add_argument("--tick", type=float, default=0.005)
-    parser.add_argument("--modes", default="blocking,aio")
+    parser.add_argument("--modes", default="idle,blocking,aio")
+    parser.add_argument("--debug-slow", action="store_true", help="asyncio debug: slow callbacks")
     args = parser.parse_args()
+    if args.debug_slow:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     print(f"load: {os.getloadavg()}")
     results = {}
     for mode in args.modes.split(","):
-        results[mode] = asyncio.run(trainer(mode, args))
+        results[mode] = asyncio.run(idle(args) if mode == "idle" else trainer(mode, args))
         r = results[mode]
         print(
             f"{mode:9s} epochs={r['epochs']} {r['s_per_epoch']:.2f} s/epoch ticks={r['n']} "
