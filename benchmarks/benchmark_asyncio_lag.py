@@ -25,7 +25,11 @@ import time
 
 import torch
 
-import swarmtrain  # import at module level: the first import (libp2p) takes a second or two
+import swarmtrain
+
+# at module level: swarmtrain's names are imported lazily, and the first use of ``swarmtrain.DHT``
+# (libp2p) or ``swarmtrain.Optimizer`` takes 1-2 s, which would block the loop wherever it happens
+from swarmtrain import DHT, Optimizer  # noqa: F401
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
 FEATURES, BATCH, STEP_PAUSE = 64, 8, 0.02

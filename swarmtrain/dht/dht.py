@@ -159,8 +159,8 @@ class DHT(BackgroundService):
         """From asyncio: ``dht = await DHT.aio_create(...)`` starts a blocking ``DHT`` (seconds:
         host, bootstrap) without blocking the asyncio loop. Keywords: as ``DHT(...)``.
 
-        Import swarmtrain at module level: its first import (libp2p) takes a second or two
-        and would block the loop wherever it happens."""
+        Import it at module level (``from swarmtrain import DHT``): ``swarmtrain``'s names load
+        lazily, and loading this one (libp2p) takes 1-2 s, which would block the loop."""
         dht = cls(initial_peers, start=False, **kwargs)
         dht.run_in_background(await_ready=False)
         assert dht._ready is not None
