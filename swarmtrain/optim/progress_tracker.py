@@ -428,6 +428,19 @@ class AsyncProgressTracker:
         await trio.lowlevel.checkpoint()
         return self.global_progress
 
+    async def wait_num_peers(self, num_peers: int, refresh_every: float = 1.0) -> GlobalProgress:
+        """Wait until the swarm's progress counts at least ``num_peers`` peers; return it.
+
+        Woken by each change (gossip brings announcements at once); when ``refresh_every``
+        seconds pass without enough peers, it fetches from the DHT (the fallback)."""
+        while self.global_progress.num_peers < num_peers:
+            with trio.move_on_after(refresh_every) as waited:
+                await self._wait_changed()
+            if waited.cancelled_caught:
+                await self._fetch()  # a failed fetch is logged; the next one comes later
+        await trio.lowlevel.checkpoint()
+        return self.global_progress
+
     async def refresh(self) -> GlobalProgress:
         """Fetch the swarm's progress from the DHT now; return the result."""
         await self._fetch()
