@@ -1,6 +1,7 @@
 """swarmtrain command line: `swarmtrain demo` trains a model with local peers, `swarmtrain node`
 runs a DHT bootstrap peer, `swarmtrain keygen` writes a swarm key for a private run,
-`swarmtrain runs` lists the announced runs (`swarmtrain COMMAND --help` for each)."""
+`swarmtrain runs` lists the announced runs, `swarmtrain monitor` serves a live dashboard
+(`swarmtrain COMMAND --help` for each)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import sys
 
 import swarmtrain
-from swarmtrain.cli import demo, keygen, node, runs
+from swarmtrain.cli import demo, keygen, monitor, node, runs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keygen.add_arguments(commands.add_parser("keygen", help=keygen.HELP, description=keygen.HELP))
     runs.add_arguments(commands.add_parser("runs", help=runs.HELP, description=runs.HELP))
+    monitor.add_arguments(
+        commands.add_parser("monitor", help=monitor.HELP, description=monitor.HELP)
+    )
     return parser
 
 

@@ -1,0 +1,78 @@
+"""The monitor's loop: read the run directory, metrics and progress from the DHT every
+``period`` seconds into a :class:`~swarmtrain.monitor.state.MonitorState` and hand the snapshot
+to a :class:`~swarmtrain.monitor.http.DashboardServer` (``swarmtrain monitor`` runs both)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pydantic
+import trio
+
+from swarmtrain.dht import AsyncDHT, get_dht_time
+from swarmtrain.optim.progress_records import LocalProgressSchema
+
+from .http import DashboardServer
+from .publisher import read_metrics
+from .runs import list_runs
+from .state import MonitorState, PeerProgress
+
+__all__ = ["read_progress", "refresh", "watch"]
+
+logger = logging.getLogger(__name__)
+
+
+async def read_progress(dht: AsyncDHT, run_id: str) -> list[PeerProgress]:
+    """The valid progress records of ``run_id`` (see :mod:`swarmtrain.optim.progress_tracker`)."""
+    found = await dht.get(f"{run_id}_progress", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    progress = []
+    for subkey, item in found.value.items():
+        if not isinstance(subkey, bytes) or b"[owner:" not in subkey:
+            continue
+        value: Any = getattr(item, "value", None)
+        try:
+            record = LocalProgressSchema.model_validate(value, strict=True)
+        except pydantic.ValidationError:
+            continue
+        progress.append(
+            PeerProgress(record.epoch, record.samples_accumulated, record.samples_per_second)
+        )
+    return progress
+
+
+async def refresh(dht: AsyncDHT, state: MonitorState, run_id: str | None) -> None:
+    """One round of reads: the run directory (when following every run), then each run's
+    metrics and progress. A failed read is logged and leaves the state as it was."""
+    try:
+        state.on_runs(await list_runs(dht))
+    except Exception:
+        logger.warning("could not read the run directory", exc_info=True)
+    if run_id is not None:
+        state.follow(run_id)
+    for followed in state.run_ids():
+        if run_id is not None and followed != run_id:
+            continue
+        try:
+            state.on_metrics(followed, await read_metrics(dht, followed), get_dht_time())
+            state.on_progress(followed, await read_progress(dht, followed))
+        except Exception:
+            logger.warning("could not read the metrics of %s", followed, exc_info=True)
+
+
+async def watch(
+    dht: AsyncDHT,
+    state: MonitorState,
+    server: DashboardServer,
+    run_id: str | None = None,
+    period: float = 2.0,
+) -> None:
+    """Refresh every ``period`` seconds (each round bounded by ``4 * period``), forever."""
+    while True:
+        with trio.move_on_after(4 * period):
+            await refresh(dht, state, run_id)
+        server.publish(json.dumps(state.snapshot(), separators=(",", ":")).encode())
+        await trio.sleep(period)
