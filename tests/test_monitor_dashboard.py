@@ -21,7 +21,7 @@ from swarmtrain.monitor import AsyncMetricsPublisher, LocalMetrics
 from swarmtrain.monitor.http import DashboardServer
 from swarmtrain.monitor.runs import AsyncRunAnnouncer, RunAnnouncement, announce_run
 from swarmtrain.monitor.state import MonitorState, PeerProgress
-from swarmtrain.monitor.watch import watch
+from swarmtrain.monitor.watch import _parse_progress, watch
 from swarmtrain.optim import ProgressTracker
 
 QUICK = {"min_refresh_period": 0.2, "max_refresh_period": 0.5, "default_refresh_period": 0.5}
@@ -297,3 +297,21 @@ def test_the_monitor_command_serves_a_dashboard(tmp_path):
             rest, _ = proc.communicate(timeout=30)
             assert proc.returncode == 0, rest
         trainer.shutdown()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        [],
+        {"epoch": -1, "samples_accumulated": 1, "samples_per_second": 1.0},
+        {"epoch": True, "samples_accumulated": 1, "samples_per_second": 1.0},
+        {"epoch": 1, "samples_accumulated": 1, "samples_per_second": math.nan},
+        {"epoch": 1, "samples_accumulated": 1, "samples_per_second": -1.0},
+        {"epoch": 1, "samples_accumulated": "1", "samples_per_second": 1.0},
+    ],
+)
+def test_bad_progress_records_are_ignored(value):
+    assert _parse_progress(value) is None
+    good = {"epoch": 1, "samples_accumulated": 2, "samples_per_second": 3.0}
+    assert _parse_progress(good) == PeerProgress(1, 2, 3.0)

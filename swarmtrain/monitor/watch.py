@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
-import pydantic
 import trio
 
 from swarmtrain.dht import AsyncDHT, get_dht_time
-from swarmtrain.optim.progress_records import LocalProgressSchema
 
 from .http import DashboardServer
 from .publisher import read_metrics
@@ -33,15 +32,31 @@ async def read_progress(dht: AsyncDHT, run_id: str) -> list[PeerProgress]:
     for subkey, item in found.value.items():
         if not isinstance(subkey, bytes) or b"[owner:" not in subkey:
             continue
-        value: Any = getattr(item, "value", None)
-        try:
-            record = LocalProgressSchema.model_validate(value, strict=True)
-        except pydantic.ValidationError:
-            continue
-        progress.append(
-            PeerProgress(record.epoch, record.samples_accumulated, record.samples_per_second)
-        )
+        parsed = _parse_progress(getattr(item, "value", None))
+        if parsed is not None:
+            progress.append(parsed)
     return progress
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _parse_progress(value: Any) -> PeerProgress | None:
+    """The fields the monitor uses from a progress record (``LocalProgressSchema`` of
+    :mod:`swarmtrain.optim.progress_records`; read here without importing torch), or None."""
+    if not isinstance(value, dict):
+        return None
+    epoch, samples, rate = (
+        value.get("epoch"),
+        value.get("samples_accumulated"),
+        value.get("samples_per_second"),
+    )
+    if not (_count(epoch) and _count(samples) and isinstance(rate, float)):
+        return None
+    if not (math.isfinite(rate) and 0.0 <= rate <= 1e30):
+        return None
+    return PeerProgress(epoch, samples, rate)
 
 
 async def refresh(dht: AsyncDHT, state: MonitorState, run_id: str | None) -> None:
