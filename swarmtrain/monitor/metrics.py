@@ -202,7 +202,8 @@ class PublishSchedule:
         if now < self.next_store_time():
             return None
         record = self._pending if self._pending is not None else self._last
-        assert record is not None
+        if record is None:  # next_store_time() was inf
+            return None
         record = dataclasses.replace(record, time=now)
         self._pending, self._last, self._last_store_time = None, record, now
         return record

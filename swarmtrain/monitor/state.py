@@ -46,7 +46,7 @@ class MonitorState:
         max_runs: int = 16,
         max_peers: int = 512,
         history: int = 720,
-        peer_history: int = 60,
+        peer_history: int = 30,
         target_batch_size: int | None = None,
     ):
         if min(max_runs, max_peers, history, peer_history) < 1:
