@@ -38,7 +38,7 @@ async def chromium(*args: str) -> bytes:
             "--disable-component-update",
             "--disable-sync",
             f"--user-data-dir={profile}",
-            "--virtual-time-budget=4000",
+            "--timeout=5000",
             *args,
         ]
         with trio.fail_after(60):

@@ -135,6 +135,8 @@ async def test_server_serves_the_page_the_state_and_events():
         server.publish(b'{"runs":{"a":1}}')
         status, kind, body = await trio.to_thread.run_sync(http_get, base + "/api/state")
         assert (status, kind, json.loads(body)) == (200, "application/json", {"runs": {"a": 1}})
+        status, kind, body = await trio.to_thread.run_sync(http_get, base + "/state.js")
+        assert body == b'window.SWARMTRAIN_STATE = {"runs":{"a":1}};\n' and "javascript" in kind
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
                 trio.to_thread.run_sync,

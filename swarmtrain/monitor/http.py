@@ -49,7 +49,8 @@ def _response(status: str, content_type: str, body: bytes, head_only: bool = Fal
 
 
 class DashboardServer:
-    """Serves ``assets``, ``/api/state`` (the latest published JSON) and ``/events`` (SSE)."""
+    """Serves ``assets``, ``/api/state`` (the latest published JSON; ``/state.js`` the same as a
+    script for the page's first render) and ``/events`` (SSE)."""
 
     def __init__(
         self,
@@ -138,6 +139,10 @@ class DashboardServer:
         head_only = method == b"HEAD"
         if target == "/events" and not head_only:
             await self._stream_events(stream)
+        elif target == "/state.js":  # the first render, before the event stream answers
+            body = b"window.SWARMTRAIN_STATE = " + self._snapshot + b";\n"
+            kind = _CONTENT_TYPES[".js"]
+            await self._send(stream, _response("200 OK", kind, body, head_only))
         elif target == "/api/state":
             body = self._snapshot
             await self._send(stream, _response("200 OK", "application/json", body, head_only))

@@ -100,6 +100,7 @@ function render(state) {
   document.getElementById("status").textContent = "updated " + new Date().toLocaleTimeString();
 }
 
+if (window.SWARMTRAIN_STATE && window.SWARMTRAIN_STATE.runs) render(window.SWARMTRAIN_STATE);
 const events = new EventSource("/events");
 events.addEventListener("state", (e) => render(JSON.parse(e.data)));
 events.onerror = () => { document.getElementById("status").textContent = "reconnecting…"; };
