@@ -21,7 +21,7 @@ from swarmtrain.monitor import AsyncMetricsPublisher, LocalMetrics
 from swarmtrain.monitor.http import DashboardServer
 from swarmtrain.monitor.runs import AsyncRunAnnouncer, RunAnnouncement, announce_run
 from swarmtrain.monitor.state import MonitorState, PeerProgress
-from swarmtrain.monitor.watch import _parse_progress, watch
+from swarmtrain.monitor.watch import _parse_progress, refresh, watch
 from swarmtrain.optim import ProgressTracker
 
 QUICK = {"min_refresh_period": 0.2, "max_refresh_period": 0.5, "default_refresh_period": 0.5}
@@ -317,3 +317,19 @@ def test_bad_progress_records_are_ignored(value):
     assert _parse_progress(value) is None
     good = {"epoch": 1, "samples_accumulated": 2, "samples_per_second": 3.0}
     assert _parse_progress(good) == PeerProgress(1, 2, 3.0)
+
+
+@pytest.mark.trio
+async def test_a_flood_of_announced_runs_cannot_push_out_the_followed_run():
+    async with open_dhts(2) as (monitor_dht, spammer):
+        for i in range(5):
+            await announce_run(spammer, RunAnnouncement(run_id=f"spam{i}"))
+        await announce_run(spammer, RunAnnouncement(run_id="real", name="the real one"))
+        state = MonitorState(max_runs=2)
+        with trio.fail_after(15):
+            while not state.snapshot()["runs"].get("real", {}).get("announcement"):
+                await refresh(monitor_dht, state, "real")
+        assert state.run_ids() == ["real"]
+        everything = MonitorState(max_runs=2)
+        await refresh(monitor_dht, everything, None)
+        assert len(everything.run_ids()) == 2  # following all runs: bounded too

@@ -62,12 +62,13 @@ def _parse_progress(value: Any) -> PeerProgress | None:
 async def refresh(dht: AsyncDHT, state: MonitorState, run_id: str | None) -> None:
     """One round of reads: the run directory (when following every run), then each run's
     metrics and progress. A failed read is logged and leaves the state as it was."""
+    if run_id is not None:
+        state.follow(run_id)  # first: announced runs cannot take its place
     try:
-        state.on_runs(await list_runs(dht))
+        runs = await list_runs(dht)
+        state.on_runs(runs if run_id is None else [r for r in runs if r.run_id == run_id])
     except Exception:
         logger.warning("could not read the run directory", exc_info=True)
-    if run_id is not None:
-        state.follow(run_id)
     for followed in state.run_ids():
         if run_id is not None and followed != run_id:
             continue
