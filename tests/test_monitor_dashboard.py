@@ -3,6 +3,7 @@ following real training peers over loopback libp2p, read with a plain HTTP clien
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -20,8 +21,9 @@ from swarmtrain.dht import DHT
 from swarmtrain.monitor import AsyncMetricsPublisher, LocalMetrics
 from swarmtrain.monitor.http import DashboardServer
 from swarmtrain.monitor.runs import AsyncRunAnnouncer, RunAnnouncement, announce_run
+from swarmtrain.monitor.sinks import SwarmPoint, TensorBoardSink, WandbSink
 from swarmtrain.monitor.state import MonitorState, PeerProgress
-from swarmtrain.monitor.watch import _parse_progress, refresh, watch
+from swarmtrain.monitor.watch import _parse_progress, refresh, send_to_sinks, watch
 from swarmtrain.optim import ProgressTracker
 
 QUICK = {"min_refresh_period": 0.2, "max_refresh_period": 0.5, "default_refresh_period": 0.5}
@@ -333,3 +335,68 @@ async def test_a_flood_of_announced_runs_cannot_push_out_the_followed_run():
         everything = MonitorState(max_runs=2)
         await refresh(monitor_dht, everything, None)
         assert len(everything.run_ids()) == 2  # following all runs: bounded too
+
+
+class ListSink:
+    """A sink that keeps what it is sent (the protocol's simplest real implementation)."""
+
+    def __init__(self):
+        self.points: list[SwarmPoint] = []
+
+    def log(self, point: SwarmPoint) -> None:
+        self.points.append(point)
+
+    def close(self) -> None:
+        pass
+
+
+class BrokenSink(ListSink):
+    def log(self, point: SwarmPoint) -> None:
+        raise RuntimeError("disk full")
+
+
+def test_sinks_get_each_new_point_once_and_a_broken_sink_harms_nobody():
+    state = MonitorState(target_batch_size=100)
+    good, sent = ListSink(), {}
+    state.on_metrics("run", {b"[owner:a]": metrics(1, 1.0, 2.0)}, 1.0)
+    state.on_progress("run", [PeerProgress(4, 10, 1.0)])
+    send_to_sinks(state, [BrokenSink(), good], sent)
+    send_to_sinks(state, [BrokenSink(), good], sent)  # nothing new
+    state.on_metrics("run", {b"[owner:a]": metrics(1, 2.0, None)}, 2.0)
+    send_to_sinks(state, [good], sent)
+    assert good.points == [
+        SwarmPoint("run", 1.0, 1, 2.0, 10.0, 1, 4),
+        SwarmPoint("run", 2.0, 2, None, 10.0, 1, 4),
+    ]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is not None
+    and importlib.util.find_spec("wandb") is not None,
+    reason="tensorboard and wandb are installed",
+)
+def test_sinks_name_the_package_to_install(tmp_path):
+    for make, package in (
+        (lambda: TensorBoardSink(str(tmp_path)), "tensorboard"),
+        (lambda: WandbSink("p"), "wandb"),
+    ):
+        if importlib.util.find_spec(package) is None:
+            with pytest.raises(ImportError, match=f"pip install {package}"):
+                make()
+    code = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmtrain.cli.main",
+            "monitor",
+            "--initial_peers",
+            "/ip4/127.0.0.1/tcp/1",
+            "--wandb_project",
+            "p",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if importlib.util.find_spec("wandb") is None:
+        assert code.returncode == 1 and "pip install wandb" in code.stderr

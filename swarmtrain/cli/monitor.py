@@ -11,6 +11,7 @@ import trio
 from swarmtrain.cli.options import add_option
 from swarmtrain.dht import DHT
 from swarmtrain.monitor.http import DashboardServer
+from swarmtrain.monitor.sinks import MetricsSink, TensorBoardSink, WandbSink
 from swarmtrain.monitor.state import MonitorState
 from swarmtrain.monitor.watch import watch
 from swarmtrain.p2p import P2PError
@@ -39,10 +40,26 @@ def add_arguments(parser) -> None:
     )
     add_option(parser, "--refresh_period", type=float, default=2.0, help="seconds between reads")
     add_option(parser, "--swarm_key_path", default=None, help="swarm key of a private DHT")
+    add_option(
+        parser,
+        "--tensorboard_dir",
+        default=None,
+        help="also log to TensorBoard (needs tensorboard)",
+    )
+    add_option(parser, "--wandb_project", default=None, help="also log to wandb (needs wandb)")
     parser.set_defaults(run=run)
 
 
-async def serve(args) -> None:
+def make_sinks(args) -> list[MetricsSink]:
+    sinks: list[MetricsSink] = []
+    if args.tensorboard_dir:
+        sinks.append(TensorBoardSink(args.tensorboard_dir))
+    if args.wandb_project:
+        sinks.append(WandbSink(args.wandb_project))
+    return sinks
+
+
+async def serve(args, sinks: list[MetricsSink]) -> None:
     state = MonitorState(target_batch_size=args.target_batch_size)
     server = DashboardServer()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -54,7 +71,7 @@ async def serve(args) -> None:
         ):
             port = await nursery.start(server.serve, args.port, args.host)
             print(f"dashboard at http://{args.host}:{port}/", flush=True)
-            nursery.start_soon(watch, dht, state, server, args.run_id, args.refresh_period)
+            nursery.start_soon(watch, dht, state, server, args.run_id, args.refresh_period, sinks)
             async for signum in signals:
                 print(f"received {signal.Signals(signum).name}, shutting down", flush=True)
                 break
@@ -67,8 +84,16 @@ def run(args) -> int:
     if not args.refresh_period > 0:
         raise SystemExit("swarmtrain monitor: --refresh_period must be positive")
     try:
-        trio.run(serve, args)
+        sinks = make_sinks(args)
+    except ImportError as e:
+        print(f"swarmtrain monitor: {e}", file=sys.stderr)
+        return 1
+    try:
+        trio.run(serve, args, sinks)
     except (P2PError, ValueError, OSError) as e:
         print(f"swarmtrain monitor: {e}", file=sys.stderr)
         return 1
+    finally:
+        for sink in sinks:
+            sink.close()
     return 0

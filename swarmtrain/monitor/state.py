@@ -37,6 +37,7 @@ class _Run:
     progress: list[PeerProgress] = field(default_factory=list)
     announcement: RunAnnouncement | None = None
     last_update: float = -math.inf
+    points: int = 0  # points ever appended to history
 
 
 class MonitorState:
@@ -102,10 +103,18 @@ class MonitorState:
             )
         )
         run.last_update = now
+        run.points += 1
 
     def on_progress(self, run_id: str, progress: Iterable[PeerProgress]) -> None:
         if run_id in self._runs:
             self._runs[run_id].progress = list(progress)[: self.max_peers]
+
+    def latest(self, run_id: str) -> tuple[int, tuple] | None:
+        """(number of points recorded so far, the last one) of a run's swarm curve, or None."""
+        run = self._runs.get(run_id)
+        if run is None or not run.history:
+            return None
+        return run.points, run.history[-1]
 
     def eta(self, run_id: str) -> tuple[int, int, float | None] | None:
         """(epoch, samples toward it, seconds to the next epoch or None) from the progress

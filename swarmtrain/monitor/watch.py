@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -16,6 +17,7 @@ from swarmtrain.dht import AsyncDHT, get_dht_time
 from .http import DashboardServer
 from .publisher import read_metrics
 from .runs import list_runs
+from .sinks import MetricsSink, SwarmPoint
 from .state import MonitorState, PeerProgress
 
 __all__ = ["read_progress", "refresh", "watch"]
@@ -79,16 +81,39 @@ async def refresh(dht: AsyncDHT, state: MonitorState, run_id: str | None) -> Non
             logger.warning("could not read the metrics of %s", followed, exc_info=True)
 
 
+def send_to_sinks(state: MonitorState, sinks: Sequence[MetricsSink], sent: dict[str, int]) -> None:
+    """Each run's newest swarm point to every sink, once (``sent``: points sent per run). A
+    failing sink is logged and does not stop the others."""
+    for run_id in state.run_ids():
+        latest = state.latest(run_id)
+        if latest is None or sent.get(run_id) == latest[0]:
+            continue
+        sent[run_id] = latest[0]
+        time, mean_loss, rate, alive = latest[1]
+        eta = state.eta(run_id)
+        point = SwarmPoint(run_id, time, latest[0], mean_loss, rate, alive, eta and eta[0])
+        for sink in sinks:
+            try:
+                sink.log(point)
+            except Exception:
+                logger.warning("metrics sink %r failed", sink, exc_info=True)
+
+
 async def watch(
     dht: AsyncDHT,
     state: MonitorState,
-    server: DashboardServer,
+    server: DashboardServer | None,
     run_id: str | None = None,
     period: float = 2.0,
+    sinks: Sequence[MetricsSink] = (),
 ) -> None:
-    """Refresh every ``period`` seconds (each round bounded by ``4 * period``), forever."""
+    """Refresh every ``period`` seconds (each round bounded by ``4 * period``), forever; publish
+    each snapshot to ``server`` and each new swarm point to ``sinks``."""
+    sent: dict[str, int] = {}
     while True:
         with trio.move_on_after(4 * period):
             await refresh(dht, state, run_id)
-        server.publish(json.dumps(state.snapshot(), separators=(",", ":")).encode())
+        if server is not None:
+            server.publish(json.dumps(state.snapshot(), separators=(",", ":")).encode())
+        send_to_sinks(state, sinks, sent)
         await trio.sleep(period)
