@@ -191,9 +191,10 @@ async def test_subkeys_merged_from_several_writers():
         }
         assert found.expiration_time == expiration + 3
         assert found.value["peer2"].expiration_time == expiration + 2
-        # a regular value that expires later replaces the dictionary
-        assert await writers[0].store("group", "flat", expiration + 100)
-        assert (await s.nodes[4].get("group", latest=True)).value == "flat"
+        # a regular value never replaces live subkeys, however late it expires (#17.3)
+        assert not await writers[0].store("group", "flat", expiration + 100)
+        found = await s.nodes[4].get("group", latest=True)
+        assert isinstance(found.value, dict) and len(found.value) == 4
 
 
 @pytest.mark.trio
