@@ -53,7 +53,9 @@ def test_state_keeps_alive_peers_and_swarm_curves():
     run = state.snapshot()["runs"]["run"]
     assert run["history"] == [[2.0, 1.0, 5.0, 1], [3.0, 1.0, 5.0, 1], [4.0, 1.0, 5.0, 1]]
     (peer,) = run["peers"]  # peer b's record expired: it is gone, with its history
-    assert peer["peer_id"] == "peer1" and len(peer["history"]) == 2
+    assert peer["peer_id"] == "peer1" and "history" not in peer
+    assert state.peer_history_of("run", b"[owner:a]") == [(3.0, 1.0, 5.0), (4.0, 1.0, 5.0)]
+    assert state.peer_history_of("run", b"[owner:b]") == []
     assert json.loads(json.dumps(state.snapshot())) == state.snapshot()
 
 

@@ -41,6 +41,9 @@ class _Run:
 
 
 class MonitorState:
+    """A snapshot lists each alive peer's latest record; per-peer curves stay here (bounded by
+    ``peer_history``, see :meth:`peer_history_of`) so that each event stays small."""
+
     def __init__(
         self,
         *,
@@ -109,6 +112,11 @@ class MonitorState:
         if run_id in self._runs:
             self._runs[run_id].progress = list(progress)[: self.max_peers]
 
+    def peer_history_of(self, run_id: str, owner: bytes) -> list[tuple]:
+        """(time, loss, samples/s) of one peer's last ``peer_history`` records."""
+        run = self._runs.get(run_id)
+        return [] if run is None else list(run.peer_history.get(owner, ()))
+
     def latest(self, run_id: str) -> tuple[int, tuple] | None:
         """(number of points recorded so far, the last one) of a run's swarm curve, or None."""
         run = self._runs.get(run_id)
@@ -139,7 +147,7 @@ class MonitorState:
                 "announcement": _announcement(run.announcement),
                 "history": [list(point) for point in run.history],
                 "peers": [
-                    _peer(owner, record, run.peer_history.get(owner, ()))
+                    _peer(owner, record)
                     for owner, record in sorted(run.peers.items(), key=lambda i: i[1].peer_id)
                 ],
                 "progress": None
@@ -163,8 +171,7 @@ def _announcement(run: RunAnnouncement | None) -> dict[str, Any] | None:
     return value
 
 
-def _peer(owner: bytes, record: LocalMetrics, points: Iterable[tuple]) -> dict[str, Any]:
+def _peer(owner: bytes, record: LocalMetrics) -> dict[str, Any]:
     value = record.to_dict()
     value["owner"] = owner.decode(errors="replace")
-    value["history"] = [list(point) for point in points]
     return value
