@@ -9,6 +9,7 @@ py-libp2p host in the same process behaves as stock py-libp2p. The one exception
 - Yamux (``_yamux.TunedYamux``): 1 MiB frames, all-or-nothing frame writes under
   cancellation, writers woken by window updates, window updates in batches, no RTT pings.
 - TCP + Noise (``_io_tuning``): buffered socket reads, one socket write per muxer frame.
+- DCUtR's source-bound TCP dials (``_libp2p_fixes.HolePunchTCP``): no socket leak when cancelled.
 - Multistream-select (``_multistream.PipelinedMultiselectClient``): header and protocol in one
   write (one round trip per stream instead of two).
 - Identify: py-libp2p runs identify both ways on every new connection (two extra streams,
@@ -60,10 +61,12 @@ def remove_dial_delay() -> None:
 
 def tune_host(host) -> None:
     """Give a new py-libp2p host (not yet running) swarmtrain's per-host behaviour."""
+    from swarmtrain.p2p._libp2p_fixes import use_hole_punch_tcp
     from swarmtrain.p2p._multistream import use_pipelined_multistream
     from swarmtrain.p2p._yamux import use_tuned_yamux
 
     use_tuned_yamux(host)
+    use_hole_punch_tcp(host)
     use_pipelined_multistream(host)
     if os.environ.get("SWARMTRAIN_IDENTIFY_INBOUND") != "1":
         identify_dialled_peers_only(host)
