@@ -19,8 +19,9 @@ py-libp2p host in the same process behaves as stock py-libp2p. The one exception
   carry themselves (the DHT's node info, relay reservations), and py-libp2p still identifies
   a peer before it caches protocols for it. ``SWARMTRAIN_IDENTIFY_INBOUND=1`` restores
   identify on inbound connections.
-- Dialling: py-libp2p waits up to 250 ms (``swarm._HAPPY_EYEBALLS_DELAY``) after starting each
-  address's dial; ``dialling.Dialling`` dials a peer's addresses itself, all at once.
+- Dialling: py-libp2p waits 250 ms (``swarm._HAPPY_EYEBALLS_DELAY``) after starting the dial
+  of an address, even when it succeeded; our direct dials return at their first connection
+  (``OurConnectionConfig``, ``first_connection_suffices``).
 - Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values) and reports
   routine events (a peer closing during identify) as errors; its loggers stay at CRITICAL
   unless ``SWARMTRAIN_LIBP2P_LOG_LEVEL`` or ``LIBP2P_DEBUG`` says otherwise.
@@ -32,7 +33,11 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 from importlib.metadata import version
+
+from libp2p.network.config import ConnectionConfig
 
 SUPPORTED_LIBP2P_VERSION = "0.8.1"
 _logging_configured = False
@@ -49,14 +54,42 @@ def check_libp2p_version() -> None:
         )
 
 
-def remove_dial_delay() -> None:
-    """Process-wide, idempotent: py-libp2p 0.8.1 waits ``_HAPPY_EYEBALLS_DELAY`` (250 ms) after
-    starting the dial of each address, even when the dial already succeeded; 0 here."""
-    import libp2p.network.swarm as swarm_module
+#: set while one of our hosts dials a peer directly (``first_connection_suffices``)
+_first_connection_suffices: ContextVar[bool] = ContextVar(
+    "swarmtrain_first_connection_suffices", default=False
+)
 
-    if not hasattr(swarm_module, "_HAPPY_EYEBALLS_DELAY"):
-        raise RuntimeError("libp2p internals changed: swarm._HAPPY_EYEBALLS_DELAY is missing")
-    swarm_module._HAPPY_EYEBALLS_DELAY = 0.0
+
+@contextmanager
+def first_connection_suffices():
+    """Within this block, a dial of our swarm stops at its first connection (see
+    ``OurConnectionConfig``); tasks the dial starts inherit it (trio copies the context)."""
+    token = _first_connection_suffices.set(True)
+    try:
+        yield
+    finally:
+        _first_connection_suffices.reset(token)
+
+
+class OurConnectionConfig(ConnectionConfig):
+    """Our swarms' ``ConnectionConfig``: inside ``first_connection_suffices()`` (our own direct
+    dials) ``max_connections_per_peer`` reads 1, elsewhere what it was set to (3 by default).
+
+    py-libp2p 0.8.1's ``Swarm.dial_peer`` starts the dial of a peer's first address, then waits
+    ``_HAPPY_EYEBALLS_DELAY`` (250 ms, a module constant) for it to *fail* before it starts the
+    next one, and it keeps waiting after the dial succeeded: every dial took >= 250 ms, even
+    with one address. The wait ends early only when the dial holds ``max_connections_per_peer``
+    connections (upstream's own "enough connections" path: it cancels the wait and the other
+    dials). Here our dials need one connection, so they return as soon as it is up; a second
+    address is still dialled after 250 ms if the first hangs, and at once if it fails."""
+
+    @property
+    def max_connections_per_peer(self) -> int:
+        return 1 if _first_connection_suffices.get() else self._max_connections_per_peer
+
+    @max_connections_per_peer.setter
+    def max_connections_per_peer(self, value: int) -> None:
+        self._max_connections_per_peer = value
 
 
 def tune_host(host) -> None:
