@@ -16,6 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
+
+from swarmtrain.p2p._tuning import OurConnectionConfig, first_connection_suffices
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).resolve().parent / "libp2p_scoped_probe.py"
@@ -86,3 +90,28 @@ def test_a_plain_host_next_to_ours_is_stock(probe):
     assert stock["max_frame"] == STOCK_MAX_FRAME  # not our 1 MiB frames
     assert stock["identified_inbound"]  # py-libp2p identifies peers that dialled it
     assert stock["dial_seconds"] >= STOCK_HAPPY_EYEBALLS_WAIT  # its 250 ms wait is intact
+
+
+@pytest.mark.trio
+async def test_our_dials_need_one_connection_only_while_they_run():
+    config = OurConnectionConfig(min_connections=0, low_watermark=0)
+    seen: dict[str, int] = {}
+    outlives = trio.Event()
+
+    async def connection_task(done: trio.Event) -> None:  # e.g. a read loop the dial started
+        seen["inside"] = config.max_connections_per_peer
+        await outlives.wait()
+        seen["after"] = config.max_connections_per_peer
+        done.set()
+
+    assert config.max_connections_per_peer == 3  # py-libp2p's default, everywhere else
+    done = trio.Event()
+    async with trio.open_nursery() as nursery:
+        with first_connection_suffices():
+            assert config.max_connections_per_peer == 1
+            nursery.start_soon(connection_task, done)
+            await trio.testing.wait_all_tasks_blocked()
+        assert config.max_connections_per_peer == 3
+        outlives.set()
+        await done.wait()
+    assert seen == {"inside": 1, "after": 3}

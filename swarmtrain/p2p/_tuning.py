@@ -54,21 +54,28 @@ def check_libp2p_version() -> None:
         )
 
 
-#: set while one of our hosts dials a peer directly (``first_connection_suffices``)
-_first_connection_suffices: ContextVar[bool] = ContextVar(
-    "swarmtrain_first_connection_suffices", default=False
-)
+class _OurDial:
+    """One of our direct dials; ``active`` until it returns."""
+
+    active = True
+
+
+#: the dial in progress in this task (tasks a dial starts inherit it, trio copies the context;
+#: those that outlive it, such as a connection's read loop, see it inactive)
+_our_dial: ContextVar[_OurDial | None] = ContextVar("swarmtrain_our_dial", default=None)
 
 
 @contextmanager
 def first_connection_suffices():
     """Within this block, a dial of our swarm stops at its first connection (see
-    ``OurConnectionConfig``); tasks the dial starts inherit it (trio copies the context)."""
-    token = _first_connection_suffices.set(True)
+    ``OurConnectionConfig``)."""
+    dial = _OurDial()
+    token = _our_dial.set(dial)
     try:
         yield
     finally:
-        _first_connection_suffices.reset(token)
+        dial.active = False
+        _our_dial.reset(token)
 
 
 class OurConnectionConfig(ConnectionConfig):
@@ -81,11 +88,15 @@ class OurConnectionConfig(ConnectionConfig):
     with one address. The wait ends early only when the dial holds ``max_connections_per_peer``
     connections (upstream's own "enough connections" path: it cancels the wait and the other
     dials). Here our dials need one connection, so they return as soon as it is up; a second
-    address is still dialled after 250 ms if the first hangs, and at once if it fails."""
+    address is still dialled after 250 ms if the first hangs, and at once if it fails. (The
+    swarm also reads the limit when it registers a connection, to close surplus connections
+    to that peer older than its 20 s grace period; our dials run when we hold no connection to
+    the peer.)"""
 
     @property
     def max_connections_per_peer(self) -> int:
-        return 1 if _first_connection_suffices.get() else self._max_connections_per_peer
+        dial = _our_dial.get()
+        return 1 if dial is not None and dial.active else self._max_connections_per_peer
 
     @max_connections_per_peer.setter
     def max_connections_per_peer(self, value: int) -> None:
