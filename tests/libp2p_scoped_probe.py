@@ -8,8 +8,8 @@ every class defined in them; two swarmtrain hosts then call each other (small RP
 yamux, both directions); the record is taken again and compared by identity (what was
 assigned, added or deleted). Then two plain py-libp2p hosts (``new_host`` with its defaults)
 talk in the same process, and what our subclasses used to change process-wide is read off
-them: the classes of their connection pieces, their yamux frame sizes, their dial time
-(py-libp2p's 250 ms happy-eyeballs wait), identify on inbound connections.
+them: the classes of their connection pieces, their yamux frame sizes, identify on inbound
+connections (and, for the record, their dial time).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Every change is scoped to our own hosts: they are built with our own classes and instances
 (``tune_host``, ``private_network.PrivateNoiseTransport``), and py-libp2p's
 modules and classes stay exactly as imported (``tests/test_libp2p_scoped.py``), so a plain
-py-libp2p host in the same process behaves as stock py-libp2p. The one exception is
-``route_root_logging_calls`` (see there).
+py-libp2p host in the same process behaves as stock py-libp2p. Two exceptions remain, both
+module attributes set once per process: ``route_root_logging_calls`` and ``remove_dial_delay``
+(see there).
 
 - Yamux (``_yamux.TunedYamux``): 1 MiB frames, all-or-nothing frame writes under
   cancellation, writers woken by window updates, window updates in batches, no RTT pings.
@@ -20,8 +21,7 @@ py-libp2p host in the same process behaves as stock py-libp2p. The one exception
   a peer before it caches protocols for it. ``SWARMTRAIN_IDENTIFY_INBOUND=1`` restores
   identify on inbound connections.
 - Dialling: py-libp2p waits 250 ms (``swarm._HAPPY_EYEBALLS_DELAY``) after starting the dial
-  of an address, even when it succeeded; our direct dials return at their first connection
-  (``OurConnectionConfig``, ``first_connection_suffices``).
+  of an address, even when it succeeded; set to 0, process-wide (``remove_dial_delay``).
 - Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values) and reports
   routine events (a peer closing during identify) as errors; its loggers stay at CRITICAL
   unless ``SWARMTRAIN_LIBP2P_LOG_LEVEL`` or ``LIBP2P_DEBUG`` says otherwise.
@@ -33,11 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
-from contextvars import ContextVar
 from importlib.metadata import version
-
-from libp2p.network.config import ConnectionConfig
 
 SUPPORTED_LIBP2P_VERSION = "0.8.1"
 _logging_configured = False
@@ -54,53 +50,16 @@ def check_libp2p_version() -> None:
         )
 
 
-class _OurDial:
-    """One of our direct dials; ``active`` until it returns."""
+def remove_dial_delay() -> None:
+    """Process-wide, idempotent (the second exception to scoping, see docs/libp2p.md #1):
+    py-libp2p 0.8.1's ``Swarm.dial_peer`` waits ``_HAPPY_EYEBALLS_DELAY`` (250 ms, a module
+    constant read inside it) after starting the dial of each address, even when the dial
+    already succeeded; 0 here, so a peer's (at most 2) addresses are dialled at once."""
+    import libp2p.network.swarm as swarm_module
 
-    active = True
-
-
-#: the dial in progress in this task (tasks a dial starts inherit it, trio copies the context;
-#: those that outlive it, such as a connection's read loop, see it inactive)
-_our_dial: ContextVar[_OurDial | None] = ContextVar("swarmtrain_our_dial", default=None)
-
-
-@contextmanager
-def first_connection_suffices():
-    """Within this block, a dial of our swarm stops at its first connection (see
-    ``OurConnectionConfig``)."""
-    dial = _OurDial()
-    token = _our_dial.set(dial)
-    try:
-        yield
-    finally:
-        dial.active = False
-        _our_dial.reset(token)
-
-
-class OurConnectionConfig(ConnectionConfig):
-    """Our swarms' ``ConnectionConfig``: inside ``first_connection_suffices()`` (our own direct
-    dials) ``max_connections_per_peer`` reads 1, elsewhere what it was set to (3 by default).
-
-    py-libp2p 0.8.1's ``Swarm.dial_peer`` starts the dial of a peer's first address, then waits
-    ``_HAPPY_EYEBALLS_DELAY`` (250 ms, a module constant) for it to *fail* before it starts the
-    next one, and it keeps waiting after the dial succeeded: every dial took >= 250 ms, even
-    with one address. The wait ends early only when the dial holds ``max_connections_per_peer``
-    connections (upstream's own "enough connections" path: it cancels the wait and the other
-    dials). Here our dials need one connection, so they return as soon as it is up; a second
-    address is still dialled after 250 ms if the first hangs, and at once if it fails. (The
-    swarm also reads the limit when it registers a connection, to close surplus connections
-    to that peer older than its 20 s grace period; our dials run when we hold no connection to
-    the peer.)"""
-
-    @property
-    def max_connections_per_peer(self) -> int:
-        dial = _our_dial.get()
-        return 1 if dial is not None and dial.active else self._max_connections_per_peer
-
-    @max_connections_per_peer.setter
-    def max_connections_per_peer(self, value: int) -> None:
-        self._max_connections_per_peer = value
+    if not hasattr(swarm_module, "_HAPPY_EYEBALLS_DELAY"):
+        raise RuntimeError("libp2p internals changed: swarm._HAPPY_EYEBALLS_DELAY is missing")
+    swarm_module._HAPPY_EYEBALLS_DELAY = 0.0
 
 
 def tune_host(host) -> None:
@@ -114,6 +73,12 @@ def tune_host(host) -> None:
     use_pipelined_multistream(host)
     if os.environ.get("SWARMTRAIN_IDENTIFY_INBOUND") != "1":
         identify_dialled_peers_only(host)
+
+
+def configure_process(*, quiet_logging: bool = True) -> None:
+    """Once per process: the two process-wide changes left (dial delay, root-logger calls)."""
+    remove_dial_delay()
+    configure_logging(quiet_logging=quiet_logging)
 
 
 def configure_logging(*, quiet_logging: bool = True) -> None:
@@ -139,7 +104,7 @@ ROOT_LOGGING_MODULES = ("libp2p.network.connection.swarm_connection",)
 def route_root_logging_calls() -> None:
     """Send py-libp2p's ``logging.debug(...)``-style calls to a module logger, idempotently.
 
-    The one process-wide change to a py-libp2p module (listed in docs/libp2p.md and in
+    One of the two process-wide changes to py-libp2p modules (listed in docs/libp2p.md and in
     ``tests/test_libp2p_scoped.py``). py-libp2p 0.8.1's ``swarm_connection`` logs with
     ``logging.debug/warning(...)``: the root logger, and when the root logger has no handler
     yet, each such call runs ``logging.basicConfig()``. That happened as soon as two peers

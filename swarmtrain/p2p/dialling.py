@@ -18,7 +18,6 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from swarmtrain.p2p._multistream import open_lazily_negotiated_stream
-from swarmtrain.p2p._tuning import first_connection_suffices
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, SwarmKeyMismatchError
 from swarmtrain.p2p.private_network import KEY_MISMATCH_HINT, is_swarm_key_mismatch
 
@@ -110,7 +109,7 @@ class Dialling:
             rejected = False  # a handshake failed as a swarm-key mismatch makes it fail
             if direct:
                 try:
-                    with trio.fail_after(self.config.dial_timeout), first_connection_suffices():
+                    with trio.fail_after(self.config.dial_timeout):
                         await self._host.connect(PeerInfo(peer_id, direct))
                     return
                 except trio.TooSlowError:

@@ -28,15 +28,14 @@ from google.protobuf.message import Message
 from libp2p import new_host
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
-from libp2p.network.config import RetryConfig
+from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 
 from swarmtrain.p2p import rpc, rpc_client
 from swarmtrain.p2p._tuning import (
-    OurConnectionConfig,
     check_libp2p_version,
-    configure_logging,
+    configure_process,
     tune_host,
 )
 from swarmtrain.p2p.addresses import expand_unspecified
@@ -173,12 +172,10 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
     transport_kinds = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
     if use_websocket:
         transport_kinds.append(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0/ws"))
-    # (OurConnectionConfig: our dials stop at their first connection, see _tuning)
-    kwargs["connection_config"] = OurConnectionConfig()
     if not config.auto_connect:
         # py-libp2p's auto-connector dials peers from the peerstore until a host holds 50
         # connections; the DHT fills the peerstore, so that would dial half the swarm.
-        kwargs["connection_config"] = OurConnectionConfig(min_connections=0, low_watermark=0)
+        kwargs["connection_config"] = ConnectionConfig(min_connections=0, low_watermark=0)
     host = new_host(
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},  # never plaintext, which py-libp2p offers by default
@@ -248,7 +245,7 @@ class P2P(Dialling):
             **kwargs,
         )
         check_libp2p_version()
-        configure_logging(quiet_logging=config.quiet_logging)
+        configure_process(quiet_logging=config.quiet_logging)
         key_pair = load_or_create_identity(config.identity_path)
         listen = [] if config.client_mode else [_with_ws_port(a) for a in config.host_maddrs]
         check_addresses_free(listen)
