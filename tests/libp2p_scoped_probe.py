@@ -30,7 +30,6 @@ from libp2p.peer.peerinfo import PeerInfo
 import swarmtrain.p2p
 from swarmtrain.p2p import P2P
 
-QUIET = {"use_relay": False, "relay_service": False, "use_autonat": False}
 ECHO = "/swarmtrain-scoped-probe/echo/1.0.0"
 BULK = 3 * 1024 * 1024 + 12345
 STOCK_WRITE = 200 * 1024
@@ -139,8 +138,8 @@ async def echo(request, context):
 async def run_ours() -> dict:
     frames: list[int] = []
     async with (
-        P2P.create(use_data_lanes=False, **QUIET) as a,
-        P2P.create(a.get_visible_maddrs(), use_data_lanes=False, **QUIET) as b,
+        P2P.create(use_data_lanes=False) as a,  # relay, hole punching, AutoNAT: on
+        P2P.create(a.get_visible_maddrs(), use_data_lanes=False) as b,
     ):
         for host in (a, b):
             host.add_protobuf_handler("probe::Echo.echo", echo, BytesValue)
