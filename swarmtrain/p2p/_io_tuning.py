@@ -38,7 +38,9 @@ class BufferedTCPStream(TrioTCPStream):
     _buffer: bytearray | None = None
 
     async def read(self, n: int | None = None) -> bytes:
-        if n is None:
+        if n is None:  # whatever is available: the buffer first, never behind a later recv
+            if self._buffer:
+                return self._take(len(self._buffer))
             return await super().read(n)
         if n == 0:
             return b""
