@@ -33,7 +33,11 @@ from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 
 from swarmtrain.p2p import rpc, rpc_client
-from swarmtrain.p2p._tuning import apply_libp2p_tuning
+from swarmtrain.p2p._tuning import (
+    check_libp2p_version,
+    configure_process,
+    tune_host,
+)
 from swarmtrain.p2p.addresses import expand_unspecified
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
 from swarmtrain.p2p.dialling import Dialling, as_peer_id
@@ -186,6 +190,7 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
     if not isinstance(getattr(swarm, "retry_config", None), RetryConfig):
         raise RuntimeError("libp2p internals changed: the swarm has no retry_config")
     swarm.retry_config = RetryConfig(max_retries=DIAL_RETRIES, initial_delay=DIAL_RETRY_DELAY)
+    tune_host(host)
     return host
 
 
@@ -239,7 +244,8 @@ class P2P(Dialling):
             client_mode=client_mode,
             **kwargs,
         )
-        apply_libp2p_tuning(quiet_logging=config.quiet_logging)
+        check_libp2p_version()
+        configure_process(quiet_logging=config.quiet_logging)
         key_pair = load_or_create_identity(config.identity_path)
         listen = [] if config.client_mode else [_with_ws_port(a) for a in config.host_maddrs]
         check_addresses_free(listen)
