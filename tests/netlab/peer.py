@@ -137,10 +137,15 @@ async def main(options: dict) -> None:
                         averaged[0].fill_(float(command["value"]))  # no step is running
                         started = time.perf_counter()
                         with trio.fail_after(command.get("timeout", 60)):
-                            group = await averager.step(expected_group_size=command["group_size"])
+                            group, allreduce_began = await _timed_step(
+                                averager, command["group_size"]
+                            )
                         rounds.append(
                             {
                                 "seconds": time.perf_counter() - started,
+                                # wall-clock stamps (one machine: comparable across peers)
+                                "allreduce_began": allreduce_began,
+                                "ended": time.time(),
                                 "group": len(group),
                                 "value": float(averaged[0][0]),
                                 "paths": _paths(p2p),
@@ -184,6 +189,27 @@ async def main(options: dict) -> None:
                     say({"error": f"unknown op {op!r}"})
             except Exception as e:
                 say({"error": f"{op}: {e!r}"})
+
+
+async def _timed_step(averager, group_size: int) -> tuple[dict, float]:
+    """``averager.step``, and the wall-clock time its all-reduce began (polled every 5 ms)."""
+    control = averager.start_step(expected_group_size=group_size)
+    began: list[float] = []
+
+    async def watch() -> None:
+        while not control.began_allreduce:  # noqa: ASYNC110 (no event for the stage)
+            await trio.sleep(0.005)
+        began.append(time.time())
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            group = await control.wait_result()
+            nursery.cancel_scope.cancel()
+    except BaseException:
+        control.cancel()
+        raise
+    return group, began[0] if began else time.time()
 
 
 def _paths(p2p) -> dict[str, list[str]]:

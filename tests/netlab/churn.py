@@ -1,0 +1,269 @@
+"""A churn soak (issue 18.4): training peers (``train_peer.py``) on a lab's public segment;
+every ``period`` seconds one is SIGKILLed and a fresh one joins in its namespace and loads
+the swarm's state. Used by ``tests/test_netlab_churn.py`` and ``benchmarks/benchmark_churn.py``.
+
+``ChurnSoak(lab, mode="optimizer", peers=8, ...).run(duration)`` returns a ``SoakReport``:
+per status poll the swarm's epoch and its peers' eval losses, every fault injected, status
+answers that took longer than the round deadline (a hung round), peers with non-finite
+parameters, and after the churn: the agreed last epoch, each survivor's rounds averaged /
+alone, one synchronous state round (``train_peer.final_sync``) and the largest parameter
+gap between survivors after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from .nat_swarm import LISTEN_ALL, TRAIN_SCRIPT
+from .process import PeerProcess
+from .topology import Host, Lab
+
+
+@dataclass
+class Member:
+    """One peer process and where it is in its life: starting -> joining -> training."""
+
+    name: str
+    host: Host
+    process: PeerProcess
+    state: str = "starting"
+    info: dict = field(default_factory=dict)
+    joined_at: float = 0.0
+    join_loaded: bool | None = None
+
+
+@dataclass
+class SoakReport:
+    mode: str
+    peers: int
+    duration: float
+    startup_seconds: float = 0.0
+    polls: list[dict] = field(default_factory=list)  # {"t", "epoch", "losses", "finite"}
+    faults: list[dict] = field(default_factory=list)  # {"t", "killed", "epoch", "joined"}
+    joins: list[dict] = field(default_factory=list)  # {"name", "loaded", "epoch", "seconds"}
+    slow_answers: list[dict] = field(default_factory=list)  # status later than the deadline
+    non_finite: list[str] = field(default_factory=list)
+    final_epoch: int = -1
+    done: dict[str, dict] = field(default_factory=dict)  # survivor -> its "done" line
+    synced: dict[str, object] = field(default_factory=dict)
+    max_parameter_gap: float = float("nan")
+
+    def summary(self) -> dict:
+        first, last = self.polls[0], self.polls[-1]
+        return {
+            "mode": self.mode,
+            "peers": self.peers,
+            "duration": self.duration,
+            "startup_seconds": round(self.startup_seconds, 1),
+            "kills": len(self.faults),
+            "joins_loaded_state": sum(bool(j["loaded"]) for j in self.joins),
+            "joins": len(self.joins),
+            "epochs": [first["epoch"], last["epoch"], self.final_epoch],
+            "eval_loss_median_first_last": [
+                round(statistics.median(first["losses"]), 4),
+                round(statistics.median(last["losses"]), 4),
+            ],
+            "slow_answers": len(self.slow_answers),
+            "non_finite": self.non_finite,
+            "averaged_alone": {n: (d["averaged"], d["alone"]) for n, d in self.done.items()},
+            "synced": self.synced,
+            "max_parameter_gap": self.max_parameter_gap,
+        }
+
+
+class ChurnSoak:
+    def __init__(
+        self,
+        lab: Lab,
+        *,
+        mode: str = "optimizer",
+        peers: int = 8,
+        period: float = 10.0,
+        poll_every: float = 5.0,
+        averaging_timeout: float = 30.0,
+        train: dict | None = None,
+        seed: int = 0,
+        start_timeout: float = 180.0,
+    ):
+        """``train``: extra keywords of ``train_peer``'s ``train`` command (``matchmaking_time``,
+        ``target_batch_size``, ``inner_steps``)."""
+        self.lab, self.mode, self.peers = lab, mode, peers
+        self.period, self.poll_every = period, poll_every
+        self.averaging_timeout = averaging_timeout
+        self.deadline = averaging_timeout + 15.0  # a status answer later than this: a hang
+        self.train = dict(train or {})
+        self.rng = random.Random(seed)
+        self.start_timeout = start_timeout
+        self.run_id = f"churn{os.getpid()}"
+        self.hosts = [lab.add_public_host(f"c{i}") for i in range(peers)]
+        self.members: list[Member] = []
+        self._count = 0
+
+    # ------------------------------------------------------------- members
+
+    def _spawn(self, host: Host) -> Member:
+        bootstrap = [m.info["boot"] for m in self.members if m.info.get("boot")]
+        options = {
+            "dht": {"host_maddrs": LISTEN_ALL, "initial_peers": bootstrap[:4]},
+            "mode": self.mode,
+            "index": self._count,
+            "peers": self.peers,
+        }
+        self._count += 1
+        process = self.lab.spawn(host, TRAIN_SCRIPT, json.dumps(options))
+        member = Member(f"p{self._count - 1}", host, process)
+        self.members.append(member)
+        return member
+
+    def _ready(self, member: Member, timeout: float) -> None:
+        info = member.process.recv(timeout)
+        ip = member.host.ip
+        info["boot"] = next(a for a in info["maddrs"] if f"/ip4/{ip}/" in a)
+        member.info = info
+
+    def _train_command(self, join: bool) -> dict:
+        return {
+            "op": "train",
+            "seconds": 1e9,  # no "trained" line: the soak polls "status"
+            "peers": self.peers,
+            "run_id": self.run_id,
+            "averaging_timeout": self.averaging_timeout,
+            "join": join,
+            **self.train,
+        }
+
+    def _kill(self, member: Member) -> None:
+        os.kill(member.process.pid, signal.SIGKILL)
+        member.process.close(timeout=10)
+        self.members.remove(member)
+        self.lab.processes.remove(member.process)
+
+    def _advance_newcomers(self, report: SoakReport, now: float) -> None:
+        for member in self.members:
+            if member.state == "starting":
+                try:
+                    self._ready(member, 0.01)
+                except TimeoutError:
+                    continue
+                member.process.send(self._train_command(join=True))
+                member.state = "joining"
+            elif member.state == "joining":
+                try:
+                    answer = member.process.recv(0.01)
+                except TimeoutError:
+                    continue
+                member.state = "training"
+                report.joins.append(
+                    {
+                        "name": member.name,
+                        "loaded": answer["joined"],
+                        "epoch": answer["epoch"],
+                        "seconds": round(now - member.joined_at, 1),
+                    }
+                )
+
+    def _poll(self, report: SoakReport, started: float) -> None:
+        training = [m for m in self.members if m.state == "training"]
+        asked = time.monotonic()
+        for member in training:
+            member.process.send({"op": "status"})
+        epochs, losses, finite = [], [], True
+        for member in training:
+            answer = member.process.recv(self.deadline + 30)
+            late = time.monotonic() - asked
+            if late > self.deadline:
+                report.slow_answers.append({"name": member.name, "seconds": round(late, 1)})
+            epochs.append(answer["epoch"])
+            losses.append(answer["status"])
+            if not answer["finite"]:
+                report.non_finite.append(member.name)
+                finite = False
+        report.polls.append(
+            {
+                "t": round(time.monotonic() - started, 1),
+                "epoch": max(epochs),
+                "epochs": epochs,
+                "losses": [round(x, 4) for x in losses],
+                "finite": finite,
+            }
+        )
+
+    # ------------------------------------------------------------- the soak
+
+    def run(self, duration: float) -> SoakReport:
+        report = SoakReport(self.mode, self.peers, duration)
+        started = time.monotonic()
+        first = self._spawn(self.hosts[0])
+        self._ready(first, self.start_timeout)
+        for host in self.hosts[1:]:
+            self._spawn(host)
+        for member in self.members[1:]:
+            self._ready(member, self.start_timeout)
+        for member in self.members:
+            member.process.send({**self._train_command(join=False), "say_started": True})
+        for member in self.members:
+            member.process.recv(self.start_timeout)  # {"started": ...}: its first step is next
+            member.state = "training"
+        report.startup_seconds = time.monotonic() - started
+        started = time.monotonic()
+        next_kill, next_poll = started + self.period, started
+        while time.monotonic() - started < duration:
+            now = time.monotonic()
+            self._advance_newcomers(report, now)
+            if now >= next_poll:
+                self._poll(report, started)
+                next_poll = time.monotonic() + self.poll_every
+            if now >= next_kill:
+                victims = [m for m in self.members if m.state == "training"]
+                victim = self.rng.choice(victims)
+                epoch = report.polls[-1]["epoch"]
+                self._kill(victim)
+                newcomer = self._spawn(victim.host)
+                newcomer.joined_at = time.monotonic()
+                report.faults.append(
+                    {
+                        "t": round(now - started, 1),
+                        "killed": victim.name,
+                        "epoch": epoch,
+                        "joined": newcomer.name,
+                    }
+                )
+                next_kill += self.period
+            time.sleep(0.05)
+        self._finish(report, started)
+        return report
+
+    def _finish(self, report: SoakReport, started: float) -> None:
+        wait_until = time.monotonic() + self.start_timeout
+        while any(m.state != "training" for m in self.members):
+            if time.monotonic() > wait_until:
+                raise TimeoutError("a newcomer did not start training")
+            self._advance_newcomers(report, time.monotonic())
+            time.sleep(0.05)
+        self._poll(report, started)
+        report.final_epoch = report.polls[-1]["epoch"] + 1
+        for member in self.members:
+            member.process.send({"op": "finish", "epoch": report.final_epoch})
+        for member in self.members:
+            report.done[member.name] = member.process.recv(self.deadline * 4 + 60)
+        donor = self.members[0].info["peer_id"]
+        for member in self.members:
+            member.process.send({"op": "sync", "donor": donor, "timeout": 60})
+        params = {}
+        for member in self.members:
+            answer = member.process.recv(120)
+            report.synced[member.name] = answer["synced"]
+            params[member.name] = answer["params"]
+        reference = params[self.members[0].name]
+        report.max_parameter_gap = max(
+            max(abs(a - b) for a, b in zip(reference, values, strict=True))
+            for values in params.values()
+        )
+        for done in report.done.values():
+            done.pop("params", None)

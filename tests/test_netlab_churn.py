@@ -1,0 +1,65 @@
+"""Churn soak (slow; root only): eight training processes on a ``netlab`` segment; every
+10 s one is SIGKILLed and a fresh one joins and loads the swarm's state (``netlab.churn``).
+Asserted: the swarm's epoch keeps advancing, the eval loss falls, no status answer waits past
+the round deadline (a hung round), no parameter turns non-finite, every newcomer loads a
+state, and after one synchronous state round every survivor holds the same parameters."""
+
+from __future__ import annotations
+
+import json
+
+import netlab
+import pytest
+from netlab.churn import ChurnSoak
+
+PEERS = 8
+DURATION = 90.0
+PERIOD = 10.0
+
+
+def _soak(mode: str, train: dict):
+    reason = netlab.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with netlab.Lab() as lab:
+        soak = ChurnSoak(lab, mode=mode, peers=PEERS, period=PERIOD, train=train)
+        report = soak.run(DURATION)
+    print(json.dumps(report.summary()))
+    return report
+
+
+def _check(report) -> None:
+    assert len(report.faults) >= DURATION // PERIOD - 1
+    assert not report.slow_answers, report.slow_answers
+    assert not report.non_finite, report.non_finite
+    # the epoch keeps advancing: in each third of the soak
+    thirds = (
+        [p for p in report.polls if p["t"] >= DURATION / 3],
+        [p for p in report.polls if p["t"] >= 2 * DURATION / 3],
+    )
+    first_epoch = report.polls[0]["epoch"]
+    assert thirds[0][0]["epoch"] > first_epoch, report.polls
+    assert report.polls[-1]["epoch"] > thirds[1][0]["epoch"], report.polls
+    # the eval loss falls: the survivors' median at the end is under half the start's
+    start = sorted(report.polls[0]["losses"])[len(report.polls[0]["losses"]) // 2]
+    end = sorted(report.polls[-1]["losses"])[len(report.polls[-1]["losses"]) // 2]
+    assert end < start / 2, (start, end)
+    assert all(j["loaded"] for j in report.joins), report.joins
+    assert {d["epoch"] for d in report.done.values()} == {report.final_epoch}, report.done
+    assert report.max_parameter_gap < 1e-4, report.max_parameter_gap
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_optimizer_survives_churn():
+    report = _soak("optimizer", {"matchmaking_time": 5.0})
+    _check(report)
+    assert set(report.synced.values()) == {PEERS}, report.synced  # everyone in the state round
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_diloco_survives_churn():
+    report = _soak("diloco", {"matchmaking_time": 5.0, "inner_steps": 50})
+    _check(report)
+    assert all(report.synced.values()), report.synced
