@@ -49,6 +49,23 @@ def kernel_tcp_limits(host) -> dict:
     return {k: v.replace("\t", " ") for k, v in limits.items()}
 
 
+PROBE_SCRIPT = os.path.join(os.path.dirname(PEER_SCRIPT), "probe.py")
+PROBE_PORT = 5000
+
+
+def tcp_echo_seconds(lab, hosts, mib: int) -> float:
+    """Raw TCP on the same path (delay proxy included): ``mib`` MiB from host 0 to host 1
+    echoed back at once (full duplex, one connection), seconds."""
+    probe = lab.spawn(
+        hosts[0],
+        PROBE_SCRIPT,
+        *("connect", hosts[1].ip, str(PROBE_PORT), "--send", str(mib << 20), "--timeout", "120"),
+    )
+    answer = probe.recv(150)
+    assert answer["echo_ok"], answer
+    return answer["seconds"]
+
+
 def bulk_calls(peers, mbit: float, delay: float, args) -> dict:
     """One pair's throughput: ``--bulk-mib`` MiB from peer 0 to peer 1, over a data lane
     (``bulk=True``) and over yamux (``bulk=False``), median of 2 each, against size / rate
@@ -89,9 +106,10 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
             peers.append(lab.spawn(host, PEER_SCRIPT, json.dumps(options)))
         for peer in peers[1:]:
             peer.recv(120)
+        if args.bulk_mib:
+            lab.spawn(hosts[1], PROBE_SCRIPT, "serve", str(PROBE_PORT)).recv(30)
         report(delay=delay, startup_seconds=round(time.monotonic() - started, 1))
-        size = args.floats * 4
-        for index, (mbit, loss) in enumerate(configs):
+        for index, (mbit, loss, codec) in enumerate(configs):
             for host in hosts:
                 lab.limit_rate(host, mbit)
                 lab.set_loss(host, loss)
@@ -104,7 +122,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 "timeout": args.timeout,
                 "matchmaking_time": 3.0,
                 "request_timeout": max(1.0, 8 * delay),
-                "averager": {"next_chunk_timeout": 30.0},
+                "averager": {"next_chunk_timeout": 30.0, "float16": codec == "float16"},
             }
             spans, steps = [], []
             for _ in range(args.rounds + 1):  # round 0 opens the connections and lanes
@@ -117,14 +135,26 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 began = min(r["allreduce_began"] for r in results)
                 spans.append(max(r["ended"] for r in results) - began)
                 steps.append(max(r["seconds"] for r in results))
+            size = args.floats * (2 if codec == "float16" else 4)
             bound = butterfly_seconds(args.peers, size, mbit, 2 * delay)
             median = statistics.median(spans[1:])
             pair = bulk_calls(peers, mbit, delay, args) if args.bulk_mib else {}
+            if args.bulk_mib:
+                # the link's real goodput (L2 headers, ACKs, tbf): the measured butterfly
+                echo = tcp_echo_seconds(lab, hosts, args.bulk_mib)
+                goodput = args.bulk_mib * (1 << 20) * 8 / 1e6 / (echo - 2 * delay)
+                measured = butterfly_seconds(args.peers, size, goodput, 2 * delay)
+                pair.update(
+                    tcp_goodput_mbit=round(goodput, 1),
+                    butterfly_measured_seconds=round(measured, 2),
+                    ratio_to_measured=round(median / measured, 2),
+                )
             report(
                 delay_ms=int(delay * 1000),
                 rtt_ms=int(2 * delay * 1000),
                 mbit=mbit,
                 loss=loss,
+                codec=codec,
                 floats=args.floats,
                 peers=args.peers,
                 butterfly_seconds=round(bound, 2),
@@ -145,7 +175,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0)
     parser.add_argument("--delays", type=float, nargs="+", default=[0.0, 0.05, 0.15])
     parser.add_argument("--mbits", type=float, nargs="+", default=[100.0, 20.0])
-    parser.add_argument("--loss", type=float, default=0.01)
+    parser.add_argument("--losses", type=float, nargs="+", default=[0.0, 0.01])
+    parser.add_argument(
+        "--codecs",
+        nargs="+",
+        choices=("none", "float16"),
+        default=["none"],
+        help="float16: DiLoCo's round (its pseudo-gradient codec)",
+    )
     parser.add_argument("--bulk-mib", type=int, default=8, help="pair throughput (0: skip)")
     args = parser.parse_args()
     reason = netlab.iptables_unavailable_reason()
@@ -153,8 +190,9 @@ def main() -> None:
         sys.exit(reason)
     report(load_at_start=os.getloadavg())
     for delay in args.delays:
-        losses = [0.0] if delay == 0 else [0.0, args.loss]
-        run_lab(delay, [(mbit, loss) for mbit in args.mbits for loss in losses], args)
+        losses = [0.0] if delay == 0 else args.losses
+        configs = [(m, loss, c) for m in args.mbits for loss in losses for c in args.codecs]
+        run_lab(delay, configs, args)
     report(load_at_end=os.getloadavg())
 
 

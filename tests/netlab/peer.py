@@ -12,7 +12,9 @@ then answers one line per command (``{"error": ...}`` when a command fails):
 - ``{"op": "connect", "maddr"}``: dial a peer;
 - ``{"op": "average", "prefix", "rounds", "floats", "value", "group_size", "timeout"}``:
   a ``DecentralizedAverager`` over ``floats`` float32 values all equal to ``value`` averages
-  ``rounds`` times; per round: seconds, group size, the first averaged value;
+  ``rounds`` times (``averager``: its keywords; ``{"float16": true}`` for float16 parts);
+  per round: seconds, wall-clock stamps of the all-reduce's start and the step's end, group
+  size, the first averaged value;
 - ``{"op": "paths"}``: per connected peer, the kinds of connection held
   (``P2P.connection_paths``), relay and lane counters;
 - ``{"op": "bulk_call", "peer", "mib", "bulk"}``: stream ``mib`` MiB to ``peer``'s digest
@@ -114,6 +116,11 @@ async def main(options: dict) -> None:
                         import torch  # only averaging peers pay for importing it
 
                         from swarmtrain.averaging import DecentralizedAverager
+                        from swarmtrain.compression import Float16Compression
+
+                        extra = dict(command.get("averager", {}))
+                        if extra.pop("float16", False):  # DiLoCo's pseudo-gradient codec
+                            extra["compression"] = Float16Compression()
 
                         tensors = [torch.full((command["floats"],), float(command["value"]))]
                         averagers[prefix] = (
@@ -127,7 +134,7 @@ async def main(options: dict) -> None:
                                     min_group_size=command["group_size"],
                                     min_matchmaking_time=command.get("matchmaking_time", 2.0),
                                     request_timeout=command.get("request_timeout", 1.0),
-                                    **command.get("averager", {}),
+                                    **extra,
                                 )
                             ),
                         )
