@@ -49,14 +49,9 @@ def main() -> None:
             period=args.period,
             averaging_timeout=args.averaging_timeout,
             train=train,
+            on_event=lambda event: print(json.dumps(event), flush=True),
         )
         report = soak.run(args.duration)
-    for poll in report.polls:
-        print(json.dumps({"poll": poll}))
-    for fault in report.faults:
-        print(json.dumps({"fault": fault}))
-    for join in report.joins:
-        print(json.dumps({"join": join}))
     for name, done in report.done.items():
         print(json.dumps({"survivor": name, **done}))
     print(json.dumps({"summary": report.summary(), "load_at_end": os.getloadavg()}), flush=True)

@@ -18,6 +18,7 @@ import random
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .nat_swarm import LISTEN_ALL, TRAIN_SCRIPT
@@ -90,9 +91,11 @@ class ChurnSoak:
         train: dict | None = None,
         seed: int = 0,
         start_timeout: float = 180.0,
+        on_event: Callable[[dict], None] | None = None,
     ):
         """``train``: extra keywords of ``train_peer``'s ``train`` command (``matchmaking_time``,
-        ``target_batch_size``, ``inner_steps``)."""
+        ``target_batch_size``, ``inner_steps``); ``on_event``: called with each poll, fault and
+        join as it happens (``{"poll": ...}``, ``{"fault": ...}``, ``{"join": ...}``)."""
         self.lab, self.mode, self.peers = lab, mode, peers
         self.period, self.poll_every = period, poll_every
         self.averaging_timeout = averaging_timeout
@@ -104,6 +107,7 @@ class ChurnSoak:
         self.hosts = [lab.add_public_host(f"c{i}") for i in range(peers)]
         self.members: list[Member] = []
         self._count = 0
+        self._on_event = on_event or (lambda event: None)
 
     # ------------------------------------------------------------- members
 
@@ -167,6 +171,7 @@ class ChurnSoak:
                         "seconds": round(now - member.joined_at, 1),
                     }
                 )
+                self._on_event({"join": report.joins[-1]})
 
     def _poll(self, report: SoakReport, started: float) -> None:
         training = [m for m in self.members if m.state == "training"]
@@ -193,6 +198,7 @@ class ChurnSoak:
                 "finite": finite,
             }
         )
+        self._on_event({"poll": report.polls[-1]})
 
     # ------------------------------------------------------------- the soak
 
@@ -234,6 +240,7 @@ class ChurnSoak:
                         "joined": newcomer.name,
                     }
                 )
+                self._on_event({"fault": report.faults[-1]})
                 next_kill += self.period
             time.sleep(0.05)
         self._finish(report, started)
