@@ -173,32 +173,52 @@ class ChurnSoak:
                 )
                 self._on_event({"join": report.joins[-1]})
 
-    def _poll(self, report: SoakReport, started: float) -> None:
-        training = [m for m in self.members if m.state == "training"]
-        asked = time.monotonic()
-        for member in training:
+    def _ask_status(self) -> None:
+        """Send ``status`` to every training peer; ``_collect_status`` gathers the answers (a
+        peer answers between two of its steps, so a round in progress delays its answer)."""
+        self._asked_at = time.monotonic()
+        self._asked = [m for m in self.members if m.state == "training"]
+        self._answers: dict[str, dict] = {}
+        for member in self._asked:
             member.process.send({"op": "status"})
-        epochs, losses, finite = [], [], True
-        for member in training:
-            answer = member.process.recv(self.deadline + 30)
-            late = time.monotonic() - asked
+
+    def _collect_status(self, report: SoakReport, started: float, wait: bool = False) -> bool:
+        """Read the answers that arrived (``wait``: all of them); True once the poll is
+        complete (peers killed meanwhile are left out) and recorded in ``report.polls``."""
+        for member in self._asked:
+            if member not in self.members or member.name in self._answers:
+                continue
+            waited = time.monotonic() - self._asked_at
+            if waited > self.deadline + 30:
+                raise TimeoutError(f"{member.name} did not answer a status in {waited:.0f} s")
+            try:
+                answer = member.process.recv(self.deadline + 30 - waited if wait else 0.01)
+            except TimeoutError:
+                if wait:
+                    raise
+                continue
+            late = time.monotonic() - self._asked_at
             if late > self.deadline:
                 report.slow_answers.append({"name": member.name, "seconds": round(late, 1)})
-            epochs.append(answer["epoch"])
-            losses.append(answer["status"])
             if not answer["finite"]:
                 report.non_finite.append(member.name)
-                finite = False
+            self._answers[member.name] = answer
+        alive = [m for m in self._asked if m in self.members]
+        if any(m.name not in self._answers for m in alive):
+            return False
+        answers = [self._answers[m.name] for m in alive]
         report.polls.append(
             {
-                "t": round(time.monotonic() - started, 1),
-                "epoch": max(epochs),
-                "epochs": epochs,
-                "losses": [round(x, 4) for x in losses],
-                "finite": finite,
+                "t": round(self._asked_at - started, 1),
+                "answered_in": round(time.monotonic() - self._asked_at, 1),
+                "epoch": max(a["epoch"] for a in answers),
+                "epochs": [a["epoch"] for a in answers],
+                "losses": [round(a["status"], 4) for a in answers],
+                "finite": all(a["finite"] for a in answers),
             }
         )
         self._on_event({"poll": report.polls[-1]})
+        return True
 
     # ------------------------------------------------------------- the soak
 
@@ -218,17 +238,22 @@ class ChurnSoak:
             member.state = "training"
         report.startup_seconds = time.monotonic() - started
         started = time.monotonic()
-        next_kill, next_poll = started + self.period, started
-        while time.monotonic() - started < duration:
+        next_kill, next_poll = started + self.period, started + self.poll_every
+        self._ask_status()
+        polling = True
+        while time.monotonic() - started < duration or polling:
             now = time.monotonic()
             self._advance_newcomers(report, now)
-            if now >= next_poll:
-                self._poll(report, started)
-                next_poll = time.monotonic() + self.poll_every
-            if now >= next_kill:
+            if polling and self._collect_status(report, started):
+                polling = False
+            if not polling and now >= next_poll and now - started < duration:
+                self._ask_status()
+                polling = True
+                next_poll = now + self.poll_every
+            if now >= next_kill and now - started < duration:
                 victims = [m for m in self.members if m.state == "training"]
                 victim = self.rng.choice(victims)
-                epoch = report.polls[-1]["epoch"]
+                epoch = report.polls[-1]["epoch"] if report.polls else None
                 self._kill(victim)
                 newcomer = self._spawn(victim.host)
                 newcomer.joined_at = time.monotonic()
@@ -242,7 +267,7 @@ class ChurnSoak:
                 )
                 self._on_event({"fault": report.faults[-1]})
                 next_kill += self.period
-            time.sleep(0.05)
+            time.sleep(0.02)
         self._finish(report, started)
         return report
 
@@ -253,7 +278,8 @@ class ChurnSoak:
                 raise TimeoutError("a newcomer did not start training")
             self._advance_newcomers(report, time.monotonic())
             time.sleep(0.05)
-        self._poll(report, started)
+        self._ask_status()
+        self._collect_status(report, started, wait=True)
         report.final_epoch = report.polls[-1]["epoch"] + 1
         for member in self.members:
             member.process.send({"op": "finish", "epoch": report.final_epoch})
