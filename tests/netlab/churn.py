@@ -48,6 +48,7 @@ class SoakReport:
     polls: list[dict] = field(default_factory=list)  # {"t", "epoch", "losses", "finite"}
     faults: list[dict] = field(default_factory=list)  # {"t", "killed", "epoch", "joined"}
     joins: list[dict] = field(default_factory=list)  # {"name", "loaded", "epoch", "seconds"}
+    postponed: int = 0  # seconds kills waited for newcomers to start
     slow_answers: list[dict] = field(default_factory=list)  # status later than the deadline
     non_finite: list[str] = field(default_factory=list)
     final_epoch: int = -1
@@ -63,6 +64,7 @@ class SoakReport:
             "duration": self.duration,
             "startup_seconds": round(self.startup_seconds, 1),
             "kills": len(self.faults),
+            "kill_postponed_seconds": self.postponed,
             "joins_loaded_state": sum(bool(j["loaded"]) for j in self.joins),
             "joins": len(self.joins),
             "epochs": [first["epoch"], last["epoch"], self.final_epoch],
@@ -92,10 +94,15 @@ class ChurnSoak:
         seed: int = 0,
         start_timeout: float = 180.0,
         on_event: Callable[[dict], None] | None = None,
+        min_training: int | None = None,
     ):
         """``train``: extra keywords of ``train_peer``'s ``train`` command (``matchmaking_time``,
         ``target_batch_size``, ``inner_steps``); ``on_event``: called with each poll, fault and
-        join as it happens (``{"poll": ...}``, ``{"fault": ...}``, ``{"join": ...}``)."""
+        join as it happens (``{"poll": ...}``, ``{"fault": ...}``, ``{"join": ...}``);
+        ``min_training``: kill only while at least this many peers train (default
+        ``peers - 2``; a kill is postponed by a second while newcomers are still starting, so
+        the swarm does not shrink on a machine where a newcomer takes longer than ``period``
+        to start)."""
         self.lab, self.mode, self.peers = lab, mode, peers
         self.period, self.poll_every = period, poll_every
         self.averaging_timeout = averaging_timeout
@@ -108,6 +115,7 @@ class ChurnSoak:
         self.members: list[Member] = []
         self._count = 0
         self._on_event = on_event or (lambda event: None)
+        self.min_training = peers - 2 if min_training is None else min_training
 
     # ------------------------------------------------------------- members
 
@@ -206,6 +214,8 @@ class ChurnSoak:
         alive = [m for m in self._asked if m in self.members]
         if any(m.name not in self._answers for m in alive):
             return False
+        if not alive:  # every peer asked was killed meanwhile
+            return True
         answers = [self._answers[m.name] for m in alive]
         report.polls.append(
             {
@@ -250,8 +260,11 @@ class ChurnSoak:
                 self._ask_status()
                 polling = True
                 next_poll = now + self.poll_every
-            if now >= next_kill and now - started < duration:
-                victims = [m for m in self.members if m.state == "training"]
+            victims = [m for m in self.members if m.state == "training"]
+            if now >= next_kill and len(victims) < self.min_training:
+                next_kill = now + 1.0  # newcomers are still starting: postpone the kill
+                report.postponed += 1
+            elif now >= next_kill and now - started < duration:
                 victim = self.rng.choice(victims)
                 epoch = report.polls[-1]["epoch"] if report.polls else None
                 self._kill(victim)
