@@ -9,6 +9,7 @@ takes minutes to start on a loaded 2-core box)."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import netlab
 import pytest
@@ -51,15 +52,19 @@ def _check(report) -> None:
     first_epoch = report.polls[0]["epoch"]
     assert thirds[0][0]["epoch"] > first_epoch, report.polls
     assert report.polls[-1]["epoch"] > thirds[1][0]["epoch"], report.polls
-    # the eval loss falls: the survivors' median at the end is under half the start's
-    start = sorted(report.polls[0]["losses"])[len(report.polls[0]["losses"]) // 2]
-    end = sorted(report.polls[-1]["losses"])[len(report.polls[-1]["losses"]) // 2]
-    assert end < start / 2, (start, end)
+    # the eval loss falls: the live peers' median at the last poll is below the first poll's
+    # and under half the untrained model's
+    start = statistics.median(report.polls[0]["losses"])
+    end = statistics.median(report.polls[-1]["losses"])
+    untrained = next(iter(report.done.values()))["eval_loss_before"]
+    assert end < start and end < untrained / 2, (untrained, start, end)
     # every newcomer started training and ended with the others (its explicit
     # ``load_state_from_peers`` at join may time out on a loaded box: a later step catches up,
     # docs/reliability.md); nothing lost: same last epoch, same parameters
     assert len(report.joins) == len(report.faults), report.joins
-    assert {d["epoch"] for d in report.done.values()} == {report.final_epoch}, report.done
+    # every survivor reached the agreed epoch (peers already past it when it was sent stop
+    # where they are)
+    assert all(d["epoch"] >= report.final_epoch for d in report.done.values()), report.done
     assert report.max_parameter_gap < 1e-4, report.max_parameter_gap
 
 
