@@ -52,12 +52,12 @@ def _check(report) -> None:
     first_epoch = report.polls[0]["epoch"]
     assert thirds[0][0]["epoch"] > first_epoch, report.polls
     assert report.polls[-1]["epoch"] > thirds[1][0]["epoch"], report.polls
-    # the eval loss falls: the live peers' median at the last poll is below the first poll's
-    # and under half the untrained model's
-    start = statistics.median(report.polls[0]["losses"])
-    end = statistics.median(report.polls[-1]["losses"])
+    # the eval loss keeps falling: the live peers' median at the last poll is below the first
+    # poll's, under half the untrained model's, and within 25% of the lowest median seen
+    medians = [statistics.median(p["losses"]) for p in report.polls]
     untrained = next(iter(report.done.values()))["eval_loss_before"]
-    assert end < start and end < untrained / 2, (untrained, start, end)
+    assert medians[-1] < medians[0] and medians[-1] < untrained / 2, (untrained, medians)
+    assert medians[-1] <= 1.25 * min(medians), medians
     # every newcomer started training and ended with the others (its explicit
     # ``load_state_from_peers`` at join may time out on a loaded box: a later step catches up,
     # docs/reliability.md); nothing lost: same last epoch, same parameters
@@ -77,6 +77,12 @@ def test_optimizer_survives_churn():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.xfail(
+    reason="under churn the DiLoCo swarm's eval loss rose from 0.03 (t = 35 s) to 0.13 over 20 "
+    "outer steps (docs/reliability.md); cause not isolated yet (no churn-free run at the same "
+    "H and length)",
+    strict=False,
+)
 def test_diloco_survives_churn():
     report = _soak("diloco", {"matchmaking_time": 5.0, "inner_steps": 50})
     _check(report)
