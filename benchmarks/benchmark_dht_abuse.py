@@ -10,10 +10,13 @@ and ``--seconds`` during it. Attacks:
 * ``legal``: the costliest values the decoder accepts, ``--items`` per request, each one msgpack
   array of ``MAX_VALUE_ELEMENTS - 1`` empty arrays (16 KiB; the most objects per byte);
 * ``bomb``: audit finding 2, 7 values of 1 MiB, each one array of ~1M empty arrays (before the
-  bounded decoder one such request froze a node for ~21 s).
+  bounded decoder one such request froze a node for ~21 s);
+* ``flood``: audit finding 8, 7 plain values of 1 MiB per request under fresh keys (before the
+  per-peer quotas 420 of them pinned 543 MiB of the victim; now it keeps the attacker's quota).
 
 Prints ping latency p50 / p99 / max and failures before and during the attack, the attacker's
-requests and how the victim answered them, and the victim's CPU seconds. Run it from a
+requests and how the victim answered them, and the victim's CPU seconds, resident memory and
+stored records. Run it from a
 checkout (or with ``PYTHONPATH``) to measure that checkout's ``swarmtrain``.
 """
 
@@ -41,6 +44,18 @@ def worst_legal_value() -> bytes:
 
     n = getattr(swarmtrain.dht, "MAX_VALUE_ELEMENTS", 16384) - 1  # the same bytes on old code
     return b"\xdc" + n.to_bytes(2, "big") + b"\x90" * n
+
+
+def flood_value() -> bytes:
+    """A legal, cheap-to-decode value of just under 1 MiB (msgpack bin32)."""
+    n = 1024 * 1024 - 64
+    return b"\xc6" + n.to_bytes(4, "big") + b"\x00" * n
+
+
+def rss_mib() -> float:
+    """This process's resident memory now, in MiB (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def audit_bomb() -> bytes:
@@ -79,12 +94,16 @@ async def victim_main() -> None:
     steps = LongestSteps()
     trio.lowlevel.add_instrument(steps)
     async with DHT.create([], **HOST_KWARGS) as dht:
-        await _emit({"maddrs": dht.get_visible_maddrs(), "peer_id": dht.peer_id.to_base58()})
+        info = {"maddrs": dht.get_visible_maddrs(), "peer_id": dht.peer_id.to_base58()}
+        await _emit({**info, "rss_mib": rss_mib()})
         await trio.to_thread.run_sync(sys.stdin.read)
+        storage = getattr(dht.node.protocol.storage, "statistics", None)
         await _emit(
             {
                 "cpu_s": time.process_time(),
+                "rss_mib": rss_mib(),
                 "stored_keys": dht.node.statistics().num_stored_keys,
+                "stored_bytes": storage(time.time()).num_bytes if storage else None,
                 "longest_steps_ms": steps.steps,
             }
         )
@@ -120,7 +139,7 @@ async def store_request(dht, victim, items, timeout: float) -> str:
 def attack_items(kind: str, index: int, count: int) -> list[tuple[bytes, bytes, float]]:
     from swarmtrain.dht import get_dht_time, serialize
 
-    value = worst_legal_value() if kind == "legal" else audit_bomb()
+    value = {"legal": worst_legal_value, "bomb": audit_bomb, "flood": flood_value}[kind]()
     expiration = get_dht_time() + 600
     return [(serialize(f"junk{index}.{i}"), value, expiration) for i in range(count)]
 
@@ -133,7 +152,7 @@ async def attacker_main(args) -> None:
     from swarmtrain.p2p import PeerID
 
     victim = PeerID.from_base58(args.target_peer)
-    count = args.items if args.attack == "legal" else 7
+    count = args.items if args.attack == "legal" else 7  # 7 values of 1 MiB: one 8 MiB message
     outcomes: dict[str, int] = {}
     async with DHT.create([args.target], client_mode=True, **HOST_KWARGS) as dht:
         await _emit({"ready": True})
@@ -273,6 +292,7 @@ async def main_async(args) -> dict:
             finally:
                 attacker = await trio.to_thread.run_sync(finish, attacker_proc)
         victim_stats = finish(victim_proc)
+        victim_stats["rss_mib_at_start"] = info.get("rss_mib")
     finally:
         kill(victim_proc)
     return {"before": before, "during": during, "attacker": attacker, "victim": victim_stats}
@@ -281,7 +301,7 @@ async def main_async(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--role", choices=["main", "victim", "attacker"], default="main")
-    parser.add_argument("--attack", choices=["legal", "bomb"], default="legal")
+    parser.add_argument("--attack", choices=["legal", "bomb", "flood"], default="legal")
     parser.add_argument("--items", type=int, default=256, help="values per legal request")
     parser.add_argument("--seconds", type=float, default=10.0, help="probing during the attack")
     parser.add_argument("--baseline", type=float, default=3.0, help="probing before it")

@@ -28,7 +28,8 @@ missing name when the test uses it, so only the tests that use it fail (hivemind
 many names that only a few tests use). ``import hivemind.X`` binds ``hivemind`` to ``swarmtrain``.
 Renamed: ``DHTNode`` -> ``AsyncioDHTNode`` (hivemind's node is awaited from asyncio, ours is
 trio code), ``RSASignatureValidator`` -> ``Ed25519SignatureValidator`` and ``RSAPrivateKey`` ->
-``generate_private_key`` (we sign with Ed25519), ``AllreduceException`` -> ``AveragingError``.
+``generate_private_key`` (we sign with Ed25519), ``AllreduceException`` -> ``AveragingError``,
+``P2PDaemonError`` -> ``P2PError`` (the base of our host's errors; there is no daemon).
 Each file runs one test at a time, with ``--timeout`` seconds per test (default 30).
 hivemind's helpers in ``tests/test_utils`` are rewritten the same way; hivemind's
 ``conftest.py`` (MPFuture/RSA key cleanup) is replaced by a small one of ours that reaps child
@@ -118,6 +119,8 @@ NAME_MAP = {
         "swarmtrain.dht",
         "Ed25519SignatureValidator",
     ),
+    # the base class of the host's errors (hivemind's: of its Go daemon's)
+    ("hivemind.p2p", "P2PDaemonError"): ("swarmtrain.p2p", "P2PError"),
     ("hivemind.utils.multiaddr", "Multiaddr"): ("multiaddr", "Multiaddr"),
     ("hivemind.utils.logging", "get_logger"): ("logging", "getLogger"),
     ("hivemind.utils.networking", "LOCALHOST"): ("swarmtrain.p2p", "LOCALHOST"),

@@ -115,3 +115,30 @@ def test_outlier_does_not_break_quantile_or_blockwise():
     keep[123] = False
     assert ((quantile - tensor)[keep] ** 2).mean() < 2e-3
     assert quantile[123] == 1e6  # the Lloyd step gives the outlier a bucket of its own
+
+
+@pytest.mark.parametrize(
+    "codec", [BlockwiseQuantization(backend="torch"), Blockwise4BitQuantization()], ids=repr
+)
+def test_blockwise_blocks_of_tiny_values_decode_as_zeros_without_overflow(codec):
+    """Found by tests/test_fuzz_codecs.py: 127 / 1.1755e-38 overflowed float32 (a
+    RuntimeWarning, and the block's indices came from inf). Such blocks decode as zeros."""
+    tiny = torch.tensor([1.1755e-38, -5e-39, 3e-39] + [0.0] * 61)
+    normal = torch.linspace(-1, 1, 64)
+    decoded = round_trip(codec, torch.cat([tiny, normal]))
+    assert torch.equal(decoded[:64], torch.zeros(64))
+    assert torch.allclose(decoded[64:], normal, atol=0.08)
+
+
+@pytest.mark.parametrize("codec", [NoCompression(), TopKSparsification(ratio=1.0)], ids=repr)
+def test_bool_payload_bytes_other_than_0_and_1_are_malformed(codec):
+    """Found by tests/test_fuzz_codecs.py: a bool payload byte of 2 became a torch.bool tensor
+    holding 2 (``t == True`` was False)."""
+    from swarmtrain.compression import WireFormatError
+
+    flags = torch.tensor([True, False, True])
+    message = codec.compress(flags)
+    assert torch.equal(codec.extract(message), flags)
+    message.buffer[-1] = 2  # the last value's byte
+    with pytest.raises(WireFormatError, match="0 and 1"):
+        codec.extract(message)

@@ -85,3 +85,32 @@ async def test_victim_answers_pings_through_bombs_and_worst_legal_stores(bench):
         assert stats["stored_keys"] == 3 * 64
     finally:
         bench.kill(victim_proc)
+
+
+@pytest.mark.trio
+async def test_victim_process_keeps_only_the_attackers_quota_of_a_1mib_flood(bench):
+    """Audit 8: 420 plain values of 1 MiB pinned 543 MiB of a victim process. 84 MiB of them
+    now leave the victim holding the attacker's quota (32 MiB) and no more resident memory than
+    that plus buffers; the attacker gets False for the rest."""
+    from swarmtrain.dht.storage_quota import DEFAULT_MAX_BYTES_PER_PEER
+
+    victim_proc = bench.spawn("--role", "victim")
+    try:
+        info = await trio.to_thread.run_sync(bench.read_json_line, victim_proc)
+        victim = PeerID.from_base58(info["peer_id"])
+        async with DHT.create(info["maddrs"][:1], client_mode=True, **bench.HOST_KWARGS) as evil:
+            outcomes = [
+                await bench.store_request(evil, victim, bench.attack_items("flood", i, 7), 60)
+                for i in range(12)
+            ]
+        stats = await trio.to_thread.run_sync(bench.finish, victim_proc)
+    finally:
+        bench.kill(victim_proc)
+    assert all(outcome.startswith("ok ") for outcome in outcomes), outcomes
+    stored = sum(int(outcome.split()[1].split("/")[0]) for outcome in outcomes)
+    value_size = len(bench.flood_value())
+    assert stored == DEFAULT_MAX_BYTES_PER_PEER // value_size == stats["stored_keys"]
+    assert stats["stored_bytes"] <= DEFAULT_MAX_BYTES_PER_PEER
+    # 84 MiB sent, all of which the old code kept; measured ~52 MiB (the quota plus buffers)
+    growth = stats["rss_mib"] - info["rss_mib"]
+    assert growth < DEFAULT_MAX_BYTES_PER_PEER / 2**20 + 40, growth

@@ -7,11 +7,21 @@ from swarmtrain.dht import (
     routing,
     serialization,
     storage,
+    storage_quota,
     traverse,
     validation,
 )
 
-MODULES = [blacklist, identifiers, routing, serialization, storage, traverse, validation]
+MODULES = [
+    blacklist,
+    identifiers,
+    routing,
+    serialization,
+    storage,
+    storage_quota,
+    traverse,
+    validation,
+]
 
 
 def test_every_public_name_is_exported_and_documented():

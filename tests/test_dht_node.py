@@ -191,9 +191,10 @@ async def test_subkeys_merged_from_several_writers():
         }
         assert found.expiration_time == expiration + 3
         assert found.value["peer2"].expiration_time == expiration + 2
-        # a regular value that expires later replaces the dictionary
-        assert await writers[0].store("group", "flat", expiration + 100)
-        assert (await s.nodes[4].get("group", latest=True)).value == "flat"
+        # a regular value never replaces live subkeys, however late it expires (#17.3)
+        assert not await writers[0].store("group", "flat", expiration + 100)
+        found = await s.nodes[4].get("group", latest=True)
+        assert isinstance(found.value, dict) and len(found.value) == 4
 
 
 @pytest.mark.trio
@@ -363,7 +364,8 @@ def test_an_added_signature_validator_signs_instead_of_the_nodes_verifier():
     composite = CompositeValidator([Ed25519SignatureValidator.verifier(), given])
     (kept,) = composite.validators
     assert kept.local_public_key == given.local_public_key
-    first, second = Ed25519SignatureValidator(), Ed25519SignatureValidator()
+    first = Ed25519SignatureValidator(Ed25519PrivateKey.generate())
+    second = Ed25519SignatureValidator(Ed25519PrivateKey.generate())
     (kept,) = CompositeValidator([first, second]).validators  # two of the user's: first wins
     assert kept.local_public_key == first.local_public_key
 
@@ -374,7 +376,7 @@ async def test_third_party_cannot_overwrite_a_signed_record():
 
     async with swarm() as s:
         for _ in range(5):
-            validator = Ed25519SignatureValidator()
+            validator = Ed25519SignatureValidator(Ed25519PrivateKey.generate())
             node = await s.add(validators=[validator])
             validators[node] = validator
         owner, reader, attacker = s.nodes[0], s.nodes[1], s.nodes[2]

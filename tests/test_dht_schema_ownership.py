@@ -13,6 +13,7 @@ from swarmtrain.dht import (
     BytesWithPublicKey,
     Ed25519SignatureValidator,
     SchemaValidator,
+    generate_private_key,
     get_dht_time,
     serialize,
 )
@@ -27,7 +28,7 @@ class Declarations(pydantic.BaseModel):
 
 @pytest.mark.trio
 async def test_plain_dict_cannot_replace_signed_subkeys():
-    keys = [Ed25519SignatureValidator() for _ in range(3)]
+    keys = [Ed25519SignatureValidator(generate_private_key()) for _ in range(3)]
     async with DHT.create(
         record_validators=[SchemaValidator(Declarations), keys[0]], **HOST_KWARGS
     ) as first:

@@ -5,6 +5,11 @@ from swarmtrain.dht import (
     CacheRefreshQueue,
     DHTLocalStorage,
     DictionaryDHTValue,
+    PeerUsage,
+    StorageLedger,
+    StorageQuota,
+    StorageStatistics,
+    StoreOutcome,
     TimedStorage,
     ValueWithExpiration,
 )
@@ -64,15 +69,21 @@ def test_subkeys_from_several_writers_merge():
     assert storage.get(KEY, now=30.0) is None
 
 
-def test_regular_values_and_dictionaries_replace_each_other_by_expiration():
+def test_subkeys_replace_a_regular_value_but_never_the_reverse():
     storage = DHTLocalStorage()
-    storage.store(KEY, b"regular", 10.0, now=0.0)
-    assert not storage.store(KEY, b"sub", 10.0, now=0.0, subkey=b"s")  # not newer
-    assert storage.store(KEY, b"sub", 11.0, now=0.0, subkey=b"s")  # replaces the regular value
+    assert storage.store(KEY, b"regular", 30.0, now=0.0)
+    # a dictionary collects many writers' records: a subkey turns the key into a dictionary
+    # whatever the regular value's expiration ...
+    assert storage.store(KEY, b"sub", 10.0, now=0.0, subkey=b"s")
     assert isinstance(storage.get(KEY, now=0.0).value, DictionaryDHTValue)
-    assert not storage.store(KEY, b"regular", 11.0, now=0.0)
-    assert storage.store(KEY, b"regular", 12.0, now=0.0)  # replaces the whole dictionary
-    assert storage.get(KEY, now=0.0) == ValueWithExpiration(b"regular", 12.0)
+    assert storage.usage(None, now=0.0) == PeerUsage(1, len(b"sub") + 1)  # regular value gone
+    # ... and no regular value replaces live subkeys, however late it expires
+    outcome = storage.store_record(KEY, b"wipe", 1e9, now=0.0)
+    assert outcome is StoreOutcome.KEY_HOLDS_DICTIONARY and not outcome.stored
+    assert [k for k, _ in storage.get(KEY, now=0.0).value.items(now=0.0)] == [b"s"]
+    # once the subkeys expired, the key is free again
+    assert storage.store(KEY, b"regular", 40.0, now=10.0)
+    assert storage.get(KEY, now=10.0) == ValueWithExpiration(b"regular", 40.0)
 
 
 def test_dictionary_outer_expiration_grows_with_subkeys():
@@ -96,28 +107,148 @@ def test_get_copy_is_a_snapshot():
     assert storage.get_copy(DHTID.generate("missing"), now=0.0) is None
 
 
-def test_maxsize_evicts_soonest_expiring():
+def test_maxsize_evicts_the_oldest_write_not_the_soonest_expiring():
     storage = DHTLocalStorage(maxsize=3)
     keys = [DHTID.generate(i) for i in range(5)]
     for key, expiration in zip(keys[:3], (30.0, 10.0, 20.0), strict=True):
         assert storage.store(key, b"v", expiration, now=0.0)
-    assert storage.store(keys[3], b"v", 40.0, now=0.0)
+    assert storage.store(keys[0], b"rewritten", 31.0, now=0.0)  # a rewrite is a new write
+    assert storage.store(keys[3], b"v", 1e9, now=0.0)
     assert keys[1] not in storage and len(storage) == 3
-    # a newcomer that expires sooner than everything stored is evicted at once
-    assert not storage.store(keys[4], b"v", 5.0, now=0.0)
-    assert [k for k, _ in storage.items(now=0.0)] == [keys[0], keys[2], keys[3]]
+    # a newcomer that expires sooner than everything stored is kept: the oldest write goes
+    assert storage.store(keys[4], b"v", 5.0, now=0.0)
+    assert [k for k, _ in storage.items(now=0.0)] == [keys[0], keys[3], keys[4]]
+    assert storage.usage(None, now=0.0).records == 3
     with pytest.raises(ValueError):
         DHTLocalStorage(maxsize=0)
 
 
-def test_max_subkeys_evicts_soonest_expiring_subkey():
+def test_max_subkeys_evicts_the_oldest_subkey():
     storage = DHTLocalStorage(max_subkeys=2)
     for subkey, expiration in ((b"a", 30.0), (b"b", 10.0), (b"c", 20.0)):
         assert storage.store(KEY, b"v", expiration, now=0.0, subkey=subkey)
-    assert [k for k, _ in storage.get(KEY, now=0.0).value.items(now=0.0)] == [b"a", b"c"]
-    assert not storage.store(KEY, b"v", 5.0, now=0.0, subkey=b"d")
+    assert [k for k, _ in storage.get(KEY, now=0.0).value.items(now=0.0)] == [b"b", b"c"]
+    assert storage.store(KEY, b"v", 5.0, now=0.0, subkey=b"d")
+    assert [k for k, _ in storage.get(KEY, now=0.0).value.items(now=0.0)] == [b"c", b"d"]
+    assert storage.usage(None, now=0.0).records == 2
     with pytest.raises(ValueError):
         DHTLocalStorage(max_subkeys=0)
+
+
+def test_audit_8_far_future_junk_does_not_push_out_honest_records():
+    """The audit's pure-storage evidence: 10 honest keys, then 10 junk keys expiring in 1e9 s
+    (the old rule evicted every honest key and kept no new honest store)."""
+    storage = DHTLocalStorage(maxsize=10, max_subkeys=3)
+    honest = [DHTID.generate(f"honest{i}") for i in range(10)]
+    for key in honest:
+        assert storage.store(key, b"h", 60.0, now=0.0)
+    for i in range(10):
+        storage.store(DHTID.generate(f"junk{i}"), b"j", 1e9, now=1.0, peer="evil")
+    # the honest peers refresh their records (as every writer does), and they stay
+    for key in honest[:5]:
+        assert storage.store(key, b"h", 62.0, now=2.0)
+    assert all(key in storage for key in honest[:5])
+    assert storage.store(DHTID.generate("new honest"), b"h", 63.0, now=3.0)
+    # a dictionary full of far-future fake subkeys: an honest subkey is still kept
+    for i in range(3):
+        storage.store(OTHER, b"fake", 1e9, now=0.0, subkey=b"fake%d" % i, peer="evil")
+    assert storage.store(OTHER, b"honest", 60.0, now=1.0, subkey=b"honest")
+    assert b"honest" in dict(storage.get(OTHER, now=1.0).value.items(now=1.0))
+
+
+def test_expiration_horizon_refuses_far_future_records():
+    storage = DHTLocalStorage(expiration_horizon=600.0)
+    assert storage.store_record(KEY, b"v", 600.0, now=0.0) is StoreOutcome.STORED
+    assert storage.store_record(KEY, b"v", 600.5, now=0.0) is StoreOutcome.EXPIRATION_TOO_FAR
+    outcome = storage.store_record(OTHER, b"v", 1e9, now=0.0, subkey=b"s", peer="evil")
+    assert outcome is StoreOutcome.EXPIRATION_TOO_FAR and OTHER not in storage
+    assert storage.usage("evil", now=0.0) == PeerUsage()
+    with pytest.raises(ValueError):
+        DHTLocalStorage(expiration_horizon=0.0)
+
+
+def test_per_peer_record_and_byte_quotas_refuse_without_evicting_others():
+    quota = StorageQuota(max_records_per_peer=3, max_bytes_per_peer=100, max_total_bytes=None)
+    storage = DHTLocalStorage(quota=quota)
+    assert storage.store(KEY, b"honest", 60.0, now=0.0, peer="alice")
+    keys = [DHTID.generate(f"k{i}") for i in range(5)]
+    for key in keys[:3]:
+        assert storage.store(key, b"x", 60.0, now=0.0, peer="evil")
+    assert storage.store_record(keys[3], b"x", 60.0, now=0.0, peer="evil") is (
+        StoreOutcome.PEER_RECORD_QUOTA
+    )
+    # rewriting one of its own records does not count twice
+    assert storage.store(keys[0], b"y", 61.0, now=0.0, peer="evil")
+    assert storage.usage("evil", now=0.0) == PeerUsage(3, 3)
+    # bytes: a 98-byte record would bring it to 100 + 1; subkeys count too
+    assert storage.store_record(keys[1], b"z" * 99, 62.0, now=0.0, peer="evil") is (
+        StoreOutcome.PEER_BYTE_QUOTA
+    )
+    assert storage.store(keys[1], b"z" * 98, 62.0, now=0.0, peer="evil")
+    assert storage.store_record(OTHER, b"v", 60.0, now=0.0, subkey=b"s", peer="evil") is (
+        StoreOutcome.PEER_RECORD_QUOTA
+    )
+    # nothing of alice's was touched; other peers and this node are not limited by evil's use
+    assert storage.get(KEY, now=0.0) == ValueWithExpiration(b"honest", 60.0)
+    assert storage.store(OTHER, b"v" * 500, 60.0, now=0.0, subkey=b"s")  # this node: no quota
+    assert storage.store(keys[4], b"ok", 60.0, now=0.0, peer="bob")
+    # charges lapse when the records expire: the quota frees up
+    assert storage.usage("evil", now=60.0) == PeerUsage(2, 99)
+    assert storage.usage("evil", now=62.0) == PeerUsage()
+    assert storage.store(keys[3], b"x", 120.0, now=62.0, peer="evil")
+
+
+def test_a_record_taken_over_by_another_peer_moves_its_charge():
+    storage = DHTLocalStorage(quota=StorageQuota(max_records_per_peer=1))
+    assert storage.store(KEY, b"a", 10.0, now=0.0, peer="alice")
+    assert storage.store(KEY, b"bb", 20.0, now=0.0, peer="bob")
+    assert storage.usage("alice", now=0.0) == PeerUsage()
+    assert storage.usage("bob", now=0.0) == PeerUsage(1, 2)
+    assert storage.store(OTHER, b"a", 10.0, now=0.0, peer="alice")  # alice's quota is free
+    # subkeys: each is charged to its writer; a dictionary that expires releases them all
+    assert storage.store(DHTID.generate("d"), b"s", 30.0, now=0.0, subkey=b"x", peer="carol")
+    stats = storage.statistics(now=0.0)
+    assert (stats.num_keys, stats.num_records, stats.num_peers) == (3, 3, 3)
+    assert storage.statistics(now=30.0) == StorageStatistics(0, 0, 0, 0)
+
+
+def test_total_byte_budget_evicts_the_oldest_records_of_anyone():
+    storage = DHTLocalStorage(quota=StorageQuota(None, None, max_total_bytes=10))
+    assert storage.store(KEY, b"aaaa", 60.0, now=0.0)
+    assert storage.store(OTHER, b"bbb", 1e9, now=0.0, subkey=b"s", peer="p")  # 4 bytes
+    assert storage.store_record(DHTID.generate(0), b"c" * 11, 60.0, now=0.0) is (
+        StoreOutcome.TOO_LARGE
+    )
+    assert storage.store(DHTID.generate(1), b"cccc", 60.0, now=1.0)  # 12 bytes: KEY goes
+    assert KEY not in storage and storage.statistics(now=1.0).num_bytes == 8
+    assert storage.store(DHTID.generate(2), b"dddd", 60.0, now=1.0)  # the subkey goes
+    assert OTHER not in storage and storage.usage("p", now=1.0) == PeerUsage()
+
+
+def test_storage_quota_validates():
+    with pytest.raises(ValueError, match="max_bytes_per_peer"):
+        StorageQuota(max_bytes_per_peer=0)
+    with pytest.raises(ValueError, match="max_records_per_peer"):
+        StorageQuota(max_records_per_peer=True)
+
+
+def test_ledger_charges_and_expiry():
+    ledger: StorageLedger[str] = StorageLedger(StorageQuota(2, None, None))
+    ledger.charge("p", (KEY, None), 5, 10.0)
+    ledger.charge("p", (OTHER, b"s"), 3, 20.0)
+    assert ledger.refusal("p", (DHTID.generate(1), None), 1, now=0.0) is (
+        StoreOutcome.PEER_RECORD_QUOTA
+    )
+    assert ledger.refusal("p", (KEY, None), 100, now=0.0) is None  # replaces its own
+    assert ledger.refusal(None, (DHTID.generate(1), None), 1, now=0.0) is None
+    assert ledger.oldest() == (KEY, None) and ledger.total_bytes == 8
+    ledger.charge("q", (KEY, None), 1, 30.0)  # taken over: KEY becomes the newest
+    assert ledger.oldest() == (OTHER, b"s")
+    assert ledger.usage("p", now=0.0) == PeerUsage(1, 3)
+    assert ledger.usage("p", now=20.0) == PeerUsage() and ledger.num_peers(now=20.0) == 1
+    for i in range(1000):  # rewrites keep the heap bounded
+        ledger.charge("q", (KEY, None), 1, 40.0 + i)
+    assert len(ledger._heap) < 100 and len(ledger) == 1
 
 
 def test_heap_stays_bounded_under_rewrites():

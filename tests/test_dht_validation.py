@@ -1,4 +1,6 @@
 import dataclasses
+import multiprocessing
+import os
 from typing import Any
 
 import pydantic
@@ -28,7 +30,7 @@ def owner() -> Ed25519SignatureValidator:
 
 @pytest.fixture(scope="module")
 def mallory() -> Ed25519SignatureValidator:
-    return Ed25519SignatureValidator()
+    return Ed25519SignatureValidator(Ed25519PrivateKey.generate())
 
 
 def protected_records(owner: Ed25519SignatureValidator) -> list[DHTRecord]:
@@ -90,7 +92,7 @@ def test_tampered_or_replayed_records_are_rejected(owner):
         for bad in tampered:
             assert not owner.validate(bad), bad
     # protected key and subkey naming two different owners
-    other = Ed25519SignatureValidator().local_public_key
+    other = Ed25519SignatureValidator(Ed25519PrivateKey.generate()).local_public_key
     mixed = DHTRecord(serialize(owner.local_public_key), serialize(other), b"\xc0", 100.0)
     assert not owner.validate(signed(owner, mixed))
 
@@ -272,3 +274,43 @@ def test_progress_schema_alone_protects_the_progress_key(owner):
     for plain in ({owner.local_public_key: record}, {owner.local_public_key: None}, "wiped"):
         forged = DHTRecord(serialize("run_progress"), NO_SUBKEY, serialize(plain), 100.0)
         assert not validator.validate(signed(validator, forged)), plain
+
+
+def test_validators_made_without_a_key_sign_as_one_owner_per_process():
+    first, second = Ed25519SignatureValidator(), Ed25519SignatureValidator()
+    assert first.local_public_key == second.local_public_key  # hivemind's cached key
+    record = DHTRecord(serialize(b"k"), serialize(b"s" + first.local_public_key), b"\xc0", 100.0)
+    assert second.validate(signed(first, record))
+    assert first.sign_value(record) == second.sign_value(record)
+    # a key of one's own: a distinct owner, whose records the default key cannot sign
+    own = Ed25519SignatureValidator(Ed25519PrivateKey.generate())
+    assert own.local_public_key != first.local_public_key
+    theirs = dataclasses.replace(record, subkey=serialize(b"s" + own.local_public_key))
+    assert first.sign_value(theirs) == theirs.value
+    assert not own.validate(dataclasses.replace(theirs, value=signed(first, record).value))
+    # a DHT node's own verifier is not the process's default owner
+    assert Ed25519SignatureValidator.verifier().local_public_key != first.local_public_key
+
+
+def _default_marker_in_child(connection) -> None:
+    connection.send(Ed25519SignatureValidator().local_public_key)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_has_a_default_key_of_its_own():
+    parent_marker = Ed25519SignatureValidator().local_public_key  # made before the fork
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_default_marker_in_child, args=(sender,))
+    child.start()
+    try:
+        assert receiver.poll(30)
+        child_marker = receiver.recv()
+    finally:
+        child.join(30)
+        receiver.close()
+        sender.close()
+    assert child.exitcode == 0
+    assert child_marker != parent_marker
+    assert Ed25519SignatureValidator().local_public_key == parent_marker

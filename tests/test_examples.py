@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -82,3 +84,69 @@ def test_example_help_keeps_the_docstrings_layout():
         )
         assert result.returncode == 0, result.stderr
         assert "\n    python examples/" in result.stdout, result.stdout  # indented commands kept
+
+
+ALBERT_TINY = [
+    "--lockstep",
+    "--max_files", "6",
+    "--vocab_size", "400",
+    "--seq_len", "32",
+    "--target_batch_size", "32",
+    "--per_device_train_batch_size", "8",
+    "--learning_rate", "3e-3",
+    "--warmup_epochs", "1",
+    "--max_epochs", "4",
+    "--matchmaking_time", "1.0",
+    "--averaging_timeout", "15",
+    "--wait_for_peers", "2",
+]  # fmt: skip
+
+
+def test_albert_recipe_two_peers_learn_and_agree(tmp_path):
+    pytest.importorskip("transformers")  # the hf extra; CI installs it (.ci/run)
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from swarmtrain.dht import DHT
+
+    albert = load(ROOT / "examples" / "albert" / "run_trainer.py")
+    monitor = load(ROOT / "examples" / "albert" / "run_training_monitor.py")
+    host = {"use_relay": False, "relay_service": False, "use_autonat": False}
+    first = DHT(**host)
+    second = DHT(first.get_visible_maddrs(), **host)
+    third = DHT(first.get_visible_maddrs(), **host)
+    checkpoints = tmp_path / "checkpoints"
+    monitor_args = ["--save_every", "1", "--max_checkpoints", "1", "--max_seconds", "60"]
+    monitor_args += ["--refresh_period", "0.2", "--checkpoint_dir", str(checkpoints)]
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            saved = pool.submit(monitor.main, [*ALBERT_TINY, *monitor_args], third)
+            futures = [
+                pool.submit(
+                    albert.main,
+                    [*ALBERT_TINY, "--output_dir", str(tmp_path / str(i)), "--seed", str(i)],
+                    dht,
+                )
+                for i, dht in enumerate((first, second))
+            ]
+            results = [f.result(timeout=100) for f in futures]
+            saved = saved.result(timeout=100)
+    finally:
+        third.shutdown()
+        second.shutdown()
+        first.shutdown()
+    assert [r["epoch"] for r in results] == [4, 4]
+    # the monitor followed the run and saved a checkpoint of the swarm's state
+    assert len(saved) == 1 and (Path(saved[0]) / "optimizer.pt").exists(), saved
+    assert torch.load(Path(saved[0]) / "optimizer.pt")["swarmtrain_local_epoch"] >= 1
+    for result in results:
+        losses = [loss for _, loss in result["epoch_losses"]]
+        assert result["finite"] and len(losses) >= 3, result["epoch_losses"]
+        assert losses[-1] < losses[0], result["epoch_losses"]  # the loss falls
+    if all(r["epochs_alone"] == 0 for r in results):  # else a round failed under load (logged)
+        pairs = zip(*(r["model"].parameters() for r in results), strict=True)
+        # fp16 compression of the state round: each reducer keeps its own part exact and the
+        # others get it rounded to fp16, so the peers agree within an fp16 rounding (2**-11)
+        for a, b in pairs:
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=2**-10)

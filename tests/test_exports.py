@@ -14,6 +14,7 @@ PACKAGES = [
     "swarmtrain.averaging",
     "swarmtrain.compression",
     "swarmtrain.dht",
+    "swarmtrain.monitor",
     "swarmtrain.optim",
     "swarmtrain.p2p",
     "swarmtrain.utils",

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import pickle
+import socket
 import time
 
 import pydantic
@@ -39,7 +41,7 @@ from swarmtrain.dht import (
 )
 from swarmtrain.optim import GradientAverager, Optimizer, ProgressTracker
 from swarmtrain.optim.state_averager import ZERO_GRAD_SET_TO_NONE_DEFAULT, TrainingStateAverager
-from swarmtrain.p2p import P2P
+from swarmtrain.p2p import P2P, P2PError
 
 QUICK_REFRESH = {
     "min_refresh_period": 0.2,
@@ -266,6 +268,73 @@ def test_value_with_expiration_indexes_like_hiveminds_tuple():
     assert found[0] == "value" and found[1] == 123.0 and found[:] == ("value", 123.0)
     value, expiration = found
     assert (value, expiration) == ("value", 123.0)
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_dht_that_reaches_none_of_its_bootstrap_peers_fails_saying_so():
+    peer = "QmdaK4LUeQaKhqSFPRu9N7MvXUEWDxWwtCvPrS444tCgd1"
+    address = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/{peer}"
+    with pytest.raises(P2PError, match="(?s)failed to connect to bootstrap peers.*" + peer):
+        DHT(initial_peers=[address])
+
+
+def test_run_coroutine_that_awaits_asyncio_names_the_trio_equivalent():
+    async def hivemind_style(dht, node):
+        await asyncio.sleep(0.01)
+
+    async def trio_style(dht, node):
+        await trio.sleep(0.01)
+        return node.node_id
+
+    async def other_runtime_error(dht, node):
+        raise RuntimeError("mine")
+
+    dht = DHT()
+    try:
+        with pytest.raises(RuntimeError, match=r"trio loop.*anyio\.sleep"):
+            dht.run_coroutine(hivemind_style)
+        with pytest.raises(RuntimeError, match=r"^mine$"):
+            dht.run_coroutine(other_runtime_error)
+        assert dht.run_coroutine(trio_style) == dht.run_coroutine(trio_style)
+    finally:
+        dht.shutdown()
+
+
+def test_awaiting_a_trio_context_manager_names_the_async_with_form():
+    async def hivemind_style():
+        with pytest.raises(TypeError, match=r"async with P2P\.create"):
+            await P2P.create()
+        with pytest.raises(TypeError, match=r"AsyncioDHTNode\.create"):
+            await DHTNode.create(None)
+        with pytest.raises(TypeError, match=r"async with DHT\.create"):
+            await DHT.create()
+
+    asyncio.run(hivemind_style())
+
+
+@pytest.mark.trio
+async def test_the_trio_context_managers_still_enter_and_exit():
+    async with DHT.create() as first, contextlib.AsyncExitStack() as stack:
+        second = await stack.enter_async_context(
+            DHT.create(initial_peers=first.get_visible_maddrs())
+        )
+        assert await second.store("key", 1, get_dht_time() + 30)
+        assert (await first.get("key", latest=True)).value == 1
+
+
+def test_an_owned_subkey_with_a_foreign_marker_names_our_key_format():
+    class Owned(pydantic.BaseModel):
+        owned: dict[BytesWithPublicKey, int]
+
+    with pytest.raises(pydantic.ValidationError, match="local_public_key"):
+        Owned.model_validate({"owned": {b"uid[owner:public-key]": 1}})
+    marker = Ed25519SignatureValidator(generate_private_key()).local_public_key
+    assert Owned.model_validate({"owned": {b"uid" + marker: 1}})
 
 
 # ------------------------------------------------------------------------ asyncio DHTNode

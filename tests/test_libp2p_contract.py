@@ -11,6 +11,9 @@ Two kinds of checks:
   Noise's 64 KiB message limit, yamux's frame size and several receive windows: our
   re-implementations of Noise message framing, yamux data frames and window updates, and
   pipelined multistream-select must speak the stock wire.
+
+(``tests/test_libp2p_scoped.py`` checks the other side: that none of this leaks into py-libp2p
+itself, so stock hosts in the same process stay stock.)
 """
 
 from __future__ import annotations
@@ -96,25 +99,25 @@ FACTS: list[tuple[str, str, object, str]] = [
         "TrioTCPStream.read reads under read_lock from a trio stream",
         "all(n in inspect.getsource(TrioTCPStream) for n in ('read_lock', 'receive_some'))",
         True,
-        "p2p/_io_tuning.py (buffered_read)",
+        "p2p/_io_tuning.py (BufferedTCPStream)",
     ),
     (
         "Noise length prefixes are 2 bytes",
         "noise_io.NoisePacketReadWriter.size_len_bytes",
         2,
-        "p2p/_io_tuning.py (write_msg_once)",
+        "p2p/_io_tuning.py (BatchingNoiseReadWriter)",
     ),
     (
         "a Noise message carries at most 65535 - 16 bytes of plaintext",
         "noise_io.MAX_PLAINTEXT_LENGTH",
         65535 - 16,
-        "p2p/_io_tuning.py (write_msg_once)",
+        "p2p/_io_tuning.py (BatchingNoiseReadWriter)",
     ),
     (
         "Noise writers encrypt with self.encrypt and write to read_writer.read_write_closer",
         "all(n in inspect.getsource(noise_io) for n in ('def encrypt', 'read_write_closer'))",
         True,
-        "p2p/_io_tuning.py (write_msg_once)",
+        "p2p/_io_tuning.py (BatchingNoiseReadWriter)",
     ),
     (
         "write_msg(msg, prefix_encoded=False)",
@@ -123,36 +126,63 @@ FACTS: list[tuple[str, str, object, str]] = [
         "p2p/_io_tuning.py",
     ),
     (
-        "DCUtR dials through tcp._open_tcp_stream_from(host, port, source)",
-        "list(inspect.signature(tcp._open_tcp_stream_from).parameters)",
-        ["host", "port", "source"],
-        "p2p/_libp2p_fixes.py (_fix_hole_punch_dial_leak)",
+        "DCUtR's source-bound dials go through TCP._dial_resolved(maddr, source)",
+        "[list(inspect.signature(tcp.TCP._dial_resolved).parameters),"
+        " '_dial_resolved(maddr, source=source)' in inspect.getsource(tcp.TCP.dial_with_source)]",
+        [["self", "maddr", "source"], True],
+        "p2p/_libp2p_fixes.py (HolePunchTCP)",
     ),
     (
-        "tcp has _set_reuse_flags and OpenConnectionError",
-        "hasattr(tcp, '_set_reuse_flags') and hasattr(tcp, 'OpenConnectionError')",
+        "tcp has _set_reuse_flags; dials return RawConnection(TrioTCPStream(stream), True)",
+        "hasattr(tcp, '_set_reuse_flags') and 'RawConnection(read_write_closer, True)'"
+        " in inspect.getsource(tcp.TCP._dial_resolved)",
         True,
-        "p2p/_libp2p_fixes.py",
+        "p2p/_libp2p_fixes.py (HolePunchTCP)",
+    ),
+    (
+        "the swarm's transports are listed by transport_manager.get_transports()",
+        "callable(getattr(TransportManager, 'get_transports', None))",
+        True,
+        "p2p/_libp2p_fixes.py (use_hole_punch_tcp)",
+    ),
+    (
+        "raw connections keep their TrioTCPStream in .stream; it reads from .stream",
+        "[sorted({'stream', 'read_lock'} - set(TrioTCPStream.__init__.__code__.co_names)),"
+        " 'stream' in RawConnection.__init__.__code__.co_names]",
+        [[], True],
+        "p2p/_io_tuning.py (adopt_raw_connection)",
+    ),
+    (
+        "Noise sessions are SecureSession(conn=NoiseTransportReadWriter(...))",
+        "[inspect.getsource(noise_patterns).count('NoiseTransportReadWriter(conn, noise_state)'),"
+        " 'conn' in SecureSession.__init__.__code__.co_names]",
+        [2, True],
+        "p2p/_io_tuning.py (adopt_secured_connection)",
     ),
     # -- yamux
     (
         "yamux headers are '!BBHII', 12 bytes",
         "(yamux.YAMUX_HEADER_FORMAT, yamux.HEADER_SIZE)",
         ["!BBHII", 12],
-        "p2p/_libp2p_fixes.py (write)",
+        "p2p/_yamux.py (TunedYamuxStream.write)",
     ),
-    ("yamux data frames are type 0", "yamux.TYPE_DATA", 0, "p2p/_libp2p_fixes.py (write)"),
+    (
+        "yamux data frames are type 0",
+        "yamux.TYPE_DATA",
+        0,
+        "p2p/_yamux.py (TunedYamuxStream.write)",
+    ),
     (
         "yamux frames carry at most 64 KiB by default",
         "yamux.MAX_MESSAGE_SIZE",
         64 * 1024,
-        "p2p/_tuning.py (raised to 1 MiB)",
+        "p2p/_yamux.py (our streams send 1 MiB)",
     ),
     (
         "yamux windows grow to 16 MiB",
         "yamux.MAX_WINDOW_SIZE",
         16 * 1024 * 1024,
-        "p2p/_libp2p_fixes.py (batch_window_updates)",
+        "p2p/_yamux.py (batched window updates)",
     ),
     (
         "YamuxStream sets the attributes our write and window code use",
@@ -160,51 +190,51 @@ FACTS: list[tuple[str, str, object, str]] = [
         " 'conn', 'recv_window', 'target_recv_window', '_pending_recv_release'}"
         " - set(YamuxStream.__init__.__code__.co_names))",
         [],
-        "p2p/_libp2p_fixes.py",
+        "p2p/_yamux.py",
     ),
     (
-        "a blocked yamux writer polls every 10 ms (what wake_writers_on_window_updates replaces)",
+        "a blocked yamux writer polls every 10 ms (what TunedYamuxStream.write replaces)",
         "'trio.sleep(0.01)' in inspect.getsource(YamuxStream.write)",
         True,
-        "p2p/_libp2p_fixes.py (wake_writers_on_window_updates)",
+        "p2p/_yamux.py (woken writers)",
     ),
     (
         "credit arrives by assigning stream.send_window (+=) in the connection's read loop",
         "'stream.send_window += ' in inspect.getsource(yamux.Yamux)",
         True,
-        "p2p/_libp2p_fixes.py (the send_window property wakes writers)",
+        "p2p/_yamux.py (the send_window property wakes writers)",
     ),
     (
         "window updates go through _auto_tune_and_send_window_update(bytes_read=...)",
         "'bytes_read' in inspect.signature(YamuxStream._auto_tune_and_send_window_update)"
         ".parameters",
         True,
-        "p2p/_libp2p_fixes.py (batch_window_updates)",
+        "p2p/_yamux.py (batched window updates)",
     ),
     (
         "send_window_update(increment, skip_lock=False) and _grow_to_delta(buffered)",
         "[list(inspect.signature(YamuxStream.send_window_update).parameters),"
         " list(inspect.signature(YamuxStream._grow_to_delta).parameters)]",
         [["self", "increment", "skip_lock"], ["self", "buffered"]],
-        "p2p/_libp2p_fixes.py",
+        "p2p/_yamux.py",
     ),
     (
         "Yamux keeps unread bytes in stream_buffers",
         "'stream_buffers' in Yamux.__init__.__code__.co_names",
         True,
-        "p2p/_libp2p_fixes.py (batch_window_updates)",
+        "p2p/_yamux.py (batched window updates)",
     ),
     (
         "frames are written by Yamux._write_frame under _write_lock to secured_conn",
         "all(n in inspect.getsource(Yamux._write_frame) for n in ('_write_lock', 'secured_conn'))",
         True,
-        "p2p/_libp2p_fixes.py (fix_cancelled_frame_writes)",
+        "p2p/_yamux.py (TunedYamux._write_frame)",
     ),
     (
         "RTT pings run in Yamux._measure_rtt_loop",
         "hasattr(Yamux, '_measure_rtt_loop')",
         True,
-        "p2p/_libp2p_fixes.py (batch_window_updates)",
+        "p2p/_yamux.py (batched window updates)",
     ),
     (
         "muxed streams expose closed/recv_closed/send_closed/reset_received flags",
@@ -213,7 +243,37 @@ FACTS: list[tuple[str, str, object, str]] = [
         [],
         "p2p/rpc_stream.py (is_reusable)",
     ),
+    (
+        "MuxerMultistream.new_conn builds yamux connections as Yamux(...) by name",
+        "'Yamux(' in inspect.getsource(MuxerMultistream.new_conn)",
+        True,
+        "p2p/_yamux.py (TunedMuxerMultistream adopts them)",
+    ),
+    (
+        "Yamux builds its streams as YamuxStream(...) and stores them in self.streams[id]",
+        "[inspect.getsource(Yamux).count('YamuxStream(stream_id, self, '),"
+        " inspect.getsource(Yamux).count('self.streams[stream_id] = stream'),"
+        " inspect.getsource(Yamux).count('self.streams = ')]",
+        [2, 2, 0],
+        "p2p/_yamux.py (_AdoptingStreams)",
+    ),
+    (
+        "the upgrader keeps security_multistream and muxer_multistream (instance attributes)",
+        "sorted({'security_multistream', 'muxer_multistream'}"
+        " - set(TransportUpgrader.__init__.__code__.co_names))",
+        [],
+        "p2p/_yamux.py, p2p/_multistream.py",
+    ),
     # -- multistream-select
+    (
+        "hosts and selectors hold their own MultiselectClient() in .multiselect_client",
+        "['multiselect_client' in BasicHost.__init__.__code__.co_names,"
+        " 'multiselect_client' in GenericMultistreamSelector.__init__.__code__.co_names,"
+        " '_selector' in SecurityMultistream.__init__.__code__.co_names,"
+        " '_selector' in MuxerMultistream.__init__.__code__.co_names]",
+        [True] * 4,
+        "p2p/_multistream.py (use_pipelined_multistream)",
+    ),
     (
         "multistream-select header and refusal",
         "(client.MULTISELECT_PROTOCOL_ID, client.PROTOCOL_NOT_FOUND_MSG)",
@@ -268,6 +328,14 @@ from libp2p.host.basic_host import BasicHost
 from libp2p.io.trio import TrioTCPStream
 import libp2p.security.noise.io as noise_io
 from libp2p.transport.tcp import tcp
+from libp2p.transport.manager import TransportManager
+from libp2p.transport.upgrader import TransportUpgrader
+from libp2p.network.connection.raw_connection import RawConnection
+import libp2p.security.noise.patterns as noise_patterns
+from libp2p.security.secure_session import SecureSession
+from libp2p.security.security_multistream import SecurityMultistream
+from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
+from libp2p.protocol_muxer.generic_selector import GenericMultistreamSelector
 import libp2p.stream_muxer.yamux.yamux as yamux
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.protocol_muxer import multiselect_client as client

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarmtrain.averaging.state_sharing import state_sharing_key
-from swarmtrain.dht import DHT, get_dht_time
+from swarmtrain.dht import DHT, PeerRecordValidator, get_dht_time
 from swarmtrain.optim import Optimizer
 from swarmtrain.optim.grad_scaler import GradScaler
 from swarmtrain.utils.background import BackgroundRuntime
@@ -510,8 +510,10 @@ def test_a_failing_donor_is_reported_once_with_the_reason(dhts, caplog):
     model = make_model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with Optimizer(dht=first, run_id="baddonor", target_batch_size=8, optimizer=sgd) as opt:
-        # a peer declares a state but serves none (no averager of this run runs there)
+        # a peer declares a state but serves none (no averager of this run runs there); it
+        # registers the key so its declaration is signed (readers drop unsigned ones)
         key = state_sharing_key("baddonor_state_averager")
+        other.add_validators([PeerRecordValidator([key])])
         assert other.store(key, 5.0, get_dht_time() + 30, subkey=other.peer_id.to_bytes())
         caplog.set_level(logging.DEBUG, logger="swarmtrain.averaging.state_sharing")
         assert opt.load_state_from_peers(timeout=4.0) is False

@@ -9,7 +9,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import pytest
 import trio
 
-from swarmtrain.dht import DHT, DHTRecord, Ed25519SignatureValidator, get_dht_time, serialize
+from swarmtrain.dht import (
+    DHT,
+    DHTRecord,
+    Ed25519SignatureValidator,
+    generate_private_key,
+    get_dht_time,
+    serialize,
+)
 from swarmtrain.optim import AsyncProgressTracker, LocalProgress, ProgressTracker
 from swarmtrain.proto.progress_pb2 import ProgressRecord
 
@@ -180,6 +187,8 @@ async def test_a_third_party_cannot_overwrite_a_peers_progress():
             await open_tracker(stack, d, "secure", 1000, **SLOW_REFRESH) for d in dhts
         ]
         await wait_meshes([victim, observer, attacker], 2)
+        # trackers in one process are distinct owners (not the process's default key)
+        assert len({t.local_public_key for t in (victim, observer, attacker)}) == 3
         victim.report_local_progress(0, 10)
         await wait_until(lambda: victim.local_public_key in observer.peers(), 5)
 
@@ -195,7 +204,7 @@ async def test_a_third_party_cannot_overwrite_a_peers_progress():
             key, {victim.local_public_key: forged.to_dict()}, expiration
         )
         # 3. over gossip, signed with the attacker's own key, then moved to the victim's subkey
-        signer = Ed25519SignatureValidator()
+        signer = Ed25519SignatureValidator(generate_private_key())  # the attacker's own key
         own = DHTRecord(
             serialize(key), serialize(signer.local_public_key), serialize(forged.to_dict()), 0.0
         )

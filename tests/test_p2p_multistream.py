@@ -3,12 +3,11 @@
 import pytest
 import trio
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
-from libp2p.protocol_muxer.multiselect_client import MultiselectClient
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.utils import encode_delim
 
 from swarmtrain.p2p import P2P, PeerUnreachableError
-from swarmtrain.p2p._tuning import apply_libp2p_tuning
+from swarmtrain.p2p._multistream import PipelinedMultiselectClient
 
 pytestmark = pytest.mark.trio
 
@@ -36,9 +35,10 @@ class ScriptedPeer:
 
 
 async def select(answers: bytes, protocol="/swarmtrain/rpc/1.0.0"):
-    apply_libp2p_tuning()
     peer = ScriptedPeer(answers)
-    chosen = await MultiselectClient().select_one_of([protocol], MultiselectCommunicator(peer))
+    chosen = await PipelinedMultiselectClient().select_one_of(
+        [protocol], MultiselectCommunicator(peer)
+    )
     return chosen, peer.writes
 
 

@@ -15,7 +15,7 @@ from google.protobuf.wrappers_pb2 import StringValue
 from polling import wait_until
 
 from swarmtrain.p2p import P2P, PeerUnreachableError
-from swarmtrain.p2p._libp2p_fixes import _fix_hole_punch_dial_leak
+from swarmtrain.p2p._libp2p_fixes import open_tcp_stream_from
 from swarmtrain.p2p.identity import generate_identity, peer_id_of
 from swarmtrain.p2p.relay_routes import (
     RESERVATION_RENEW_MARGIN,
@@ -117,12 +117,10 @@ def test_reservation_renewal_schedule():
 async def test_cancelled_hole_punch_dial_closes_its_socket():
     # DCUtR cancels its losing dials; py-libp2p 0.8.1 leaked the socket of a dial cancelled in
     # bind/connect (a ResourceWarning, an error under filterwarnings=error).
-    from libp2p.transport.tcp import tcp as tcp_module
-
-    _fix_hole_punch_dial_leak()
+    # Our hosts' TCP transport (_libp2p_fixes.HolePunchTCP) dials with open_tcp_stream_from.
     with trio.CancelScope() as scope:
         scope.cancel()
-        await tcp_module._open_tcp_stream_from("127.0.0.1", 9, ("127.0.0.1", 0))
+        await open_tcp_stream_from("127.0.0.1", 9, ("127.0.0.1", 0))
     assert scope.cancelled_caught
     gc.collect()  # a leaked socket would warn here
 

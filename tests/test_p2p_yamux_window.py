@@ -136,9 +136,9 @@ async def test_a_blocked_writer_wakes_up_when_the_peer_resets_the_stream():
 async def test_a_writer_without_credit_times_out(monkeypatch):
     from libp2p.network.stream.exceptions import StreamReset
 
-    from swarmtrain.p2p import _libp2p_fixes
+    from swarmtrain.p2p import _yamux
 
-    monkeypatch.setattr(_libp2p_fixes, "WINDOW_WAIT_TIMEOUT", 0.3)  # read when a wait starts
+    monkeypatch.setattr(_yamux, "WINDOW_WAIT_TIMEOUT", 0.3)  # read when a wait starts
     never_read = trio.Event()
 
     async def hold(stream):

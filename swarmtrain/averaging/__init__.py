@@ -15,6 +15,7 @@ from swarmtrain.averaging.control import StepControl as StepControl
 from swarmtrain.averaging.errors import AveragingError as AveragingError
 from swarmtrain.averaging.errors import MatchmakingError as MatchmakingError
 from swarmtrain.averaging.errors import NonFiniteError as NonFiniteError
+from swarmtrain.averaging.load_balancing import NoReducerError as NoReducerError
 from swarmtrain.averaging.load_balancing import load_balance_peers as load_balance_peers
 from swarmtrain.averaging.load_balancing import optimize_fractions as optimize_fractions
 from swarmtrain.averaging.matchmaking import Matchmaking as Matchmaking

@@ -1,6 +1,6 @@
 """``DecentralizedAverager``: average tensors with peers found through the DHT (hivemind's API).
 
-One implementation (``AsyncDecentralizedAverager``, trio), two ways in:
+One implementation (``AsyncDecentralizedAverager``, trio), three ways in:
 
 - trio::
 
@@ -16,6 +16,9 @@ One implementation (``AsyncDecentralizedAverager``, trio), two ways in:
       with averager.get_tensors() as tensors:  # averaged in place
           ...
       averager.shutdown(); dht.shutdown()
+
+- asyncio, on the same blocking object: ``await averager.aio.step(gather=...)`` and
+  ``await averager.aio.load_state_from_peers()`` never block the asyncio loop.
 
 A step: matchmaking (``swarmtrain.averaging.matchmaking``) finds a group under the current
 Moshpit bucket ``{prefix}.0b{group_bits}``; the group is load-balanced by bandwidth and
@@ -57,6 +60,7 @@ from swarmtrain.averaging.state_sharing import StateDownloadFailure
 from swarmtrain.dht import get_dht_time
 from swarmtrain.p2p import PeerID
 from swarmtrain.utils.background import BackgroundRuntime, BackgroundService
+from swarmtrain.utils.facade import aio_property
 
 __all__ = ["AsyncDecentralizedAverager", "DecentralizedAverager", "GatheredData"]
 
@@ -69,6 +73,14 @@ class DecentralizedAverager(BackgroundService):
     """
 
     create = AsyncDecentralizedAverager.create
+
+    #: asyncio awaitables: ``await averager.aio.step(gather=...)``,
+    #: ``await averager.aio.load_state_from_peers()`` (never block the asyncio loop)
+    aio = aio_property()
+    _aio_methods = {
+        "step": AsyncDecentralizedAverager.step,
+        "load_state_from_peers": AsyncDecentralizedAverager.load_state_from_peers,
+    }
 
     def __init__(
         self,
@@ -114,9 +126,10 @@ class DecentralizedAverager(BackgroundService):
             )
         )
 
-    def shutdown(self) -> None:
-        """Stop the averager (running steps fail with ``AveragingError``); the DHT stays up."""
-        super().shutdown()
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the averager (running steps fail with ``AveragingError``); the DHT stays up.
+        ``timeout``: cut the close short after this many seconds."""
+        super().shutdown(timeout)
 
     # ------------------------------------------------------------------ hivemind's API
 

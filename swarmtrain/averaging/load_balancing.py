@@ -14,10 +14,25 @@ bandwidth. Peers with bandwidth 0 are clients: they reduce nothing and their own
 is not part of the objective.
 
 :func:`optimize_fractions` minimises that maximum exactly. It is the linear program hivemind
-hands to scipy, solved in closed form: with ``c_i = S - 2 s_i > 0`` every constraint
-``s_i + c_i w_i <= t b_i / 2`` is tight at the optimum unless ``t`` is held up by a peer that
-reduces nothing (then any assignment under those caps is optimal); peers with ``c_i <= 0``
-(only when ``S <= 2``) reduce at no extra cost and take the whole vector.
+hands to scipy, solved in closed form. With ``c_i = S - 2 s_i > 0`` peer ``i`` finishes at
+``T_i(w_i) = (s_i + c_i w_i) / b_i`` (in units of 2 / vector), so the optimum is *water
+filling*: one level ``t`` with ``w_i = max(0, (t b_i - s_i) / c_i)`` and ``sum w_i = 1``. Every
+peer that reduces anything finishes at ``t``; a peer whose own sending alone takes longer
+(``s_i / b_i >= t``) reduces nothing.
+
+Where the optimum is not unique -- a slow sender's own traffic ``s_i / b_i`` is the round's
+time whatever the others do -- this picks the *most balanced* optimal point: the one that
+minimises the per-peer times lexicographically (the slowest peer first, then the next, ...).
+It is unique and it is the optimal point that tolerates the largest overestimate of any other
+peer's bandwidth before that peer would slow the round down. hivemind's interior-point solver
+lands near the middle of the same optimal face, and rounds to the same integers in its own
+examples (``load_balance_peers(60, [0.32, 0.55, 0.44], min_size=10) == (0, 40, 20)``); an
+arbitrary vertex or cap-proportional point of that face gave ``(0, 39, 21)``. Peers with
+``c_i <= 0`` (only when ``S <= 2``) reduce at no extra cost: they take the whole vector, split
+in proportion to bandwidth.
+
+Every member of a group computes the same slices from the same claims, so the result must be
+deterministic: plain float arithmetic in a fixed order, ties by index.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ from swarmtrain.averaging.partition import apportion
 __all__ = [
     "MAX_BANDWIDTH_RATIO",
     "MAX_SHARE",
+    "NoReducerError",
     "bound_bandwidths",
     "bounded_load_balance",
     "butterfly_cost",
@@ -42,6 +58,12 @@ MAX_BANDWIDTH_RATIO = 4.0
 """A bandwidth claim above this many times the group's median claim counts as the bound."""
 MAX_SHARE = 0.5
 """With two or more reducers, none reduces more than this share of the vector."""
+_MIN_RELATIVE_BANDWIDTH = 1e-300  # below this, 1 / ratio overflows
+
+
+class NoReducerError(ValueError, AssertionError):
+    """Every bandwidth is 0: nobody can reduce. A ``ValueError``; also an ``AssertionError``,
+    which hivemind's ``load_balance_peers`` raises here, so ported ``except`` clauses hold."""
 
 
 def _check_bandwidths(bandwidths: Iterable[float | None]) -> list[float | None]:
@@ -71,11 +93,19 @@ def _resolve(
     if len(senders) != len(bandwidths):
         raise ValueError("bandwidths and senders have different lengths")
     specified = [float(b) for b in bandwidths if b is not None and b > 0]
-    default = math.fsum(specified) / len(specified) if specified else 1.0
+    default = math.fsum(b / len(specified) for b in specified) if specified else 1.0
     resolved = [default if b is None else float(b) for b in bandwidths]
     if not any(b > 0 for b in resolved):
-        raise ValueError("at least one peer must have a positive (or unspecified) bandwidth")
+        raise NoReducerError("at least one peer must have a positive (or unspecified) bandwidth")
     return resolved, senders
+
+
+def _relative(resolved: list[float]) -> list[float]:
+    """Bandwidths over the largest one (fractions depend only on their ratios), so that no sum
+    overflows and no division by a tiny claim does; a positive claim counts as at least
+    1e-300 of the largest (such a peer reduces next to nothing either way)."""
+    top = max(resolved)
+    return [0.0 if b == 0 else max(b / top, _MIN_RELATIVE_BANDWIDTH) for b in resolved]
 
 
 def butterfly_cost(
@@ -98,40 +128,59 @@ def butterfly_cost(
     return cost
 
 
+def _costs(
+    bandwidths: Sequence[float | None], senders: Sequence[bool] | None
+) -> tuple[list[float], list[float], list[float]]:
+    """Bandwidths relative to the largest (:func:`_relative`), sender flags ``s`` (1.0 / 0.0)
+    and reduce costs ``c``."""
+    resolved, is_sender = _resolve(bandwidths, senders)
+    num_senders = sum(is_sender)
+    s = [float(x) for x in is_sender]
+    return _relative(resolved), s, [num_senders - 2 * x for x in s]
+
+
+def _fill(
+    b: list[float], s: list[float], c: list[float], peers: Sequence[int], mass: float
+) -> dict[int, float]:
+    """Shares of ``peers`` (all with b > 0) summing to ``mass`` that minimise the latest of
+    their times, and then the next latest, ... (the module docstring's water filling)."""
+    free = [i for i in peers if c[i] <= 0]  # reducing costs them nothing (S <= 2)
+    if free:
+        total = math.fsum(b[i] for i in free)
+        return {i: mass * b[i] / total for i in free}
+    # A peer starts reducing once the level passes its own sending time s_i / b_i: take peers
+    # in that order until the level at which the active ones reduce ``mass`` lies below the
+    # next peer's threshold.
+    order = sorted(peers, key=lambda i: (s[i] / b[i], i))
+    for k in range(1, len(order) + 1):
+        active = order[:k]
+        level = (mass + math.fsum(s[i] / c[i] for i in active)) / math.fsum(
+            b[i] / c[i] for i in active
+        )
+        if k == len(order) or level <= s[order[k]] / b[order[k]]:
+            break
+    shares = {i: max(0.0, (level * b[i] - s[i]) / c[i]) for i in active}
+    total = math.fsum(shares.values())
+    if total <= 0:  # only through rounding: fall back to bandwidth shares
+        shares, total = {i: b[i] for i in active}, math.fsum(b[i] for i in active)
+    return {i: mass * share / total for i, share in shares.items()}
+
+
 def optimize_fractions(
     bandwidths: Sequence[float | None], senders: Sequence[bool] | None = None
 ) -> tuple[float, ...]:
-    """Fractions (summing to 1) that minimise :func:`butterfly_cost`.
+    """Fractions (summing to 1) that minimise :func:`butterfly_cost`; where several do, the
+    most balanced of them (see the module docstring).
 
     :param bandwidths: per peer; 0 is a client (reduces nothing), None is "unspecified" (the
       mean of the specified positive bandwidths, or 1 when none is specified)
     :param senders: per peer, whether it sends its own tensors (False for AUX peers); all True
       by default
     """
-    resolved, is_sender = _resolve(bandwidths, senders)
-    num_senders = sum(is_sender)
-    reducers = [i for i, b in enumerate(resolved) if b > 0]
-    s = [float(x) for x in is_sender]
-    c = [num_senders - 2 * s[i] for i in range(len(resolved))]
-    fractions = [0.0] * len(resolved)
-
-    free = [i for i in reducers if c[i] <= 0]  # reducing costs them nothing (S <= 2)
-    if free:
-        total = math.fsum(resolved[i] for i in free)
-        for i in free:
-            fractions[i] = resolved[i] / total
-        return tuple(fractions)
-
-    # All c_i > 0: the optimum is t = max(t0, t1) (t in units of "time / 2").
-    t0 = max(s[i] / resolved[i] for i in reducers)
-    t1 = (1.0 + math.fsum(s[i] / c[i] for i in reducers)) / math.fsum(
-        resolved[i] / c[i] for i in reducers
-    )
-    t = max(t0, t1)
-    caps = {i: max(0.0, (t * resolved[i] - s[i]) / c[i]) for i in reducers}
-    total = math.fsum(caps.values())
-    for i in reducers:
-        fractions[i] = caps[i] / total
+    b, s, c = _costs(bandwidths, senders)
+    fractions = [0.0] * len(b)
+    for i, share in _fill(b, s, c, [i for i, x in enumerate(b) if x > 0], 1.0).items():
+        fractions[i] = share
     return tuple(fractions)
 
 
@@ -147,7 +196,8 @@ def load_balance_peers(
     :param bandwidths: per peer (any sequence or 1-D array; see :func:`optimize_fractions`)
     :param min_size: peers that would reduce fewer values get none (their share goes to the
       others), unless that would leave nobody
-    :raises ValueError: a bandwidth is negative, NaN or infinite, or none is positive
+    :raises ValueError: a bandwidth is negative, NaN or infinite; :class:`NoReducerError`
+      (also an ``AssertionError``, as in hivemind) when none is positive
     """
     if vector_size < 0:
         raise ValueError(f"vector_size must be non-negative, got {vector_size}")
@@ -182,23 +232,25 @@ def bounded_load_balance(
 ) -> tuple[int, ...]:
     """:func:`load_balance_peers` on claims that peers make about themselves: claims bounded by
     :func:`bound_bandwidths`, then no peer reduces more than ``max_share`` of the vector while
-    another peer could (the excess goes to the others in proportion to their bandwidths)."""
+    another peer could. The rest is balanced among the others as :func:`optimize_fractions`
+    does, so the round is as fast as it can be under that cap."""
     bounded = bound_bandwidths(bandwidths, max_ratio)
-    resolved, _ = _resolve(bounded, senders)
-    fractions = list(optimize_fractions(bounded, senders))
-    eligible = [i for i, b in enumerate(resolved) if b > 0]
+    b, s, c = _costs(bounded, senders)
+    eligible = [i for i, x in enumerate(b) if x > 0]
+    fractions = [0.0] * len(b)
+    shares = _fill(b, s, c, eligible, 1.0)
     if len(eligible) >= 2 and max_share * len(eligible) >= 1:
         capped: set[int] = set()
         while True:
-            over = [i for i in eligible if i not in capped and fractions[i] > max_share]
+            over = [i for i, share in shares.items() if i not in capped and share > max_share]
             if not over:
                 break
             capped.update(over)
-            excess = math.fsum(fractions[i] - max_share for i in over)
-            for i in over:
-                fractions[i] = max_share
             rest = [i for i in eligible if i not in capped]
-            weight = math.fsum(resolved[i] for i in rest)
-            for i in rest:
-                fractions[i] += excess * resolved[i] / weight
+            mass = 1.0 - max_share * len(capped)
+            shares = {i: max_share for i in capped}
+            if rest and mass > 0:
+                shares.update(_fill(b, s, c, rest, mass))
+    for i, share in shares.items():
+        fractions[i] = share
     return apportion(vector_size, fractions)

@@ -20,6 +20,10 @@ for the round's DHT reads, outgoing join calls and the timer, cancelled when the
 Incoming join calls run in the host's RPC server; each waits on its follower's channel, which
 the round closes when it ends, so none outlives the round.
 
+Declarations are per-peer records (``swarmtrain.dht.peer_records``): signed by the declaring
+peer's identity key on store, checked by every node that stores or reads them, so nobody can
+withdraw, replace or wipe another peer's declaration.
+
 Bounds: each DHT read or store is bounded by ``dht_timeout``; a join call by the core's request
 timeouts (``CancelJoinRequest``) and by the round; the round by its deadline.
 
@@ -44,6 +48,7 @@ from swarmtrain.averaging.allreduce_core import AveragingMode
 from swarmtrain.averaging.errors import MatchmakingError
 from swarmtrain.averaging.matchmaking_core import MatchmakingCore
 from swarmtrain.averaging.matchmaking_types import (
+    GROUP_KEY_PATTERN,
     Accepted,
     Action,
     BeginAllReduce,
@@ -67,7 +72,7 @@ from swarmtrain.averaging.matchmaking_types import (
     SendToFollower,
 )
 from swarmtrain.averaging.partition import PART_LAYOUT
-from swarmtrain.dht import get_dht_time
+from swarmtrain.dht import PeerRecordValidator, get_dht_time
 from swarmtrain.p2p import P2PError, PeerID
 from swarmtrain.proto import matchmaking_pb2 as pb
 
@@ -284,6 +289,8 @@ class Matchmaking:
     ) -> AsyncIterator[Matchmaking]:
         """Register the join handler (unless a client); remove it and stop every task on exit."""
         self = cls(dht, config, schema_hash, **kwargs)
+        # declarations are owned: only a peer can write (or blank) its own subkey
+        dht.add_validators([PeerRecordValidator([GROUP_KEY_PATTERN])])
         serve = self.mode != AveragingMode.CLIENT
         async with trio.open_nursery() as nursery:
             self._nursery = nursery

@@ -69,7 +69,8 @@ from typing import Union
 from swarmtrain.averaging.allreduce_core import AveragingMode
 
 PeerId = bytes
-_GROUP_KEY = re.compile(r"[^.]+\.0b[01]*")
+#: every group key, of any run: declarations under them are owned per peer (PeerRecordValidator)
+GROUP_KEY_PATTERN = _GROUP_KEY = re.compile(r"[^.]+\.0b[01]*")
 _GROUP_ID_DOMAIN = b"swarmtrain/matchmaking/group-id/v1"
 _ORDER_DOMAIN = b"swarmtrain/matchmaking/order/v1"
 _MOSHPIT_DOMAIN = b"swarmtrain/matchmaking/moshpit/v1"

@@ -68,6 +68,9 @@ def apportion(total: int, fractions: Sequence[float]) -> tuple[int, ...]:
         raise ValueError("need at least one fraction")
     if any(not math.isfinite(f) or f < 0 for f in fractions):
         raise ValueError(f"fractions must be finite and non-negative, got {fractions}")
+    top = max(fractions)
+    if top * max(total, len(fractions)) > 1e300:  # the sums below would overflow: rescale
+        fractions = tuple(f / top for f in fractions)  # (only then: layouts stay as they were)
     norm = math.fsum(fractions)
     if norm <= 0:
         raise ValueError("at least one fraction must be positive")

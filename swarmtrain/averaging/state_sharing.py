@@ -1,17 +1,21 @@
 """State sharing: donors serve their state, newcomers download it (``load_state_from_peers``).
 
 A donor (``allow_state_sharing``) declares its priority under ``{prefix}.all_averagers`` (subkey:
-its peer id) every ``declare_state_period`` and at once when the priority or the permission
-changes; it serves ``{prefix}::Averager.rpc_download_state`` (see proto/state_sharing.proto):
-a header (msgpack metadata, number of tensors), then each tensor compressed with
-``state_compression`` and streamed in chunks.
+its peer id; signed with its identity key, so nobody else can blank or replace it:
+``swarmtrain.dht.peer_records``) every ``declare_state_period`` and at once when the priority
+or the permission changes; it serves ``{prefix}::Averager.rpc_download_state`` (see
+proto/state_sharing.proto): a header (msgpack metadata, number of tensors), then each tensor
+compressed with ``state_compression`` and streamed in chunks.
 
 A newcomer reads the declarations, orders donors by priority (highest first, ties at random)
-and downloads from one donor at a time. If a donor fails mid-transfer (it leaves, stalls for
-``message_timeout``, or sends bad data), the newcomer keeps the tensors it already received in
-full and asks the next donor for the rest (``first_tensor``): peers that average together hold
-nearly the same state, so the result is one consistent-enough state without starting over. The
-metadata comes from the first donor that answered. A donor whose state has another number of
+and downloads from one donor at a time. Donors are dialled in turn ``DONOR_DIAL_DELAY`` apart
+without waiting for each dial to end (``swarmtrain.averaging.staggered``): a donor that died
+without withdrawing its offer costs that delay, not a dial timeout. If a donor fails
+mid-transfer (it leaves, stalls for ``message_timeout``, or sends bad data), the newcomer keeps
+the tensors it already received in full and asks the next donor for the rest
+(``first_tensor``): peers that average together hold nearly the same state, so the result is
+one consistent-enough state without starting over. The metadata comes from the first donor
+that answered. A donor whose state has another number of
 tensors cannot continue a transfer and is skipped.
 
 Nothing a donor sends is used unchecked (``swarmtrain.averaging.state_checks``): the metadata is
@@ -35,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -47,6 +52,7 @@ import trio
 from google.protobuf.message import DecodeError
 
 from swarmtrain.averaging.finite import all_finite
+from swarmtrain.averaging.staggered import staggered_connect
 from swarmtrain.averaging.state_checks import (
     BAN_DURATION,
     DonorBans,
@@ -64,12 +70,19 @@ from swarmtrain.compression import (
     extract_async,
     split_for_streaming,
 )
-from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
+from swarmtrain.dht import (
+    DHTValueError,
+    PeerRecordValidator,
+    deserialize,
+    get_dht_time,
+    serialize,
+)
 from swarmtrain.p2p import P2PError, PeerID
 from swarmtrain.proto import state_sharing_pb2 as pb
 from swarmtrain.proto import tensor_pb2
 
 __all__ = [
+    "STATE_SHARING_KEY_PATTERN",
     "DonorFailure",
     "StateDownloadFailure",
     "StateSharing",
@@ -80,6 +93,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_METADATA_SIZE = 16 * 1024 * 1024
+#: seconds between the dials to successive donors (a dead donor costs this much, see ``staggered``)
+DONOR_DIAL_DELAY = 0.5
 MAX_METADATA_ELEMENTS = 1 << 20  # msgpack objects (swarmtrain.dht.serialization); decoded off-loop
 # What get_current_state returns: (metadata, tensors) or (metadata, tensors, compression infos).
 State = tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo] | None]
@@ -135,6 +150,10 @@ def _decode_metadata(data: bytes) -> Any:
 
 def state_sharing_key(prefix: str) -> str:
     return f"{prefix}.all_averagers"
+
+
+#: every state-sharing key, of any run: declarations under them are owned per peer
+STATE_SHARING_KEY_PATTERN = re.compile(r"(?s).+\.all_averagers")
 
 
 def rpc_download_state_name(prefix: str) -> str:
@@ -195,6 +214,8 @@ class StateSharing:
     @asynccontextmanager
     async def create(cls, dht, prefix: str, **kwargs: Any) -> AsyncIterator[StateSharing]:
         self = cls(dht, prefix, **kwargs)
+        # declarations are owned: only a donor can write (or blank) its own subkey
+        dht.add_validators([PeerRecordValidator([STATE_SHARING_KEY_PATTERN])])
         if self.serve:
             self.p2p.add_protobuf_handler(
                 self.handler_name,
@@ -339,30 +360,39 @@ class StateSharing:
         trusted = [d for d in found if self.bans.banned(d, now) is None]
         state = _Download()
         reasons: list[DonorFailure] = []
-        for donor in trusted:
-            had = len(state.tensors)
-            try:
-                await self._download(donor, state, check)
-            except StateRejected as e:
-                reasons.append(DonorFailure(donor, f"state rejected ({e})", e.reason))
-                self._reject(donor, state, e)
-                continue
-            except (P2PError, WireFormatError, DHTValueError, DecodeError, ValueError) as e:
-                logger.debug(  # the warning below gives the reason, once
-                    "state download from %s failed after %d tensor(s): %r",
-                    donor,
-                    len(state.tensors),
-                    e,
-                )
-                reasons.append(DonorFailure(donor, repr(e)))
-                continue
-            if state.header is not None and len(state.tensors) == state.header.num_tensors:
-                logger.info(
-                    "downloaded state (%d tensors), last donor %s", len(state.tensors), donor
-                )
-                return state.metadata, state.tensors
-            if len(state.tensors) == had:
-                reasons.append(DonorFailure(donor, "it does not share its state (any more)"))
+        # donors are dialled in turn, DONOR_DIAL_DELAY apart: a dead one (its offer outlives it)
+        # costs that delay, not a dial timeout; downloads go to donors in the order they answer
+        async with staggered_connect(
+            trusted, self.p2p.ensure_connected, DONOR_DIAL_DELAY, errors=(P2PError, OSError)
+        ) as attempts:
+            while (attempt := await attempts.next()) is not None:
+                donor, dial_error = attempt
+                if dial_error is not None:
+                    reasons.append(DonorFailure(donor, repr(dial_error)))
+                    continue
+                had = len(state.tensors)
+                try:
+                    await self._download(donor, state, check)
+                except StateRejected as e:
+                    reasons.append(DonorFailure(donor, f"state rejected ({e})", e.reason))
+                    self._reject(donor, state, e)
+                    continue
+                except (P2PError, WireFormatError, DHTValueError, DecodeError, ValueError) as e:
+                    logger.debug(  # the warning below gives the reason, once
+                        "state download from %s failed after %d tensor(s): %r",
+                        donor,
+                        len(state.tensors),
+                        e,
+                    )
+                    reasons.append(DonorFailure(donor, repr(e)))
+                    continue
+                if state.header is not None and len(state.tensors) == state.header.num_tensors:
+                    logger.info(
+                        "downloaded state (%d tensors), last donor %s", len(state.tensors), donor
+                    )
+                    return state.metadata, state.tensors
+                if len(state.tensors) == had:
+                    reasons.append(DonorFailure(donor, "it does not share its state (any more)"))
         failure = StateDownloadFailure(len(trusted), tuple(reasons), len(found) - len(trusted))
         self.last_failure = failure
         if found:

@@ -1,5 +1,6 @@
 """swarmtrain command line: `swarmtrain demo` trains a model with local peers, `swarmtrain node`
-runs a DHT bootstrap peer, `swarmtrain keygen` writes a swarm key for a private run
+runs a DHT bootstrap peer, `swarmtrain keygen` writes a swarm key for a private run,
+`swarmtrain runs` lists the announced runs, `swarmtrain monitor` serves a live dashboard
 (`swarmtrain COMMAND --help` for each)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import argparse
 import sys
 
 import swarmtrain
-from swarmtrain.cli import demo, keygen, node
+from swarmtrain.cli import demo, keygen, monitor, node, runs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
         commands.add_parser("node", aliases=["dht"], help=node.HELP, description=node.HELP)
     )
     keygen.add_arguments(commands.add_parser("keygen", help=keygen.HELP, description=keygen.HELP))
+    runs.add_arguments(commands.add_parser("runs", help=runs.HELP, description=runs.HELP))
+    monitor.add_arguments(
+        commands.add_parser("monitor", help=monitor.HELP, description=monitor.HELP)
+    )
     return parser
 
 

@@ -215,6 +215,8 @@ class NoCompression(WireCodec):
     def _decode(
         self, header: TensorHeader, buffer: np.ndarray, out: torch.Tensor | None
     ) -> torch.Tensor:
+        if header.dtype == torch.bool:
+            check_bool_bytes(buffer)
         result = out if out is not None else empty_tensor(header.shape, header.dtype)
         if header.numel:
             source = np.frombuffer(buffer, dtype=numpy_dtype(header.dtype_name))
@@ -226,6 +228,14 @@ class NoCompression(WireCodec):
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return 1.0
+
+
+def check_bool_bytes(data: np.ndarray) -> None:
+    """Raise WireFormatError unless every byte is 0 or 1 (a torch.bool tensor holding any other
+    byte behaves inconsistently: ``t == True`` is False, ``t.sum()`` counts the byte)."""
+    values = np.frombuffer(data, dtype=np.uint8)
+    if values.size and int(values.max()) > 1:
+        raise WireFormatError("a bool tensor's payload holds a byte other than 0 and 1")
 
 
 def cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:

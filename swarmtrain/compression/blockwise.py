@@ -9,7 +9,8 @@ Backends of :class:`BlockwiseQuantization`: ``"bitsandbytes"`` (its quantize_blo
 on CUDA, 0.17-0.6 GB/s on CPU), ``"torch"`` (linear int8, vectorized torch/numpy, CPU), and
 ``"auto"``: bitsandbytes for CUDA tensors when it is importable, the torch path otherwise.
 
-A block holding NaN or +-Inf decodes as all NaN (on both backends).
+A block holding NaN or +-Inf decodes as all NaN (on both backends); on the torch backend, a
+block whose values are all below ``levels / float32 max`` (~4e-37 for 8 bits) decodes as zeros.
 """
 
 from __future__ import annotations
@@ -270,6 +271,9 @@ def _quantize_linear(
         if numel > full * block_size:
             absmax[full] = np.abs(values[full * block_size :].numpy()).max()
         absmax[~np.isfinite(absmax)] = np.nan  # the whole block decodes as NaN
+        # levels / absmax would overflow float32: such a block (all values below ~4e-37)
+        # decodes as zeros
+        absmax[absmax < np.float32(levels) / np.finfo(np.float32).max] = 0
         with np.errstate(divide="ignore", invalid="ignore"):
             inverse = np.where(absmax > 0, np.float32(levels) / absmax, np.float32(0))
             inverse[np.isnan(absmax)] = np.nan

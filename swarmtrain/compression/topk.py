@@ -21,6 +21,7 @@ from swarmtrain.compression.base import (
     CompressionInfo,
     Key,
     WireCodec,
+    check_bool_bytes,
     cpu_contiguous,
 )
 from swarmtrain.compression.errors import WireFormatError
@@ -90,6 +91,8 @@ class TopKSparsification(WireCodec):
         values = np.frombuffer(
             buffer, dtype=numpy_dtype(header.dtype_name), count=k, offset=_PREFIX.size + k * width
         )
+        if header.dtype == torch.bool:
+            check_bool_bytes(values)
         result = out if out is not None else empty_tensor(header.shape, header.dtype)
         flat = tensor_to_numpy(result)
         flat.fill(0)

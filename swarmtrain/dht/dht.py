@@ -16,8 +16,8 @@ reference.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import functools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import Future
@@ -26,7 +26,9 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from swarmtrain.p2p import P2P, PeerID
+from swarmtrain.utils.async_context import async_context_only
 from swarmtrain.utils.background import BackgroundService
+from swarmtrain.utils.facade import aio_namespace, aio_property, forward
 
 from .node import DHTNode, DHTNodeConfig, check_hivemind_only_keywords
 from .storage import DHTExpiration, ValueWithExpiration
@@ -67,12 +69,26 @@ class AsyncDHT:
     async def get_many(
         self, keys: Collection[Any], latest: bool = False
     ) -> dict[Any, ValueWithExpiration[Any] | None]:
-        """See :meth:`DHTNode.get_many`."""
-        return await self.node.get_many(keys, latest=latest)
+        """See :meth:`DHTNode.get_many`: several keys in one search."""
+        return await self.node.get_many(list(keys), latest=latest)
 
     async def run_coroutine(self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]]) -> T:
-        """``await coro_fn(self, node)``."""
-        return await coro_fn(self, self.node)
+        """Run ``await coro_fn(dht, node)`` on swarmtrain's trio loop and return its result.
+
+        ``dht`` is the trio-side :class:`AsyncDHT` (await its methods there; the blocking
+        ``DHT``'s methods would deadlock the loop).
+        """
+        try:
+            return await coro_fn(self, self.node)
+        except RuntimeError as e:
+            if str(e) != "no running event loop":  # asyncio's words, called outside asyncio
+                raise
+            raise RuntimeError(
+                "run_coroutine runs coro_fn on swarmtrain's trio loop, where asyncio calls "
+                "(asyncio.sleep, asyncio.gather, ...) find no running event loop: await trio's "
+                "or anyio's equivalents there (anyio.sleep), or await dht.aio's methods from "
+                "your own asyncio code"
+            ) from e
 
     def add_validators(self, record_validators: Sequence[RecordValidatorBase]) -> None:
         """See :meth:`DHTNode.add_validators`."""
@@ -107,11 +123,14 @@ class DHT(BackgroundService):
         self._initial_peers = list(initial_peers)
         self._kwargs = kwargs
         self._ready: Future | None = None
-        self.aio = AsyncioDHT(self)
         if start:
             self.run_in_background(await_ready=await_ready)
 
     @classmethod
+    @async_context_only(
+        "DHT.create(...) is a trio async context manager: `async with DHT.create(...) as dht:`; "
+        "hivemind's blocking form is DHT(...), with asyncio awaitables at DHT(...).aio"
+    )
     @asynccontextmanager
     async def create(
         cls,
@@ -134,6 +153,23 @@ class DHT(BackgroundService):
                 **node_kwargs,
             ) as node:
                 yield AsyncDHT(p2p, node)
+
+    @classmethod
+    async def aio_create(cls, initial_peers: Sequence[str] = (), **kwargs: Any) -> DHT:
+        """From asyncio: ``dht = await DHT.aio_create(...)`` starts a blocking ``DHT`` (seconds:
+        host, bootstrap) without blocking the asyncio loop. Keywords: as ``DHT(...)``.
+
+        Import it at module level (``from swarmtrain import DHT``): ``swarmtrain``'s names load
+        lazily, and loading this one (libp2p) takes 1-2 s, which would block the loop."""
+        dht = cls(initial_peers, start=False, **kwargs)
+        dht.run_in_background(await_ready=False)
+        assert dht._ready is not None
+        try:
+            await asyncio.shield(asyncio.wrap_future(dht._ready))
+        except asyncio.CancelledError:  # close it once started, off the loop
+            threading.Thread(target=dht.shutdown, daemon=True).start()
+            raise
+        return dht
 
     # ---------------------------------------------------------------- lifetime
 
@@ -173,14 +209,19 @@ class DHT(BackgroundService):
         except FutureTimeoutError:
             raise FutureTimeoutError(f"the DHT was not ready within {timeout} s") from None
 
-    def shutdown(self) -> None:
-        """Stop the node and host (waits for a start still in progress first)."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the node and host (waits for a start still in progress first); ``timeout``:
+        cut the close short after this many seconds."""
         if self._ready is not None:
             try:
                 self._ready.result()
             except BaseException:
                 pass  # the start's error was raised to whoever waited for it
-        super().shutdown()
+        super().shutdown(timeout)
+
+    async def _aio_wait_ready(self) -> None:
+        if self._ready is not None and not self._ready.done():
+            await asyncio.shield(asyncio.wrap_future(self._ready))
 
     def _running(self) -> tuple[Any, AsyncDHT]:
         if self._ready is not None and not self._shut_down:
@@ -194,12 +235,6 @@ class DHT(BackgroundService):
         """
         runtime, dht = self._running()
         runtime.call_sync(dht.add_validators, list(record_validators))
-
-    def _run(self, fn: Callable[[], Awaitable[T]], return_future: bool) -> T | Future:
-        runtime, _ = self._running()
-        if return_future:
-            return runtime.portal.start_task_soon(fn)
-        return runtime.call(fn)
 
     # ------------------------------------------------------------------ calls
 
@@ -215,70 +250,15 @@ class DHT(BackgroundService):
         runtime, dht = self._running()
         return runtime.call_sync(dht.get_visible_maddrs)
 
-    def store(
-        self,
-        key: Any,
-        value: Any,
-        expiration_time: DHTExpiration,
-        subkey: Any = None,
-        return_future: bool = False,
-    ) -> bool | Future:
-        """Blocking :meth:`DHTNode.store` (a ``concurrent.futures.Future`` if ``return_future``)."""
-        dht = self._running()[1]
-        return self._run(
-            functools.partial(dht.store, key, value, expiration_time, subkey), return_future
-        )
+    store = forward(AsyncDHT.store, future_keyword="return_future")
+    get = forward(AsyncDHT.get, future_keyword="return_future")
+    get_many = forward(AsyncDHT.get_many, future_keyword="return_future")
+    run_coroutine = forward(AsyncDHT.run_coroutine, future_keyword="return_future")
 
-    def get(
-        self, key: Any, latest: bool = False, return_future: bool = False
-    ) -> ValueWithExpiration[Any] | Future | None:
-        """Blocking :meth:`DHTNode.get` (a ``concurrent.futures.Future`` if ``return_future``)."""
-        dht = self._running()[1]
-        return self._run(functools.partial(dht.get, key, latest), return_future)
-
-    def get_many(
-        self, keys: Collection[Any], latest: bool = False, return_future: bool = False
-    ) -> dict[Any, ValueWithExpiration[Any] | None] | Future:
-        """Blocking :meth:`DHTNode.get_many`: several keys in one search."""
-        dht = self._running()[1]
-        return self._run(functools.partial(dht.get_many, list(keys), latest), return_future)
-
-    def run_coroutine(
-        self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]], return_future: bool = False
-    ) -> T | Future:
-        """Run ``await coro_fn(dht, node)`` on the background trio loop and return its result.
-
-        ``dht`` is the trio-side :class:`AsyncDHT` (await its methods there; the blocking ones of
-        this object would deadlock the loop).
-        """
-        dht = self._running()[1]
-        return self._run(functools.partial(dht.run_coroutine, coro_fn), return_future)
+    #: asyncio awaitables: ``await dht.aio.store(...)`` (see :class:`AsyncioDHT`)
+    aio = aio_property()
 
 
-class AsyncioDHT:
-    """asyncio awaitables over a blocking :class:`DHT` (reach it as ``dht.aio``)."""
-
-    def __init__(self, owner: DHT):
-        self._owner = owner
-
-    async def store(
-        self, key: Any, value: Any, expiration_time: DHTExpiration, subkey: Any = None
-    ) -> bool:
-        runtime, dht = self._owner._running()
-        return await runtime.call_asyncio(
-            functools.partial(dht.store, key, value, expiration_time, subkey)
-        )
-
-    async def get(self, key: Any, latest: bool = False) -> ValueWithExpiration[Any] | None:
-        runtime, dht = self._owner._running()
-        return await runtime.call_asyncio(functools.partial(dht.get, key, latest))
-
-    async def get_many(
-        self, keys: Collection[Any], latest: bool = False
-    ) -> dict[Any, ValueWithExpiration[Any] | None]:
-        runtime, dht = self._owner._running()
-        return await runtime.call_asyncio(functools.partial(dht.get_many, list(keys), latest))
-
-    async def run_coroutine(self, coro_fn: Callable[[AsyncDHT, DHTNode], Awaitable[T]]) -> T:
-        runtime, dht = self._owner._running()
-        return await runtime.call_asyncio(functools.partial(dht.run_coroutine, coro_fn))
+#: ``dht.aio``'s class: ``store``, ``get``, ``get_many``, ``run_coroutine`` as asyncio awaitables
+AsyncioDHT = aio_namespace(DHT, name="AsyncioDHT")
+DHT._aio_class = AsyncioDHT

@@ -28,10 +28,12 @@ from typing import Any
 
 import trio
 
-from swarmtrain.p2p import P2P, PeerID, PeerUnreachableError
+from swarmtrain.p2p import P2P, PeerID, PeerSigner, PeerUnreachableError
+from swarmtrain.utils.async_context import async_context_only
 
 from .blacklist import Blacklist, BlacklistStatistics
 from .identifiers import DHTID
+from .peer_records import PeerRecordValidator
 from .protocol import (
     DHTProtocol,
     DHTProtocolLimits,
@@ -43,6 +45,7 @@ from .protocol import (
 from .routing import RoutingTableStatistics
 from .serialization import deserialize, serialize
 from .storage import DHTExpiration, DictionaryDHTValue, ValueWithExpiration, get_dht_time
+from .storage_quota import StorageQuota
 from .traverse import traverse_dht
 from .validation import (
     NO_SUBKEY,
@@ -83,6 +86,19 @@ def check_hivemind_only_keywords(kwargs: dict[str, Any]) -> None:
             del kwargs[name]
 
 
+#: Records expire at most 10 minutes from now by default: our own records live 30-60 s (progress
+#: 60 s, state-sharing and DiLoCo declarations 30 s, matchmaking until the group starts), hivemind
+#: style declarations a few minutes; a record planted by a peer that left outlives it by at most
+#: this long.
+DEFAULT_MAX_EXPIRATION_HORIZON = 600.0
+#: keys a node stores for others (and, separately, caches): far beyond what a run of thousands
+#: of peers needs per node; evicted oldest write first
+DEFAULT_STORAGE_SIZE = 65536
+DEFAULT_CACHE_SIZE = 65536
+#: subkeys of one dictionary value (our per-peer keys hold one subkey per peer of the run)
+DEFAULT_MAX_SUBKEYS = 4096
+
+
 @dataclass(frozen=True)
 class DHTNodeConfig:
     """Validated settings of a :class:`DHTNode` (hivemind's keyword names).
@@ -104,6 +120,16 @@ class DHTNodeConfig:
     :param cache_locally: keep values found by ``get`` in the local cache
     :param cache_nearest: also store them in the cache of this many nearest nodes that lacked them
     :param blacklist_time: first ban (seconds) of an unresponsive peer; doubles per failure
+    :param storage_size: at most this many keys stored for others (None: unbounded); when full,
+      the key written longest ago is evicted
+    :param cache_size: at most this many keys in the cache of values found (same rule)
+    :param max_subkeys: at most this many subkeys per dictionary value (same rule)
+    :param storage_quota: per-peer quotas (records, bytes) and the byte budget of the storage
+      and, separately, of the cache (:class:`~swarmtrain.dht.storage_quota.StorageQuota`)
+    :param max_expiration_horizon: records expire at most this many seconds from now (None: no
+      cap). Our own longer stores are capped with a warning; peers' are refused when stored
+      and ignored when read (beyond ``EXPIRATION_CLOCK_ALLOWANCE`` for clock skew). Every
+      peer of a run should use the same value
     """
 
     num_replicas: int = 5
@@ -118,9 +144,11 @@ class DHTNodeConfig:
     refresh_timeout: float | None = 600.0
     cache_locally: bool = True
     cache_nearest: int = 1
-    cache_size: int | None = None
-    storage_size: int | None = None
-    max_subkeys: int | None = None
+    cache_size: int | None = DEFAULT_CACHE_SIZE
+    storage_size: int | None = DEFAULT_STORAGE_SIZE
+    max_subkeys: int | None = DEFAULT_MAX_SUBKEYS
+    storage_quota: StorageQuota = field(default_factory=StorageQuota)
+    max_expiration_horizon: float | None = DEFAULT_MAX_EXPIRATION_HORIZON
     blacklist_time: float = 5.0
     backoff_rate: float = 2.0
     prefix: str = "swarmtrain"
@@ -162,6 +190,17 @@ class DHTNodeConfig:
             raise ValueError("wait_timeout must be positive")
         if self.refresh_timeout is not None and not self.refresh_timeout > 0:
             raise ValueError("refresh_timeout must be positive or None")
+        for name in ("cache_size", "storage_size", "max_subkeys"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.storage_quota, StorageQuota):
+            raise TypeError(f"storage_quota must be a StorageQuota, got {self.storage_quota!r}")
+        horizon = self.max_expiration_horizon
+        if horizon is not None and not (isinstance(horizon, (int, float)) and horizon > 0):
+            raise ValueError(f"max_expiration_horizon must be positive or None, got {horizon!r}")
         if not self.prefix or "::" in self.prefix:
             raise ValueError(f"prefix must be a non-empty string without '::', got {self.prefix!r}")
 
@@ -206,7 +245,10 @@ class DHTNode:
             storage_size=config.storage_size,
             cache_size=config.cache_size,
             max_subkeys=config.max_subkeys,
+            storage_quota=config.storage_quota,
+            max_expiration_horizon=config.max_expiration_horizon,
         )
+        self._warned_horizon = False
         self._num_refreshes = 0
         self._rpc_limiter = (
             trio.CapacityLimiter(config.parallel_rpc) if config.parallel_rpc is not None else None
@@ -222,6 +264,11 @@ class DHTNode:
     # ---------------------------------------------------------------- lifetime
 
     @classmethod
+    @async_context_only(
+        "DHTNode.create(p2p, ...) is a trio async context manager, not awaited as in "
+        "hivemind: `async with DHTNode.create(p2p, ...) as node:`. From asyncio code, "
+        "`await AsyncioDHTNode.create(...)` is hivemind's DHTNode"
+    )
     @asynccontextmanager
     async def create(
         cls,
@@ -258,8 +305,15 @@ class DHTNode:
         if isinstance(initial_peers, str):
             raise TypeError("initial_peers must be a list of multiaddr strings, not one string")
         # Signatures are verified (and stripped) on every node, even one whose owner added no
-        # validator: it stores and returns signed records for others.
-        validator = CompositeValidator([Ed25519SignatureValidator.verifier(), *record_validators])
+        # validator: it stores and returns signed records for others. Per-peer records
+        # (swarmtrain.dht.peer_records) are signed with this host's identity key.
+        validator = CompositeValidator(
+            [
+                Ed25519SignatureValidator.verifier(),
+                PeerRecordValidator(signer=PeerSigner(p2p.key_pair)),
+                *record_validators,
+            ]
+        )
         async with trio.open_nursery() as nursery:
             self = cls(p2p, own_id, config, validator, nursery)
             try:
@@ -400,6 +454,9 @@ class DHTNode:
         """Store ``value`` (or ``subkey`` of a dictionary value) under ``key`` until
         ``expiration_time`` on the ``num_replicas`` nodes nearest to the key.
 
+        An ``expiration_time`` beyond now + ``max_expiration_horizon`` is capped there (with a
+        warning, once per node): other nodes refuse such records.
+
         :returns: whether at least one node (possibly this one) accepted it
         :raises DHTValueError: key, subkey or value cannot be serialized or is too large
         """
@@ -411,8 +468,20 @@ class DHTNode:
         )
         serialized_value = serialize(value, max_size=self.config.limits.max_value_size)
         expiration_time = float(expiration_time)
-        if not math.isfinite(expiration_time) or expiration_time <= get_dht_time():
+        now = get_dht_time()
+        if not math.isfinite(expiration_time) or expiration_time <= now:
             return False
+        horizon = self.config.max_expiration_horizon
+        if horizon is not None and expiration_time > now + horizon:
+            if not self._warned_horizon:
+                self._warned_horizon = True
+                logger.warning(
+                    "expiration_time %.0f s from now is capped at max_expiration_horizon=%s s "
+                    "(other nodes refuse records beyond it); logged once",
+                    expiration_time - now,
+                    horizon,
+                )
+            expiration_time = now + horizon
         record = DHTRecord(
             serialized_key, serialized_subkey or NO_SUBKEY, serialized_value, expiration_time
         )

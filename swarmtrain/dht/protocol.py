@@ -5,9 +5,13 @@
 checks every request against :class:`DHTProtocolLimits` and every record against the record
 validator before it touches any state: a malformed request fails as a whole with
 :class:`MalformedRequestError` (the caller sees a ``RemoteError`` naming it), a record that a
-validator rejects is answered with ``store_ok=False``. Client side, ``call_*`` return None when
-the peer does not answer in ``wait_timeout`` seconds (the peer is then blacklisted for a while
-and dropped from the routing table) and never raise for network failures.
+validator rejects is answered with ``store_ok=False``, and so is a record the storage refuses
+(:class:`~swarmtrain.dht.storage_quota.StoreOutcome`: an expiration beyond the horizon, the
+caller's quota used up, ...; each refusal reason is logged once per peer). Client side,
+``call_*`` return None when the peer does not answer in ``wait_timeout`` seconds (the peer is
+then blacklisted for a while and dropped from the routing table) and never raise for network
+failures. Values a peer returns with an expiration beyond the horizon are ignored (no honest
+node stores them).
 
 Peers that call us with a node id (non-client nodes) and peers that answer us are added to the
 routing table; when a bucket is full, the protocol pings its stalest node in the owner's task
@@ -39,11 +43,18 @@ from swarmtrain.proto import dht_pb2
 from .blacklist import Blacklist
 from .identifiers import DHTID
 from .routing import PingRequest, RoutingTable
-from .serialization import MAX_VALUE_SIZE, DHTValueError, check_serialized
+from .serialization import (
+    MAX_VALUE_SIZE,
+    DHTValueError,
+    check_serialized,
+    check_serialized_subkey,
+)
 from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration, get_dht_time
+from .storage_quota import StorageQuota, StoreOutcome
 from .validation import NO_SUBKEY, DHTRecord, RecordValidatorBase
 
 __all__ = [
+    "EXPIRATION_CLOCK_ALLOWANCE",
     "DHTProtocol",
     "DHTProtocolLimits",
     "FindResult",
@@ -58,6 +69,9 @@ ADDRESS_CACHE_SECONDS = 5.0
 #: a store request with more value bytes than this is validated in a worker thread; below it,
 #: the bounded decoder (``dht.serialization``) keeps the work on the loop to a few ms
 INLINE_VALIDATION_BYTES = 16 * 1024
+#: seconds a record from a peer may expire beyond now + the horizon: the writer's clock may run
+#: ahead of ours (its own store is capped at its now + the horizon)
+EXPIRATION_CLOCK_ALLOWANCE = 10.0
 
 FoundValue = ValueWithExpiration[bytes | DictionaryDHTValue]
 
@@ -117,13 +131,20 @@ class FindResult:
 
 
 def merge_found_values(a: FoundValue | None, b: FoundValue | None, now: float) -> FoundValue | None:
-    """Combine two answers: dictionaries are merged per subkey, otherwise the later one wins.
+    """Combine two answers: dictionaries are merged per subkey, a dictionary wins over a regular
+    value (as in :class:`DHTLocalStorage`), and of two regular values the later one wins.
 
     Neither argument is modified.
     """
     if a is None or b is None:
         return a if b is None else b
-    if isinstance(a.value, DictionaryDHTValue) and isinstance(b.value, DictionaryDHTValue):
+    a_dict, b_dict = (
+        isinstance(a.value, DictionaryDHTValue),
+        isinstance(b.value, DictionaryDHTValue),
+    )
+    if a_dict != b_dict:
+        return a if a_dict else b
+    if a_dict and b_dict:
         merged = a.value.copy()
         for subkey, item in b.value.items(now):
             merged.store(subkey, item.value, item.expiration_time, now)
@@ -154,6 +175,8 @@ class DHTProtocol:
         storage_size: int | None = None,
         cache_size: int | None = None,
         max_subkeys: int | None = None,
+        storage_quota: StorageQuota | None = None,
+        max_expiration_horizon: float | None = None,
     ):
         self.p2p, self.node_id, self.client_mode = p2p, node_id, client_mode
         self.record_validator = record_validator
@@ -161,8 +184,20 @@ class DHTProtocol:
         self.limits = limits if limits is not None else DHTProtocolLimits()
         self.blacklist: Blacklist[PeerID] = blacklist if blacklist is not None else Blacklist()
         self.routing_table: RoutingTable[PeerID] = RoutingTable(node_id, bucket_size, depth_modulo)
-        self.storage = DHTLocalStorage(storage_size, max_subkeys)
-        self.cache = DHTLocalStorage(cache_size, max_subkeys)
+        self.max_expiration_horizon = max_expiration_horizon
+        # records of peers may expire up to the allowance later than our own are capped at
+        horizon = (
+            max_expiration_horizon + EXPIRATION_CLOCK_ALLOWANCE
+            if max_expiration_horizon is not None
+            else None
+        )
+        self.storage = DHTLocalStorage(
+            storage_size, max_subkeys, quota=storage_quota, expiration_horizon=horizon
+        )
+        self.cache = DHTLocalStorage(
+            cache_size, max_subkeys, quota=storage_quota, expiration_horizon=horizon
+        )
+        self._logged_refusals: set[tuple[PeerID, StoreOutcome]] = set()
         self._nursery = nursery
         self._validation_limiter = trio.CapacityLimiter(1)
         self._serving = False
@@ -309,7 +344,7 @@ class DHTProtocol:
         items = self._parse_store_request(request)
         valid = await self._validate_request(items)  # raises before any change
         self._accept_caller(context.remote_id, *caller)
-        store_ok = self._store_valid(items, valid, in_cache=request.in_cache)
+        store_ok = self._store_valid(items, valid, request.in_cache, peer=context.remote_id)
         return dht_pb2.DHTStoreResponse(store_ok=store_ok, peer=self._node_info())
 
     def _parse_store_request(self, request: dht_pb2.DHTStoreRequest) -> list[StoreItem]:
@@ -339,7 +374,12 @@ class DHTProtocol:
         ):
             self._check_serialized(key, self.limits.max_key_size, f"keys[{index}]")
             if subkey != NO_SUBKEY:
-                self._check_serialized(subkey, self.limits.max_subkey_size, f"subkeys[{index}]")
+                self._check_serialized(
+                    subkey,
+                    self.limits.max_subkey_size,
+                    f"subkeys[{index}]",
+                    check_serialized_subkey,
+                )
             if len(value) > self.limits.max_signed_value_size:
                 raise MalformedRequestError(
                     f"values[{index}] is {len(value)} bytes, larger than the limit "
@@ -351,9 +391,9 @@ class DHTProtocol:
         return items
 
     @staticmethod
-    def _check_serialized(data: bytes, max_size: int, what: str) -> None:
+    def _check_serialized(data: bytes, max_size: int, what: str, check=check_serialized) -> None:
         try:
-            check_serialized(data, max_size)
+            check(data, max_size)
         except DHTValueError as e:
             raise MalformedRequestError(f"{what}: {e}") from None
 
@@ -370,8 +410,13 @@ class DHTProtocol:
     def validate_record(self, item: StoreItem) -> bool:
         """Whether the validators accept ``item`` and its unsigned value is a valid DHT value.
 
-        :raises MalformedRequestError: the validators accept it, but its value is malformed
+        :raises MalformedRequestError: its subkey is malformed (a peer's answer to a lookup
+          is checked here), or the validators accept it but its value is malformed
         """
+        if item.subkey:
+            self._check_serialized(
+                item.subkey, self.limits.max_subkey_size, "subkey", check_serialized_subkey
+            )
         record = DHTRecord(
             item.key, item.subkey or NO_SUBKEY, item.value, float(item.expiration_time)
         )
@@ -387,14 +432,46 @@ class DHTProtocol:
         return self._store_valid(items, [self.validate_record(item) for item in items], in_cache)
 
     def _store_valid(
-        self, items: Sequence[StoreItem], valid: Sequence[bool], in_cache: bool
+        self,
+        items: Sequence[StoreItem],
+        valid: Sequence[bool],
+        in_cache: bool,
+        peer: PeerID | None = None,
     ) -> list[bool]:
+        """Store the valid items for ``peer`` (None: this node; no quota applies)."""
         target = self.cache if in_cache else self.storage
         now = get_dht_time()
-        return [
-            ok and target.store(item.key_id, item.value, item.expiration_time, now, item.subkey)
-            for ok, item in zip(valid, items, strict=True)
-        ]
+        results = []
+        for ok, item in zip(valid, items, strict=True):
+            outcome = (
+                target.store_record(
+                    item.key_id, item.value, item.expiration_time, now, item.subkey, peer
+                )
+                if ok
+                else StoreOutcome.INVALID
+            )
+            results.append(outcome.stored)
+            if peer is not None and outcome in _REPORTED_REFUSALS:
+                self._log_refusal(peer, outcome, target)
+        return results
+
+    def _log_refusal(self, peer: PeerID, outcome: StoreOutcome, target: DHTLocalStorage) -> None:
+        """Warn once per peer and reason that its stores are refused."""
+        if (peer, outcome) in self._logged_refusals:
+            return
+        if len(self._logged_refusals) > 4096:
+            self._logged_refusals.clear()
+        self._logged_refusals.add((peer, outcome))
+        usage = target.usage(peer, get_dht_time())
+        logger.warning(
+            "refusing records from %s: %s (it holds %d records, %d bytes here; quota %s); "
+            "logged once per peer and reason",
+            peer,
+            outcome.value,
+            usage.records,
+            usage.bytes,
+            target.ledger.quota,
+        )
 
     def lookup_locally(self, key_id: DHTID, now: float) -> FoundValue | None:
         """What storage and cache hold under ``key_id`` (merged; a snapshot, safe across awaits)."""
@@ -563,6 +640,13 @@ class DHTProtocol:
             return None
         if not math.isfinite(result.expiration_time) or result.expiration_time <= now:
             return None
+        if (
+            self.max_expiration_horizon is not None
+            and result.expiration_time
+            > now + self.max_expiration_horizon + EXPIRATION_CLOCK_ALLOWANCE
+        ):
+            logger.debug("%s returned a value expiring beyond the horizon; ignored", peer_id)
+            return None
         if result.type == dht_pb2.DHTFindResult.FOUND_REGULAR:
             if len(result.value) > self.limits.max_signed_value_size:
                 logger.warning("%s sent a value over the size limit; ignored", peer_id)
@@ -606,6 +690,18 @@ class DHTProtocol:
                     continue
             nearest[node_id] = peer_id
         return nearest, unbound
+
+
+#: refusals worth a warning: a peer past its quota or its expiration horizon (stale or
+#: outdated writes are routine)
+_REPORTED_REFUSALS = frozenset(
+    {
+        StoreOutcome.EXPIRATION_TOO_FAR,
+        StoreOutcome.PEER_RECORD_QUOTA,
+        StoreOutcome.PEER_BYTE_QUOTA,
+        StoreOutcome.TOO_LARGE,
+    }
+)
 
 
 def _parse_dht_id(raw: bytes, what: str) -> DHTID:

@@ -45,6 +45,7 @@ __all__ = [
     "UnsupportedValueTypeError",
     "ValueTooLargeError",
     "check_serialized",
+    "check_serialized_subkey",
     "deserialize",
     "serialize",
 ]
@@ -390,3 +391,16 @@ def check_serialized(
     if max_size is not None and len(data) > max_size:
         raise ValueTooLargeError(len(data), max_size)
     _scan(data, max_elements, check_utf8=True)
+
+
+def check_serialized_subkey(data: bytes, max_size: int | None = MAX_VALUE_SIZE) -> None:
+    """:func:`check_serialized` for a dictionary subkey, which must also be usable as a dict
+    key once decoded: None, bool, int, float, str or bytes, not a list or a dict.
+
+    :raises UnsupportedValueTypeError: the subkey is a list or a dict
+    """
+    check_serialized(data, max_size)
+    if _FORMAT[data[0]][0] in (_ARRAY, _MAP):
+        raise UnsupportedValueTypeError(
+            "a dictionary subkey must be None, bool, int, float, str or bytes, not a container"
+        )

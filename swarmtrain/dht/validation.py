@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import os
 import re
 import sys
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -174,6 +176,27 @@ def generate_private_key() -> Ed25519PrivateKey:
     return Ed25519PrivateKey.generate()
 
 
+_process_key: Ed25519PrivateKey | None = None
+_process_key_lock = threading.Lock()
+
+
+def _process_wide_private_key() -> Ed25519PrivateKey:
+    """This process's default signing key, made on first use; a forked child makes its own."""
+    global _process_key
+    with _process_key_lock:
+        if _process_key is None:
+            _process_key = Ed25519PrivateKey.generate()
+        return _process_key
+
+
+def _forget_process_key() -> None:
+    global _process_key, _process_key_lock
+    _process_key, _process_key_lock = None, threading.Lock()  # the parent's lock may be held
+
+
+os.register_at_fork(after_in_child=_forget_process_key)
+
+
 class Ed25519SignatureValidator(RecordValidatorBase):
     """Owner-protected records: only the owner of the key named in the key or subkey may write.
 
@@ -183,12 +206,17 @@ class Ed25519SignatureValidator(RecordValidatorBase):
     so a record with a modified value or expiration, or one copied to another key or subkey,
     fails validation. :meth:`sign_value` signs only records protected by the local key; a
     record naming another owner is left unsigned and then rejected by every validating node.
+
+    Without ``private_key`` it signs with the process's default key, one per process as in
+    hivemind (a forked child makes its own): validators made that way in one process are one
+    owner. Pass ``generate_private_key()`` for a distinct identity (swarmtrain's own
+    components, e.g. each ``ProgressTracker``, do).
     """
 
     def __init__(self, private_key: Ed25519PrivateKey | None = None):
         self._node_default = False  # see verifier()
         if private_key is None:
-            private_key = Ed25519PrivateKey.generate()
+            private_key = _process_wide_private_key()
         if not isinstance(private_key, Ed25519PrivateKey):
             raise TypeError(f"expected an Ed25519PrivateKey, got {type(private_key).__name__}")
         self._private_key = private_key
@@ -199,7 +227,7 @@ class Ed25519SignatureValidator(RecordValidatorBase):
         """The validator every DHT node starts with, to verify (and strip) the signatures of
         records it stores for others. A signature validator added later merges into it and
         its key becomes the one records are signed with."""
-        validator = cls()
+        validator = cls(Ed25519PrivateKey.generate())
         validator._node_default = True
         return validator
 
@@ -266,7 +294,10 @@ class Ed25519SignatureValidator(RecordValidatorBase):
 
 def _require_owner_marker(value: bytes) -> bytes:
     if _OWNER_RE.search(value) is None:
-        raise ValueError("value must contain an [owner:<public key>] marker")
+        raise ValueError(
+            "value must contain an [owner:<base58 Ed25519 public key>] marker, as in "
+            "Ed25519SignatureValidator().local_public_key (hivemind's RSA keys do not apply)"
+        )
     return value
 
 
@@ -351,7 +382,7 @@ class SchemaValidator(RecordValidatorBase):
                 value = {deserialize(record.subkey): value}
             elif isinstance(value, dict):
                 return False  # a whole dictionary in one unsigned record (class docstring)
-        except DHTValueError:
+        except (DHTValueError, TypeError):  # TypeError: a subkey that is a list or a dict
             return False
         return any(self._matches(schema, name, value) for schema, name in fields)
 

@@ -107,6 +107,7 @@ from swarmtrain.optim.diloco_state import (
     shared_fingerprint,
     unpack_state,
 )
+from swarmtrain.utils.facade import close_aio_worker, run_in_worker_thread, thread_aio_property
 from swarmtrain.utils.logs import show_logs
 
 __all__ = [
@@ -533,17 +534,30 @@ class DiLoCoOptimizer:
         for fragment in sorted(self._pending):
             self._finish_round(fragment, self.schedule.alpha)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Cancel the rounds in flight and stop the averagers (the DHT stays up); a second
-        call does nothing. ``step()`` raises afterwards."""
+        call does nothing. ``step()`` raises afterwards. ``timeout``: cut each averager's
+        close short after this many seconds (see ``BackgroundService.shutdown``)."""
         if self._closed:
             return
         self._closed = True
+        close_aio_worker(self)
         with self._lock:
             self._cancel_pending_locked()
         self.presence.stop()
         for averager in self.averagers:
-            averager.shutdown()
+            averager.shutdown(timeout)
+
+    #: asyncio awaitables, e.g. ``await opt.aio.step()``: each runs the blocking method in
+    #: this optimizer's worker thread, never blocking the asyncio loop
+    aio = thread_aio_property(
+        "step", "load_state_from_peers", "wait_for_pending_rounds", "shutdown"
+    )
+
+    @classmethod
+    async def aio_create(cls, *args: Any, **kwargs: Any) -> DiLoCoOptimizer:
+        """From asyncio: build the optimizer in a worker thread (the loop goes on)."""
+        return await run_in_worker_thread(cls, *args, **kwargs)
 
     def _check_running(self) -> None:
         if self._closed:

@@ -1,10 +1,17 @@
 """Who is in a DiLoCo run: each peer declares itself in the DHT, and reads the others.
 
-Key ``{run_id}_diloco.peers``, subkey: the peer's id, value ``{"donor": bool}`` (whether it
+Key ``{run_id}_diloco.peers``, subkey: the peer's id (signed with its identity key, so nobody
+else can write it: ``swarmtrain.dht.peer_records``), value ``{"donor": bool}`` (whether it
 serves its state to joiners), expiring ``ttl`` seconds after each store; a thread re-stores it
 every ``ttl / 3`` seconds, and :meth:`RunPresence.stop` replaces it with ``None`` (gone). The
 optimizer uses it to skip waits that cannot end well: a lone peer loads no state and starts
 no round, and a round is complete as soon as every peer present has joined.
+
+A peer killed without saying goodbye stays "present" until its record expires (``ttl``): a
+rerun of the run at once waited for it in its first rounds and tried to load its state. So
+:meth:`RunPresence.others` dials each donor it lists (a donor can be dialled; other peers may
+be clients) once, within ``probe_timeout``, and leaves out a donor that cannot be reached until
+it stores its record again (the rules of :mod:`swarmtrain.optim.progress_liveness`).
 
 Resource handling: :meth:`RunPresence.start` stores the first record (blocking, bounded by
 ``timeout``) and starts the thread; :meth:`RunPresence.stop` ends it and stores the last record.
@@ -13,12 +20,18 @@ Resource handling: :meth:`RunPresence.start` stores the first record (blocking, 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 
-from swarmtrain.dht import get_dht_time
+import trio
 
-__all__ = ["RunPresence", "presence_key"]
+from swarmtrain.dht import PeerRecordValidator, get_dht_time
+
+from ._owner_probe import dial_owner
+from .progress_liveness import OwnerCandidate, OwnerLiveness, Probe, ProbeOutcome
+
+__all__ = ["PRESENCE_KEY_PATTERN", "RunPresence", "presence_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +40,10 @@ DEFAULT_TTL = 30.0
 
 def presence_key(run_id: str) -> str:
     return f"{run_id}_diloco.peers"
+
+
+#: every presence key, of any run: records under them are owned per peer
+PRESENCE_KEY_PATTERN = re.compile(r"(?s).*_diloco\.peers")
 
 
 @dataclass(frozen=True)
@@ -44,10 +61,18 @@ class RunPresence:
     :param donor: whether this peer serves its state to joiners
     :param ttl: seconds a record lives without a refresh
     :param timeout: bound on each DHT store or read
+    :param probe_timeout: a donor that cannot be dialled within this long is left out
     """
 
     def __init__(
-        self, dht, run_id: str, *, donor: bool, ttl: float = DEFAULT_TTL, timeout: float = 5.0
+        self,
+        dht,
+        run_id: str,
+        *,
+        donor: bool,
+        ttl: float = DEFAULT_TTL,
+        timeout: float = 5.0,
+        probe_timeout: float = 3.0,
     ):
         self.dht = dht
         self.key = presence_key(run_id)
@@ -57,8 +82,13 @@ class RunPresence:
         self._ours = dht.peer_id.to_bytes()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.probe_timeout = float(probe_timeout)
+        self._liveness = OwnerLiveness(retry_period=self.ttl / 3)
+        self._liveness_lock = threading.Lock()
 
     def start(self) -> None:
+        # records are owned: only a peer can write (or blank) its own subkey
+        self.dht.add_validators([PeerRecordValidator([PRESENCE_KEY_PATTERN])])
         self._store({"donor": self.donor})
         self._thread = threading.Thread(
             target=self._refresh, name=f"presence {self.key}", daemon=True
@@ -82,15 +112,68 @@ class RunPresence:
         if found is None or not isinstance(found.value, dict):
             return []
         now = get_dht_time()
-        present = []
+        present: dict[bytes, tuple[Present, float]] = {}
         for subkey, item in found.value.items():
             value = getattr(item, "value", None)
             if subkey == self._ours or not isinstance(subkey, bytes) or not isinstance(value, dict):
                 continue
-            if getattr(item, "expiration_time", now + 1) <= now:
+            expiration = getattr(item, "expiration_time", now + 1)
+            if expiration <= now:
                 continue
-            present.append(Present(subkey, bool(value.get("donor", False))))
-        return present
+            present[subkey] = (Present(subkey, bool(value.get("donor", False))), expiration)
+        return self._reachable(present, now)
+
+    def _reachable(self, present: dict[bytes, tuple[Present, float]], now: float) -> list[Present]:
+        """``present`` without the donors that could not be dialled (see the module docstring)."""
+        with self._liveness_lock:
+            self._liveness.prune({peer: expiration for peer, (_, expiration) in present.items()})
+            probes = self._liveness.due(
+                (
+                    OwnerCandidate(peer, peer, expiration)
+                    for peer, (record, expiration) in present.items()
+                    if record.donor
+                ),
+                now,
+            )
+        outcomes: dict[Probe, ProbeOutcome] = {}
+        if probes:  # (at most a few dozen peers in a DiLoCo run: all dialled at once)
+            try:
+                outcomes = self.dht.run_coroutine(
+                    lambda dht, node: self._probe(dht.p2p, probes), return_future=True
+                ).result(self.probe_timeout + self.timeout)
+            except Exception as e:  # the DHT is down: nothing learned
+                logger.debug("could not dial the peers of %s: %r", self.key, e)
+        with self._liveness_lock:
+            for probe in probes:
+                outcome = outcomes.get(probe)
+                if outcome is None:
+                    self._liveness.abandon(probe)
+                elif self._liveness.on_result(probe, outcome, now) and outcome is not (
+                    ProbeOutcome.REACHABLE
+                ):
+                    logger.info(
+                        "%s: peer %s cannot be dialled: not counting it as present",
+                        self.key,
+                        probe.peer_id.hex()[:16],
+                    )
+            return [
+                record
+                for peer, (record, expiration) in present.items()
+                if self._liveness.counts(peer, expiration)
+            ]
+
+    async def _probe(self, p2p, probes: list[Probe]) -> dict[Probe, ProbeOutcome]:
+        outcomes: dict[Probe, ProbeOutcome] = {}
+
+        async def dial(probe: Probe) -> None:
+            outcomes[probe] = ProbeOutcome.UNREACHABLE  # unless it answers in time
+            with trio.move_on_after(self.probe_timeout):
+                outcomes[probe] = await dial_owner(p2p, probe.peer_id)
+
+        async with trio.open_nursery() as nursery:
+            for probe in probes:
+                nursery.start_soon(dial, probe)
+        return outcomes
 
     def _store(self, value) -> None:
         try:

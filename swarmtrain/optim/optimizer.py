@@ -96,6 +96,7 @@ from swarmtrain.optim.state_averager import (
     TrainingStateAverager,
 )
 from swarmtrain.optim.swarm_health import SwarmHealth, describe_parameters
+from swarmtrain.utils.facade import close_aio_worker, run_in_worker_thread, thread_aio_property
 from swarmtrain.utils.logs import show_logs
 
 __all__ = ["Optimizer"]
@@ -105,6 +106,11 @@ logger = logging.getLogger(__name__)
 _EPOCH_KEY = "swarmtrain_local_epoch"
 _SCHEDULER_KEY = "swarmtrain_scheduler"
 GradientAveragerFactory = Callable[..., GradientAverager]
+
+
+def _time_left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 0.1; None: no deadline."""
+    return None if deadline is None else max(0.1, deadline - time.monotonic())
 
 
 def _check_dht(dht: Any) -> None:
@@ -479,20 +485,10 @@ class Optimizer(EpochUpdates):
         self._check_dht_alive()
         if not self.auxiliary:  # an auxiliary peer publishes no progress and is not counted
             tracker.announce()
-        deadline = time.monotonic() + timeout
-        next_refresh = 0.0  # gossip brings announcements at once; the DHT is the fallback
-        while True:
+        try:  # woken by each change (gossip brings announcements at once); DHT as fallback
+            seen = tracker.wait_num_peers(num_peers, timeout=timeout).num_peers
+        except TimeoutError:
             seen = tracker.global_progress.num_peers
-            now = time.monotonic()
-            if seen >= num_peers or now >= deadline:
-                break
-            if now >= next_refresh:
-                next_refresh = now + 1.0
-                try:
-                    tracker.refresh(timeout=max(deadline - now, 0.1))
-                except Exception as e:  # a failed fetch: look again later
-                    logger.debug("%s: progress refresh failed: %r", self.run_id, e)
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         if seen < num_peers:
             logger.warning(
                 "%s: saw %d of %d peers within %.0f s: training with those",
@@ -707,12 +703,18 @@ class Optimizer(EpochUpdates):
 
     # ------------------------------------------------------------------ lifetime
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop the tracker (it says goodbye), the gradient averager, then the state averager
         (after its background thread). They stay readable (``local_epoch``, ``tracker``,
-        ``state_averager.is_alive()``); ``step()`` and the other calls raise RuntimeError."""
+        ``state_averager.is_alive()``); ``step()`` and the other calls raise RuntimeError.
+
+        ``timeout``: return after about this many seconds (plus at most a few seconds for
+        cancelled closes to unwind) even if a goodbye or close hangs, e.g. when this peer's
+        network is gone; None waits for each close."""
         if self._shut_down:
             return
+        close_aio_worker(self)
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._rounds is not None:
             self._rounds.cancel()
         errors = []
@@ -721,13 +723,23 @@ class Optimizer(EpochUpdates):
                 if component is None:
                     continue
                 try:
-                    component.shutdown()
+                    component.shutdown(_time_left(deadline))
                 except Exception as e:  # stop the others anyway
                     errors.append(e)
         finally:
             self._shut_down = True  # the stopped components stay readable
         if errors:
             raise errors[0]
+
+    #: asyncio awaitables, e.g. ``await opt.aio.step()``: each runs the blocking method in
+    #: this optimizer's worker thread, never blocking the asyncio loop
+    aio = thread_aio_property("step", "load_state_from_peers", "wait_for_peers", "shutdown")
+
+    @classmethod
+    async def aio_create(cls, *args: Any, **kwargs: Any) -> Optimizer:
+        """From asyncio: ``opt = await Optimizer.aio_create(dht=..., ...)`` builds the optimizer
+        (seconds: averagers start, state may load) in a worker thread, so the loop goes on."""
+        return await run_in_worker_thread(cls, *args, **kwargs)
 
     def __enter__(self) -> Optimizer:
         return self

@@ -42,6 +42,11 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   (never before the last fetch plus the period computed now), so a steady flow of gossip
   never postpones the DHT fallback.
 
+Records of dead peers (a killed run's, which never said goodbye): the owner of each non-client
+record ahead of this peer is dialled once (:meth:`ProgressCore.probes_due`, done by the
+tracker); a record whose owner cannot be reached is ignored until its owner stores a newer one
+(see :mod:`swarmtrain.optim.progress_liveness`).
+
 A peer publishes only while it is active: it reported samples during the global epoch or the
 one before (hivemind's rule, so auxiliary peers that never accumulate samples stay out of the
 counts). ``ready_to_update_epoch`` holds when the swarm is ahead of us, the target was reached,
@@ -61,6 +66,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Union
+
+from .progress_liveness import OwnerCandidate, OwnerLiveness, Probe, ProbeOutcome
 
 __all__ = [
     "ClockSkewDetected",
@@ -118,6 +125,10 @@ class ProgressConfig:
       voting peers is at or beyond (see the module docstring)
     :param max_rate_factor: a peer's samples count at most at this multiple of the swarm's
       reference speed (heterogeneous swarms need room: a peer faster than this is undercounted)
+    :param probe_timeout: the owner of a record ahead of us that cannot be dialled within this
+      long is taken for gone: its record is ignored until it stores a newer one (s; see
+      :mod:`swarmtrain.optim.progress_liveness`)
+    :param probe_retry_period: dial such an owner again no sooner than this (s)
     """
 
     target_batch_size: int
@@ -135,6 +146,8 @@ class ProgressConfig:
     lone_peer_timeout: float = 30.0
     quorum_fraction: float = 0.5
     max_rate_factor: float = 8.0
+    probe_timeout: float = 3.0
+    probe_retry_period: float = 10.0
 
     def __post_init__(self) -> None:
         if (
@@ -152,6 +165,8 @@ class ProgressConfig:
             "metadata_expiration",
             "max_clock_skew",
             "lone_peer_timeout",
+            "probe_timeout",
+            "probe_retry_period",
         ):
             _check_positive(name, getattr(self, name))
         for name in (
@@ -437,6 +452,7 @@ class ProgressCore:
         self._ema = PerformanceEMA(config.performance_ema_alpha, now=now)
         self._local = LocalProgress(peer_id, 0, 0, self._ema.samples_per_second, now, client_mode)
         self._records: dict[bytes, _Record] = {}
+        self._liveness = OwnerLiveness(config.probe_retry_period)
         self._credits: dict[bytes, _Credit] = {}
         self._carries: dict[bytes, _Carry] = {}
         self._trained = False  # this peer votes on the epoch once it trained
@@ -507,7 +523,9 @@ class ProgressCore:
         return {
             key: record.progress
             for key, record in self._records.items()
-            if record.progress is not None and record.expiration_time > now
+            if record.progress is not None
+            and record.expiration_time > now
+            and self._liveness.counts(key, record.expiration_time)
         }
 
     def ready_to_update_epoch(self, now: float) -> bool:
@@ -611,6 +629,31 @@ class ProgressCore:
         if self.peers(now):
             self._alone_since, self._lone_warned = None, False
         return True
+
+    def probes_due(self, now: float) -> list[Probe]:
+        """Owners of records ahead of us to dial now (see ``progress_liveness``); report each
+        outcome with :meth:`on_probe_result`."""
+        candidates = (  # nobody can dial a client; a record not ahead of us does not steer us
+            OwnerCandidate(key, record.progress.peer_id, record.expiration_time)
+            for key, record in self._records.items()
+            if record.progress is not None
+            and record.expiration_time > now
+            and not record.progress.client_mode
+            and record.progress.epoch > self._local.epoch
+        )
+        return self._liveness.due(candidates, now)
+
+    def on_probe_result(self, probe: Probe, outcome: ProbeOutcome, now: float) -> bool:
+        """A probe ended; returns whether the global progress was recomputed."""
+        if not self._liveness.on_result(probe, outcome, now):
+            return False
+        self._recompute(now)
+        return True
+
+    @property
+    def num_unreachable_ignored(self) -> int:
+        """Records ignored now because their owner could not be dialled."""
+        return self._liveness.ignored()
 
     def _merge(
         self,
@@ -788,10 +831,13 @@ class ProgressCore:
         self._records = {
             key: record for key, record in self._records.items() if record.expiration_time > now
         }
+        self._liveness.prune(
+            {k: r.expiration_time for k, r in self._records.items() if r.progress is not None}
+        )
         live = {
             key: record.progress
             for key, record in self._records.items()
-            if record.progress is not None
+            if record.progress is not None and self._liveness.counts(key, record.expiration_time)
         }
         for tracked in (self._credits, self._carries):
             for key in [key for key in tracked if key not in live]:

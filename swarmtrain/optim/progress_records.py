@@ -56,6 +56,7 @@ class ProgressTrackerStatistics:
     gossip_sent: int
     gossip_received: int  #: valid gossip records that were news to us
     gossip_rejected: int  #: invalid gossip (bad signature or schema, stale, undecodable)
+    unreachable_ignored: int = 0  #: records ignored: their owner could not be dialled
 
 
 def _parse_progress(value: Any) -> LocalProgress | object | None:

@@ -29,11 +29,16 @@ Two channels (see ``proto/progress.proto``):
   in milliseconds. Receivers check it with the DHT's validators. A lost message costs only
   latency: the next DHT fetch brings the record.
 
+Dead peers: the owner of every record ahead of this peer is dialled (within ``probe_timeout``,
+at most 16 at once); records of owners that cannot be reached (a run killed without saying
+goodbye) are ignored until they store again (:mod:`swarmtrain.optim.progress_liveness`).
+
 Resource handling: ``create`` adds the progress validators to the DHT node (they stay
 registered: validators cannot be removed), opens a ``PubSub`` on the DHT's host unless one is
-passed in (or ``use_pubsub=False``), fetches the swarm's progress once, then runs four tasks in a
-task group owned by the tracker (DHT reporter, gossip publisher, DHT fetcher, gossip receiver)
-and yields. Leaving the ``async with`` publishes a departure record (``None``) when this peer has
+passed in (or ``use_pubsub=False``), fetches the swarm's progress once
+(and dials the owners of the records ahead of it), then runs five tasks in a task group owned
+by the tracker (DHT reporter, gossip publisher, DHT fetcher, owner prober, gossip receiver) and
+yields. Leaving the ``async with`` publishes a departure record (``None``) when this peer has
 published anything, bounded by ``shutdown_timeout`` even when cancelled, then stops the tasks
 and closes the ``PubSub`` it opened. The DHT, and a ``PubSub`` passed in, stay open.
 
@@ -67,12 +72,15 @@ from swarmtrain.dht import (
     SchemaValidator,
     ValueWithExpiration,
     deserialize,
+    generate_private_key,
     get_dht_time,
     serialize,
 )
+from swarmtrain.p2p import PeerID
 from swarmtrain.p2p.pubsub import PubSub
 from swarmtrain.proto.progress_pb2 import ProgressRecord
 
+from ._owner_probe import dial_owner
 from .progress_core import (
     GlobalProgress,
     LocalProgress,
@@ -82,6 +90,7 @@ from .progress_core import (
     ProgressWarning,
     describe_eta,
 )
+from .progress_liveness import Probe, ProbeOutcome
 from .progress_records import (
     _INVALID,
     LocalProgressSchema,
@@ -99,6 +108,22 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_MAX_CONCURRENT_PROBES = 16
+_PROBE_MESSAGES = {
+    ProbeOutcome.UNREACHABLE: "%s: ignoring the progress record of peer %s: it cannot be dialled "
+    "(it left without saying goodbye?)",
+    ProbeOutcome.UNKNOWN: "%s: no known address for peer %s: its progress record counts only "
+    "while another peer of the run answers",
+    ProbeOutcome.REACHABLE: "%s: peer %s answered: its progress record counts again",
+}
+
+
+def _short_peer_id(peer_id: bytes) -> str:
+    try:
+        return str(PeerID(peer_id))[-12:]
+    except Exception:
+        return peer_id.hex()[:16]
+
 
 _NonNegativeInt = Annotated[int, pydantic.Field(ge=0)]
 
@@ -166,6 +191,8 @@ class AsyncProgressTracker:
         lone_peer_timeout: float = 30.0,
         quorum_fraction: float = 0.5,
         max_rate_factor: float = 8.0,
+        probe_timeout: float = 3.0,
+        probe_retry_period: float = 10.0,
         status_loglevel: int = logging.DEBUG,
         private_key: Ed25519PrivateKey | None = None,
         pubsub: PubSub | None = None,
@@ -176,7 +203,9 @@ class AsyncProgressTracker:
 
         The settings are those of :class:`~swarmtrain.optim.progress_core.ProgressConfig`.
         ``client_mode`` defaults to the DHT's. ``private_key`` signs this peer's records unless
-        the DHT already has a signature validator (then that validator's key is used).
+        the DHT already has a signature validator (then that validator's key is used); without
+        it, a new key (not the process's default key: trackers in one process are distinct
+        peers).
         ``pubsub``: share the host's ``PubSub`` (a host runs at most one); without it the
         tracker opens its own, unless ``use_pubsub=False`` (then the DHT alone carries progress).
         """
@@ -199,6 +228,8 @@ class AsyncProgressTracker:
             lone_peer_timeout=lone_peer_timeout,
             quorum_fraction=quorum_fraction,
             max_rate_factor=max_rate_factor,
+            probe_timeout=probe_timeout,
+            probe_retry_period=probe_retry_period,
         )
         validator = dht.node.record_validator
         if not isinstance(validator, CompositeValidator):
@@ -207,7 +238,9 @@ class AsyncProgressTracker:
         validator.extend(
             [
                 SchemaValidator(TrainingProgressSchema, prefix=prefix),
-                Ed25519SignatureValidator(private_key),
+                Ed25519SignatureValidator(
+                    generate_private_key() if private_key is None else private_key
+                ),
             ]
         )
         signer = next(v for v in validator.validators if isinstance(v, Ed25519SignatureValidator))
@@ -235,9 +268,11 @@ class AsyncProgressTracker:
                 subscription = await self._pubsub.subscribe(key, protobuf_type=ProgressRecord)
                 stack.push_async_callback(subscription.aclose)
             await self._fetch()
+            await self._probe_owners()  # records of peers that are gone must not steer us
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._store_loop)
                 nursery.start_soon(self._fetch_loop)
+                nursery.start_soon(self._probe_loop)
                 if subscription is not None:
                     nursery.start_soon(self._gossip_loop)
                     nursery.start_soon(self._receive_loop, subscription)
@@ -323,6 +358,7 @@ class AsyncProgressTracker:
         with self._lock:
             global_progress, local_progress = core.global_progress, core.local_progress
             num_peers_seen, fetches = len(core.peers(get_dht_time())), core.num_fetches
+            unreachable_ignored = core.num_unreachable_ignored
         return ProgressTrackerStatistics(
             global_progress=global_progress,
             local_progress=local_progress,
@@ -334,6 +370,7 @@ class AsyncProgressTracker:
             gossip_sent=self._gossip_sent,
             gossip_received=self._gossip_received,
             gossip_rejected=self._gossip_rejected,
+            unreachable_ignored=unreachable_ignored,
         )
 
     # --------------------------------------------------------- local events
@@ -388,6 +425,19 @@ class AsyncProgressTracker:
             delay = max(0.0, self.global_progress.eta_next_epoch - get_dht_time())
             with trio.move_on_after(delay if math.isfinite(delay) else math.inf):
                 await self._wait_changed()
+        await trio.lowlevel.checkpoint()
+        return self.global_progress
+
+    async def wait_num_peers(self, num_peers: int, refresh_every: float = 1.0) -> GlobalProgress:
+        """Wait until the swarm's progress counts at least ``num_peers`` peers; return it.
+
+        Woken by each change (gossip brings announcements at once); when ``refresh_every``
+        seconds pass without enough peers, it fetches from the DHT (the fallback)."""
+        while self.global_progress.num_peers < num_peers:
+            with trio.move_on_after(refresh_every) as waited:
+                await self._wait_changed()
+            if waited.cancelled_caught:
+                await self._fetch()  # a failed fetch is logged; the next one comes later
         await trio.lowlevel.checkpoint()
         return self.global_progress
 
@@ -493,6 +543,39 @@ class AsyncProgressTracker:
         )
         self._log_warnings(now)
         self._notify()
+
+    # ------------------------------------------------------- liveness probes
+
+    async def _probe_loop(self) -> None:
+        while True:
+            if not await self._probe_owners():
+                with trio.move_on_after(self.config.probe_retry_period):
+                    await self._wait_changed()
+
+    async def _probe_owners(self) -> bool:
+        """Dial the owners of records ahead of us that were not confirmed yet (see
+        ``progress_liveness``); returns whether any probe ran."""
+        with self._lock:
+            probes = self._core.probes_due(get_dht_time())
+        if not probes:
+            return False
+        limiter = trio.CapacityLimiter(_MAX_CONCURRENT_PROBES)
+        async with trio.open_nursery() as nursery:
+            for probe in probes:
+                nursery.start_soon(self._probe_owner, probe, limiter)
+        return True
+
+    async def _probe_owner(self, probe: Probe, limiter: trio.CapacityLimiter) -> None:
+        outcome = ProbeOutcome.UNREACHABLE  # no answer within probe_timeout
+        async with limiter:
+            with trio.move_on_after(self.config.probe_timeout):
+                outcome = await dial_owner(self.dht.p2p, probe.peer_id)
+        now = get_dht_time()
+        with self._lock:
+            changed = self._core.on_probe_result(probe, outcome, now)
+        if changed:
+            logger.info(_PROBE_MESSAGES[outcome], self.prefix, _short_peer_id(probe.peer_id))
+            self._notify()
 
     # --------------------------------------------------------- gossip tasks
 

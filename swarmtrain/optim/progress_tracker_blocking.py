@@ -12,6 +12,7 @@ import trio
 from swarmtrain.dht import DHT, AsyncDHT
 from swarmtrain.dht.node import DHTNode
 from swarmtrain.utils.background import BackgroundService
+from swarmtrain.utils.facade import aio_property
 
 from .progress_core import GlobalProgress, LocalProgress, PerformanceEMA
 from .progress_records import ProgressTrackerStatistics
@@ -43,6 +44,16 @@ class ProgressTracker(BackgroundService):
 
     create = AsyncProgressTracker.create  #: the trio way in
 
+    #: asyncio awaitables (``await tracker.aio.wait_global_epoch(3)``); bound them with
+    #: ``asyncio.wait_for`` or ``asyncio.timeout``
+    aio = aio_property()
+    _aio_methods = {
+        "wait_global_epoch": AsyncProgressTracker.wait_global_epoch,
+        "wait_ready_to_update_epoch": AsyncProgressTracker.wait_ready_to_update_epoch,
+        "wait_num_peers": AsyncProgressTracker.wait_num_peers,
+        "refresh": AsyncProgressTracker.refresh,
+    }
+
     _service_name = "this ProgressTracker"
 
     def start(self) -> None:
@@ -57,9 +68,10 @@ class ProgressTracker(BackgroundService):
             )
         )
 
-    def shutdown(self) -> None:
-        """Publish a departure record, stop the background tasks."""
-        super().shutdown()
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Publish a departure record, stop the background tasks (cut short after
+        ``timeout`` seconds)."""
+        super().shutdown(timeout)
 
     def _tracker(self) -> AsyncProgressTracker:
         return self._running()[1]
@@ -127,6 +139,11 @@ class ProgressTracker(BackgroundService):
 
     def wait_ready_to_update_epoch(self, timeout: float | None = None) -> GlobalProgress:
         return self._wait(self._tracker().wait_ready_to_update_epoch, timeout)
+
+    def wait_num_peers(self, num_peers: int, timeout: float | None = None) -> GlobalProgress:
+        """Block until the swarm's progress counts ``num_peers`` peers; ``TimeoutError`` after
+        ``timeout`` seconds."""
+        return self._wait(lambda: self._tracker().wait_num_peers(num_peers), timeout)
 
     def refresh(self, timeout: float | None = None) -> GlobalProgress:
         """Fetch the swarm's progress from the DHT now; ``TimeoutError`` after ``timeout``."""

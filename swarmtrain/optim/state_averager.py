@@ -46,6 +46,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from contextlib import nullcontext
 from itertools import chain
 from typing import Any, Union
@@ -845,10 +846,13 @@ class TrainingStateAverager(DecentralizedAverager):
 
     # ------------------------------------------------------------------ lifetime
 
-    def shutdown(self) -> None:
-        """Stop the averager (a running round fails), then wait for the background worker."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the averager (a running round fails), then wait for the background worker
+        (each for at most ``timeout`` seconds: then it returns, leaving the worker to end)."""
         try:
-            super().shutdown()
+            super().shutdown(timeout)
         finally:
             if self._executor is not None:
-                self._executor.shutdown(wait=True, cancel_futures=True)
+                self._executor.shutdown(wait=timeout is None, cancel_futures=True)
+                if timeout is not None:
+                    futures_wait(list(self._pending), timeout)

@@ -43,7 +43,9 @@ from swarmtrain.p2p.errors import (
 from swarmtrain.p2p.host import P2P as P2P
 from swarmtrain.p2p.host import P2PConfig as P2PConfig
 from swarmtrain.p2p.identity import IdentityError as IdentityError
+from swarmtrain.p2p.identity import PeerSigner as PeerSigner
 from swarmtrain.p2p.identity import load_or_create_identity as load_or_create_identity
+from swarmtrain.p2p.identity import verify_peer_signature as verify_peer_signature
 from swarmtrain.p2p.limits import ResourceLimits as ResourceLimits
 from swarmtrain.p2p.private_network import SwarmKeyError as SwarmKeyError
 from swarmtrain.p2p.private_network import generate_swarm_key as generate_swarm_key
@@ -62,6 +64,7 @@ __all__ = [
     "P2PConfig",
     "P2PError",
     "PeerID",
+    "PeerSigner",
     "PeerUnreachableError",
     "RPCCancelledError",
     "RPCContext",
@@ -78,4 +81,5 @@ __all__ = [
     "load_or_create_identity",
     "load_swarm_key",
     "save_swarm_key",
+    "verify_peer_signature",
 ]

@@ -1,13 +1,16 @@
-"""Throughput levers for py-libp2p 0.8.1's TCP + Noise path (see benchmarks/RESULTS.md).
+"""Throughput levers for py-libp2p 0.8.1's TCP + Noise path, on our connections only.
 
 - Buffered socket reads: Noise reads every message as a 2-byte length then a body, each a
-  socket ``recv`` and a trio checkpoint. ``TrioTCPStream.read`` here pulls up to
+  socket ``recv`` and a trio checkpoint. ``BufferedTCPStream`` pulls up to
   ``READ_BUFFER_SIZE`` bytes per ``recv`` and serves small reads from that buffer.
-- One socket write per muxer frame: Noise splits a large write into 64 KiB messages and wrote
-  each with its own ``send_all``; here all messages of one write are encrypted and sent at once.
+- One socket write per muxer frame: Noise splits a large write into 64 KiB messages and
+  writes each with its own ``send_all``; ``BatchingNoiseReadWriter`` encrypts all messages of
+  one write and sends them at once.
 
-Both replace methods of a pinned version (checked in ``apply_io_tuning``). Set
-``SWARMTRAIN_DISABLE_IO_TUNING=1`` to measure without them.
+Our Noise transport (``private_network.PrivateNoiseTransport``) adopts the TCP stream of every
+connection it secures (``adopt_raw_connection``) and the read-writer it builds
+(``adopt_secured_connection``) into these subclasses, in place; py-libp2p's classes are not
+changed. Set ``SWARMTRAIN_DISABLE_IO_TUNING=1`` to measure without them.
 """
 
 from __future__ import annotations
@@ -15,41 +18,37 @@ from __future__ import annotations
 import os
 
 import trio
+from libp2p.io.exceptions import ConnectionClosedError
+from libp2p.io.trio import TrioTCPStream
+from libp2p.security.noise import io as noise_io
+from libp2p.security.noise.io import NoiseTransportReadWriter
 
 READ_BUFFER_SIZE = 1024 * 1024
-_applied = False
+_SIZE_LEN = noise_io.NoisePacketReadWriter.size_len_bytes
+_MAX_PLAINTEXT = noise_io.MAX_PLAINTEXT_LENGTH
 
 
-def apply_io_tuning() -> None:
-    """Idempotently install the two levers described in the module docstring."""
-    global _applied
-    if _applied or os.environ.get("SWARMTRAIN_DISABLE_IO_TUNING") == "1":
-        return
-    import libp2p.security.noise.io as noise_io
-    from libp2p.io.exceptions import ConnectionClosedError
-    from libp2p.io.trio import TrioTCPStream
+def _disabled() -> bool:
+    return os.environ.get("SWARMTRAIN_DISABLE_IO_TUNING") == "1"
 
-    for owner, name in (
-        (TrioTCPStream, "read"),
-        (noise_io.BaseNoiseMsgReadWriter, "write_msg"),
-        (noise_io, "MAX_PLAINTEXT_LENGTH"),
-        (noise_io.NoisePacketReadWriter, "size_len_bytes"),
-    ):
-        if not hasattr(owner, name):
-            raise RuntimeError(f"libp2p internals changed: {owner!r} has no {name}")
-    original_read = TrioTCPStream.read
 
-    async def buffered_read(self, n: int | None = None) -> bytes:
-        if n is None:
-            return await original_read(self, n)
+class BufferedTCPStream(TrioTCPStream):
+    """py-libp2p's TCP stream reading up to ``READ_BUFFER_SIZE`` bytes per ``recv``."""
+
+    _buffer: bytearray | None = None
+
+    async def read(self, n: int | None = None) -> bytes:
+        if n is None:  # whatever is available: the buffer first, never behind a later recv
+            if self._buffer:
+                return self._take(len(self._buffer))
+            return await super().read(n)
         if n == 0:
             return b""
-        buffer: bytearray | None = getattr(self, "_swarmtrain_buffer", None)
-        if buffer:
-            chunk = bytes(buffer[:n])
-            del buffer[:n]
-            return chunk
+        if self._buffer:
+            return self._take(n)
         async with self.read_lock:
+            if self._buffer:  # another reader filled it while we waited for the lock
+                return self._take(n)
             try:
                 data = await self.stream.receive_some(max(n, READ_BUFFER_SIZE))
             except trio.BrokenResourceError as error:
@@ -58,27 +57,43 @@ def apply_io_tuning() -> None:
                 ) from error
             except trio.ClosedResourceError:
                 return b""
-        if len(data) <= n:
-            return data
-        self._swarmtrain_buffer = bytearray(data[n:])
-        return data[:n]
+            if len(data) <= n:
+                return data
+            self._buffer = bytearray(data[n:])
+            return data[:n]
 
-    size_len = noise_io.NoisePacketReadWriter.size_len_bytes
-    max_plaintext = noise_io.MAX_PLAINTEXT_LENGTH
-    original_write_msg = noise_io.BaseNoiseMsgReadWriter.write_msg
+    def _take(self, n: int) -> bytes:
+        buffer = self._buffer
+        chunk = bytes(buffer[:n])
+        del buffer[:n]
+        return chunk
 
-    async def write_msg_once(self, msg: bytes, prefix_encoded: bool = False) -> None:
-        if prefix_encoded or len(msg) <= max_plaintext:
-            await original_write_msg(self, msg, prefix_encoded)
+
+class BatchingNoiseReadWriter(NoiseTransportReadWriter):
+    """py-libp2p's Noise transport read-writer sending all messages of one write at once."""
+
+    async def write_msg(self, msg: bytes, prefix_encoded: bool = False) -> None:
+        if prefix_encoded or len(msg) <= _MAX_PLAINTEXT:
+            await super().write_msg(msg, prefix_encoded)
             return
         out = bytearray()
         view = memoryview(msg)
-        for start in range(0, len(msg), max_plaintext):
-            encrypted = self.encrypt(bytes(view[start : start + max_plaintext]))
-            out += len(encrypted).to_bytes(size_len, "big")
+        for start in range(0, len(msg), _MAX_PLAINTEXT):
+            encrypted = self.encrypt(bytes(view[start : start + _MAX_PLAINTEXT]))
+            out += len(encrypted).to_bytes(_SIZE_LEN, "big")
             out += encrypted
         await self.read_writer.read_write_closer.write(bytes(out))
 
-    TrioTCPStream.read = buffered_read
-    noise_io.BaseNoiseMsgReadWriter.write_msg = write_msg_once
-    _applied = True
+
+def adopt_raw_connection(conn) -> None:
+    """Make the TCP stream of a raw connection about to be secured a ``BufferedTCPStream``."""
+    stream = getattr(conn, "stream", None)
+    if type(stream) is TrioTCPStream and not _disabled():
+        stream.__class__ = BufferedTCPStream
+
+
+def adopt_secured_connection(secured) -> None:
+    """Make the Noise read-writer of a secured connection a ``BatchingNoiseReadWriter``."""
+    read_writer = getattr(secured, "conn", None)
+    if type(read_writer) is NoiseTransportReadWriter and not _disabled():
+        read_writer.__class__ = BatchingNoiseReadWriter

@@ -6,7 +6,8 @@ stream's first byte, and four more during each dial (security, then muxer). Here
 writes both lines in one write and then reads both answers: the same bytes on the wire, in
 the order every multistream-select listener (py-libp2p's, go-libp2p's) reads them, one round
 trip fewer. Only single-protocol selections (all of swarmtrain's) are pipelined; a list of
-protocols keeps py-libp2p's one-at-a-time negotiation.
+protocols keeps py-libp2p's one-at-a-time negotiation. Our hosts get their own client instances
+(``use_pipelined_multistream``); py-libp2p's ``MultiselectClient`` class is not changed.
 
 RPC streams go one step further (``open_lazily_negotiated_stream``): the call's first frame
 follows the two lines without waiting, and the answers are checked when the reply is read.
@@ -44,18 +45,12 @@ def answer_problem(header: str, answer: str, protocol: str) -> str | None:
     return f"unrecognized response {answer[:64]!r} to {protocol}"
 
 
-def pipeline_multistream_select() -> None:
-    """Patch ``MultiselectClient.select_one_of`` (idempotent)."""
-    client_class = client_module.MultiselectClient
-    current = getattr(client_class, "select_one_of", None)
-    if current is None:
-        raise RuntimeError("libp2p internals changed: MultiselectClient.select_one_of is missing")
-    if getattr(current, "swarmtrain_fixed", False):
-        return
+class PipelinedMultiselectClient(client_module.MultiselectClient):
+    """py-libp2p's multistream-select client, pipelined for single-protocol selections."""
 
     async def select_one_of(self, protocols, communicator, negotiate_timeout=30):
         if len(protocols) != 1 or type(communicator) is not MultiselectCommunicator:
-            return await current(self, protocols, communicator, negotiate_timeout)
+            return await super().select_one_of(protocols, communicator, negotiate_timeout)
         (protocol,) = protocols
         wanted = protocol if protocol is not None else ""
         with trio.move_on_after(negotiate_timeout):
@@ -78,8 +73,17 @@ def pipeline_multistream_select() -> None:
             f"response timed out after {negotiate_timeout}s, protocols tried: {[protocol]}"
         )
 
-    select_one_of.swarmtrain_fixed = True  # type: ignore[attr-defined]
-    client_class.select_one_of = select_one_of
+
+def use_pipelined_multistream(host) -> None:
+    """Give ``host`` (a py-libp2p BasicHost) and its upgrader's security and muxer selection a
+    ``PipelinedMultiselectClient`` each: instance attributes, py-libp2p's class stays as is."""
+    upgrader = host.get_network().upgrader
+    selectors = [upgrader.security_multistream._selector, upgrader.muxer_multistream._selector]
+    for owner in (host, *selectors):
+        current = getattr(owner, "multiselect_client", None)
+        if not isinstance(current, client_module.MultiselectClient):
+            raise RuntimeError(f"libp2p internals changed: {owner!r} has no multiselect_client")
+        owner.multiselect_client = PipelinedMultiselectClient()
 
 
 async def open_lazily_negotiated_stream(network, peer_id, protocol_id: str):

@@ -33,7 +33,11 @@ from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 
 from swarmtrain.p2p import rpc, rpc_client
-from swarmtrain.p2p._tuning import apply_libp2p_tuning
+from swarmtrain.p2p._tuning import (
+    check_libp2p_version,
+    configure_process,
+    tune_host,
+)
 from swarmtrain.p2p.addresses import expand_unspecified
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
 from swarmtrain.p2p.dialling import Dialling, as_peer_id
@@ -55,6 +59,7 @@ from swarmtrain.p2p.listen_check import check_addresses_free
 from swarmtrain.p2p.private_network import PrivateNoiseTransport, resolve_swarm_key
 from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.p2p.rpc_stream import RPCStream
+from swarmtrain.utils.async_context import async_context_only
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
 logger = logging.getLogger(__name__)
@@ -185,6 +190,7 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
     if not isinstance(getattr(swarm, "retry_config", None), RetryConfig):
         raise RuntimeError("libp2p internals changed: the swarm has no retry_config")
     swarm.retry_config = RetryConfig(max_retries=DIAL_RETRIES, initial_delay=DIAL_RETRY_DELAY)
+    tune_host(host)
     return host
 
 
@@ -213,6 +219,11 @@ class P2P(Dialling):
     # ---------------------------------------------------------------- lifetime
 
     @classmethod
+    @async_context_only(
+        "P2P.create(...) is a trio async context manager, not awaited as in hivemind: "
+        "`async with P2P.create(...) as p2p:`. A blocking DHT starts its own host: "
+        "DHT(host_maddrs=..., announce_maddrs=...)"
+    )
     @asynccontextmanager
     async def create(
         cls,
@@ -233,7 +244,8 @@ class P2P(Dialling):
             client_mode=client_mode,
             **kwargs,
         )
-        apply_libp2p_tuning(quiet_logging=config.quiet_logging)
+        check_libp2p_version()
+        configure_process(quiet_logging=config.quiet_logging)
         key_pair = load_or_create_identity(config.identity_path)
         listen = [] if config.client_mode else [_with_ws_port(a) for a in config.host_maddrs]
         check_addresses_free(listen)
@@ -310,7 +322,10 @@ class P2P(Dialling):
         if len(failures) == len(self.config.initial_peers):
             all_rejected = key_mismatches == len(failures)
             error = SwarmKeyMismatchError if all_rejected else PeerUnreachableError
-            raise error("could not reach any of the initial peers:\n  " + "\n  ".join(failures))
+            raise error(
+                "failed to connect to bootstrap peers: could not reach any of the initial "
+                "peers:\n  " + "\n  ".join(failures)
+            )
         for failure in failures:
             logger.warning("initial peer unreachable (continuing with the others): %s", failure)
 

@@ -30,6 +30,7 @@ from libp2p.security.noise.exceptions import NoiseFailure
 from libp2p.security.noise.patterns import IPattern, PatternXX
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
+from swarmtrain.p2p._io_tuning import adopt_raw_connection, adopt_secured_connection
 from swarmtrain.p2p.errors import P2PError
 
 SWARM_KEY_SIZE = 32  # bytes; the minimum we accept
@@ -132,7 +133,8 @@ class PrivateNoiseTransport(NoiseTransport):
     """py-libp2p's Noise transport with a swarm-key prologue (an instance passed in ``sec_opt``).
 
     A dial whose handshake fails the way a key mismatch makes it fail raises
-    ``SwarmKeyMismatch``."""
+    ``SwarmKeyMismatch``. The connections it secures read and write through
+    ``_io_tuning``'s buffered TCP stream and batching Noise read-writer."""
 
     def __init__(self, *args, swarm_key: bytes | None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -155,7 +157,14 @@ class PrivateNoiseTransport(NoiseTransport):
             prologue=self._prologue,
         )
 
+    async def secure_inbound(self, conn):
+        adopt_raw_connection(conn)
+        secured = await super().secure_inbound(conn)
+        adopt_secured_connection(secured)
+        return secured
+
     async def secure_outbound(self, conn, peer_id):
+        adopt_raw_connection(conn)
         try:
             secured = await super().secure_outbound(conn, peer_id)
         except Exception as e:
@@ -166,6 +175,7 @@ class PrivateNoiseTransport(NoiseTransport):
                 raise SwarmKeyMismatch(KEY_MISMATCH_HINT) from e
             raise
         self._rejected_by.pop(peer_id, None)
+        adopt_secured_connection(secured)
         return secured
 
 

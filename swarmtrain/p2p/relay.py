@@ -21,8 +21,8 @@ The relayed dial speaks the hop CONNECT exchange itself instead of calling
 of the target in the peerstore with no per-attempt timeout, then falls back to a path that also
 reserves a slot for the *dialler* on the relay, and it stores circuit addresses with a 68-year
 TTL. Here each relay is tried once, bounded, and a refusal comes back with the relay's status.
-With hole punching on, ``start`` also replaces one py-libp2p 0.8.1 internal that leaks sockets
-(see ``_fix_hole_punch_dial_leak``).
+Hole punching dials through our hosts' TCP transport, ``_libp2p_fixes.HolePunchTCP``, which
+does not leak the sockets of cancelled dials as py-libp2p 0.8.1's does.
 
 Resource handling: ``RelayManager.start`` runs libp2p's relay and DCUtR services in a task of
 the host's nursery (``P2P.nursery``); reservation renewal and hole punches run there too, so
@@ -56,7 +56,6 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
 
-from swarmtrain.p2p._libp2p_fixes import _fix_hole_punch_dial_leak
 from swarmtrain.p2p.autonat import observed_ips
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError
 from swarmtrain.p2p.relay_routes import (
@@ -151,8 +150,6 @@ class RelayManager:
             max_reservations=config.relay_max_reservations,
             timeout=config.dial_timeout,
         )
-        if self.hole_punching:
-            _fix_hole_punch_dial_leak()
         await p2p.nursery.start(self._run_services)
         return self
 

@@ -2,7 +2,7 @@
 
 Writes are shielded from cancellation piece by piece (at most ``WRITE_PIECE_SIZE`` bytes each),
 so a cancelled call stops *between* pieces and then closes the stream. (py-libp2p's own frame
-writes are made all-or-nothing too, ``_libp2p_fixes.fix_cancelled_frame_writes``: a frame cut
+writes are made all-or-nothing too, ``_yamux.TunedYamux._write_frame``: a frame cut
 by a cancellation killed the whole connection, see LIBP2P-NOTES.) Data lanes are
 ``cancel_safe``: their writes are not shielded.
 

@@ -18,11 +18,13 @@ it (so a clean shutdown leaves no thread behind).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError as FutureCancelledError
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import AbstractAsyncContextManager, ExitStack, contextmanager
 from typing import Any, TypeVar
 
@@ -32,6 +34,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from swarmtrain.utils import exit_shutdown
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+#: seconds ``stop(timeout)`` still waits after cancelling a close that overran its timeout
+_CANCEL_GRACE = 2.0
 
 
 class BackgroundRuntime:
@@ -112,25 +117,39 @@ class BackgroundRuntime:
 
     def start_service(
         self, factory: Callable[[], AbstractAsyncContextManager[T]]
-    ) -> tuple[T, Callable[[], None]]:
-        """Enter ``factory()`` in its own task on the loop; return (value, stop)."""
+    ) -> tuple[T, Callable[..., None]]:
+        """Enter ``factory()`` in its own task on the loop; return (value, stop).
+
+        ``stop(timeout=None)`` leaves the context and waits for it; after ``timeout`` seconds
+        it cancels the closing task, waits at most ``_CANCEL_GRACE`` seconds more, and
+        returns (with a warning) whether or not the close finished."""
         self._check_process()
         stopped = Future()
 
+        closed = threading.Event()  # set when the task has left, even cancelled
+
         async def serve(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-            stop_event = anyio.Event()
-            async with factory() as value:
-                task_status.started((value, stop_event))
-                await stop_event.wait()
+            try:
+                stop_event = anyio.Event()
+                async with factory() as value:
+                    task_status.started((value, stop_event))
+                    await stop_event.wait()
+            finally:
+                closed.set()
 
         future, (value, stop_event) = self.portal.start_task(serve)
 
-        def stop() -> None:
+        def stop(timeout: float | None = None) -> None:
             if stopped.done():
                 return
             stopped.set_result(None)
             self.portal.call(stop_event.set)
-            future.result()
+            try:
+                future.result(timeout)
+            except FutureTimeoutError:
+                future.cancel()  # the portal cancels the trio task: its close is cut short
+                closed.wait(_CANCEL_GRACE)
+                logger.warning("closing %r took over %s s: cancelled it", factory, timeout)
 
         return value, stop
 
@@ -153,7 +172,7 @@ class BackgroundService:
     _service_name = "this object"
     _runtime: BackgroundRuntime | None = None
     _service: Any = None
-    _stop: Callable[[], None] | None = None
+    _stop: Callable[..., None] | None = None
     _shut_down = False
     _pid: int | None = None  # the process that started it
 
@@ -178,8 +197,11 @@ class BackgroundService:
     def is_alive(self) -> bool:
         return self._runtime is not None and not self._shut_down and not self._forked()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Close the object; the background loop stops when nothing else uses it.
+
+        ``timeout``: after this many seconds the close is cancelled (a peer whose network is
+        gone cannot say goodbye); None waits for it.
 
         In a process forked after the object started, this only marks it shut down here: the
         host, its sockets and its loop belong to the parent.
@@ -192,7 +214,7 @@ class BackgroundService:
             return
         try:
             if self._stop is not None:
-                self._stop()
+                self._stop(timeout)
         finally:
             self._runtime.release()
 
@@ -201,6 +223,9 @@ class BackgroundService:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
+
+    async def _aio_wait_ready(self) -> None:
+        """For ``obj.aio`` calls: wait (without blocking asyncio) until ``_running()`` is ready."""
 
     def _running(self) -> tuple[BackgroundRuntime, Any]:
         if self._forked():

@@ -1,0 +1,99 @@
+"""``swarmtrain monitor --initial_peers ... [--run_id RUN] [--port 8080]``: a DHT client that
+follows one run (or every announced run) and serves a live web dashboard."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import trio
+
+from swarmtrain.cli.options import add_option
+from swarmtrain.dht import DHT
+from swarmtrain.monitor.http import DashboardServer
+from swarmtrain.monitor.sinks import MetricsSink, TensorBoardSink, WandbSink
+from swarmtrain.monitor.state import MonitorState
+from swarmtrain.monitor.watch import watch
+from swarmtrain.p2p import P2PError
+
+HELP = "follow a run (or every announced run) and serve a live web dashboard"
+
+
+def add_arguments(parser) -> None:
+    add_option(parser, "--initial_peers", nargs="+", default=[], help="peers to join (required)")
+    add_option(parser, "--run_id", default=None, help="the run to follow (default: all announced)")
+    add_option(
+        parser, "--port", type=int, default=8080, help="dashboard port (default 8080; 0: any)"
+    )
+    add_option(
+        parser,
+        "--host",
+        default="127.0.0.1",
+        help="dashboard address (default 127.0.0.1; 0.0.0.0 to share it)",
+    )
+    add_option(
+        parser,
+        "--target_batch_size",
+        type=int,
+        default=None,
+        help="the run's target batch size, to show the time to the next epoch",
+    )
+    add_option(parser, "--refresh_period", type=float, default=2.0, help="seconds between reads")
+    add_option(parser, "--swarm_key_path", default=None, help="swarm key of a private DHT")
+    add_option(
+        parser,
+        "--tensorboard_dir",
+        default=None,
+        help="also log to TensorBoard (needs tensorboard)",
+    )
+    add_option(parser, "--wandb_project", default=None, help="also log to wandb (needs wandb)")
+    parser.set_defaults(run=run)
+
+
+def make_sinks(args) -> list[MetricsSink]:
+    sinks: list[MetricsSink] = []
+    if args.tensorboard_dir:
+        sinks.append(TensorBoardSink(args.tensorboard_dir))
+    if args.wandb_project:
+        sinks.append(WandbSink(args.wandb_project))
+    return sinks
+
+
+async def serve(args, sinks: list[MetricsSink]) -> None:
+    state = MonitorState(target_batch_size=args.target_batch_size)
+    server = DashboardServer()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with (
+            DHT.create(
+                initial_peers=args.initial_peers, client_mode=True, swarm_key=args.swarm_key_path
+            ) as dht,
+            trio.open_nursery() as nursery,
+        ):
+            port = await nursery.start(server.serve, args.port, args.host)
+            print(f"dashboard at http://{args.host}:{port}/", flush=True)
+            nursery.start_soon(watch, dht, state, server, args.run_id, args.refresh_period, sinks)
+            async for signum in signals:
+                print(f"received {signal.Signals(signum).name}, shutting down", flush=True)
+                break
+            nursery.cancel_scope.cancel()
+
+
+def run(args) -> int:
+    if not args.initial_peers:
+        raise SystemExit("swarmtrain monitor: --initial_peers is required (a peer of the run)")
+    if not args.refresh_period > 0:
+        raise SystemExit("swarmtrain monitor: --refresh_period must be positive")
+    try:
+        sinks = make_sinks(args)
+    except ImportError as e:
+        print(f"swarmtrain monitor: {e}", file=sys.stderr)
+        return 1
+    try:
+        trio.run(serve, args, sinks)
+    except (P2PError, ValueError, OSError) as e:
+        print(f"swarmtrain monitor: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for sink in sinks:
+            sink.close()
+    return 0

@@ -1,0 +1,209 @@
+"""Training metrics that each peer publishes in the DHT: the record, its schema, the rate bound.
+
+Each trainer stores one :class:`LocalMetrics` record under ``{run_id}_metrics`` with subkey =
+its ``[owner:...]`` marker, signed by :class:`~swarmtrain.dht.Ed25519SignatureValidator`: only
+the owner of that key can write (or overwrite) its subkey. :class:`MetricsSchema` is the
+pydantic schema every publishing node enforces (finite numbers, bounded strings and maps).
+A record's ``peer_id`` is what the owner claims; the owner marker is what identifies it.
+
+This module does no I/O: :class:`PublishSchedule` decides when the next record may go out
+(at most one store per ``min_interval`` seconds, the latest report wins). The publisher is in
+:mod:`swarmtrain.monitor.publisher`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import pydantic
+
+from swarmtrain.dht import BytesWithPublicKey
+
+__all__ = [
+    "MAX_EXTRA_METRICS",
+    "REACHABILITIES",
+    "ROLES",
+    "LocalMetrics",
+    "MetricsSchema",
+    "PublishSchedule",
+    "metrics_key",
+    "parse_metrics",
+]
+
+ROLES = ("node", "client", "aux")  #: a full DHT node, a client-mode peer, an auxiliary peer
+REACHABILITIES = ("public", "private", "relayed", "unknown")
+MAX_EXTRA_METRICS = 16  #: named extra values (accuracy, grad norm, ...) per record
+MAX_NAME_LENGTH = 64  #: characters of a peer id, a version, an extra metric's name
+MAX_ABS_VALUE = 1e30  #: bound on every float (a loss of 1e300 is a bug, not a measurement)
+
+
+def metrics_key(run_id: str) -> str:
+    """The DHT key holding a run's metrics: ``f"{run_id}_metrics"``."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError("run_id must be a non-empty string")
+    return f"{run_id}_metrics"
+
+
+def _check_float(name: str, value: Any, *, non_negative: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or abs(value) > MAX_ABS_VALUE:
+        raise ValueError(f"{name} must be finite and at most {MAX_ABS_VALUE:g} in size: {value}")
+    if non_negative and value < 0:
+        raise ValueError(f"{name} must not be negative: {value}")
+    return value
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be in [0, 2**63): {value}")
+    return value
+
+
+def _check_name(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if len(value) > MAX_NAME_LENGTH:
+        raise ValueError(f"{name} must be at most {MAX_NAME_LENGTH} characters")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalMetrics:
+    """One peer's latest training metrics (validated on construction: ``ValueError`` /
+    ``TypeError`` on a non-finite number, an unknown role, an oversized string or map)."""
+
+    peer_id: str  #: base58 libp2p peer id, as claimed by the record's owner
+    time: float  #: DHT time of publication
+    role: str = "node"  #: one of :data:`ROLES`
+    reachability: str = "unknown"  #: one of :data:`REACHABILITIES`
+    version: str = ""  #: the publisher's swarmtrain version
+    step: int = 0  #: local optimizer steps (or batches) so far
+    epoch: int = 0
+    loss: float | None = None
+    samples_per_second: float = 0.0
+    extra: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_name("peer_id", self.peer_id)
+        _check_float("time", self.time)
+        _check_name("version", self.version)
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.reachability not in REACHABILITIES:
+            raise ValueError(
+                f"reachability must be one of {REACHABILITIES}, got {self.reachability!r}"
+            )
+        _check_int("step", self.step)
+        _check_int("epoch", self.epoch)
+        if self.loss is not None:
+            object.__setattr__(self, "loss", _check_float("loss", self.loss))
+        object.__setattr__(
+            self,
+            "samples_per_second",
+            _check_float("samples_per_second", self.samples_per_second, non_negative=True),
+        )
+        object.__setattr__(self, "time", float(self.time))
+        if not isinstance(self.extra, Mapping):
+            raise TypeError("extra must be a mapping of names to numbers")
+        if len(self.extra) > MAX_EXTRA_METRICS:
+            raise ValueError(f"at most {MAX_EXTRA_METRICS} extra metrics")
+        extra = {
+            _check_name("extra metric name", k): _check_float(f"extra[{k!r}]", v)
+            for k, v in self.extra.items()
+        }
+        object.__setattr__(self, "extra", extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's DHT value (a plain dict: msgpack has no dataclasses)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
+            "extra": dict(self.extra)
+        }
+
+
+_Name = Annotated[str, pydantic.Field(max_length=MAX_NAME_LENGTH)]
+_Float = Annotated[float, pydantic.Field(ge=-MAX_ABS_VALUE, le=MAX_ABS_VALUE, allow_inf_nan=False)]
+_Count = Annotated[int, pydantic.Field(ge=0, lt=2**63)]
+
+
+class LocalMetricsSchema(pydantic.BaseModel):
+    """The DHT value of one :class:`LocalMetrics` (strict: no coercion, no extra fields)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    peer_id: _Name
+    time: _Float
+    role: Annotated[str, pydantic.Field(pattern="^(" + "|".join(ROLES) + ")$")]
+    reachability: Annotated[str, pydantic.Field(pattern="^(" + "|".join(REACHABILITIES) + ")$")]
+    version: _Name
+    step: _Count
+    epoch: _Count
+    loss: _Float | None
+    samples_per_second: Annotated[_Float, pydantic.Field(ge=0.0)]
+    extra: Annotated[dict[_Name, _Float], pydantic.Field(max_length=MAX_EXTRA_METRICS)]
+
+
+class MetricsSchema(pydantic.BaseModel):
+    """``{run_id}_metrics``: ``{owner marker: record}`` (``SchemaValidator(prefix=run_id)``)."""
+
+    metrics: dict[BytesWithPublicKey, LocalMetricsSchema]
+
+
+def parse_metrics(value: Any) -> LocalMetrics | None:
+    """A DHT value as ``LocalMetrics``, or None if it does not match the schema."""
+    try:
+        checked = LocalMetricsSchema.model_validate(value, strict=True)
+        return LocalMetrics(**checked.model_dump())
+    except (pydantic.ValidationError, TypeError, ValueError):
+        return None
+
+
+class PublishSchedule:
+    """When to store the next record: the latest offered one, at most once per ``min_interval``.
+
+    Pure (the caller passes ``now``). ``offer`` replaces any record not yet taken, so a trainer
+    that reports every step costs the DHT one store per ``min_interval``. A record is also
+    re-stored every ``refresh_interval`` (before it expires) when nothing new was offered.
+    """
+
+    def __init__(self, min_interval: float, refresh_interval: float):
+        if not (math.isfinite(min_interval) and min_interval > 0):
+            raise ValueError("min_interval must be positive")
+        if not (math.isfinite(refresh_interval) and refresh_interval >= min_interval):
+            raise ValueError("refresh_interval must be at least min_interval")
+        self.min_interval, self.refresh_interval = min_interval, refresh_interval
+        self._pending: LocalMetrics | None = None
+        self._last: LocalMetrics | None = None
+        self._last_store_time = -math.inf
+
+    @property
+    def last_stored(self) -> LocalMetrics | None:
+        return self._last
+
+    def offer(self, metrics: LocalMetrics) -> None:
+        self._pending = metrics
+
+    def next_store_time(self) -> float:
+        """When :meth:`take` will return a record (``inf``: nothing to store)."""
+        if self._pending is not None:
+            return self._last_store_time + self.min_interval
+        if self._last is not None:
+            return self._last_store_time + self.refresh_interval
+        return math.inf
+
+    def take(self, now: float) -> LocalMetrics | None:
+        """The record to store now, stamped with ``now``, or None if none is due."""
+        if now < self.next_store_time():
+            return None
+        record = self._pending if self._pending is not None else self._last
+        if record is None:  # next_store_time() was inf
+            return None
+        record = dataclasses.replace(record, time=now)
+        self._pending, self._last, self._last_store_time = None, record, now
+        return record

@@ -1,0 +1,289 @@
+"""``MetricsPublisher``: a trainer's metrics, stored in the DHT at a bounded rate.
+
+::
+
+    async with DHT.create(initial_peers=[...]) as dht:
+        async with AsyncMetricsPublisher.create(dht, "my_run", min_interval=5.0) as publisher:
+            for step, batch in enumerate(data):
+                loss = train_step(batch)
+                publisher.report(loss=loss, step=step, epoch=opt.local_epoch)  # never blocks
+
+Plain (blocking) code uses ``MetricsPublisher(dht, "my_run")`` over a blocking
+:class:`~swarmtrain.dht.DHT`: the same object on swarmtrain's background trio loop, and its
+``report`` is a plain call from the training thread.
+
+Resource handling: ``create`` adds the metrics schema and a signature validator to the DHT node
+(validators stay registered), then runs one store task in a task group owned by the publisher.
+Leaving the ``async with`` stops it; the last record expires ``expiration`` seconds after it was
+stored. The DHT stays open.
+
+Error handling: ``report`` raises ``ValueError`` / ``TypeError`` on a bad value (NaN loss, a
+negative rate, an oversized map) and keeps the previous values; a failed store is logged and
+counted (``statistics().store_failures``) and retried at the next interval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+import swarmtrain
+from swarmtrain.dht import (
+    DHT,
+    AsyncDHT,
+    CompositeValidator,
+    Ed25519SignatureValidator,
+    SchemaValidator,
+    generate_private_key,
+    get_dht_time,
+)
+from swarmtrain.dht.node import DHTNode
+from swarmtrain.utils.background import BackgroundService
+
+from .metrics import LocalMetrics, MetricsSchema, PublishSchedule, metrics_key, parse_metrics
+
+__all__ = [
+    "AsyncMetricsPublisher",
+    "MetricsPublisher",
+    "MetricsPublisherStatistics",
+    "read_metrics",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsPublisherStatistics:
+    reports: int  #: accepted ``report`` calls
+    stores: int  #: records stored (at most one per ``min_interval``)
+    store_failures: int
+    last_stored: LocalMetrics | None
+
+
+def add_metrics_validators(
+    dht: AsyncDHT, run_id: str, private_key: Ed25519PrivateKey | None = None
+) -> Ed25519SignatureValidator:
+    """Register the run's metrics schema and a signature validator on ``dht``'s node; return
+    the signature validator the node signs with (an earlier one keeps its key)."""
+    validator = dht.node.record_validator
+    if not isinstance(validator, CompositeValidator):
+        raise TypeError("the DHT node's record_validator must be a CompositeValidator")
+    metrics_key(run_id)  # checks run_id
+    validator.extend(
+        [
+            SchemaValidator(MetricsSchema, prefix=run_id),
+            Ed25519SignatureValidator(
+                generate_private_key() if private_key is None else private_key
+            ),
+        ]
+    )
+    return next(v for v in validator.validators if isinstance(v, Ed25519SignatureValidator))
+
+
+def _reachability(dht: AsyncDHT) -> str:
+    p2p = dht.p2p
+    verdict = p2p.reachability.value
+    relay = getattr(p2p, "relay", None)
+    if verdict != "public" and relay is not None and relay.circuit_addrs():
+        return "relayed"
+    return verdict
+
+
+class AsyncMetricsPublisher:
+    """Publishes this peer's :class:`LocalMetrics` under ``{run_id}_metrics`` (module docstring)."""
+
+    def __init__(
+        self,
+        dht: AsyncDHT,
+        run_id: str,
+        schedule: PublishSchedule,
+        subkey: bytes,
+        base: LocalMetrics,
+        expiration: float,
+    ):
+        self.dht, self.run_id, self.key = dht, run_id, metrics_key(run_id)
+        self.local_public_key = subkey  #: the subkey of this peer's record
+        self.expiration = expiration
+        self._schedule, self._current = schedule, base
+        self._lock = threading.Lock()
+        self._changed = trio.Event()
+        self._trio_token = trio.lowlevel.current_trio_token()
+        self._loop_thread = threading.get_ident()
+        self._reports = self._stores = self._store_failures = 0
+
+    @classmethod
+    @asynccontextmanager
+    async def create(
+        cls,
+        dht: AsyncDHT,
+        run_id: str,
+        *,
+        min_interval: float = 5.0,
+        expiration: float | None = None,
+        role: str | None = None,
+        private_key: Ed25519PrivateKey | None = None,
+    ) -> AsyncIterator[AsyncMetricsPublisher]:
+        """Start publishing. ``min_interval``: at most one store per this many seconds.
+        ``expiration`` (default ``max(60, 3 * min_interval)``): how long a record lives; it is
+        re-stored every ``expiration / 2`` while the publisher runs. ``role`` defaults to
+        ``"client"`` or ``"node"`` from the DHT's mode (pass ``"aux"`` for auxiliary peers).
+        ``private_key`` as in :class:`~swarmtrain.optim.ProgressTracker`."""
+        if expiration is None:
+            expiration = max(60.0, 3 * min_interval)
+        if not (math.isfinite(expiration) and expiration > 0):
+            raise ValueError("expiration must be positive")
+        schedule = PublishSchedule(min_interval, max(min_interval, expiration / 2))
+        signer = add_metrics_validators(dht, run_id, private_key)
+        if role is None:
+            role = "client" if dht.client_mode else "node"
+        base = LocalMetrics(
+            peer_id=dht.peer_id.to_base58(),
+            time=get_dht_time(),
+            role=role,
+            reachability=_reachability(dht),
+            version=swarmtrain.__version__,
+        )
+        self = cls(dht, run_id, schedule, signer.local_public_key, base, expiration)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._store_loop)
+            try:
+                yield self
+            finally:
+                nursery.cancel_scope.cancel()
+
+    def report(
+        self,
+        *,
+        loss: float | None = None,
+        step: int | None = None,
+        epoch: int | None = None,
+        samples_per_second: float | None = None,
+        extra: Mapping[str, float] | None = None,
+    ) -> None:
+        """Record new values (those passed; the others keep their last value) for the next
+        store. Never blocks; callable from any thread. :raises ValueError, TypeError: a bad
+        value (nothing is changed)"""
+        changes: dict[str, Any] = {}
+        for name, value in (
+            ("loss", loss),
+            ("step", step),
+            ("epoch", epoch),
+            ("samples_per_second", samples_per_second),
+            ("extra", extra),
+        ):
+            if value is not None:
+                changes[name] = value
+        with self._lock:
+            updated = dataclasses.replace(self._current, **changes)  # validates
+            self._current = updated
+            self._schedule.offer(updated)
+            self._reports += 1
+        self._notify_threadsafe()
+
+    def statistics(self) -> MetricsPublisherStatistics:
+        with self._lock:
+            return MetricsPublisherStatistics(
+                reports=self._reports,
+                stores=self._stores,
+                store_failures=self._store_failures,
+                last_stored=self._schedule.last_stored,
+            )
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _notify_threadsafe(self) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._notify()
+            return
+        try:
+            self._trio_token.run_sync_soon(self._notify)
+        except trio.RunFinishedError:
+            pass  # the loop is gone: nobody waits
+
+    async def _store_loop(self) -> None:
+        while True:
+            now = get_dht_time()
+            with self._lock:
+                due = self._schedule.next_store_time()
+                record = self._schedule.take(now) if due <= now else None
+            if record is None:
+                changed = self._changed
+                with trio.move_on_after(min(due - now, self.expiration)):
+                    await changed.wait()
+                continue
+            record = dataclasses.replace(record, reachability=_reachability(self.dht))
+            stored = False
+            try:
+                with trio.move_on_after(self.expiration / 2):
+                    stored = await self.dht.store(
+                        self.key,
+                        record.to_dict(),
+                        now + self.expiration,
+                        subkey=self.local_public_key,
+                    )
+            except Exception:
+                logger.warning("could not store metrics of %s", self.run_id, exc_info=True)
+            with self._lock:
+                if stored:
+                    self._stores += 1
+                else:
+                    self._store_failures += 1
+
+
+async def read_metrics(dht: AsyncDHT, run_id: str) -> dict[bytes, LocalMetrics]:
+    """The latest metrics of each peer of ``run_id``, by owner marker (the record's subkey).
+    Records that are not signed by their subkey's owner or do not match the schema are left
+    out (the DHT nodes that stored and fetched them check signatures; this checks the schema).
+    From blocking code: ``dht.run_coroutine(lambda d, _: read_metrics(d, run_id))``."""
+    found = await dht.get(metrics_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    result: dict[bytes, LocalMetrics] = {}
+    for subkey, item in found.value.items():
+        if not isinstance(subkey, bytes) or b"[owner:" not in subkey:
+            continue
+        parsed = parse_metrics(getattr(item, "value", None))
+        if parsed is not None:
+            result[subkey] = parsed
+    return result
+
+
+class MetricsPublisher(BackgroundService):
+    """:class:`AsyncMetricsPublisher` for plain (blocking) code over a blocking ``DHT``:
+    ``MetricsPublisher(dht, run_id, min_interval=5.0)``; ``report(...)`` never blocks.
+    Call :meth:`shutdown` (or use ``with``) when done."""
+
+    _service_name = "this MetricsPublisher"
+
+    def __init__(self, dht: DHT, run_id: str, *, start: bool = True, **kwargs: Any):
+        self.dht, self.run_id, self._kwargs = dht, run_id, kwargs
+        if start:
+            self.start()
+
+    create = AsyncMetricsPublisher.create  #: the trio way in
+
+    def start(self) -> None:
+        async def get_async_dht(async_dht: AsyncDHT, node: DHTNode) -> AsyncDHT:
+            return async_dht
+
+        async_dht = self.dht.run_coroutine(get_async_dht)
+        self._start_in_background(
+            lambda: AsyncMetricsPublisher.create(async_dht, self.run_id, **self._kwargs)
+        )
+
+    def report(self, **values: Any) -> None:
+        """See :meth:`AsyncMetricsPublisher.report`."""
+        self._running()[1].report(**values)
+
+    def statistics(self) -> MetricsPublisherStatistics:
+        return self._running()[1].statistics()

@@ -1,0 +1,177 @@
+"""What the monitor knows about the runs it follows, in bounded memory (no I/O, no clock).
+
+:class:`MonitorState` takes what the DHT returned (``on_runs``, ``on_metrics``,
+``on_progress``) with the time it was read, and gives a JSON-ready :meth:`snapshot`. Memory is
+bounded: at most ``max_runs`` runs, ``max_peers`` peers per run (the most recently heard),
+``history`` points per run and ``peer_history`` per peer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .metrics import LocalMetrics
+from .runs import RunAnnouncement
+
+__all__ = ["MonitorState", "PeerProgress"]
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """The part of a peer's progress record the monitor uses."""
+
+    epoch: int
+    samples_accumulated: int
+    samples_per_second: float
+
+
+@dataclass
+class _Run:
+    history: deque  # (time, mean loss or None, total samples/s, alive peers)
+    peers: dict[bytes, LocalMetrics] = field(default_factory=dict)
+    peer_history: dict[bytes, deque] = field(default_factory=dict)  # (time, loss, samples/s)
+    progress: list[PeerProgress] = field(default_factory=list)
+    announcement: RunAnnouncement | None = None
+    last_update: float = -math.inf
+    points: int = 0  # points ever appended to history
+
+
+class MonitorState:
+    """A snapshot lists each alive peer's latest record; per-peer curves stay here (bounded by
+    ``peer_history``, see :meth:`peer_history_of`) so that each event stays small."""
+
+    def __init__(
+        self,
+        *,
+        max_runs: int = 16,
+        max_peers: int = 512,
+        history: int = 720,
+        peer_history: int = 30,
+        target_batch_size: int | None = None,
+    ):
+        if min(max_runs, max_peers, history, peer_history) < 1:
+            raise ValueError("max_runs, max_peers, history and peer_history must be positive")
+        if target_batch_size is not None and target_batch_size < 1:
+            raise ValueError("target_batch_size must be positive")
+        self.max_runs, self.max_peers, self.history = max_runs, max_peers, history
+        self.peer_history = peer_history
+        self.target_batch_size = target_batch_size
+        self._runs: dict[str, _Run] = {}
+
+    def run_ids(self) -> list[str]:
+        return list(self._runs)
+
+    def follow(self, run_id: str) -> bool:
+        """Start following ``run_id``; False if ``max_runs`` runs are followed already."""
+        if run_id in self._runs:
+            return True
+        if len(self._runs) >= self.max_runs:
+            return False
+        self._runs[run_id] = _Run(history=deque(maxlen=self.history))
+        return True
+
+    def on_runs(self, announcements: Iterable[RunAnnouncement]) -> None:
+        """The run directory as read: follow new runs (up to ``max_runs``), keep their details."""
+        for announcement in announcements:
+            if self.follow(announcement.run_id):
+                run = self._runs[announcement.run_id]
+                if run.announcement is None or announcement.time >= run.announcement.time:
+                    run.announcement = announcement
+
+    def on_metrics(self, run_id: str, metrics: Mapping[bytes, LocalMetrics], now: float) -> None:
+        """A run's metrics as read at ``now``: the peers in it are the alive ones."""
+        if not self.follow(run_id):
+            return
+        run = self._runs[run_id]
+        newest = sorted(metrics.items(), key=lambda item: item[1].time, reverse=True)
+        run.peers = dict(newest[: self.max_peers])
+        for owner in list(run.peer_history):
+            if owner not in run.peers:
+                del run.peer_history[owner]
+        for owner, record in run.peers.items():
+            points = run.peer_history.setdefault(owner, deque(maxlen=self.peer_history))
+            if not points or points[-1][0] != record.time:
+                points.append((record.time, record.loss, record.samples_per_second))
+        losses = [m.loss for m in run.peers.values() if m.loss is not None]
+        run.history.append(
+            (
+                now,
+                sum(losses) / len(losses) if losses else None,
+                sum(m.samples_per_second for m in run.peers.values()),
+                len(run.peers),
+            )
+        )
+        run.last_update = now
+        run.points += 1
+
+    def on_progress(self, run_id: str, progress: Iterable[PeerProgress]) -> None:
+        if run_id in self._runs:
+            self._runs[run_id].progress = list(progress)[: self.max_peers]
+
+    def peer_history_of(self, run_id: str, owner: bytes) -> list[tuple]:
+        """(time, loss, samples/s) of one peer's last ``peer_history`` records."""
+        run = self._runs.get(run_id)
+        return [] if run is None else list(run.peer_history.get(owner, ()))
+
+    def latest(self, run_id: str) -> tuple[int, tuple] | None:
+        """(number of points recorded so far, the last one) of a run's swarm curve, or None."""
+        run = self._runs.get(run_id)
+        if run is None or not run.history:
+            return None
+        return run.points, run.history[-1]
+
+    def eta(self, run_id: str) -> tuple[int, int, float | None] | None:
+        """(epoch, samples toward it, seconds to the next epoch or None) from the progress
+        records, or None without them; the seconds need ``target_batch_size``."""
+        run = self._runs.get(run_id)
+        if run is None or not run.progress:
+            return None
+        epoch = max(p.epoch for p in run.progress)
+        current = [p for p in run.progress if p.epoch == epoch]
+        samples = sum(p.samples_accumulated for p in current)
+        rate = sum(p.samples_per_second for p in run.progress)
+        if self.target_batch_size is None or rate <= 0:
+            return epoch, samples, None
+        return epoch, samples, max(0.0, self.target_batch_size - samples) / rate
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the dashboard shows, as JSON-ready data."""
+        runs = {}
+        for run_id, run in self._runs.items():
+            eta = self.eta(run_id)
+            runs[run_id] = {
+                "announcement": _announcement(run.announcement),
+                "history": [list(point) for point in run.history],
+                "peers": [
+                    _peer(owner, record)
+                    for owner, record in sorted(run.peers.items(), key=lambda i: i[1].peer_id)
+                ],
+                "progress": None
+                if eta is None
+                else {
+                    "epoch": eta[0],
+                    "samples": eta[1],
+                    "target_batch_size": self.target_batch_size,
+                    "eta_seconds": eta[2],
+                },
+                "last_update": None if math.isinf(run.last_update) else run.last_update,
+            }
+        return {"runs": runs}
+
+
+def _announcement(run: RunAnnouncement | None) -> dict[str, Any] | None:
+    if run is None:
+        return None
+    value = run.to_dict()
+    value["owner"] = run.owner.decode(errors="replace")
+    return value
+
+
+def _peer(owner: bytes, record: LocalMetrics) -> dict[str, Any]:
+    value = record.to_dict()
+    value["owner"] = owner.decode(errors="replace")
+    return value

@@ -1,0 +1,229 @@
+"""swarmtrain's yamux: py-libp2p 0.8.1's ``Yamux`` with four changes, for our hosts only.
+
+Our hosts' upgraders adopt every new yamux connection into ``TunedYamux``
+(``use_tuned_yamux``, from ``_tuning.tune_host``), which adopts every stream it stores
+(``_AdoptingStreams``) into ``TunedYamuxStream``. py-libp2p's own classes and module are left
+as imported, so a stock host in the same process behaves as stock py-libp2p. The changes:
+
+- Frames of up to ``MAX_FRAME_SIZE`` (1 MiB) instead of 64 KiB (a Python round trip each;
+  sender side only: any yamux receiver accepts frames up to its window).
+- Cancelled frame writes: a task cancelled while py-libp2p writes a frame killed the whole
+  connection; frame writes are all-or-nothing here (``TunedYamux._write_frame``).
+- Writers blocked on a closed send window are woken by the window update instead of polling
+  every 10 ms (``send_window``/``closed`` properties whose setters set an event).
+- Window updates: py-libp2p sends a WINDOW_UPDATE after every read (two extra encrypted frames
+  per small RPC); credit goes back once half the window was consumed, as in go-yamux, and the
+  round-trip-time pings (which fed only the replaced auto-tuning) are not sent.
+  ``SWARMTRAIN_YAMUX_UPDATE_PER_READ=1`` keeps py-libp2p's per-read updates and pings.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import trio
+from libp2p.stream_muxer.exceptions import MuxedConnUnavailable, MuxedStreamError
+from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
+from libp2p.stream_muxer.yamux import yamux as yamux_module
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+
+#: the largest yamux frame our streams send (py-libp2p: 64 KiB)
+MAX_FRAME_SIZE = 1024 * 1024
+#: a yamux frame whose socket write makes no progress for this long: the connection is dead
+FRAME_WRITE_TIMEOUT = 60.0
+#: how long a yamux write waits for the peer to open a closed send window (py-libp2p's value)
+WINDOW_WAIT_TIMEOUT = 5.0
+
+_HEADER_SIZE = yamux_module.HEADER_SIZE
+_HEADER_FORMAT = yamux_module.YAMUX_HEADER_FORMAT
+_TYPE_DATA = yamux_module.TYPE_DATA
+_MAX_WINDOW = yamux_module.MAX_WINDOW_SIZE
+
+
+def _updates_per_read() -> bool:
+    return os.environ.get("SWARMTRAIN_YAMUX_UPDATE_PER_READ") == "1"
+
+
+class TunedYamuxStream(YamuxStream):
+    """A yamux stream with 1 MiB frames, woken writers and batched window updates.
+
+    Streams are built by py-libp2p's ``Yamux`` code as ``YamuxStream`` and adopted into this
+    class by ``TunedYamux`` (``adopt``) before anything else sees them."""
+
+    _window_event: trio.Event | None = None
+
+    @classmethod
+    def adopt(cls, stream: YamuxStream) -> None:
+        """Turn a freshly built ``YamuxStream`` into one of this class, in place."""
+        if type(stream) is cls:
+            return
+        if type(stream) is not YamuxStream:
+            raise TypeError(f"cannot adopt a {type(stream).__name__} stream")
+        state = stream.__dict__
+        # YamuxStream.__init__ set these as instance attributes; here they are properties
+        send_window, closed = state.pop("send_window"), state.pop("closed")
+        stream.__class__ = cls
+        stream._send_window_value = send_window
+        stream._closed_value = closed
+
+    # -------------------------------------------- send window and closed: wake writers
+
+    def _wake(self) -> None:
+        event = self._window_event
+        if event is not None:
+            event.set()
+
+    @property
+    def send_window(self) -> int:
+        return self._send_window_value
+
+    @send_window.setter
+    def send_window(self, value: int) -> None:
+        grew = value > self._send_window_value
+        self._send_window_value = value
+        if grew:
+            self._wake()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed_value
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._closed_value = value
+        if value:
+            self._wake()
+
+    async def _wait_for_window(self) -> None:
+        deadline = trio.current_time() + WINDOW_WAIT_TIMEOUT
+        while self.send_window <= 0 and not self.closed:
+            event = self._window_event
+            if event is None or event.is_set():
+                event = self._window_event = trio.Event()  # shared by this stream's writers
+            with trio.move_on_at(deadline):
+                await event.wait()
+            if trio.current_time() >= deadline and self.send_window <= 0 and not self.closed:
+                raise MuxedStreamError(
+                    f"Timed out waiting for window update after {WINDOW_WAIT_TIMEOUT} seconds."
+                )
+
+    async def write(self, data: bytes) -> None:
+        if self.send_closed:
+            raise MuxedStreamError("Stream is closed for sending")
+        total, sent = len(data), 0
+        while sent < total:
+            frame = None
+            while frame is None:
+                async with self.rw_lock.write_lock():
+                    if self.send_closed:
+                        raise MuxedStreamError("Stream is closed for sending")
+                    async with self.window_lock:
+                        if self.closed:
+                            raise MuxedStreamError("Stream is closed")
+                        if self.send_window > 0:
+                            size = min(
+                                self.send_window, MAX_FRAME_SIZE - _HEADER_SIZE, total - sent
+                            )
+                            self.send_window -= size
+                            header = struct.pack(
+                                _HEADER_FORMAT, 0, _TYPE_DATA, 0, self.stream_id, size
+                            )
+                            frame = header + data[sent : sent + size]
+                if frame is None:
+                    await self._wait_for_window()
+            await self.conn._write_frame(frame)
+            sent += size
+
+    # --------------------------------------------------- receive credit in batches
+
+    async def _auto_tune_and_send_window_update(self, *, bytes_read: int = 0) -> None:
+        """Grant credit once half the target window was consumed; each grant doubles the target
+        (up to py-libp2p's 16 MiB) and restores the full window. (py-libp2p's own rule doubles
+        only when updates come within 4 RTTs: fed with batched updates it stayed at 512 KiB.)"""
+        if _updates_per_read():
+            await super()._auto_tune_and_send_window_update(bytes_read=bytes_read)
+            return
+        async with self.window_lock:
+            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+            consumed = self.target_recv_window - (self.recv_window + buffered)
+            if consumed <= 0 or consumed < self.target_recv_window // 2:
+                return
+            self.target_recv_window = min(2 * self.target_recv_window, _MAX_WINDOW)
+            increment = self._grow_to_delta(buffered)
+            self._pending_recv_release = 0
+        await self.send_window_update(increment, skip_lock=True)
+
+
+class TunedMuxerMultistream(MuxerMultistream):
+    """py-libp2p's muxer selection whose yamux connections are ``TunedYamux``es (our hosts'
+    upgraders get theirs adopted into this class, ``use_tuned_yamux``)."""
+
+    async def new_conn(self, conn, peer_id):
+        muxed = await super().new_conn(conn, peer_id)
+        if type(muxed) is Yamux:
+            TunedYamux.adopt(muxed)
+        return muxed
+
+
+def use_tuned_yamux(host) -> None:
+    """Make ``host``'s (a py-libp2p BasicHost, not yet running) yamux connections
+    ``TunedYamux``es: its upgrader's muxer selection becomes a ``TunedMuxerMultistream``."""
+    upgrader = host.get_network().upgrader
+    if type(upgrader.muxer_multistream) is not MuxerMultistream:
+        raise RuntimeError("libp2p internals changed: the upgrader has no MuxerMultistream")
+    upgrader.muxer_multistream.__class__ = TunedMuxerMultistream
+
+
+class _AdoptingStreams(dict):
+    """``Yamux.streams`` of a ``TunedYamux``: adopts every stream stored into it."""
+
+    def __setitem__(self, stream_id, stream) -> None:
+        TunedYamuxStream.adopt(stream)
+        super().__setitem__(stream_id, stream)
+
+
+class TunedYamux(Yamux):
+    """py-libp2p's yamux connection whose streams are ``TunedYamuxStream``s.
+
+    py-libp2p builds its ``Yamux`` by name (``MuxerMultistream.new_conn`` ignores the class in
+    ``muxer_opt`` for yamux), so our upgrader's muxer selection (``TunedMuxerMultistream``)
+    adopts each new connection into this class before it starts."""
+
+    @classmethod
+    def adopt(cls, conn: Yamux) -> None:
+        """Turn a freshly built, not yet started ``Yamux`` into one of this class, in place."""
+        if type(conn) is not Yamux:
+            raise TypeError(f"cannot adopt a {type(conn).__name__} connection")
+        if conn.streams or type(conn.streams) is not dict or conn.event_started.is_set():
+            raise RuntimeError("libp2p internals changed: a new Yamux has streams or started")
+        conn.__class__ = cls
+        conn.streams = _AdoptingStreams()
+
+    async def _write_frame(self, data: bytes) -> None:
+        """Write one frame all-or-nothing under cancellation.
+
+        py-libp2p writes with ``await secured_conn.write(frame)``: Noise encrypts the frame
+        (spending a nonce), then sends it; a task cancelled inside drops an encrypted message or
+        sends part of it, and the peer fails to decrypt everything after it. Here the wait for
+        the write lock stays cancellable (nothing sent yet) and the write is shielded, bounded
+        by ``FRAME_WRITE_TIMEOUT``; a frame that cannot be written in that time closes the
+        connection (it may be half-sent)."""
+        async with self._write_lock:
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(FRAME_WRITE_TIMEOUT) as stalled:
+                    await self.secured_conn.write(data)
+                if stalled.cancelled_caught:
+                    with trio.move_on_after(1.0):
+                        await self.secured_conn.close()
+        if stalled.cancelled_caught:
+            raise MuxedConnUnavailable(
+                f"a yamux frame write made no progress for {FRAME_WRITE_TIMEOUT} s"
+            )
+        await trio.lowlevel.checkpoint()
+
+    async def _measure_rtt_loop(self) -> None:
+        """No pings: the round-trip time fed only the auto-tuning ``TunedYamuxStream`` replaces
+        (~2% of a DHT node's CPU with ~50 connections). Pings from the peer are still answered."""
+        if _updates_per_read():
+            await super()._measure_rtt_loop()

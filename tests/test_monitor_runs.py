@@ -1,0 +1,135 @@
+"""The run directory between real DHT peers, and ``swarmtrain runs`` as a separate process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import trio
+
+from swarmtrain.dht import DHT, get_dht_time
+from swarmtrain.monitor.runs import (
+    RUNS_KEY,
+    AsyncRunAnnouncer,
+    RunAnnouncement,
+    announce_run,
+    list_runs,
+)
+
+FAST_DHT = {
+    "use_relay": False,
+    "relay_service": False,
+    "use_autonat": False,
+    "wait_timeout": 2.0,
+    "blacklist_time": 1.0,
+}
+
+ALBERT = RunAnnouncement(
+    run_id="albert",
+    name="ALBERT-large on wikitext",
+    description="a volunteer run",
+    model="albert-large-v2",
+    initial_peers=("/ip4/1.2.3.4/tcp/31337/p2p/QmBootstrap",),
+    command="python run_trainer.py --run_id albert --initial_peers /ip4/1.2.3.4/tcp/31337",
+    requirements="1 GPU with 8 GB",
+)
+
+
+@asynccontextmanager
+async def open_dhts(count: int):
+    async with AsyncExitStack() as stack:
+        first = await stack.enter_async_context(DHT.create(**FAST_DHT))
+        dhts = [first]
+        for _ in range(count - 1):
+            dhts.append(
+                await stack.enter_async_context(DHT.create(first.get_visible_maddrs(), **FAST_DHT))
+            )
+        yield dhts
+
+
+async def wait_runs(dht, predicate) -> list[RunAnnouncement]:
+    with trio.fail_after(15):
+        while True:
+            runs = await list_runs(dht)
+            if predicate(runs):
+                return runs
+            await trio.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"run_id": ""},
+        {"run_id": "x" * 65},
+        {"description": "x" * 1025},
+        {"initial_peers": tuple(f"/ip4/1.2.3.4/tcp/{p}" for p in range(9))},
+    ],
+)
+def test_oversized_announcements_are_rejected(changes):
+    with pytest.raises(ValueError):
+        RunAnnouncement(**(ALBERT.to_dict() | changes))
+
+
+@pytest.mark.trio
+async def test_runs_announce_themselves_and_readers_list_them():
+    async with open_dhts(3) as (reader, organiser, other):
+        async with AsyncRunAnnouncer.create(organiser, ALBERT, expiration=60):
+            await announce_run(other, RunAnnouncement(run_id="gpt", private=True))
+            runs = await wait_runs(reader, lambda r: {run.run_id for run in r} == {"albert", "gpt"})
+            albert = next(run for run in runs if run.run_id == "albert")
+            assert albert.model == ALBERT.model and albert.initial_peers == ALBERT.initial_peers
+            assert albert.owner.startswith(b"[owner:") and abs(albert.time - get_dht_time()) < 15
+            assert next(run for run in runs if run.run_id == "gpt").private
+
+
+@pytest.mark.trio
+async def test_nobody_can_rewrite_or_withdraw_another_owners_announcement():
+    async with open_dhts(3) as (reader, organiser, outsider):
+        await announce_run(organiser, ALBERT)
+        (albert,) = await wait_runs(reader, lambda r: len(r) == 1)
+        hijacked = ALBERT.to_dict() | {"initial_peers": ["/ip4/6.6.6.6/tcp/1"], "time": 1.0}
+        subkey = albert.owner + b"albert"
+        assert not await outsider.store(RUNS_KEY, hijacked, get_dht_time() + 60, subkey=subkey)
+        assert not await outsider.store(RUNS_KEY, None, get_dht_time() + 60, subkey=subkey)
+        (still,) = await list_runs(reader)
+        assert still.initial_peers == ALBERT.initial_peers and still.owner == albert.owner
+
+
+def test_the_runs_command_lists_announced_runs():
+    organiser = DHT(**FAST_DHT)
+    try:
+        organiser.run_coroutine(lambda dht, _: announce_run(dht, ALBERT))
+        (address,) = [a for a in organiser.get_visible_maddrs() if "/ip4/127.0.0.1/" in a][:1]
+        result = subprocess.run(
+            [sys.executable, "-m", "swarmtrain.cli.main", "runs", "--initial_peers", address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "albert (ALBERT-large on wikitext)" in result.stdout
+        assert f"join with: {ALBERT.command}" in result.stdout
+        assert "requirements: 1 GPU with 8 GB" in result.stdout
+    finally:
+        organiser.shutdown()
+
+
+def test_the_runs_command_says_when_there_are_none():
+    node = DHT(**FAST_DHT)
+    try:
+        address = node.get_visible_maddrs()[0]
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "swarmtrain.cli.main", "runs", "--initial-peers", address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.strip() == "no runs announced"
+        assert time.monotonic() - started < 60
+    finally:
+        node.shutdown()
