@@ -12,7 +12,9 @@ then answers one line per command (``{"error": ...}`` when a command fails):
 - ``{"op": "connect", "maddr"}``: dial a peer;
 - ``{"op": "average", "prefix", "rounds", "floats", "value", "group_size", "timeout"}``:
   a ``DecentralizedAverager`` over ``floats`` float32 values all equal to ``value`` averages
-  ``rounds`` times; per round: seconds, group size, the first averaged value;
+  ``rounds`` times (``averager``: its keywords; ``{"float16": true}`` for float16 parts);
+  per round: seconds, wall-clock stamps of the all-reduce's start and the step's end, group
+  size, the first averaged value;
 - ``{"op": "paths"}``: per connected peer, the kinds of connection held
   (``P2P.connection_paths``), relay and lane counters;
 - ``{"op": "bulk_call", "peer", "mib", "bulk"}``: stream ``mib`` MiB to ``peer``'s digest
@@ -114,6 +116,11 @@ async def main(options: dict) -> None:
                         import torch  # only averaging peers pay for importing it
 
                         from swarmtrain.averaging import DecentralizedAverager
+                        from swarmtrain.compression import Float16Compression
+
+                        extra = dict(command.get("averager", {}))
+                        if extra.pop("float16", False):  # DiLoCo's pseudo-gradient codec
+                            extra["compression"] = Float16Compression()
 
                         tensors = [torch.full((command["floats"],), float(command["value"]))]
                         averagers[prefix] = (
@@ -127,7 +134,7 @@ async def main(options: dict) -> None:
                                     min_group_size=command["group_size"],
                                     min_matchmaking_time=command.get("matchmaking_time", 2.0),
                                     request_timeout=command.get("request_timeout", 1.0),
-                                    **command.get("averager", {}),
+                                    **extra,
                                 )
                             ),
                         )
@@ -137,10 +144,15 @@ async def main(options: dict) -> None:
                         averaged[0].fill_(float(command["value"]))  # no step is running
                         started = time.perf_counter()
                         with trio.fail_after(command.get("timeout", 60)):
-                            group = await averager.step(expected_group_size=command["group_size"])
+                            group, allreduce_began = await _timed_step(
+                                averager, command["group_size"]
+                            )
                         rounds.append(
                             {
                                 "seconds": time.perf_counter() - started,
+                                # wall-clock stamps (one machine: comparable across peers)
+                                "allreduce_began": allreduce_began,
+                                "ended": time.time(),
                                 "group": len(group),
                                 "value": float(averaged[0][0]),
                                 "paths": _paths(p2p),
@@ -184,6 +196,27 @@ async def main(options: dict) -> None:
                     say({"error": f"unknown op {op!r}"})
             except Exception as e:
                 say({"error": f"{op}: {e!r}"})
+
+
+async def _timed_step(averager, group_size: int) -> tuple[dict, float]:
+    """``averager.step``, and the wall-clock time its all-reduce began (polled every 5 ms)."""
+    control = averager.start_step(expected_group_size=group_size)
+    began: list[float] = []
+
+    async def watch() -> None:
+        while not control.began_allreduce:  # noqa: ASYNC110 (no event for the stage)
+            await trio.sleep(0.005)
+        began.append(time.time())
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            group = await control.wait_result()
+            nursery.cancel_scope.cancel()
+    except BaseException:
+        control.cancel()
+        raise
+    return group, began[0] if began else time.time()
 
 
 def _paths(p2p) -> dict[str, list[str]]:

@@ -49,6 +49,39 @@ def progress(opt, mode: str) -> dict:
     return {"epoch": opt.local_epoch, "averaged": opt.epochs_averaged, "alone": opt.epochs_alone}
 
 
+def flat_parameters(model) -> list[float]:
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def status(model, eval_set, opt, mode: str) -> dict:
+    """``{"status": eval loss, "finite": all parameters finite, **progress}``."""
+    import torch
+
+    loss, accuracy = evaluate(model, eval_set)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return {"status": loss, "accuracy": accuracy, "finite": finite, **progress(opt, mode)}
+
+
+def final_sync(opt, mode: str, model, message: dict) -> dict:
+    """One synchronous state round after training: Optimizer peers average their training
+    state with every peer that joins the round; DiLoCo peers load the state of ``donor``
+    (``message["donor"]``, a peer id; the donor keeps its own)."""
+    from swarmtrain.p2p import PeerID
+
+    if mode == "diloco":
+        donor = message["donor"]
+        loaded = donor == str(opt.averager.peer_id) or opt.load_state_from_peers(
+            timeout=message.get("timeout", 60), donors=[PeerID.from_base58(donor)]
+        )
+        return {"synced": bool(loaded), "params": flat_parameters(model)}
+    group = opt.state_averager.step(
+        averaging_round=True, averaging_opts={"timeout": message.get("timeout", 60)}
+    )
+    return {"synced": len(group or ()), "params": flat_parameters(model)}
+
+
 def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
     import torch
 
@@ -71,7 +104,7 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
             inner_steps=command.get("inner_steps", 50),
             batch_size_per_step=batch,
             matchmaking_time=command.get("matchmaking_time", 5.0),
-            averaging_timeout=60.0,
+            averaging_timeout=command.get("averaging_timeout", 60.0),
             min_group_size=2,
         )
     else:
@@ -83,13 +116,17 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
             optimizer=lambda params: torch.optim.Adam(params, lr=0.01),
             params=model.parameters(),
             matchmaking_time=command.get("matchmaking_time", 5.0),
-            averaging_timeout=60.0,
+            averaging_timeout=command.get("averaging_timeout", 60.0),
             load_state_timeout=60.0,
         )
     try:
         loss_before, _ = evaluate(model, eval_set)
-        if mode != "diloco":
+        if command.get("join"):  # a newcomer: take the swarm's state first
+            say({"joined": opt.load_state_from_peers(), **progress(opt, mode)})
+        elif mode != "diloco":
             opt.wait_for_peers(peers, timeout=60)
+        if command.get("say_started"):
+            say({"started": True, **progress(opt, mode)})
         generator = torch.Generator().manual_seed(1000 + index)
         started = time.monotonic()
         finish_at = None
@@ -103,17 +140,18 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
             if not announced and time.monotonic() - started >= command["seconds"]:
                 say({"trained": time.monotonic() - started, **progress(opt, mode)})
                 announced = True
-            while announced and finish_at is None:
+            while True:
                 try:
                     message = commands.get_nowait()
                 except queue.Empty:
                     break
-                if message["op"] == "finish":
+                if message["op"] == "status":
+                    say(status(model, eval_set, opt, mode))
+                elif message["op"] == "finish":
                     finish_at = message["epoch"]
                 elif message["op"] == "quit":
                     return
         loss_after, accuracy = evaluate(model, eval_set)
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         say(
             {
                 "done": time.monotonic() - started,
@@ -121,12 +159,15 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
                 "eval_loss_before": loss_before,
                 "eval_loss_after": loss_after,
                 "accuracy": accuracy,
-                "params": flat.tolist(),
+                "params": flat_parameters(model),
             }
         )
         # stay until told to quit: peers that are behind may still average with us
-        while commands.get()["op"] != "quit":
-            pass
+        while (message := commands.get())["op"] != "quit":
+            if message["op"] == "sync":
+                say(final_sync(opt, mode, model, message))
+            elif message["op"] == "status":
+                say(status(model, eval_set, opt, mode))
     finally:
         opt.shutdown()
 

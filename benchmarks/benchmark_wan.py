@@ -1,0 +1,200 @@
+"""All-reduce over WAN-like links (issue 18.3): round times against the bandwidth-optimal
+butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root only.
+
+    sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
+
+A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a
+``tc tbf`` rate limit on its link (both directions), a delay proxy (every TCP connection a
+host opens is delayed ``delay`` each way: RTT = 2 x delay) and ``iptables -m statistic`` loss
+on packets arriving at it. One ``peer.py`` per host (a ``DHT`` and a
+``DecentralizedAverager`` over ``--floats`` float32), every peer with the same group of
+``--peers``. Per configuration, ``--rounds`` rounds; a round's all-reduce time is the span
+from the first member entering all-reduce to the last one finishing (matchmaking excluded;
+the whole step is printed too). Baseline from the same script: the butterfly lower bound
+``2 (N-1)/N x size / rate + 2 RTT`` (each peer sends and receives (N-1)/N of its tensor in
+reduce-scatter and again in all-gather; one RTT per phase). The ratio is the figure.
+
+Limitation of the delay model: the proxy terminates TCP on the opener's host, so the kernel's
+TCP window does not see the delay (the proxy's 16 MiB buffer holds the bytes in flight);
+what sees the full RTT is end-to-end flow control above TCP (yamux windows) and request/
+response turns. The kernel's TCP limits for a real long fat pipe are printed for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import netlab
+from netlab.nat_swarm import LISTEN_ALL, PEER_SCRIPT
+
+
+def report(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def butterfly_seconds(peers: int, size_bytes: int, mbit: float, rtt: float) -> float:
+    return 2 * (peers - 1) / peers * size_bytes * 8 / (mbit * 1e6) + 2 * rtt
+
+
+def kernel_tcp_limits(host) -> dict:
+    names = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.core.rmem_max", "net.core.wmem_max")
+    out = host.exec("sysctl", *names)
+    limits = dict(line.split(" = ") for line in out.strip().splitlines())
+    return {k: v.replace("\t", " ") for k, v in limits.items()}
+
+
+PROBE_SCRIPT = os.path.join(os.path.dirname(PEER_SCRIPT), "probe.py")
+PROBE_PORT = 5000
+
+
+def tcp_echo_seconds(lab, hosts, mib: int) -> float:
+    """Raw TCP on the same path (delay proxy included): ``mib`` MiB from host 0 to host 1
+    echoed back at once (full duplex, one connection), seconds."""
+    probe = lab.spawn(
+        hosts[0],
+        PROBE_SCRIPT,
+        *("connect", hosts[1].ip, str(PROBE_PORT), "--send", str(mib << 20), "--timeout", "120"),
+    )
+    answer = probe.recv(150)
+    assert answer["echo_ok"], answer
+    return answer["seconds"]
+
+
+def bulk_calls(peers, mbit: float, delay: float, args) -> dict:
+    """One pair's throughput: ``--bulk-mib`` MiB from peer 0 to peer 1, over a data lane
+    (``bulk=True``) and over yamux (``bulk=False``), median of 2 each, against size / rate
+    plus one RTT (the reply)."""
+    target = peers[1].ask({"op": "info"}, 30)["peer_id"]
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(2):
+        for bulk in (True, False):
+            message = {"op": "bulk_call", "peer": target, "mib": args.bulk_mib, "bulk": bulk}
+            answer = peers[0].ask({**message, "timeout": args.timeout}, args.timeout + 30)
+            assert answer["correct"], answer
+            seconds[bulk].append(answer["seconds"])
+    ideal = args.bulk_mib * (1 << 20) * 8 / (mbit * 1e6) + 2 * delay
+    lane, yamux = (statistics.median(seconds[b]) for b in (True, False))
+    return {
+        "pair_ideal_seconds": round(ideal, 2),
+        "pair_lane_ratio": round(lane / ideal, 2),
+        "pair_yamux_ratio": round(yamux / ideal, 2),
+        "pair_seconds": {"lane": seconds[True], "yamux": seconds[False]},
+    }
+
+
+def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
+    with netlab.Lab() as lab:
+        hosts = [lab.add_public_host(f"p{i}") for i in range(args.peers)]
+        if delay:
+            for host in hosts:
+                lab.add_latency(host, delay)  # before any connection opens
+        if delay == args.delays[0]:
+            report(kernel_tcp_limits_in_a_namespace=kernel_tcp_limits(hosts[0]))
+        started = time.monotonic()
+        first = lab.spawn(hosts[0], PEER_SCRIPT, json.dumps({"dht": {"host_maddrs": LISTEN_ALL}}))
+        info = first.recv(120)
+        boot = next(a for a in info["maddrs"] if f"/ip4/{hosts[0].ip}/" in a)
+        peers = [first]
+        for host in hosts[1:]:
+            options = {"dht": {"host_maddrs": LISTEN_ALL, "initial_peers": [boot]}}
+            peers.append(lab.spawn(host, PEER_SCRIPT, json.dumps(options)))
+        for peer in peers[1:]:
+            peer.recv(120)
+        if args.bulk_mib:
+            lab.spawn(hosts[1], PROBE_SCRIPT, "serve", str(PROBE_PORT)).recv(30)
+        report(delay=delay, startup_seconds=round(time.monotonic() - started, 1))
+        for index, (mbit, loss, codec) in enumerate(configs):
+            for host in hosts:
+                lab.limit_rate(host, mbit)
+                lab.set_loss(host, loss)
+            message = {
+                "op": "average",
+                "prefix": f"wan{index}",
+                "rounds": 1,
+                "floats": args.floats,
+                "group_size": args.peers,
+                "timeout": args.timeout,
+                "matchmaking_time": 3.0,
+                "request_timeout": max(1.0, 8 * delay),
+                "averager": {"next_chunk_timeout": 30.0, "float16": codec == "float16"},
+            }
+            spans, steps = [], []
+            for _ in range(args.rounds + 1):  # round 0 opens the connections and lanes
+                for i, peer in enumerate(peers):
+                    peer.send({**message, "value": float(i)})
+                results = [peer.recv(args.timeout + 30)["rounds"][0] for peer in peers]
+                assert all(r["group"] == args.peers for r in results), results
+                expected = (args.peers - 1) / 2
+                assert all(abs(r["value"] - expected) < 1e-4 for r in results), results
+                began = min(r["allreduce_began"] for r in results)
+                spans.append(max(r["ended"] for r in results) - began)
+                steps.append(max(r["seconds"] for r in results))
+            size = args.floats * (2 if codec == "float16" else 4)
+            bound = butterfly_seconds(args.peers, size, mbit, 2 * delay)
+            median = statistics.median(spans[1:])
+            pair = bulk_calls(peers, mbit, delay, args) if args.bulk_mib else {}
+            if args.bulk_mib:
+                # the link's real goodput (L2 headers, ACKs, tbf): the measured butterfly
+                echo = tcp_echo_seconds(lab, hosts, args.bulk_mib)
+                goodput = args.bulk_mib * (1 << 20) * 8 / 1e6 / (echo - 2 * delay)
+                measured = butterfly_seconds(args.peers, size, goodput, 2 * delay)
+                pair.update(
+                    tcp_goodput_mbit=round(goodput, 1),
+                    butterfly_measured_seconds=round(measured, 2),
+                    ratio_to_measured=round(median / measured, 2),
+                )
+            report(
+                delay_ms=int(delay * 1000),
+                rtt_ms=int(2 * delay * 1000),
+                mbit=mbit,
+                loss=loss,
+                codec=codec,
+                floats=args.floats,
+                peers=args.peers,
+                butterfly_seconds=round(bound, 2),
+                allreduce_seconds_median=round(median, 2),
+                ratio=round(median / bound, 2),
+                allreduce_seconds=[round(s, 2) for s in spans],
+                step_seconds=[round(s, 2) for s in steps],
+                load=os.getloadavg()[0],
+                **pair,
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--floats", type=int, default=4 << 20)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--delays", type=float, nargs="+", default=[0.0, 0.05, 0.15])
+    parser.add_argument("--mbits", type=float, nargs="+", default=[100.0, 20.0])
+    parser.add_argument("--losses", type=float, nargs="+", default=[0.0, 0.01])
+    parser.add_argument(
+        "--codecs",
+        nargs="+",
+        choices=("none", "float16"),
+        default=["none"],
+        help="float16: DiLoCo's round (its pseudo-gradient codec)",
+    )
+    parser.add_argument("--bulk-mib", type=int, default=8, help="pair throughput (0: skip)")
+    args = parser.parse_args()
+    reason = netlab.iptables_unavailable_reason()
+    if reason:
+        sys.exit(reason)
+    report(load_at_start=os.getloadavg())
+    for delay in args.delays:
+        losses = [0.0] if delay == 0 else args.losses
+        configs = [(m, loss, c) for m in args.mbits for loss in losses for c in args.codecs]
+        run_lab(delay, configs, args)
+    report(load_at_end=os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
