@@ -42,6 +42,21 @@ class Dialling:
         conns = self._host.get_network().connections.get(as_peer_id(peer), ())
         return any(not conn.is_closed for conn in conns)
 
+    def _not_a_replaced_relay_path(self, peer_id: ID, stream) -> bool:
+        """False for a pooled stream on a relayed connection to a peer we now also reach
+        directly (after a hole punch): new calls then open streams on the direct connection
+        instead of reusing the relayed path until it closes. Data lanes are always fine."""
+        muxed_conn = getattr(getattr(stream, "stream", None), "muxed_conn", None)
+        if muxed_conn is None:
+            return True
+        conns = self._host.get_network().connections.get(peer_id) or []
+        conns = [c for c in (conns if isinstance(conns, list) else [conns]) if not c.is_closed]
+        relayed = ConnectionType.RELAYED
+        ours = [c for c in conns if c.muxed_conn is muxed_conn]
+        if not ours or ours[0].get_connection_type() != relayed:
+            return True
+        return not any(c.get_connection_type() != relayed for c in conns)
+
     def connection_paths(self) -> dict[ID, list[str]]:
         """How each connected peer is reached: one entry per open connection, ``"direct"`` or
         ``"relayed"`` (both while a hole-punched connection replaces a relayed one)."""

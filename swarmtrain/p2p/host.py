@@ -203,9 +203,13 @@ class P2P(Dialling):
         self.config = config
         self.peer_id: ID = host.get_id()
         self._rpc_server = rpc.RPCServer(config.max_message_size, config.limits)
-        self._stream_pool = rpc_client.StreamPool(self._open_rpc_stream)
+        self._stream_pool = rpc_client.StreamPool(
+            self._open_rpc_stream, still_fitting=self._not_a_replaced_relay_path
+        )
         self._bulk_pool = rpc_client.StreamPool(
-            self._open_bulk_stream, preferred=lambda s: isinstance(s.stream, LaneStream)
+            self._open_bulk_stream,
+            preferred=lambda s: isinstance(s.stream, LaneStream),
+            still_fitting=self._not_a_replaced_relay_path,
         )
         self.lanes: DataLanes | None = None  # set in create when use_data_lanes
         self._nursery: trio.Nursery | None = None

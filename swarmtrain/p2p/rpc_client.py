@@ -45,9 +45,13 @@ class StreamPool:
         reuse_time: float = CALLER_STREAM_REUSE_TIME,
         max_idle_per_peer: int = 8,
         preferred: Callable[[RPCStream], bool] | None = None,
+        still_fitting: Callable[[Any, RPCStream], bool] | None = None,
     ):
+        """``still_fitting(peer_id, stream)``: False for an idle stream that should no longer
+        carry calls although it is open (a relayed path once a direct one exists)."""
         self._open_stream = open_stream
         self._preferred = preferred  # idle streams to hand out first (e.g. data lanes)
+        self._still_fitting = still_fitting
         self.reuse_time = reuse_time
         self.max_idle_per_peer = max_idle_per_peer
         self._idle: dict[Any, list[tuple[RPCStream, float]]] = {}
@@ -65,7 +69,11 @@ class StreamPool:
                     break
         while idle:
             stream, since = idle.pop()
-            if now - since <= self.reuse_time and stream.is_reusable():
+            if (
+                now - since <= self.reuse_time
+                and stream.is_reusable()
+                and (self._still_fitting is None or self._still_fitting(peer_id, stream))
+            ):
                 stream.set_max_message_size(max_message_size)
                 self.streams_reused += 1
                 return stream, True
