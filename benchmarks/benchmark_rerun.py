@@ -23,13 +23,15 @@ import os
 import queue
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from dead_hosts import silent_port
 
 HOST_KWARGS = dict(use_relay=False, relay_service=False, use_autonat=False)
 
@@ -77,20 +79,6 @@ def spawn(bootstrap: str, epochs: int, run_id: str, lines: queue.Queue, tag: str
 
     threading.Thread(target=read, daemon=True).start()
     return process
-
-
-def silent_port(port: int) -> list[socket.socket]:
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(0)
-    sockets = [listener]
-    for _ in range(3):
-        filler = socket.socket()
-        filler.setblocking(False)
-        filler.connect_ex(("127.0.0.1", port))
-        sockets.append(filler)
-    return sockets
 
 
 def rerun(bootstrap: str, peers: int, run_id: str, timeout: float = 200.0) -> list[dict]:

@@ -14,27 +14,13 @@ import socket
 import pytest
 import torch
 import trio
+from dead_hosts import silent_port
 from test_averaging_averager import Swarm, random_tensors
 
 from swarmtrain.averaging.state_sharing import STATE_SHARING_KEY_PATTERN, state_sharing_key
 from swarmtrain.dht import DHT, PeerRecordValidator, get_dht_time
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
-
-
-def silent_port(port: int) -> list[socket.socket]:
-    """A listener on ``port`` that never accepts, its backlog filled: new SYNs are dropped."""
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(0)
-    sockets = [listener]
-    for _ in range(3):
-        filler = socket.socket()
-        filler.setblocking(False)
-        filler.connect_ex(("127.0.0.1", port))
-        sockets.append(filler)
-    return sockets
 
 
 @pytest.mark.trio

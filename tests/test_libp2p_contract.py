@@ -25,9 +25,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import stock_libp2p_peer
 import tomllib
 import trio
-from libp2p.network.stream.exceptions import StreamEOF
 
 from swarmtrain.p2p import P2P
 from swarmtrain.p2p._tuning import SUPPORTED_LIBP2P_VERSION
@@ -394,31 +394,14 @@ def test_stock_libp2p_is_shaped_as_we_assume(stock_facts, index):
 
 # ------------------------------------------------------------------------------------- interop
 
-ECHO_PROTOCOL = "/swarmtrain-contract/echo/1.0.0"
 SIZE = 3 * 1024 * 1024 + 12345  # > Noise's 64 KiB messages, > our 1 MiB yamux frames, > windows
-
-
-def pattern(size: int) -> bytes:
-    block = bytes(range(251))
-    return (block * (size // len(block) + 1))[:size]
-
-
-async def read_to_end(stream) -> bytes:
-    received = bytearray()
-    while True:
-        try:
-            chunk = await stream.read(256 * 1024)
-        except StreamEOF:
-            return bytes(received)
-        if not chunk:
-            return bytes(received)
-        received += chunk
-
-
-async def echo_handler(stream) -> None:
-    data = await read_to_end(stream)
-    await stream.write(data)
-    await stream.close()
+# the same echo protocol on both sides (the stock peer's module imports no swarmtrain)
+ECHO_PROTOCOL, pattern, read_to_end, echo_handler = (
+    stock_libp2p_peer.ECHO_PROTOCOL,
+    stock_libp2p_peer.pattern,
+    stock_libp2p_peer.read_to_end,
+    stock_libp2p_peer.echo_handler,
+)
 
 
 class StockPeer:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dead_hosts import silent_port
 
 from swarmtrain.dht import DHT
 
@@ -196,22 +197,6 @@ class PeerProcess:
         if self.process.stdout is not None:
             self._reader.join(timeout=10)
             self.process.stdout.close()
-
-
-def silent_port(port: int) -> list[socket.socket]:
-    """Take over a dead peer's TCP port so that dials to it hang, as toward a host that left the
-    network: a listener that never accepts, its backlog filled, so the kernel drops new SYNs."""
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(0)
-    sockets = [listener]
-    for _ in range(3):
-        filler = socket.socket()
-        filler.setblocking(False)
-        filler.connect_ex(("127.0.0.1", port))
-        sockets.append(filler)
-    return sockets
 
 
 @pytest.mark.timeout(240)  # four peer processes; each starts slowly on a loaded 2-core box
