@@ -219,12 +219,22 @@ def test_a_killed_runs_records_do_not_steer_a_rerun(dead_hosts):
             ports += [int(p) for p in re.findall(r"/ip4/127\.0\.0\.1/tcp/(\d+)", line)]
         for peer in killed:
             peer.wait_for(lambda line: line.startswith("EPOCH") and int(line.split()[1]) >= 3, 60)
+
+        def records_at_epoch_3():
+            progress = bootstrap.get("killed_run_progress", latest=True)
+            return progress is not None and any(
+                item.value is not None and item.value["epoch"] >= 3
+                for item in progress.value.values()
+            )
+
+        # a tracker stores its record a moment after it enters the epoch: the killed run's
+        # records must be in the DHT (as in a real crash) before the kill
+        deadline = time.monotonic() + 30
+        while not records_at_epoch_3():
+            assert time.monotonic() < deadline, "the peers' epoch-3 records never reached the DHT"
+            time.sleep(0.1)
         for peer in killed:
             peer.kill()
-        progress = bootstrap.get("killed_run_progress", latest=True)
-        assert progress is not None and any(
-            item.value is not None and item.value["epoch"] >= 3 for item in progress.value.values()
-        ), progress
         if dead_hosts == "drop":
             for port in ports:
                 traps += silent_port(port)
