@@ -16,6 +16,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import pytest
 import trio
 import trio.lowlevel
+from swarm_util import FAST_DHT, open_dhts
 
 from swarmtrain.dht import DHT
 from swarmtrain.monitor import AsyncMetricsPublisher, LocalMetrics
@@ -27,13 +28,6 @@ from swarmtrain.monitor.watch import _parse_progress, refresh, send_to_sinks, wa
 from swarmtrain.optim import ProgressTracker
 
 QUICK = {"min_refresh_period": 0.2, "max_refresh_period": 0.5, "default_refresh_period": 0.5}
-FAST_DHT = {
-    "use_relay": False,
-    "relay_service": False,
-    "use_autonat": False,
-    "wait_timeout": 2.0,
-    "blacklist_time": 1.0,
-}
 
 
 def metrics(peer: int, time_: float, loss: float | None = 1.0, rate: float = 10.0):
@@ -196,18 +190,6 @@ async def test_server_refuses_bad_requests_oversized_heads_and_too_many_clients(
 
 
 # ---------------------------------------------------------------- real training peers
-
-
-@asynccontextmanager
-async def open_dhts(count: int):
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(DHT.create(**FAST_DHT))
-        dhts = [first]
-        for _ in range(count - 1):
-            dhts.append(
-                await stack.enter_async_context(DHT.create(first.get_visible_maddrs(), **FAST_DHT))
-            )
-        yield dhts
 
 
 @pytest.mark.trio

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
+from swarm_util import FAST_DHT, open_dhts
 
 from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.monitor import AsyncMetricsPublisher, LocalMetrics, MetricsPublisher, read_metrics
 from swarmtrain.monitor.metrics import PublishSchedule, metrics_key, parse_metrics
 from swarmtrain.monitor.publisher import add_metrics_validators
-
-FAST_DHT = {
-    "use_relay": False,
-    "relay_service": False,
-    "use_autonat": False,
-    "wait_timeout": 2.0,
-    "blacklist_time": 1.0,
-}
 
 
 def record(**changes) -> LocalMetrics:
@@ -93,18 +85,6 @@ def test_schedule_rejects_bad_intervals():
 
 
 # ---------------------------------------------------------------- real peers
-
-
-@asynccontextmanager
-async def open_dhts(count: int):
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(DHT.create(**FAST_DHT))
-        dhts = [first]
-        for _ in range(count - 1):
-            dhts.append(
-                await stack.enter_async_context(DHT.create(first.get_visible_maddrs(), **FAST_DHT))
-            )
-        yield dhts
 
 
 async def wait_metrics(dht, run_id: str, predicate) -> dict:

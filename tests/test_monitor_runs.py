@@ -5,10 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
+from swarm_util import FAST_DHT, open_dhts
 
 from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.monitor.runs import (
@@ -19,14 +19,6 @@ from swarmtrain.monitor.runs import (
     list_runs,
 )
 
-FAST_DHT = {
-    "use_relay": False,
-    "relay_service": False,
-    "use_autonat": False,
-    "wait_timeout": 2.0,
-    "blacklist_time": 1.0,
-}
-
 ALBERT = RunAnnouncement(
     run_id="albert",
     name="ALBERT-large on wikitext",
@@ -36,18 +28,6 @@ ALBERT = RunAnnouncement(
     command="python run_trainer.py --run_id albert --initial_peers /ip4/1.2.3.4/tcp/31337",
     requirements="1 GPU with 8 GB",
 )
-
-
-@asynccontextmanager
-async def open_dhts(count: int):
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(DHT.create(**FAST_DHT))
-        dhts = [first]
-        for _ in range(count - 1):
-            dhts.append(
-                await stack.enter_async_context(DHT.create(first.get_visible_maddrs(), **FAST_DHT))
-            )
-        yield dhts
 
 
 async def wait_runs(dht, predicate) -> list[RunAnnouncement]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 
 import pytest
 import trio
+from swarm_util import FAST_DHT, open_dhts
 
 from swarmtrain.dht import (
     DHT,
@@ -21,8 +22,6 @@ from swarmtrain.optim import AsyncProgressTracker, LocalProgress, ProgressTracke
 from swarmtrain.proto.progress_pb2 import ProgressRecord
 
 # Relays and AutoNAT are useless on loopback and slow every host's start.
-FAST_HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
-FAST_DHT = {**FAST_HOST, "wait_timeout": 2.0, "blacklist_time": 1.0}
 # DHT fetches every 0.2-0.5 s: progress travels without gossip too
 QUICK_REFRESH = {
     "min_refresh_period": 0.2,
@@ -36,18 +35,6 @@ SLOW_REFRESH = {
     "default_refresh_period": 10.0,
 }
 MESH_TIMEOUT = 10.0
-
-
-@asynccontextmanager
-async def open_dhts(count: int):
-    async with AsyncExitStack() as stack:
-        first = await stack.enter_async_context(DHT.create(**FAST_DHT))
-        dhts = [first]
-        for _ in range(count - 1):
-            dhts.append(
-                await stack.enter_async_context(DHT.create(first.get_visible_maddrs(), **FAST_DHT))
-            )
-        yield dhts
 
 
 async def open_tracker(stack: AsyncExitStack, dht, prefix: str, target: int, **settings):

@@ -120,7 +120,8 @@ async def _yields_during(work) -> int:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ticker)
-        await trio.sleep(0.01)  # the ticker is running
+        while not turns:  # the ticker is running
+            await trio.lowlevel.checkpoint()
         before = turns
         await work()
         yielded = turns - before
