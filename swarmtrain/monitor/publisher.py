@@ -47,6 +47,7 @@ from swarmtrain.dht import (
 )
 from swarmtrain.dht.node import DHTNode
 from swarmtrain.utils.background import BackgroundService
+from swarmtrain.utils.change_signal import ChangeSignal
 
 from .metrics import LocalMetrics, MetricsSchema, PublishSchedule, metrics_key, parse_metrics
 
@@ -114,9 +115,7 @@ class AsyncMetricsPublisher:
         self.expiration = expiration
         self._schedule, self._current = schedule, base
         self._lock = threading.Lock()
-        self._changed = trio.Event()
-        self._trio_token = trio.lowlevel.current_trio_token()
-        self._loop_thread = threading.get_ident()
+        self._changed = ChangeSignal()
         self._reports = self._stores = self._store_failures = 0
 
     @classmethod
@@ -186,7 +185,7 @@ class AsyncMetricsPublisher:
             self._current = updated
             self._schedule.offer(updated)
             self._reports += 1
-        self._notify_threadsafe()
+        self._changed.notify_threadsafe()
 
     def statistics(self) -> MetricsPublisherStatistics:
         with self._lock:
@@ -197,19 +196,6 @@ class AsyncMetricsPublisher:
                 last_stored=self._schedule.last_stored,
             )
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    def _notify_threadsafe(self) -> None:
-        if threading.get_ident() == self._loop_thread:
-            self._notify()
-            return
-        try:
-            self._trio_token.run_sync_soon(self._notify)
-        except trio.RunFinishedError:
-            pass  # the loop is gone: nobody waits
-
     async def _store_loop(self) -> None:
         while True:
             now = get_dht_time()
@@ -217,7 +203,7 @@ class AsyncMetricsPublisher:
                 due = self._schedule.next_store_time()
                 record = self._schedule.take(now) if due <= now else None
             if record is None:
-                changed = self._changed
+                changed = self._changed.current()
                 with trio.move_on_after(min(due - now, self.expiration)):
                     await changed.wait()
                 continue

@@ -79,6 +79,7 @@ from swarmtrain.dht import (
 from swarmtrain.p2p import PeerID
 from swarmtrain.p2p.pubsub import PubSub
 from swarmtrain.proto.progress_pb2 import ProgressRecord
+from swarmtrain.utils.change_signal import ChangeSignal
 
 from ._owner_probe import dial_owner
 from .progress_core import (
@@ -160,10 +161,8 @@ class AsyncProgressTracker:
         self._status_loglevel = status_loglevel
         self._last_status: tuple[int, int] | None = None  # (epoch, peers) last logged at it
         self._shutdown_timeout = shutdown_timeout
-        self._changed = trio.Event()
+        self._changed = ChangeSignal()
         self._lock = threading.Lock()  # the core: the loop's tasks and the trainer's thread
-        self._trio_token = trio.lowlevel.current_trio_token()
-        self._loop_thread = threading.get_ident()
         self._fetch_failures = self._stores = self._store_failures = 0
         self._gossip_sent = self._gossip_received = self._gossip_rejected = 0
 
@@ -380,21 +379,21 @@ class AsyncProgressTracker:
         target; published in the background."""
         with self._lock:
             self._core.report_local_progress(local_epoch, samples_accumulated, get_dht_time())
-        self._notify_threadsafe()
+        self._changed.notify_threadsafe()
 
     def announce(self) -> None:
         """Publish this peer's record (zero samples) now, so that the others count it before it
         reports samples, e.g. while the trainers wait for each other at start-up."""
         with self._lock:
             self._core.announce(get_dht_time())
-        self._notify_threadsafe()
+        self._changed.notify_threadsafe()
 
     def update_epoch(self, new_epoch: int | None = None) -> int:
         """Move to ``new_epoch`` (default: the next one) with no samples; return it. The new
         epoch is gossiped at once."""
         with self._lock:
             epoch = self._core.update_epoch(new_epoch, get_dht_time())
-        self._notify_threadsafe()
+        self._changed.notify_threadsafe()
         return epoch
 
     @contextmanager
@@ -414,7 +413,7 @@ class AsyncProgressTracker:
     async def wait_global_epoch(self, epoch: int) -> GlobalProgress:
         """Wait until the swarm's epoch is at least ``epoch``; return the progress then."""
         while self.global_epoch < epoch:
-            await self._wait_changed()
+            await self._changed.wait()
         await trio.lowlevel.checkpoint()
         return self.global_progress
 
@@ -424,7 +423,7 @@ class AsyncProgressTracker:
         while not self.ready_to_update_epoch:
             delay = max(0.0, self.global_progress.eta_next_epoch - get_dht_time())
             with trio.move_on_after(delay if math.isfinite(delay) else math.inf):
-                await self._wait_changed()
+                await self._changed.wait()
         await trio.lowlevel.checkpoint()
         return self.global_progress
 
@@ -435,7 +434,7 @@ class AsyncProgressTracker:
         seconds pass without enough peers, it fetches from the DHT (the fallback)."""
         while self.global_progress.num_peers < num_peers:
             with trio.move_on_after(refresh_every) as waited:
-                await self._wait_changed()
+                await self._changed.wait()
             if waited.cancelled_caught:
                 await self._fetch()  # a failed fetch is logged; the next one comes later
         await trio.lowlevel.checkpoint()
@@ -445,23 +444,6 @@ class AsyncProgressTracker:
         """Fetch the swarm's progress from the DHT now; return the result."""
         await self._fetch()
         return self.global_progress
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    def _notify_threadsafe(self) -> None:
-        """:meth:`_notify` from any thread; from outside the loop it runs there soon."""
-        if threading.get_ident() == self._loop_thread:
-            self._notify()
-            return
-        try:
-            self._trio_token.run_sync_soon(self._notify)
-        except trio.RunFinishedError:
-            pass  # the loop is gone: nobody waits for the change
-
-    async def _wait_changed(self) -> None:
-        await self._changed.wait()
 
     # ------------------------------------------------------------ DHT tasks
 
@@ -473,7 +455,7 @@ class AsyncProgressTracker:
                 record = self._core.take_store(now) if due <= now else None
             if due > now:
                 with trio.move_on_after(due - now):
-                    await self._wait_changed()
+                    await self._changed.wait()
                 continue
             if record is None:
                 continue
@@ -503,7 +485,7 @@ class AsyncProgressTracker:
                 await self._fetch()
                 continue
             with trio.move_on_after(next_fetch - now):
-                await self._wait_changed()  # gossip and reports may bring the fetch earlier
+                await self._changed.wait()  # gossip and reports may bring the fetch earlier
 
     async def _fetch(self) -> None:
         try:
@@ -513,7 +495,7 @@ class AsyncProgressTracker:
             logger.warning("could not fetch progress of %s", self.prefix, exc_info=True)
             with self._lock:
                 self._core.on_fetch_failed(get_dht_time())
-            self._notify()
+            self._changed.notify()
             return
         entries: dict[bytes, tuple[LocalProgress | None, float]] = {}
         if found is not None and isinstance(found.value, dict):
@@ -542,7 +524,7 @@ class AsyncProgressTracker:
             progress.next_fetch_time - now,
         )
         self._log_warnings(now)
-        self._notify()
+        self._changed.notify()
 
     # ------------------------------------------------------- liveness probes
 
@@ -550,7 +532,7 @@ class AsyncProgressTracker:
         while True:
             if not await self._probe_owners():
                 with trio.move_on_after(self.config.probe_retry_period):
-                    await self._wait_changed()
+                    await self._changed.wait()
 
     async def _probe_owners(self) -> bool:
         """Dial the owners of records ahead of us that were not confirmed yet (see
@@ -575,7 +557,7 @@ class AsyncProgressTracker:
             changed = self._core.on_probe_result(probe, outcome, now)
         if changed:
             logger.info(_PROBE_MESSAGES[outcome], self.prefix, _short_peer_id(probe.peer_id))
-            self._notify()
+            self._changed.notify()
 
     # --------------------------------------------------------- gossip tasks
 
@@ -588,7 +570,7 @@ class AsyncProgressTracker:
                 record = self._core.take_gossip(now) if ready else None
             if not ready:
                 with trio.move_on_after(math.inf if due is None else due - now):
-                    await self._wait_changed()
+                    await self._changed.wait()
                 continue
             if record is not None:
                 await self._publish(record, now + self.config.metadata_expiration)
@@ -638,7 +620,7 @@ class AsyncProgressTracker:
         if changed:
             self._gossip_received += 1
             self._log_warnings(now)
-            self._notify()
+            self._changed.notify()
 
     def _log_warnings(self, now: float) -> None:
         with self._lock:
