@@ -1,3 +1,5 @@
+import functools
+import inspect
 import os
 
 import pytest
@@ -55,3 +57,80 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+# A trio test that hangs is failed by a watchdog in its own trio run, a little before
+# pytest-timeout would fire: pytest-timeout interrupts trio's internals, which leaves the run
+# half-open and fails every later trio test ("Attempted to call run() from inside a run()").
+# The watchdog's error lists where every task was waiting, so a hang in CI says where it was.
+_WATCHDOG_MARGIN = 15.0
+
+
+def _timeout_of(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    if marker is not None and "timeout" in marker.kwargs:
+        return float(marker.kwargs["timeout"])
+    return float(item.config.getini("timeout") or 0)
+
+
+def _task_tree(task, depth: int = 0) -> list[str]:
+    """One line per task: the innermost frames it waits in, trio's own left out."""
+    frames = [
+        f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:{lineno} {frame.f_code.co_name}"
+        for frame, lineno in task.iter_await_frames()
+        if "/trio/" not in frame.f_code.co_filename
+    ]
+    lines = [f"{'  ' * depth}{task.name}: {' > '.join(frames[-5:]) or '(in trio)'}"]
+    for nursery in task.child_nurseries:
+        for child in nursery.child_tasks:
+            lines.extend(_task_tree(child, depth + 1))
+    return lines
+
+
+def _with_watchdog(test, limit: float):
+    """``test`` (an async test function), failed with the task tree after ``limit`` s."""
+    import trio
+
+    @functools.wraps(test)
+    async def guarded(**kwargs):
+        tree: list[str] = []
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def watch():
+                    await trio.sleep(limit)
+                    tree.extend(_task_tree(trio.lowlevel.current_root_task()))
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                await test(**kwargs)
+                nursery.cancel_scope.cancel()
+        except BaseException as e:
+            if tree:
+                raise _hung(limit, tree) from e
+            raise
+        if tree:
+            raise _hung(limit, tree)
+
+    return guarded
+
+
+def _hung(limit: float, tree: list[str]) -> TimeoutError:
+    return TimeoutError(f"test still running after {limit:.0f} s; tasks:\n" + "\n".join(tree))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_call(item):
+    """Runs before pytest-trio's wrapper, so the watchdog runs inside the test's trio run."""
+    limit = _timeout_of(item) - _WATCHDOG_MARGIN
+    obj = getattr(item, "obj", None)
+    if (
+        item.get_closest_marker("trio") is not None
+        and limit > 0
+        and inspect.iscoroutinefunction(obj)
+        and not hasattr(obj, "hypothesis")
+    ):
+        item.obj = _with_watchdog(obj, limit)
+    yield

@@ -157,6 +157,22 @@ def test_weights_above_max_peer_weight_ban_the_sender():
     assert default.open_sender(1, b"gid", DEFAULT_MAX_PEER_WEIGHT * 10, 0.0) == Reject.BAD_PART
 
 
+def test_a_liar_refused_last_completes_the_parts_it_was_awaited_for():
+    """The liar's stream is the last to open: refusing it completes every part, and the
+    shell learns so (``take_completed``), or the honest senders would wait forever."""
+    group = make_group([1.0, 1.0, 1.0])
+    tensors = [[torch.randn(40)] for _ in range(3)]
+    core = make_cores(group, tensors, max_peer_weight=100.0)[0]
+    core.take_completed()
+    assert core.open_sender(1, b"gid", 1.0, now=0.0) is None
+    outcome = core.receive_part(1, 0, core.container.input_part(0, 0).clone(), now=0.0)
+    assert outcome.reject is None and outcome.completed == ()
+    assert core.take_completed() == ()
+    assert core.open_sender(2, b"gid", 1e30, now=0.0) == Reject.BAD_PART
+    assert core.take_completed() == (0,)
+    assert core.is_part_ready(0) and core.take_completed() == ()
+
+
 def test_absurd_delta_fails_the_reducer_and_keeps_local_values():
     group = make_group([1.0, 1.0])
     ours = torch.randn(64)

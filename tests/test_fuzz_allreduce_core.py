@@ -1,9 +1,10 @@
 """A group of AllReduceCores wired in memory, driven by hypothesis in random orders: parts and
 results arrive interleaved across links (in order on each link, as on a stream), peers die,
-send NaN or replay parts, and the clock jumps past deadlines. Whatever happens: a sender's part
-is accepted at most once, bans and failures are never undone, every result is finite, every
-core finishes by the deadline, and a round without faults gives everyone the exact weighted
-mean."""
+send NaN or replay parts, claim implausible weights, and the clock jumps past deadlines. The
+model plays the shell: it learns of completed parts only from ``take_completed``. Whatever
+happens: a sender's part is accepted at most once, bans and failures are never undone, every
+result is finite, no completed part leaves a sender without its result, every core finishes by
+the deadline, and a round without faults gives everyone the exact weighted mean."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from swarmtrain.averaging.allreduce_core import (
+    DEFAULT_MAX_PEER_WEIGHT,
     AllReduceCore,
     AllReduceGroup,
     AveragingMode,
@@ -26,12 +28,15 @@ from swarmtrain.averaging.part_reducer import TensorPartReducer
 NODE, CLIENT, AUX = AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.AUX
 SENDER_TIMEOUT, REDUCER_TIMEOUT = 5.0, 10.0
 NUMELS = (7, 3)
+IMPLAUSIBLE = DEFAULT_MAX_PEER_WEIGHT * 1000  # a liar's weight: honest reducers refuse it
 
 
 class AllReduceSwarm(RuleBasedStateMachine):
     @initialize(
         modes=st.lists(st.sampled_from([NODE, NODE, CLIENT, AUX]), min_size=2, max_size=4),
-        weights=st.lists(st.sampled_from([0.0, 1.0, 2.5, 7.0]), min_size=4, max_size=4),
+        weights=st.lists(
+            st.sampled_from([0.0, 1.0, 2.5, 7.0, IMPLAUSIBLE]), min_size=4, max_size=4
+        ),
         seed=st.integers(0, 2**16),
         part_size_bytes=st.sampled_from([4, 8, 64]),
     )
@@ -56,6 +61,7 @@ class AllReduceSwarm(RuleBasedStateMachine):
                 sender_timeout=SENDER_TIMEOUT,
                 reducer_timeout=REDUCER_TIMEOUT,
                 now=0.0,
+                max_peer_weight=max(DEFAULT_MAX_PEER_WEIGHT, self.weights[i]),
             )
             for i in range(len(modes))
         ]
@@ -65,6 +71,7 @@ class AllReduceSwarm(RuleBasedStateMachine):
         self.dead: set[int] = set()
         self.faults = 0  # kills, poison, replays, tampering (timeouts are seen in statistics)
         self.accepted: set[tuple[int, int, int]] = set()  # (reducer, sender, part)
+        self.results_sent: set[tuple[int, int, int]] = set()  # (reducer, sender, part)
         self.received: dict[tuple[int, int], dict[int, torch.Tensor]] = collections.defaultdict(
             dict
         )
@@ -98,6 +105,7 @@ class AllReduceSwarm(RuleBasedStateMachine):
             return
         if message[0] == "open":
             self.cores[dst].open_sender(src, self.group.group_id, self.weights[src], self.now)
+            self.announce(dst)
         elif message[0] == "part":
             self.receive_part(dst, src, message[1], message[2])
         else:  # a result
@@ -111,7 +119,12 @@ class AllReduceSwarm(RuleBasedStateMachine):
             assert (reducer, sender, k) not in self.accepted, "a part was accepted twice"
             self.accepted.add((reducer, sender, k))
             self.received[(reducer, sender)][k] = tensor
-        for done in outcome.completed:
+        self.announce(reducer)
+
+    def announce(self, reducer: int) -> None:
+        """What the shell does after every call into a core: the parts it completed get their
+        results out (``take_completed``, whichever call completed them)."""
+        for done in self.cores[reducer].take_completed():
             self.send_results(reducer, done)
 
     def send_results(self, reducer: int, k: int) -> None:
@@ -123,6 +136,7 @@ class AllReduceSwarm(RuleBasedStateMachine):
                 continue
             delta = core.delta_for(sender, k, parts[k])
             self.links[(reducer, sender)].append(("result", k, delta))
+            self.results_sent.add((reducer, sender, k))
             core.result_sent(sender, k, self.now)
 
     # ------------------------------------------------------------------ faults
@@ -154,8 +168,7 @@ class AllReduceSwarm(RuleBasedStateMachine):
             sender, k, self.received[(reducer, sender)][k], self.now
         )
         assert outcome.reject is not None, "a replayed part was accepted"
-        for done in outcome.completed:
-            self.send_results(reducer, done)
+        self.announce(reducer)
 
     @rule(peer=st.integers(0, 3), sender=st.integers(0, 3))
     def tamper_next_result(self, peer, sender):
@@ -176,12 +189,11 @@ class AllReduceSwarm(RuleBasedStateMachine):
         for index, core in enumerate(self.cores):
             if index in self.dead:
                 continue
-            for done in core.ban_missing_senders(self.now):
-                self.send_results(index, done)
+            core.ban_missing_senders(self.now)
             for sender in self.group.sender_indices:
                 if sender != index and self.now >= core.sender_deadline(sender):
-                    for done in core.ban_sender(sender, Failure.TIMEOUT):
-                        self.send_results(index, done)
+                    core.ban_sender(sender, Failure.TIMEOUT)
+            self.announce(index)
             for reducer in core.remote_reducers():
                 if self.now >= core.reducer_deadline(reducer):
                     core.fail_reducer(reducer, Failure.TIMEOUT)
@@ -209,6 +221,7 @@ class AllReduceSwarm(RuleBasedStateMachine):
         # deliver what is left, then let every deadline pass
         while self.pending():
             self.deliver(0)
+        self.check_no_result_owed()
         self.now += REDUCER_TIMEOUT + 1
         self.enforce_deadlines()
         while self.pending():
@@ -227,6 +240,20 @@ class AllReduceSwarm(RuleBasedStateMachine):
         event("faults" if faulty else "no faults: exact mean checked")
         if not faulty:
             self.check_exact_mean()
+
+    def check_no_result_owed(self) -> None:
+        """With every message delivered, each complete part's result went to every sender
+        that gave it (the shell heard of every completion)."""
+        for (reducer, sender), parts in self.received.items():
+            core = self.cores[reducer]
+            if reducer in self.dead or core.sender_banned(sender):
+                continue
+            for k in parts:
+                if core.is_part_ready(k):
+                    assert (reducer, sender, k) in self.results_sent, (
+                        f"part {k} of reducer {reducer} completed, but sender {sender} never "
+                        "got its result"
+                    )
 
     def check_exact_mean(self) -> None:
         senders = self.group.sender_indices

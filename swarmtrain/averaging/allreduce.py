@@ -532,7 +532,9 @@ class AllReduceRunner:
         self._notify(tuple(range(len(self._part_ready))))
 
     def _notify(self, completed: tuple[int, ...] = ()) -> None:
-        for k in completed:
+        """Wake whatever waits on a change; ``completed``: parts to mark ready besides those
+        the core completed since the last call (``take_completed``)."""
+        for k in (*completed, *self.core.take_completed()):
             self._part_ready[k].set()
         self._changed.set()
         self._changed = anyio.Event()

@@ -314,6 +314,7 @@ class AllReduceCore:
                 if n and peer != local_index:
                     self._reducer_activity[peer] = now
         self._ban_reasons: dict[int, Failure] = {}
+        self._unreported_parts: list[int] = []  # completed, not yet taken by the shell
 
         if n_local and self.is_sender:  # our own contribution needs no network
             self._senders[local_index] = _Sender.ACTIVE
@@ -487,7 +488,15 @@ class AllReduceCore:
         self._on_completed(completed)
         return completed
 
+    def take_completed(self) -> tuple[int, ...]:
+        """The local parts completed since the last call, whichever call completed them (a
+        sender's part, a ban in ``open_sender``, a deadline). A shell wakes the streams
+        waiting on these parts from here, so no completion can go unannounced."""
+        completed, self._unreported_parts = tuple(self._unreported_parts), []
+        return completed
+
     def _on_completed(self, completed: tuple[int, ...]) -> None:
+        self._unreported_parts.extend(completed)
         local = self.local_index
         if not completed or self._senders.get(local) != _Sender.ACTIVE:
             return
