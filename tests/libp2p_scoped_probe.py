@@ -128,6 +128,8 @@ def pieces(host, peer_id) -> dict:
             type(t).__name__ for t in network.transport_manager.get_transports()
         ),
         "identify_on_instance": "_schedule_identify" in vars(host),
+        # the happy-eyeballs delay as this swarm's dial_peer reads it
+        "dial_delay": network.dial_peer.__func__.__globals__["_HAPPY_EYEBALLS_DELAY"],
     }
 
 

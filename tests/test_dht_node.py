@@ -148,7 +148,6 @@ async def test_two_peers_store_get():
 
 @pytest.mark.trio
 async def test_32_peers_store_on_one_read_on_all():
-    start = time.perf_counter()
     async with swarm(32, bucket_size=4, num_replicas=3) as s:
         assert all(len(node.routing_table) > 0 for node in s.nodes)
         writers = random.sample(s.nodes, 3)
@@ -161,7 +160,6 @@ async def test_32_peers_store_on_one_read_on_all():
                 found = await node.get(f"key{i}")
                 results.append(found is not None and found.value == i)
         assert results == [True] * (32 * len(writers))
-    assert time.perf_counter() - start < 60  # about 12 s on 2 busy cores
 
 
 @pytest.mark.trio

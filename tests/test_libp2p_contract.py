@@ -40,9 +40,10 @@ FACTS: list[tuple[str, str, object, str]] = [
     # -- dialling and the swarm
     (
         "the happy-eyeballs delay is a module constant",
-        "hasattr(swarm, '_HAPPY_EYEBALLS_DELAY')",
+        "hasattr(swarm, '_HAPPY_EYEBALLS_DELAY') and "
+        "'_HAPPY_EYEBALLS_DELAY' in Swarm.dial_peer.__code__.co_names",
         True,
-        "p2p/_tuning.py (set to 0)",
+        "p2p/_tuning.py remove_dial_delay (our swarm's dial_peer reads it as 0)",
     ),
     (
         "the swarm has a retry_config of type RetryConfig",

@@ -3,9 +3,8 @@
 Our hosts get their behaviour from subclasses and instances (``p2p/_tuning.py`` lists them).
 ``tests/libp2p_scoped_probe.py`` runs in a fresh process: it records every loaded ``libp2p.*``
 module's and class's attributes, runs two swarmtrain hosts (small RPCs, 3 MiB over yamux),
-records again, then runs two plain py-libp2p hosts in the same process. The two process-wide
-changes left are listed here and in docs/libp2p.md (#10: py-libp2p's root-logger calls; #1:
-the happy-eyeballs delay).
+records again, then runs two plain py-libp2p hosts in the same process. The one process-wide
+change left is listed here and in docs/libp2p.md (#10: py-libp2p's root-logger calls).
 """
 
 from __future__ import annotations
@@ -21,13 +20,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).resolve().parent / "libp2p_scoped_probe.py"
 
-#: the only assignments onto py-libp2p left, once per process (docs/libp2p.md #10 and #1):
+#: the only assignment onto py-libp2p left, once per process (docs/libp2p.md #10):
 #: ``_tuning.route_root_logging_calls`` (its calls run ``logging.basicConfig()`` on the
-#: application's root logger; no per-host way exists) and ``_tuning.remove_dial_delay`` (a
-#: module constant read inside ``Swarm.dial_peer``; scoping it is issue #22's remaining step)
+#: application's root logger; no per-host way exists)
 ALLOWED_CHANGES = [
     "libp2p.network.connection.swarm_connection:logging",
-    "libp2p.network.swarm:_HAPPY_EYEBALLS_DELAY",
 ]
 STOCK_PIECES = {
     "muxer": "Yamux",
@@ -38,6 +35,7 @@ STOCK_PIECES = {
     "muxer_multistream": "MuxerMultistream",
     "tcp_transport": ["TCP"],
     "identify_on_instance": False,
+    "dial_delay": 0.25,
 }
 OUR_PIECES = {
     "muxer": "TunedYamux",
@@ -48,6 +46,7 @@ OUR_PIECES = {
     "muxer_multistream": "TunedMuxerMultistream",
     "tcp_transport": ["HolePunchTCP"],
     "identify_on_instance": True,
+    "dial_delay": 0.0,
 }
 STOCK_MAX_FRAME = 64 * 1024 - 12  # py-libp2p's MAX_MESSAGE_SIZE minus the yamux header
 

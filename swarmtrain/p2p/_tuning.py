@@ -3,9 +3,8 @@
 Every change is scoped to our own hosts: they are built with our own classes and instances
 (``tune_host``, ``private_network.PrivateNoiseTransport``), and py-libp2p's
 modules and classes stay exactly as imported (``tests/test_libp2p_scoped.py``), so a plain
-py-libp2p host in the same process behaves as stock py-libp2p. Two exceptions remain, both
-module attributes set once per process: ``route_root_logging_calls`` and ``remove_dial_delay``
-(see there).
+py-libp2p host in the same process behaves as stock py-libp2p. One exception remains, a
+module attribute set once per process: ``route_root_logging_calls`` (see there).
 
 - Yamux (``_yamux.TunedYamux``): 1 MiB frames, all-or-nothing frame writes under
   cancellation, writers woken by window updates, window updates in batches, no RTT pings.
@@ -21,7 +20,8 @@ module attributes set once per process: ``route_root_logging_calls`` and ``remov
   a peer before it caches protocols for it. ``SWARMTRAIN_IDENTIFY_INBOUND=1`` restores
   identify on inbound connections.
 - Dialling: py-libp2p waits 250 ms (``swarm._HAPPY_EYEBALLS_DELAY``) after starting the dial
-  of an address, even when it succeeded; set to 0, process-wide (``remove_dial_delay``).
+  of an address, even when it succeeded; our swarm's ``dial_peer`` reads it as 0
+  (``remove_dial_delay``, on the instance: ``_scoped_globals``).
 - Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values) and reports
   routine events (a peer closing during identify) as errors; its loggers stay at CRITICAL
   unless ``SWARMTRAIN_LIBP2P_LOG_LEVEL`` or ``LIBP2P_DEBUG`` says otherwise.
@@ -50,16 +50,14 @@ def check_libp2p_version() -> None:
         )
 
 
-def remove_dial_delay() -> None:
-    """Process-wide, idempotent (the second exception to scoping, see docs/libp2p.md #1):
-    py-libp2p 0.8.1's ``Swarm.dial_peer`` waits ``_HAPPY_EYEBALLS_DELAY`` (250 ms, a module
+def remove_dial_delay(host) -> None:
+    """py-libp2p 0.8.1's ``Swarm.dial_peer`` waits ``_HAPPY_EYEBALLS_DELAY`` (250 ms, a module
     constant read inside it) after starting the dial of each address, even when the dial
-    already succeeded; 0 here, so a peer's (at most 2) addresses are dialled at once."""
-    import libp2p.network.swarm as swarm_module
+    already succeeded. ``host``'s swarm gets a ``dial_peer`` that reads it as 0 (a peer's at
+    most 2 addresses are dialled at once); the module and other hosts keep 250 ms."""
+    from swarmtrain.p2p._scoped_globals import override_method_globals
 
-    if not hasattr(swarm_module, "_HAPPY_EYEBALLS_DELAY"):
-        raise RuntimeError("libp2p internals changed: swarm._HAPPY_EYEBALLS_DELAY is missing")
-    swarm_module._HAPPY_EYEBALLS_DELAY = 0.0
+    override_method_globals(host.get_network(), "dial_peer", _HAPPY_EYEBALLS_DELAY=0.0)
 
 
 def tune_host(host) -> None:
@@ -69,6 +67,7 @@ def tune_host(host) -> None:
     from swarmtrain.p2p._yamux import use_tuned_yamux
 
     use_tuned_yamux(host)
+    remove_dial_delay(host)
     use_hole_punch_tcp(host)
     use_pipelined_multistream(host)
     if os.environ.get("SWARMTRAIN_IDENTIFY_INBOUND") != "1":
@@ -76,8 +75,7 @@ def tune_host(host) -> None:
 
 
 def configure_process(*, quiet_logging: bool = True) -> None:
-    """Once per process: the two process-wide changes left (dial delay, root-logger calls)."""
-    remove_dial_delay()
+    """Once per process: the process-wide change left (root-logger calls) and log levels."""
     configure_logging(quiet_logging=quiet_logging)
 
 
