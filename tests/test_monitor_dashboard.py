@@ -21,7 +21,7 @@ from swarm_util import FAST_DHT, open_dhts
 from swarmtrain.dht import DHT
 from swarmtrain.monitor import AsyncMetricsPublisher, LocalMetrics
 from swarmtrain.monitor.http import DashboardServer
-from swarmtrain.monitor.runs import AsyncRunAnnouncer, RunAnnouncement, announce_run
+from swarmtrain.monitor.runs import AsyncRunAnnouncer, RunAnnouncement, announce_run, list_runs
 from swarmtrain.monitor.sinks import SwarmPoint, TensorBoardSink, WandbSink
 from swarmtrain.monitor.state import MonitorState, PeerProgress
 from swarmtrain.monitor.watch import _parse_progress, refresh, send_to_sinks, watch
@@ -307,10 +307,19 @@ def test_bad_progress_records_are_ignored(value):
 
 @pytest.mark.trio
 async def test_a_flood_of_announced_runs_cannot_push_out_the_followed_run():
-    async with open_dhts(2) as (monitor_dht, spammer):
+    async with open_dhts(4) as (monitor_dht, spammer, other_spammer, organiser):
+        # one announcement per peer: a spammer's second run replaces its first
         for i in range(5):
             await announce_run(spammer, RunAnnouncement(run_id=f"spam{i}"))
-        await announce_run(spammer, RunAnnouncement(run_id="real", name="the real one"))
+        await announce_run(other_spammer, RunAnnouncement(run_id="spam"))
+        await announce_run(organiser, RunAnnouncement(run_id="real", name="the real one"))
+        with trio.fail_after(15):
+            while True:
+                runs = await list_runs(monitor_dht)
+                if len(runs) == 3:
+                    break
+                await trio.sleep(0.05)
+        assert sorted(run.run_id for run in runs) == ["real", "spam", "spam4"]
         state = MonitorState(max_runs=2)
         with trio.fail_after(15):
             while not state.snapshot()["runs"].get("real", {}).get("announcement"):
