@@ -3,6 +3,7 @@ following real training peers over loopback libp2p, read with a plain HTTP clien
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -65,6 +66,23 @@ def test_state_memory_is_bounded_under_a_flood_of_peers_and_runs():
     peers = snapshot["run"]["peers"]
     assert len(peers) == 10 and {p["time"] for p in peers} == {float(i) for i in range(990, 1000)}
     assert len(snapshot["run"]["history"]) == 5
+
+
+def test_a_later_announcer_of_the_same_run_id_does_not_replace_the_first():
+    organiser = RunAnnouncement(
+        run_id="r", initial_peers=("/ip4/1.2.3.4/tcp/1/p2p/QmOrg",), time=1.0, announcer="QmOrg"
+    )
+    impostor = RunAnnouncement(
+        run_id="r", initial_peers=("/ip4/6.6.6.6/tcp/1",), time=2.0, announcer="QmBad"
+    )
+    state = MonitorState()
+    state.on_runs([impostor, organiser])  # both new: the one among its initial peers wins
+    assert state.snapshot()["runs"]["r"]["announcement"]["announcer"] == "QmOrg"
+    refreshed = RunAnnouncement(**(organiser.to_dict() | {"time": 3.0, "name": "v2"}))
+    state.on_runs([impostor, dataclasses.replace(refreshed, announcer="QmOrg")])
+    assert state.snapshot()["runs"]["r"]["announcement"]["name"] == "v2"
+    state.on_runs([impostor])  # the organiser stopped announcing: the other one is shown
+    assert state.snapshot()["runs"]["r"]["announcement"]["announcer"] == "QmBad"
 
 
 def test_eta_from_progress_records():

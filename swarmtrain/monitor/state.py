@@ -79,8 +79,9 @@ class MonitorState:
 
         A run's details come from the first peer seen announcing it, as long as that peer
         still announces it: another peer announcing the same ``run_id`` later (an impostor
-        pointing volunteers at its own bootstrap peers) does not replace them."""
-        listed = list(announcements)
+        pointing volunteers at its own bootstrap peers) does not replace them. Among several
+        new announcers, one that is among the run's own initial peers is preferred."""
+        listed = sorted(announcements, key=lambda a: not a.announced_by_initial_peer)
         still_announced = {(a.run_id, a.announcer) for a in listed}
         for announcement in listed:
             if self.follow(announcement.run_id):
