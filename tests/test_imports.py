@@ -13,7 +13,15 @@ def run_python(code: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "module", ["swarmtrain", "swarmtrain.dht", "swarmtrain.p2p", "swarmtrain.cli.main"]
+    "module",
+    [
+        "swarmtrain",
+        "swarmtrain.dht",
+        "swarmtrain.dht.owned_keys",
+        "swarmtrain.p2p",
+        "swarmtrain.cli.main",
+        "swarmtrain.cli.node",
+    ],
 )
 def test_networking_modules_do_not_import_torch(module):
     assert run_python(f"import sys, {module}; print('torch' in sys.modules)") == "False"

@@ -3,6 +3,7 @@ following real training peers over loopback libp2p, read with a plain HTTP clien
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -21,7 +22,7 @@ from swarm_util import FAST_DHT, open_dhts
 from swarmtrain.dht import DHT
 from swarmtrain.monitor import AsyncMetricsPublisher, LocalMetrics
 from swarmtrain.monitor.http import DashboardServer
-from swarmtrain.monitor.runs import AsyncRunAnnouncer, RunAnnouncement, announce_run
+from swarmtrain.monitor.runs import AsyncRunAnnouncer, RunAnnouncement, announce_run, list_runs
 from swarmtrain.monitor.sinks import SwarmPoint, TensorBoardSink, WandbSink
 from swarmtrain.monitor.state import MonitorState, PeerProgress
 from swarmtrain.monitor.watch import _parse_progress, refresh, send_to_sinks, watch
@@ -65,6 +66,23 @@ def test_state_memory_is_bounded_under_a_flood_of_peers_and_runs():
     peers = snapshot["run"]["peers"]
     assert len(peers) == 10 and {p["time"] for p in peers} == {float(i) for i in range(990, 1000)}
     assert len(snapshot["run"]["history"]) == 5
+
+
+def test_a_later_announcer_of_the_same_run_id_does_not_replace_the_first():
+    organiser = RunAnnouncement(
+        run_id="r", initial_peers=("/ip4/1.2.3.4/tcp/1/p2p/QmOrg",), time=1.0, announcer="QmOrg"
+    )
+    impostor = RunAnnouncement(
+        run_id="r", initial_peers=("/ip4/6.6.6.6/tcp/1",), time=2.0, announcer="QmBad"
+    )
+    state = MonitorState()
+    state.on_runs([impostor, organiser])  # both new: the one among its initial peers wins
+    assert state.snapshot()["runs"]["r"]["announcement"]["announcer"] == "QmOrg"
+    refreshed = RunAnnouncement(**(organiser.to_dict() | {"time": 3.0, "name": "v2"}))
+    state.on_runs([impostor, dataclasses.replace(refreshed, announcer="QmOrg")])
+    assert state.snapshot()["runs"]["r"]["announcement"]["name"] == "v2"
+    state.on_runs([impostor])  # the organiser stopped announcing: the other one is shown
+    assert state.snapshot()["runs"]["r"]["announcement"]["announcer"] == "QmBad"
 
 
 def test_eta_from_progress_records():
@@ -307,10 +325,19 @@ def test_bad_progress_records_are_ignored(value):
 
 @pytest.mark.trio
 async def test_a_flood_of_announced_runs_cannot_push_out_the_followed_run():
-    async with open_dhts(2) as (monitor_dht, spammer):
+    async with open_dhts(4) as (monitor_dht, spammer, other_spammer, organiser):
+        # one announcement per peer: a spammer's second run replaces its first
         for i in range(5):
             await announce_run(spammer, RunAnnouncement(run_id=f"spam{i}"))
-        await announce_run(spammer, RunAnnouncement(run_id="real", name="the real one"))
+        await announce_run(other_spammer, RunAnnouncement(run_id="spam"))
+        await announce_run(organiser, RunAnnouncement(run_id="real", name="the real one"))
+        with trio.fail_after(15):
+            while True:
+                runs = await list_runs(monitor_dht)
+                if len(runs) == 3:
+                    break
+                await trio.sleep(0.05)
+        assert sorted(run.run_id for run in runs) == ["real", "spam", "spam4"]
         state = MonitorState(max_runs=2)
         with trio.fail_after(15):
             while not state.snapshot()["runs"].get("real", {}).get("announcement"):

@@ -9,10 +9,13 @@ import pytest
 import trio
 from swarm_util import FAST_DHT, open_dhts
 
-from swarmtrain.dht import DHT, get_dht_time
+from swarmtrain.dht import DHT, DHTRecord, get_dht_time, serialize
+from swarmtrain.dht.protocol import StoreItem
 from swarmtrain.monitor import AsyncMetricsPublisher, LocalMetrics, MetricsPublisher, read_metrics
 from swarmtrain.monitor.metrics import PublishSchedule, metrics_key, parse_metrics
 from swarmtrain.monitor.publisher import add_metrics_validators
+from swarmtrain.monitor.state import MonitorState
+from swarmtrain.monitor.watch import refresh
 
 
 def record(**changes) -> LocalMetrics:
@@ -109,46 +112,81 @@ async def test_peers_publish_and_a_reader_sees_the_latest_of_each():
             found = await wait_metrics(
                 reader,
                 "run",
-                lambda f: (
-                    f.get(pub_a.local_public_key, record()).step == 2
-                    and pub_b.local_public_key in f
-                ),
+                lambda f: f.get(pub_a.subkey, record()).step == 2 and pub_b.subkey in f,
             )
-            mine = found[pub_a.local_public_key]
+            mine = found[pub_a.subkey]
             assert (mine.loss, mine.epoch, mine.samples_per_second) == (1.0, 0, 10.0)
             assert mine.peer_id == a.peer_id.to_base58() and mine.role == "node"
             assert abs(mine.time - get_dht_time()) < 15
-            theirs = found[pub_b.local_public_key]
+            theirs = found[pub_b.subkey]
             assert (theirs.loss, theirs.role, theirs.extra) == (3.0, "aux", {"acc": 0.25})
             assert pub_a.statistics().reports == 2
 
 
+async def raw_store(attacker, victims, item: StoreItem) -> list:
+    """``item`` sent as is (no validator of the attacker's node involved) to every victim."""
+    return [await attacker.node.protocol.call_store(v.peer_id, [item]) for v in victims]
+
+
 @pytest.mark.trio
-async def test_an_outsider_cannot_overwrite_a_peers_metrics():
-    async with open_dhts(3) as (reader, victim, outsider):
-        async with AsyncMetricsPublisher.create(victim, "run", min_interval=0.2) as publisher:
+async def test_a_peer_cannot_publish_metrics_under_another_peers_id():
+    """Issue 21: metrics records are bound to peer ids. The attacker is a publishing peer of
+    the run (its node knows the metrics key); the monitor's view of the victim stays as the
+    victim published it, and the victim's later reports still reach the monitor."""
+    async with open_dhts(3) as (monitor_dht, victim, attacker):
+        state = MonitorState()
+        async with (
+            AsyncMetricsPublisher.create(victim, "run", min_interval=0.2) as publisher,
+            AsyncMetricsPublisher.create(attacker, "run", min_interval=0.2) as own,
+        ):
             publisher.report(loss=1.0, step=7)
-            await wait_metrics(reader, "run", lambda f: publisher.local_public_key in f)
-            forged = record(peer_id=victim.peer_id.to_base58(), loss=99.0, step=8).to_dict()
-            forged["time"] = get_dht_time()
-            # the outsider's node cannot sign for the victim's key: every node rejects it
-            stored = await outsider.store(
-                metrics_key("run"), forged, get_dht_time() + 60, subkey=publisher.local_public_key
+            own.report(loss=5.0, step=1)
+            await wait_metrics(
+                monitor_dht, "run", lambda f: {publisher.subkey, own.subkey} <= set(f)
             )
-            assert not stored
-            # nor can it put unsigned records beside the peers' (no owner marker)
-            stored = await outsider.store(
-                metrics_key("run"), forged, get_dht_time() + 60, subkey=b"plain"
+            key, now = metrics_key("run"), get_dht_time()
+            forged = record(peer_id=victim.peer_id.to_base58(), loss=99.0, step=8, time=now)
+            victim_id = victim.peer_id.to_bytes()
+            # through its own node: unsigned under the victim's id (its node cannot sign it)
+            assert not await attacker.store(key, forged.to_dict(), now + 60, subkey=victim_id)
+            # nor a plain value over everybody's records, nor a record under a made-up id
+            assert not await attacker.store(key, forged.to_dict(), now + 60)
+            assert not await attacker.store(key, forged.to_dict(), now + 60, subkey=b"plain")
+            # raw store RPCs to the honest nodes: unsigned, and signed by the attacker's key
+            unsigned = StoreItem(
+                serialize(key), serialize(victim_id), serialize(forged.to_dict()), now + 60
             )
-            found = await read_metrics(reader, "run")
-            assert set(found) == {publisher.local_public_key}
-            assert (
-                found[publisher.local_public_key].loss,
-                found[publisher.local_public_key].step,
-            ) == (
+            signer = attacker.node.record_validator
+            mine = DHTRecord(
+                serialize(key),
+                serialize(attacker.peer_id.to_bytes()),
+                serialize(forged.to_dict()),
+                now + 60,
+            )
+            moved = StoreItem(
+                serialize(key), serialize(victim_id), signer.sign_value(mine), now + 60
+            )
+            honest = [monitor_dht, victim]
+            assert await raw_store(attacker, honest, unsigned) == [[False], [False]]
+            assert await raw_store(attacker, honest, moved) == [[False], [False]]
+            # under its own id, a record that claims to be the victim's: stored, dropped by readers
+            assert await attacker.store(key, forged.to_dict(), now + 60, subkey=own.subkey)
+            found = await read_metrics(monitor_dht, "run")
+            assert set(found) == {victim_id}
+            assert (found[victim_id].loss, found[victim_id].step) == (1.0, 7)
+            await refresh(monitor_dht, state, "run")
+            (peer,) = state.snapshot()["runs"]["run"]["peers"]
+            assert (peer["peer_id"], peer["loss"], peer["step"]) == (
+                victim.peer_id.to_base58(),
                 1.0,
                 7,
             )
+            # the victim keeps publishing
+            publisher.report(loss=0.5, step=8)
+            found = await wait_metrics(
+                monitor_dht, "run", lambda f: victim_id in f and f[victim_id].step == 8
+            )
+            assert found[victim_id].loss == 0.5
 
 
 @pytest.mark.trio
@@ -163,14 +201,14 @@ async def test_bad_values_are_refused_locally_and_by_other_nodes():
             with pytest.raises(ValueError):
                 publisher.report(loss=math.nan, step=3)
             assert publisher.statistics().reports == 1
-            found = await wait_metrics(reader, "run", lambda f: publisher.local_public_key in f)
+            found = await wait_metrics(reader, "run", lambda f: publisher.subkey in f)
             # a correctly signed record with a NaN loss: the schema stops it on every node
             bad = record(peer_id=peer.peer_id.to_base58()).to_dict() | {"loss": math.nan}
             assert not await peer.store(
-                metrics_key("run"), bad, get_dht_time() + 60, subkey=publisher.local_public_key
+                metrics_key("run"), bad, get_dht_time() + 60, subkey=publisher.subkey
             )
             found = await read_metrics(reader, "run")
-            assert found[publisher.local_public_key].loss == 1.0
+            assert found[publisher.subkey].loss == 1.0
 
 
 @pytest.mark.trio

@@ -30,7 +30,7 @@ import torch
 import transformers
 
 from swarmtrain.compression import Float16Compression
-from swarmtrain.dht import DHT, get_dht_time
+from swarmtrain.dht import DHT, get_dht_time, owned_keys_validator
 from swarmtrain.integrations.huggingface import make_collaborative
 from swarmtrain.optim import Optimizer
 
@@ -123,6 +123,8 @@ class PublishMetrics(transformers.TrainerCallback):
 
     def __init__(self, dht: DHT, opt: Optimizer, run_id: str):
         self.dht, self.opt, self.key = dht, opt, f"{run_id}_metrics"
+        # metrics keys are owned: the record under our peer id is signed with our identity key
+        dht.add_validators([owned_keys_validator()])
         self.losses: list[float] = []
         self.epoch = opt.local_epoch
         self.history: list[tuple[int, float]] = []  #: (epoch, mean loss of this peer)
@@ -140,7 +142,7 @@ class PublishMetrics(transformers.TrainerCallback):
                 "samples_per_second": self.opt.tracker.performance_ema.samples_per_second,
                 "steps": len(self.losses),
             }
-            subkey = self.dht.peer_id.to_base58()
+            subkey = self.dht.peer_id.to_bytes()
             self.dht.store(self.key, value, get_dht_time() + METRICS_TTL, subkey=subkey)
             self.losses, self.epoch = [], epoch
 

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import transformers
 
-from swarmtrain.dht import DHT
+from swarmtrain.dht import DHT, owned_keys_validator
+from swarmtrain.p2p import PeerID
 
 
 def _load_sibling(name: str):
@@ -61,8 +62,10 @@ def read_metrics(dht: DHT, run_id: str) -> dict[str, dict[str, Any]]:
     metrics = {}
     for subkey, item in found.value.items():
         value = item.value
+        if not isinstance(subkey, bytes):
+            continue  # metrics records are owned: their subkey is the publisher's peer id
         if isinstance(value, dict) and isinstance(value.get("loss"), (int, float)):
-            metrics[str(subkey)] = value
+            metrics[PeerID(subkey).to_base58()] = value
     return metrics
 
 
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None, dht: DHT | None = None) -> list[str]:
         )
         addresses = " ".join(str(a) for a in dht.get_visible_maddrs())
         print(f"trainers join with: --initial_peers {addresses}", flush=True)
+    dht.add_validators([owned_keys_validator()])  # reads drop metrics their peer did not sign
     tokenizer = trainer_script.data.train_tokenizer(
         trainer_script.data.stdlib_documents(args.max_files), args.vocab_size
     )

@@ -60,17 +60,17 @@ from __future__ import annotations
 
 import enum
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Union
 
 from swarmtrain.averaging.allreduce_core import AveragingMode
+from swarmtrain.dht.owned_keys import GROUP_KEY_PATTERN
 
 PeerId = bytes
 #: every group key, of any run: declarations under them are owned per peer (PeerRecordValidator)
-GROUP_KEY_PATTERN = _GROUP_KEY = re.compile(r"[^.]+\.0b[01]*")
+_GROUP_KEY = GROUP_KEY_PATTERN
 _GROUP_ID_DOMAIN = b"swarmtrain/matchmaking/group-id/v1"
 _ORDER_DOMAIN = b"swarmtrain/matchmaking/order/v1"
 _MOSHPIT_DOMAIN = b"swarmtrain/matchmaking/moshpit/v1"

@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -77,6 +76,7 @@ from swarmtrain.dht import (
     get_dht_time,
     serialize,
 )
+from swarmtrain.dht.owned_keys import STATE_SHARING_KEY_PATTERN
 from swarmtrain.p2p import P2PError, PeerID
 from swarmtrain.proto import state_sharing_pb2 as pb
 from swarmtrain.proto import tensor_pb2
@@ -150,10 +150,6 @@ def _decode_metadata(data: bytes) -> Any:
 
 def state_sharing_key(prefix: str) -> str:
     return f"{prefix}.all_averagers"
-
-
-#: every state-sharing key, of any run: declarations under them are owned per peer
-STATE_SHARING_KEY_PATTERN = re.compile(r"(?s).+\.all_averagers")
 
 
 def rpc_download_state_name(prefix: str) -> str:

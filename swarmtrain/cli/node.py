@@ -1,5 +1,9 @@
 """``swarmtrain node`` (alias ``swarmtrain dht``): a long-running DHT bootstrap and relay peer
-that others pass as ``initial_peers``."""
+that others pass as ``initial_peers``.
+
+The node registers every owned key pattern (:mod:`swarmtrain.dht.owned_keys`): it refuses
+unsigned and forged records under matchmaking, state-sharing, presence, metrics and run-directory
+keys, as the trainers' nodes do, without importing torch."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import time
 import trio
 
 from swarmtrain.cli.options import add_option
-from swarmtrain.dht import DHT
+from swarmtrain.dht import DHT, owned_keys_validator
 from swarmtrain.p2p import P2PError
 
 HELP = "run a long-lived DHT bootstrap/relay peer and print the multiaddrs others join with"
@@ -87,6 +91,7 @@ async def serve(args) -> None:
                 announce_maddrs=args.announce_maddrs,
                 identity_path=args.identity_path,
                 swarm_key=args.swarm_key_path,
+                record_validators=[owned_keys_validator()],
             ) as dht,
             trio.open_nursery() as nursery,
         ):

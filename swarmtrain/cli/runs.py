@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import trio
 
@@ -28,10 +29,17 @@ def add_arguments(parser) -> None:
     parser.set_defaults(run=run)
 
 
-def describe(run: RunAnnouncement, now: float) -> list[str]:
-    """The lines printed for one run."""
+def describe(run: RunAnnouncement, now: float, announcers: int = 1) -> list[str]:
+    """The lines printed for one run (``announcers``: how many peers announce its ``run_id``)."""
     title = f"{run.run_id}" + (f" ({run.name})" if run.name else "")
-    lines = [f"{title}  [announced {max(0.0, now - run.time):.0f} s ago by {run.owner.decode()}]"]
+    lines = [f"{title}  [announced {max(0.0, now - run.time):.0f} s ago]"]
+    vouch = "one of its initial peers" if run.announced_by_initial_peer else "not an initial peer"
+    lines.append(f"  announced by peer {run.announcer} ({vouch})")
+    if announcers > 1:
+        lines.append(
+            f"  warning: {announcers} peers announce run_id {run.run_id!r}: "
+            "check which announcer you trust"
+        )
     if run.description:
         lines.append(f"  {run.description}")
     if run.model:
@@ -57,8 +65,9 @@ async def list_and_print(args, out=sys.stdout) -> int:
         print("no runs announced", file=out, flush=True)
         return 0
     now = get_dht_time()
+    announcers = Counter(run.run_id for run in runs)
     for run in runs:
-        print("\n".join(describe(run, now)), file=out, flush=True)
+        print("\n".join(describe(run, now, announcers[run.run_id])), file=out, flush=True)
     return 0
 
 

@@ -14,6 +14,8 @@ from .identifiers import MAX_PEER_ID_BYTES as MAX_PEER_ID_BYTES
 from .node import DHTNode as DHTNode
 from .node import DHTNodeConfig as DHTNodeConfig
 from .node import DHTNodeStatistics as DHTNodeStatistics
+from .owned_keys import OWNED_KEY_PATTERNS as OWNED_KEY_PATTERNS
+from .owned_keys import owned_keys_validator as owned_keys_validator
 from .peer_records import PeerRecordValidator as PeerRecordValidator
 from .protocol import DHTProtocol as DHTProtocol
 from .protocol import DHTProtocolLimits as DHTProtocolLimits

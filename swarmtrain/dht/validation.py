@@ -407,6 +407,7 @@ class SchemaValidator(RecordValidatorBase):
         if not isinstance(other, SchemaValidator):
             return False
         for key, fields in other._fields.items():
-            self._fields.setdefault(key, []).extend(fields)
+            known = self._fields.setdefault(key, [])
+            known.extend(field for field in fields if field not in known)  # re-adding is a no-op
         self._allow_extra_keys = self._allow_extra_keys or other._allow_extra_keys
         return True

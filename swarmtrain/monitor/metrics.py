@@ -1,10 +1,12 @@
 """Training metrics that each peer publishes in the DHT: the record, its schema, the rate bound.
 
 Each trainer stores one :class:`LocalMetrics` record under ``{run_id}_metrics`` with subkey =
-its ``[owner:...]`` marker, signed by :class:`~swarmtrain.dht.Ed25519SignatureValidator`: only
-the owner of that key can write (or overwrite) its subkey. :class:`MetricsSchema` is the
-pydantic schema every publishing node enforces (finite numbers, bounded strings and maps).
-A record's ``peer_id`` is what the owner claims; the owner marker is what identifies it.
+its peer id (``PeerID.to_bytes()``), signed with its libp2p identity key
+(:class:`~swarmtrain.dht.PeerRecordValidator`, key pattern
+:data:`~swarmtrain.dht.owned_keys.METRICS_KEY_PATTERN`): a peer can write (or overwrite) only
+the record under its own peer id. :class:`MetricsSchema` is the pydantic schema every publishing
+node enforces (finite numbers, bounded strings and maps). A record's ``peer_id`` field must name
+its subkey's peer: readers drop records that name another peer.
 
 This module does no I/O: :class:`PublishSchedule` decides when the next record may go out
 (at most one store per ``min_interval`` seconds, the latest report wins). The publisher is in
@@ -20,7 +22,7 @@ from typing import Annotated, Any
 
 import pydantic
 
-from swarmtrain.dht import BytesWithPublicKey
+from swarmtrain.dht import MAX_PEER_ID_BYTES
 
 __all__ = [
     "MAX_EXTRA_METRICS",
@@ -130,6 +132,7 @@ class LocalMetrics:
 _Name = Annotated[str, pydantic.Field(max_length=MAX_NAME_LENGTH)]
 _Float = Annotated[float, pydantic.Field(ge=-MAX_ABS_VALUE, le=MAX_ABS_VALUE, allow_inf_nan=False)]
 _Count = Annotated[int, pydantic.Field(ge=0, lt=2**63)]
+_PeerIdBytes = Annotated[bytes, pydantic.Field(min_length=1, max_length=MAX_PEER_ID_BYTES)]
 
 
 class LocalMetricsSchema(pydantic.BaseModel):
@@ -150,9 +153,10 @@ class LocalMetricsSchema(pydantic.BaseModel):
 
 
 class MetricsSchema(pydantic.BaseModel):
-    """``{run_id}_metrics``: ``{owner marker: record}`` (``SchemaValidator(prefix=run_id)``)."""
+    """``{run_id}_metrics``: ``{peer id: record}`` (``SchemaValidator(prefix=run_id)``; the
+    subkeys are owned by :class:`~swarmtrain.dht.PeerRecordValidator`)."""
 
-    metrics: dict[BytesWithPublicKey, LocalMetricsSchema]
+    metrics: dict[_PeerIdBytes, LocalMetricsSchema]
 
 
 def parse_metrics(value: Any) -> LocalMetrics | None:

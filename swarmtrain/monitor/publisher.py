@@ -12,8 +12,10 @@ Plain (blocking) code uses ``MetricsPublisher(dht, "my_run")`` over a blocking
 :class:`~swarmtrain.dht.DHT`: the same object on swarmtrain's background trio loop, and its
 ``report`` is a plain call from the training thread.
 
-Resource handling: ``create`` adds the metrics schema and a signature validator to the DHT node
-(validators stay registered), then runs one store task in a task group owned by the publisher.
+Resource handling: ``create`` adds the metrics schema and the owned metrics key pattern to the
+DHT node (validators stay registered), then runs one store task in a task group owned by the
+publisher. The record's subkey is this host's peer id; the node signs it with the host's
+identity key, and other nodes refuse a record under a peer id whose key did not sign it.
 Leaving the ``async with`` stops it; the last record expires ``expiration`` seconds after it was
 stored. The DHT stays open.
 
@@ -33,19 +35,19 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import swarmtrain
 from swarmtrain.dht import (
     DHT,
     AsyncDHT,
     CompositeValidator,
-    Ed25519SignatureValidator,
+    PeerRecordValidator,
     SchemaValidator,
-    generate_private_key,
     get_dht_time,
 )
 from swarmtrain.dht.node import DHTNode
+from swarmtrain.dht.owned_keys import METRICS_KEY_PATTERN
+from swarmtrain.p2p import PeerID
 from swarmtrain.utils.background import BackgroundService
 from swarmtrain.utils.change_signal import ChangeSignal
 
@@ -69,24 +71,17 @@ class MetricsPublisherStatistics:
     last_stored: LocalMetrics | None
 
 
-def add_metrics_validators(
-    dht: AsyncDHT, run_id: str, private_key: Ed25519PrivateKey | None = None
-) -> Ed25519SignatureValidator:
-    """Register the run's metrics schema and a signature validator on ``dht``'s node; return
-    the signature validator the node signs with (an earlier one keeps its key)."""
+def add_metrics_validators(dht: AsyncDHT, run_id: str | None = None) -> None:
+    """Register the owned metrics key pattern (every run's ``{run_id}_metrics``) on ``dht``'s
+    node and, with ``run_id``, that run's metrics schema."""
     validator = dht.node.record_validator
     if not isinstance(validator, CompositeValidator):
         raise TypeError("the DHT node's record_validator must be a CompositeValidator")
-    metrics_key(run_id)  # checks run_id
-    validator.extend(
-        [
-            SchemaValidator(MetricsSchema, prefix=run_id),
-            Ed25519SignatureValidator(
-                generate_private_key() if private_key is None else private_key
-            ),
-        ]
-    )
-    return next(v for v in validator.validators if isinstance(v, Ed25519SignatureValidator))
+    validators: list = [PeerRecordValidator([METRICS_KEY_PATTERN])]
+    if run_id is not None:
+        metrics_key(run_id)  # checks run_id
+        validators.append(SchemaValidator(MetricsSchema, prefix=run_id))
+    validator.extend(validators)
 
 
 def _reachability(dht: AsyncDHT) -> str:
@@ -106,12 +101,11 @@ class AsyncMetricsPublisher:
         dht: AsyncDHT,
         run_id: str,
         schedule: PublishSchedule,
-        subkey: bytes,
         base: LocalMetrics,
         expiration: float,
     ):
         self.dht, self.run_id, self.key = dht, run_id, metrics_key(run_id)
-        self.local_public_key = subkey  #: the subkey of this peer's record
+        self.subkey: bytes = dht.peer_id.to_bytes()  #: this peer's id, its record's subkey
         self.expiration = expiration
         self._schedule, self._current = schedule, base
         self._lock = threading.Lock()
@@ -128,19 +122,17 @@ class AsyncMetricsPublisher:
         min_interval: float = 5.0,
         expiration: float | None = None,
         role: str | None = None,
-        private_key: Ed25519PrivateKey | None = None,
     ) -> AsyncIterator[AsyncMetricsPublisher]:
         """Start publishing. ``min_interval``: at most one store per this many seconds.
         ``expiration`` (default ``max(60, 3 * min_interval)``): how long a record lives; it is
         re-stored every ``expiration / 2`` while the publisher runs. ``role`` defaults to
-        ``"client"`` or ``"node"`` from the DHT's mode (pass ``"aux"`` for auxiliary peers).
-        ``private_key`` as in :class:`~swarmtrain.optim.ProgressTracker`."""
+        ``"client"`` or ``"node"`` from the DHT's mode (pass ``"aux"`` for auxiliary peers)."""
         if expiration is None:
             expiration = max(60.0, 3 * min_interval)
         if not (math.isfinite(expiration) and expiration > 0):
             raise ValueError("expiration must be positive")
         schedule = PublishSchedule(min_interval, max(min_interval, expiration / 2))
-        signer = add_metrics_validators(dht, run_id, private_key)
+        add_metrics_validators(dht, run_id)
         if role is None:
             role = "client" if dht.client_mode else "node"
         base = LocalMetrics(
@@ -150,7 +142,7 @@ class AsyncMetricsPublisher:
             reachability=_reachability(dht),
             version=swarmtrain.__version__,
         )
-        self = cls(dht, run_id, schedule, signer.local_public_key, base, expiration)
+        self = cls(dht, run_id, schedule, base, expiration)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._store_loop)
             try:
@@ -215,7 +207,7 @@ class AsyncMetricsPublisher:
                         self.key,
                         record.to_dict(),
                         now + self.expiration,
-                        subkey=self.local_public_key,
+                        subkey=self.subkey,
                     )
             except Exception:
                 logger.warning("could not store metrics of %s", self.run_id, exc_info=True)
@@ -227,19 +219,21 @@ class AsyncMetricsPublisher:
 
 
 async def read_metrics(dht: AsyncDHT, run_id: str) -> dict[bytes, LocalMetrics]:
-    """The latest metrics of each peer of ``run_id``, by owner marker (the record's subkey).
-    Records that are not signed by their subkey's owner or do not match the schema are left
-    out (the DHT nodes that stored and fetched them check signatures; this checks the schema).
+    """The latest metrics of each peer of ``run_id``, by peer id (``PeerID.to_bytes()``, the
+    record's subkey). Records not signed by their subkey's peer are dropped by this node (this
+    registers the owned metrics key on it), and so are records that do not match the schema or
+    whose ``peer_id`` names another peer.
     From blocking code: ``dht.run_coroutine(lambda d, _: read_metrics(d, run_id))``."""
+    add_metrics_validators(dht)
     found = await dht.get(metrics_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
         return {}
     result: dict[bytes, LocalMetrics] = {}
     for subkey, item in found.value.items():
-        if not isinstance(subkey, bytes) or b"[owner:" not in subkey:
+        if not isinstance(subkey, bytes) or not subkey:
             continue
         parsed = parse_metrics(getattr(item, "value", None))
-        if parsed is not None:
+        if parsed is not None and parsed.peer_id == PeerID(subkey).to_base58():
             result[subkey] = parsed
     return result
 

@@ -1,9 +1,13 @@
 """The run directory: runs announce themselves under one well-known DHT key.
 
-Each announcement is a :class:`RunAnnouncement` stored under :data:`RUNS_KEY` with subkey
-``[owner:...]<run_id>``, signed by the announcer's key (only it can change or withdraw it) and
-checked against :class:`RunsSchema` (bounded strings and lists). Two owners may announce the
-same ``run_id``: readers see both, each with its owner marker, and pick by who they trust.
+Each announcement is a :class:`RunAnnouncement` stored under :data:`RUNS_KEY` with subkey =
+the announcing peer's id, signed with that peer's libp2p identity key
+(:class:`~swarmtrain.dht.PeerRecordValidator`: nobody else can change or withdraw it) and
+checked against :class:`RunsSchema` (bounded strings and lists). A peer announces one run at a
+time: announcing another replaces it. Two peers may announce the same ``run_id``: readers see
+both, each with its announcer's peer id (:attr:`RunAnnouncement.announcer`), and pick by whom
+they trust; :attr:`RunAnnouncement.announced_by_initial_peer` says whether the announcer is one
+of the bootstrap peers it lists.
 
 ``list_runs(dht)`` reads them (``swarmtrain runs --initial_peers ...`` prints them);
 ``AsyncRunAnnouncer.create(dht, announcement)`` keeps one announced while it runs.
@@ -20,17 +24,17 @@ from typing import Annotated, Any
 
 import pydantic
 import trio
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmtrain.dht import (
+    MAX_PEER_ID_BYTES,
     AsyncDHT,
-    BytesWithPublicKey,
     CompositeValidator,
-    Ed25519SignatureValidator,
+    PeerRecordValidator,
     SchemaValidator,
-    generate_private_key,
     get_dht_time,
 )
+from swarmtrain.dht.owned_keys import RUNS_KEY, RUNS_KEY_PATTERN
+from swarmtrain.p2p import PeerID
 
 __all__ = [
     "RUNS_KEY",
@@ -44,7 +48,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-RUNS_KEY = "swarmtrain_runs"  #: the DHT key of the run directory
 MAX_RUNS_LISTED = 100  #: ``list_runs`` returns at most this many (the most recent)
 _LIMITS = {
     "run_id": 64,
@@ -80,9 +83,12 @@ class RunAnnouncementSchema(pydantic.BaseModel):
 
 
 class RunsSchema(pydantic.BaseModel):
-    """``swarmtrain_runs``: ``{owner marker + run_id: announcement}``."""
+    """``swarmtrain_runs``: ``{announcer's peer id: announcement}``."""
 
-    swarmtrain_runs: dict[BytesWithPublicKey, RunAnnouncementSchema]
+    swarmtrain_runs: dict[
+        Annotated[bytes, pydantic.Field(min_length=1, max_length=MAX_PEER_ID_BYTES)],
+        RunAnnouncementSchema,
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +104,7 @@ class RunAnnouncement:
     requirements: str = ""  #: e.g. "1 GPU with 16 GB, torch>=2.2"
     private: bool = False  #: a swarm key is needed to join (ask the organisers)
     time: float = 0.0  #: DHT time of the announcement (set by ``announce_run``)
-    owner: bytes = b""  #: the announcer's ``[owner:...]`` marker (set when read)
+    announcer: str = ""  #: base58 peer id of the peer that announced it (set when read)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
@@ -108,62 +114,54 @@ class RunAnnouncement:
             raise ValueError(f"invalid run announcement: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The DHT value (without ``owner``, which is the record's subkey)."""
+        """The DHT value (without ``announcer``, which is the record's subkey)."""
         value = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del value["owner"]
+        del value["announcer"]
         value["initial_peers"] = list(self.initial_peers)
         return value
 
+    @property
+    def announced_by_initial_peer(self) -> bool:
+        """Whether the announcer is one of the ``initial_peers`` it lists (``.../p2p/<id>``):
+        the bootstrap peer vouches for the run itself."""
+        suffix = f"/p2p/{self.announcer}"
+        return bool(self.announcer) and any(a.endswith(suffix) for a in self.initial_peers)
 
-def add_runs_validators(
-    dht: AsyncDHT, private_key: Ed25519PrivateKey | None = None
-) -> Ed25519SignatureValidator:
-    """Register the run directory's schema and a signature validator on ``dht``'s node; return
-    the signature validator the node signs with."""
+
+def add_runs_validators(dht: AsyncDHT) -> None:
+    """Register the run directory's schema and its owned key on ``dht``'s node (records under
+    :data:`RUNS_KEY` are then signed by, and checked against, their subkey's peer)."""
     validator = dht.node.record_validator
     if not isinstance(validator, CompositeValidator):
         raise TypeError("the DHT node's record_validator must be a CompositeValidator")
-    validator.extend(
-        [
-            SchemaValidator(RunsSchema),
-            Ed25519SignatureValidator(
-                generate_private_key() if private_key is None else private_key
-            ),
-        ]
-    )
-    return next(v for v in validator.validators if isinstance(v, Ed25519SignatureValidator))
+    validator.extend([SchemaValidator(RunsSchema), PeerRecordValidator([RUNS_KEY_PATTERN])])
 
 
 async def announce_run(
-    dht: AsyncDHT,
-    announcement: RunAnnouncement,
-    expiration: float = 300.0,
-    private_key: Ed25519PrivateKey | None = None,
+    dht: AsyncDHT, announcement: RunAnnouncement, expiration: float = 300.0
 ) -> bool:
-    """Store ``announcement`` (stamped with the current time) for ``expiration`` seconds;
-    whether any node stored it."""
-    signer = add_runs_validators(dht, private_key)
+    """Store ``announcement`` (stamped with the current time) for ``expiration`` seconds under
+    this peer's id (replacing this peer's earlier announcement); whether any node stored it."""
+    add_runs_validators(dht)
     now = get_dht_time()
     value = dataclasses.replace(announcement, time=now).to_dict()
-    subkey = signer.local_public_key + announcement.run_id.encode()
-    return await dht.store(RUNS_KEY, value, now + expiration, subkey=subkey)
+    return await dht.store(RUNS_KEY, value, now + expiration, subkey=dht.peer_id.to_bytes())
 
 
 def _parse(subkey: Any, value: Any) -> RunAnnouncement | None:
-    if not isinstance(subkey, bytes) or not subkey.startswith(b"[owner:"):
+    if not isinstance(subkey, bytes) or not 0 < len(subkey) <= MAX_PEER_ID_BYTES:
         return None
     try:
         checked = RunAnnouncementSchema.model_validate(value, strict=True)
     except pydantic.ValidationError:
         return None
-    owner, _, run_id = subkey.partition(b"]")
-    if run_id != checked.run_id.encode():
-        return None  # an announcement copied under another run's subkey
-    return RunAnnouncement(**checked.model_dump(), owner=owner + b"]")
+    return RunAnnouncement(**checked.model_dump(), announcer=PeerID(subkey).to_base58())
 
 
 async def list_runs(dht: AsyncDHT) -> list[RunAnnouncement]:
-    """The announced runs, most recent first (at most :data:`MAX_RUNS_LISTED`)."""
+    """The announced runs, most recent first (at most :data:`MAX_RUNS_LISTED`). Records not
+    signed by their subkey's peer are dropped (this registers the run directory on ``dht``)."""
+    add_runs_validators(dht)
     found = await dht.get(RUNS_KEY, latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
@@ -191,12 +189,11 @@ class AsyncRunAnnouncer:
         announcement: RunAnnouncement,
         *,
         expiration: float = 300.0,
-        private_key: Ed25519PrivateKey | None = None,
     ) -> AsyncIterator[AsyncRunAnnouncer]:
         if not (math.isfinite(expiration) and expiration > 0):
             raise ValueError("expiration must be positive")
         self = cls(dht, announcement, expiration)
-        add_runs_validators(dht, private_key)
+        add_runs_validators(dht)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._loop)
             try:

@@ -75,11 +75,26 @@ class MonitorState:
         return True
 
     def on_runs(self, announcements: Iterable[RunAnnouncement]) -> None:
-        """The run directory as read: follow new runs (up to ``max_runs``), keep their details."""
-        for announcement in announcements:
+        """The run directory as read: follow new runs (up to ``max_runs``), keep their details.
+
+        A run's details come from the first peer seen announcing it, as long as that peer
+        still announces it: another peer announcing the same ``run_id`` later (an impostor
+        pointing volunteers at its own bootstrap peers) does not replace them. Among several
+        new announcers, one that is among the run's own initial peers is preferred."""
+        listed = sorted(announcements, key=lambda a: not a.announced_by_initial_peer)
+        still_announced = {(a.run_id, a.announcer) for a in listed}
+        for announcement in listed:
             if self.follow(announcement.run_id):
                 run = self._runs[announcement.run_id]
-                if run.announcement is None or announcement.time >= run.announcement.time:
+                current = run.announcement
+                if (
+                    current is None
+                    or (announcement.run_id, current.announcer) not in still_announced
+                    or (
+                        announcement.announcer == current.announcer
+                        and announcement.time >= current.time
+                    )
+                ):
                     run.announcement = announcement
 
     def on_metrics(self, run_id: str, metrics: Mapping[bytes, LocalMetrics], now: float) -> None:
@@ -112,10 +127,10 @@ class MonitorState:
         if run_id in self._runs:
             self._runs[run_id].progress = list(progress)[: self.max_peers]
 
-    def peer_history_of(self, run_id: str, owner: bytes) -> list[tuple]:
+    def peer_history_of(self, run_id: str, peer: bytes) -> list[tuple]:
         """(time, loss, samples/s) of one peer's last ``peer_history`` records."""
         run = self._runs.get(run_id)
-        return [] if run is None else list(run.peer_history.get(owner, ()))
+        return [] if run is None else list(run.peer_history.get(peer, ()))
 
     def latest(self, run_id: str) -> tuple[int, tuple] | None:
         """(number of points recorded so far, the last one) of a run's swarm curve, or None."""
@@ -147,8 +162,8 @@ class MonitorState:
                 "announcement": _announcement(run.announcement),
                 "history": [list(point) for point in run.history],
                 "peers": [
-                    _peer(owner, record)
-                    for owner, record in sorted(run.peers.items(), key=lambda i: i[1].peer_id)
+                    record.to_dict()
+                    for record in sorted(run.peers.values(), key=lambda r: r.peer_id)
                 ],
                 "progress": None
                 if eta is None
@@ -166,12 +181,4 @@ class MonitorState:
 def _announcement(run: RunAnnouncement | None) -> dict[str, Any] | None:
     if run is None:
         return None
-    value = run.to_dict()
-    value["owner"] = run.owner.decode(errors="replace")
-    return value
-
-
-def _peer(owner: bytes, record: LocalMetrics) -> dict[str, Any]:
-    value = record.to_dict()
-    value["owner"] = owner.decode(errors="replace")
-    return value
+    return run.to_dict() | {"announcer": run.announcer}

@@ -20,13 +20,13 @@ Resource handling: :meth:`RunPresence.start` stores the first record (blocking, 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from dataclasses import dataclass
 
 import trio
 
 from swarmtrain.dht import PeerRecordValidator, get_dht_time
+from swarmtrain.dht.owned_keys import PRESENCE_KEY_PATTERN
 
 from ._owner_probe import dial_owner
 from .progress_liveness import OwnerCandidate, OwnerLiveness, Probe, ProbeOutcome
@@ -40,10 +40,6 @@ DEFAULT_TTL = 30.0
 
 def presence_key(run_id: str) -> str:
     return f"{run_id}_diloco.peers"
-
-
-#: every presence key, of any run: records under them are owned per peer
-PRESENCE_KEY_PATTERN = re.compile(r"(?s).*_diloco\.peers")
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ function renderRun(runId, run) {
     if (ann.requirements) join.push("requirements: " + ann.requirements);
     if (ann.model) join.push("model: " + ann.model);
     if (ann.private) join.push("private run: ask the organisers for the swarm key");
+    if (ann.announcer) join.push("announced by peer " + ann.announcer);
     if (join.length) section.append(el("h3", {}, "How to join"), el("div", { class: "join" }, join.join("\n")));
   }
   return section;
