@@ -29,6 +29,10 @@ no state came, ``last_failure`` says why (no donor declared one, or what went wr
 donor, typed: :class:`DonorFailure`); the warning is logged once per distinct reason (a caller
 retrying for a minute would repeat it dozens of times).
 
+Progress (``swarmtrain.averaging.state_progress``): bytes of the state received of the total, on
+a bar when stderr is a terminal or bars are asked for (``swarmtrain.utils.progress``), else
+one log line when the first header arrives and one at the end (size, duration, rate).
+
 Resource handling: ``create`` registers the handler (not in client mode: nobody can dial a
 client) and owns the declaring task; leaving it stops the task, stores a last "not sharing"
 record (bounded) and removes the handler. Downloads run in the caller's task.
@@ -60,6 +64,7 @@ from swarmtrain.averaging.state_checks import (
     StateRejected,
     TensorSpec,
 )
+from swarmtrain.averaging.state_progress import StateDownloadProgress
 from swarmtrain.compression import (
     DEFAULT_CHUNK_SIZE,
     CompressionBase,
@@ -80,6 +85,7 @@ from swarmtrain.dht.owned_keys import STATE_SHARING_KEY_PATTERN
 from swarmtrain.p2p import P2PError, PeerID
 from swarmtrain.proto import state_sharing_pb2 as pb
 from swarmtrain.proto import tensor_pb2
+from swarmtrain.utils.progress import Progress
 
 __all__ = [
     "STATE_SHARING_KEY_PATTERN",
@@ -356,6 +362,24 @@ class StateSharing:
         trusted = [d for d in found if self.bans.banned(d, now) is None]
         state = _Download()
         reasons: list[DonorFailure] = []
+        progress = StateDownloadProgress(self._open_progress)
+        try:
+            return await self._load_from(found, trusted, state, reasons, check, progress)
+        finally:
+            progress.close(ok=False)  # no-op after a success
+
+    def _open_progress(self, total: int | None) -> Progress:
+        return Progress(f"loading the state of {self.prefix}", total=total, log=logger)
+
+    async def _load_from(
+        self,
+        found: list[PeerID],
+        trusted: list[PeerID],
+        state: _Download,
+        reasons: list[DonorFailure],
+        check: StateCheck | None,
+        progress: StateDownloadProgress,
+    ) -> tuple[Any, list[torch.Tensor]] | None:
         # donors are dialled in turn, DONOR_DIAL_DELAY apart: a dead one (its offer outlives it)
         # costs that delay, not a dial timeout; downloads go to donors in the order they answer
         async with staggered_connect(
@@ -368,7 +392,7 @@ class StateSharing:
                     continue
                 had = len(state.tensors)
                 try:
-                    await self._download(donor, state, check)
+                    await self._download(donor, state, check, progress)
                 except StateRejected as e:
                     reasons.append(DonorFailure(donor, f"state rejected ({e})", e.reason))
                     self._reject(donor, state, e)
@@ -383,9 +407,7 @@ class StateSharing:
                     reasons.append(DonorFailure(donor, repr(e)))
                     continue
                 if state.header is not None and len(state.tensors) == state.header.num_tensors:
-                    logger.info(
-                        "downloaded state (%d tensors), last donor %s", len(state.tensors), donor
-                    )
+                    progress.close(ok=True, note=f", {len(state.tensors)} tensors, last {donor}")
                     return state.metadata, state.tensors
                 if len(state.tensors) == had:
                     reasons.append(DonorFailure(donor, "it does not share its state (any more)"))
@@ -411,12 +433,19 @@ class StateSharing:
         if state.source == donor:
             state.reset()
 
-    async def _download(self, donor: PeerID, state: _Download, check: StateCheck | None) -> None:
+    async def _download(
+        self,
+        donor: PeerID,
+        state: _Download,
+        check: StateCheck | None,
+        progress: StateDownloadProgress,
+    ) -> None:
         """Receive tensors ``len(state.tensors)...`` from ``donor`` into ``state`` (the first
         donor's header and checked metadata). Raises on failure, keeping the tensors received in
         full (none of this donor's if it sent bad data: ``StateRejected``)."""
         tensors = state.tensors
         start = len(tensors)
+        progress.rewind(start)  # what the last donor had in flight is gone
         request = pb.StateDownloadRequest(first_tensor=start)
         async with self.p2p.iterate_protobuf_handler(
             donor,
@@ -456,10 +485,12 @@ class StateSharing:
                     f"the first donor had {state.header.num_tensors}"
                 )
             header, specs = state.header, state.specs
+            progress.on_header(specs)
             try:
-                await self._receive_tensors(responses, header, specs, tensors)
+                await self._receive_tensors(responses, header, specs, tensors, progress)
             except StateRejected:
                 del tensors[start:]  # none of a donor's tensors are kept if one is bad
+                progress.rewind(start)
                 raise
 
     async def _receive_tensors(
@@ -468,6 +499,7 @@ class StateSharing:
         header: pb.StateHeader,
         specs: Sequence[TensorSpec] | None,
         tensors: list[torch.Tensor],
+        progress: StateDownloadProgress,
     ) -> None:
         assembler: TensorAssembler | None = None
         async for response in responses:
@@ -483,6 +515,7 @@ class StateSharing:
                     spec.check(index, chunk.size, chunk.dtype)
                 assembler = TensorAssembler()
             message = assembler.feed(chunk)
+            progress.on_chunk(chunk)
             if message is None:
                 continue
             tensor = await extract_async(message)
@@ -491,6 +524,7 @@ class StateSharing:
             if not all_finite(tensor):
                 raise StateRejected(RejectReason.NON_FINITE, f"state tensor {index}")
             tensors.append(tensor)
+            progress.on_tensor(index, tensor)
             assembler = None
         if assembler is not None:
             assembler.finish()  # raises: the stream ended inside a tensor
