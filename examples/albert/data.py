@@ -3,6 +3,8 @@ standard library's own sources, a WordPiece tokenizer trained on it (``tokenizer
 pre-training examples: masked language modelling (15% of the tokens: 80% ``[MASK]``, 10% a
 random token, 10% kept) plus sentence-order prediction (two consecutive segments, swapped for
 half of the examples). Masks are drawn once, from a seed (static masking, as original BERT).
+Preprocessing shows a progress bar on a terminal (or with ``SWARMTRAIN_PROGRESS_BARS=1``), else
+logs a line when it starts and ends (``swarmtrain.utils.progress``).
 
     python examples/albert/data.py --output_dir albert_data   # tokenizer + a preview
 """
@@ -10,24 +12,18 @@ half of the examples). Masks are drawn once, from a seed (static masking, as ori
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import tokenizers
 import torch
 
+from swarmtrain.utils.progress import progress_bars_enabled, progress_iter
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
-def progress(items: Iterable, description: str, total: int | None = None) -> Iterator:
-    """``tqdm`` over ``items`` when it is installed, else the items as they are."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        yield from items
-        return
-    yield from tqdm(items, desc=description, total=total, leave=False, mininterval=1.0)
+logger = logging.getLogger("albert.data")
 
 
 def stdlib_documents(max_files: int | None = 40) -> list[list[str]]:
@@ -52,7 +48,9 @@ def train_tokenizer(documents: list[list[str]], vocab_size: int) -> tokenizers.T
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = tokenizers.decoders.WordPiece()
     trainer = tokenizers.trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=progress_bars_enabled(),  # tokenizers' own bar, under the same rule
     )
     lines = (line for document in documents for line in document)
     tokenizer.train_from_iterator(lines, trainer=trainer)
@@ -81,7 +79,7 @@ def pretraining_examples(
     vocab_size = tokenizer.get_vocab_size()
     half = (seq_len - 3) // 2
     examples = []
-    for document in progress(documents, "preprocessing"):
+    for document in progress_iter(documents, "preprocessing", unit="documents", log=logger):
         encoded = [e.ids for e in tokenizer.encode_batch(document, add_special_tokens=False)]
         segments = list(_segments(encoded, half))
         for first, second in zip(segments[0::2], segments[1::2], strict=False):

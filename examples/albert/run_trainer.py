@@ -33,6 +33,7 @@ from swarmtrain.compression import Float16Compression
 from swarmtrain.dht import DHT, get_dht_time, owned_keys_validator
 from swarmtrain.integrations.huggingface import make_collaborative
 from swarmtrain.optim import Optimizer
+from swarmtrain.utils.progress import progress_bars_enabled, set_progress_bars
 
 
 def _load_sibling(name: str):
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host_maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"])
     add("--announce_maddrs", nargs="*", default=None)
     add("--identity_path", default=None, help="private key file: the same peer id each run")
+    add(
+        "--progress_bars",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="bars for preprocessing, state downloads, checkpoints and training (auto: only\n"
+        "on a terminal; elsewhere one log line at the start and end of each)",
+    )
     return parser
 
 
@@ -179,10 +187,17 @@ def make_optimizer(args, model: torch.nn.Module, dht: DHT) -> Optimizer:
     )
 
 
+def apply_progress_bars(choice: str) -> None:
+    """``--progress_bars``: on/off for the whole process; auto leaves the setting alone."""
+    if choice != "auto":
+        set_progress_bars(choice == "on")
+
+
 def main(argv: list[str] | None = None, dht: DHT | None = None) -> dict[str, Any]:
     """Train one peer; returns what the tests check (the loss per epoch, the model, ...).
     ``dht``: run on this DHT (tests start several peers in one process) instead of a new one."""
     args = build_parser().parse_args(argv)
+    apply_progress_bars(args.progress_bars)
     own_dht = dht is None
     if own_dht:
         dht = DHT(
@@ -215,7 +230,7 @@ def main(argv: list[str] | None = None, dht: DHT | None = None) -> dict[str, Any
             fp16=args.fp16,
             seed=args.seed,
             remove_unused_columns=False,
-            disable_tqdm=True,
+            disable_tqdm=not progress_bars_enabled(),
             dataloader_num_workers=0,
             use_cpu=not torch.cuda.is_available(),
         )

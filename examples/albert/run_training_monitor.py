@@ -10,15 +10,23 @@ a fixed port and ``--identity_path`` so that its address stays the same across r
         --identity_path monitor.key --checkpoint_dir albert_checkpoints
 
 It serves no state itself (its optimizer is in client mode), so newcomers load from trainers.
+
+``--hub_repo_id user/albert-swarm`` also uploads each checkpoint to that Hugging Face Hub model
+repository (off by default; needs ``huggingface_hub`` and a login: ``hf auth login`` or
+``HF_TOKEN``). A failed upload is logged and the monitor goes on. State downloads, checkpoint
+saves and uploads show progress bars on a terminal (``--progress_bars on|off`` to choose), else
+one log line when each starts and ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +34,7 @@ import transformers
 
 from swarmtrain.dht import DHT, owned_keys_validator
 from swarmtrain.p2p import PeerID
+from swarmtrain.utils.progress import Progress, progress_bars_enabled
 
 
 def _load_sibling(name: str):
@@ -51,7 +60,53 @@ def build_parser() -> argparse.ArgumentParser:
     add("--refresh_period", type=float, default=10.0, help="seconds between metric reads")
     add("--max_checkpoints", type=int, default=0, help="stop after this many (0: never)")
     add("--max_seconds", type=float, default=0, help="stop after this long (0: never)")
+    add(
+        "--hub_repo_id",
+        default=None,
+        help="also upload each checkpoint to this Hugging Face Hub model repo (needs\n"
+        "huggingface_hub and a login); default: local checkpoints only",
+    )
     return parser
+
+
+class HubUploadUnavailable(RuntimeError):
+    """``--hub_repo_id`` was given but ``huggingface_hub`` cannot be imported."""
+
+
+def hub_api() -> Any:
+    """A ``huggingface_hub.HfApi`` (the package is imported only when an upload is asked for)."""
+    try:
+        import huggingface_hub
+    except ImportError as e:
+        raise HubUploadUnavailable(
+            f"--hub_repo_id needs the huggingface_hub package ({e}): "
+            "pip install huggingface_hub, or leave --hub_repo_id out to keep checkpoints local"
+        ) from None
+    return huggingface_hub.HfApi()
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(path)
+        for name in names
+    )
+
+
+def upload_checkpoint(api: Any, repo_id: str, path: str, epoch: int) -> bool:
+    """Upload the checkpoint folder ``path`` to ``repo_id``; False (logged) if it failed."""
+    with Progress(f"uploading {path} to {repo_id}", total=_folder_bytes(path), log=logger) as p:
+        try:
+            api.create_repo(repo_id, exist_ok=True)
+            api.upload_folder(
+                repo_id=repo_id, folder_path=path, commit_message=f"swarm epoch {epoch}"
+            )
+        except Exception as e:  # network, auth, quota: the next checkpoint tries again
+            logger.error("could not upload %s to %s: %r", path, repo_id, e)
+            p.close(ok=False)
+            return False
+        p.update_to(p.total or 0)
+    return True
 
 
 def read_metrics(dht: DHT, run_id: str) -> dict[str, dict[str, Any]]:
@@ -81,18 +136,46 @@ def summarize(metrics: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
 
 
+@contextlib.contextmanager
+def _transformers_bars_as_ours() -> Iterator[None]:
+    """transformers' own bars (``save_pretrained``'s "Writing model shards") under our rule."""
+    hf_logging = transformers.utils.logging
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if was_enabled and not progress_bars_enabled():
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            hf_logging.enable_progress_bar()
+    else:
+        yield
+
+
 def save_checkpoint(model: Any, opt: Any, directory: str, epoch: int) -> str:
     path = os.path.join(directory, f"epoch_{epoch}")
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    torch.save(opt.state_dict(), os.path.join(path, "optimizer.pt"))
-    logger.info("saved the swarm's state at epoch %d to %s", epoch, path)
+    with (
+        Progress(f"saving the swarm's state at epoch {epoch} to {path}", log=logger) as progress,
+        _transformers_bars_as_ours(),
+    ):
+        model.save_pretrained(path)
+        progress.update_to(_folder_bytes(path))
+        torch.save(opt.state_dict(), os.path.join(path, "optimizer.pt"))
+        progress.update_to(_folder_bytes(path))
     return path
 
 
 def main(argv: list[str] | None = None, dht: DHT | None = None) -> list[str]:
     """Follow the run; returns the checkpoint paths (tests stop it with ``--max_checkpoints``)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    trainer_script.apply_progress_bars(args.progress_bars)
+    hub = None
+    if args.hub_repo_id:
+        try:
+            hub = hub_api()  # before anything starts: a missing package is a usage error
+        except HubUploadUnavailable as e:
+            parser.error(str(e))
     own_dht = dht is None
     if own_dht:
         dht = DHT(
@@ -135,6 +218,8 @@ def main(argv: list[str] | None = None, dht: DHT | None = None) -> list[str]:
                 if opt.load_state_from_peers():
                     last_saved = opt.local_epoch
                     saved.append(save_checkpoint(model, opt, args.checkpoint_dir, last_saved))
+                    if hub is not None:
+                        upload_checkpoint(hub, args.hub_repo_id, saved[-1], last_saved)
             time.sleep(args.refresh_period)
     finally:
         opt.shutdown()
