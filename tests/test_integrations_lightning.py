@@ -3,6 +3,8 @@ train one regression model with SwarmStrategy, in lockstep."""
 
 from __future__ import annotations
 
+import csv as csv_module
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -148,3 +150,45 @@ def test_two_lightning_peers_learn_in_lockstep(dhts):
     assert full_loss(peers[0][0]) < 0.5 * initial
     assert all(not s.state_averager.is_alive() for s in swarms)  # teardown shut them down
     assert all(strategy.loaded_state_from_peers is not None for _, strategy, _, _ in peers)
+
+
+def test_the_swarms_progress_reaches_lightnings_logger(dhts, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    peers = []
+    for index, dht in enumerate(dhts(2)):
+        strategy = SwarmStrategy(
+            dht=dht,
+            run_id="lightning_metrics",
+            target_batch_size=TARGET,
+            batch_size=BATCH,
+            wait_for_peers=2,
+            **FAST,
+        )
+        stop = StopAtEpoch(epoch=3)
+        csv = CSVLogger(tmp_path, name=f"peer{index}")
+        trainer = make_trainer(stop=stop, strategy=strategy, log_every_n_steps=1)
+        trainer.loggers = [csv]  # make_trainer turns loggers off
+        peers.append((Regression(), trainer, csv))
+
+    def fit(index):
+        module, trainer, _ = peers[index]
+        trainer.fit(module, loader(index))
+
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(fit, index) for index in range(2)]:
+            future.result(timeout=90)
+
+    for _, trainer, csv in peers:
+        with open(os.path.join(csv.log_dir, "metrics.csv")) as f:
+            rows = list(csv_module.DictReader(f))
+        assert rows, csv.log_dir
+        columns = {"swarm_epoch", "swarm_peers", "swarm_samples_per_second"}
+        assert columns | {"local_samples_per_second", "step"} <= set(rows[0])
+        logged = [r for r in rows if r["swarm_epoch"]]
+        assert len(logged) == trainer.global_step  # one row per step (log_every_n_steps=1)
+        epochs = [float(r["swarm_epoch"]) for r in logged]
+        assert epochs == sorted(epochs) and epochs[-1] >= 2  # the swarm's epoch, as it grew
+        assert max(float(r["swarm_peers"]) for r in logged) == 2
+        assert max(float(r["swarm_samples_per_second"]) for r in logged) > 0
+        assert all(float(r["local_samples_per_second"]) > 0 for r in logged[1:])

@@ -19,6 +19,11 @@ optionally an LR scheduler); the strategy hands both to a ``swarmtrain.Optimizer
   the adapter's ``param_groups`` (the model's parameters) and skips the step on inf/NaN, before
   the swarm optimizer accumulates them.
 - **Start**: the state is loaded from peers when training starts (``load_state_from_peers``).
+- **Logs**: each training step logs ``swarm_epoch``, ``swarm_peers``,
+  ``swarm_samples_per_second`` (the swarm's) and ``local_samples_per_second`` through the
+  LightningModule's ``log_dict``, so they reach its loggers (CSV, TensorBoard, ...) every
+  ``log_every_n_steps`` as the module's own metrics do; the swarm's epoch and peers also show in
+  the progress bar (``log_swarm_metrics=False``: none of it).
 - **Checkpoints**: Lightning saves the adapter's state dict: the swarm optimizer's (inner
   optimizer, scheduler, swarm epoch); resuming loads it back.
 - **Lifetime**: the strategy builds the swarm optimizer in ``setup`` and shuts it down in
@@ -31,6 +36,7 @@ delayed modes (which need a factory) are off unless ``optimizer_factory`` is giv
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +66,7 @@ class SwarmStrategy(SingleDeviceStrategy):
     :param load_state_from_peers: download the swarm's state when training starts
     :param wait_for_peers: when training starts, wait (up to ``load_state_timeout``) until this
       many peers are seen (``swarmtrain.Optimizer.wait_for_peers``), for peers started together
+    :param log_swarm_metrics: log the swarm's progress at each training step (module docstring)
     :param optimizer_opts: more ``swarmtrain.Optimizer`` keywords
     """
 
@@ -76,6 +83,7 @@ class SwarmStrategy(SingleDeviceStrategy):
         optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None,
         load_state_from_peers: bool = True,
         wait_for_peers: int = 0,
+        log_swarm_metrics: bool = True,
         **optimizer_opts: Any,
     ):
         super().__init__(device=device)
@@ -87,6 +95,8 @@ class SwarmStrategy(SingleDeviceStrategy):
         self.optimizer_factory = optimizer_factory
         self.load_state_from_peers = load_state_from_peers
         self.wait_for_peers = wait_for_peers
+        self.log_swarm_metrics = log_swarm_metrics
+        self._start: tuple[float, int] | None = None  # (time, samples stepped) at train start
         self.optimizer_opts = optimizer_opts
         self.swarm_optimizer: Optimizer | None = None
         self.loaded_state_from_peers: bool | None = None  #: None: not tried
@@ -138,11 +148,37 @@ class SwarmStrategy(SingleDeviceStrategy):
             swarm.wait_for_peers(self.wait_for_peers, timeout=swarm.load_state_timeout)
         if self.load_state_from_peers:
             self.loaded_state_from_peers = bool(self.swarm_optimizer.load_state_from_peers())
+        self._start = (time.monotonic(), self._adapter().samples_stepped)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        if self.log_swarm_metrics and self.swarm_optimizer is not None and module is not None:
+            metrics = self.swarm_metrics()
+            on_bar = {k: v for k, v in metrics.items() if k in ("swarm_epoch", "swarm_peers")}
+            rest = {k: v for k, v in metrics.items() if k not in on_bar}
+            common = {"on_step": True, "on_epoch": False, "batch_size": self.batch_size}
+            module.log_dict(on_bar, prog_bar=True, **common)
+            module.log_dict(rest, **common)
+        return output
+
+    def _adapter(self) -> SwarmOptimizerAdapter:
+        adapter = self.optimizers[0]
+        assert isinstance(adapter, SwarmOptimizerAdapter)
+        return adapter
 
     def swarm_metrics(self) -> dict[str, float]:
-        """The swarm's epoch, peers and samples/s, e.g. to log from a callback."""
+        """The swarm's epoch, peers and samples/s, and this peer's samples/s since train start
+        (what ``log_swarm_metrics`` logs)."""
         assert self.swarm_optimizer is not None
-        return swarm_metrics(self.swarm_optimizer)
+        metrics = swarm_metrics(self.swarm_optimizer)
+        if self._start is not None:
+            started, samples = self._start
+            elapsed = time.monotonic() - started
+            if elapsed > 0:
+                rate = (self._adapter().samples_stepped - samples) / elapsed
+                metrics["local_samples_per_second"] = round(rate, 3)
+        return metrics
 
     def teardown(self) -> None:
         try:
