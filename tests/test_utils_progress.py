@@ -96,3 +96,23 @@ def test_progress_iter_counts_items(caplog):
         assert list(progress_iter(range(5), "tokenizing", log=LOG, bar=False)) == list(range(5))
     assert caplog.records[0].getMessage() == "tokenizing: started (5 it)"
     assert caplog.records[1].getMessage().startswith("tokenizing: done 5 it in ")
+
+
+def test_without_tqdm_a_forced_bar_falls_back_to_log_lines(monkeypatch, caplog):
+    import sys
+
+    from swarmtrain.utils import progress as module
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    module._bar_class.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger=LOG.name):
+            with Progress("loading", total=10, unit="it", log=LOG, bar=True) as progress:
+                progress.update_to(10)
+        assert not progress.has_bar
+        assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [
+            "loading: started (10 it)",
+            "loading: done 10 it",
+        ]
+    finally:
+        module._bar_class.cache_clear()

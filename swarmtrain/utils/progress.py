@@ -17,6 +17,7 @@ event loop costs a clock read; only a redraw writes to the terminal.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -81,7 +82,9 @@ def format_size(n: float, unit: str = "B") -> str:
     raise AssertionError("unreachable")
 
 
-def _open_bar(description: str, total: int | None, unit: str, file: TextIO | None) -> Any:
+@functools.cache
+def _bar_class() -> Any:
+    """tqdm without its monitor thread (a subclass: tqdm's own class is left as it is)."""
     try:
         from tqdm import tqdm
     except ImportError:
@@ -89,9 +92,16 @@ def _open_bar(description: str, total: int | None, unit: str, file: TextIO | Non
         return None
 
     class _Bar(tqdm):
-        monitor_interval = 0  # no monitor thread (this subclass only)
+        monitor_interval = 0
 
-    return _Bar(
+    return _Bar
+
+
+def _open_bar(description: str, total: int | None, unit: str, file: TextIO | None) -> Any:
+    bar_class = _bar_class()
+    if bar_class is None:
+        return None
+    return bar_class(
         desc=description,
         total=total,
         unit=unit,
