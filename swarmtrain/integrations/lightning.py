@@ -67,7 +67,7 @@ class SwarmStrategy(SingleDeviceStrategy):
     :param load_state_from_peers: download the swarm's state when training starts
     :param wait_for_peers: when training starts, wait (up to ``load_state_timeout``) until this
       many peers are seen (``swarmtrain.Optimizer.wait_for_peers``), for peers started together
-    :param log_swarm_metrics: log the swarm's progress at each training step (module docstring)
+    :param log_swarm_metrics: write the swarm's progress to the loggers (module docstring)
     :param optimizer_opts: more ``swarmtrain.Optimizer`` keywords
     """
 
