@@ -350,6 +350,38 @@ def test_quorum_is_more_than_half_of_the_voters():
     assert fetch(core, T0 + 1, *ahead, *more, *behind).epoch == 20  # 4 of 7
 
 
+def test_many_records_claimed_by_one_peer_count_once():
+    """One vote per peer id: a record counts only under the peer id it names (its verified
+    subkey). One peer writing many subkeys, or under another peer's id, counts once."""
+    core = make_core(target=100)
+    core.update_epoch(3, now=T0)
+    core.report_local_progress(3, 10, now=T0 + 1)  # 10 samples/s
+    honest = [record(b"h1", 3, 10), record(b"h2", 3, 10)]
+    # 20 subkeys of one peer, each claiming the next epoch: as 20 votes they were a quorum
+    # (20 of 24 voters at epoch 4) and sent every honest peer into a state download
+    flood = {f"sybil{i}".encode(): (record(b"evil", 4, 90), T0 + 60) for i in range(20)}
+    own = {b"evil": (record(b"evil", 4, 90), T0 + 60)}
+    mine = {b"me": (record(b"evil", 4, 90), T0 + 60)}  # under our id: never from the network
+    entries = {r.peer_id: (r, T0 + 60) for r in honest} | flood | own | mine
+    progress = core.on_fetch(entries, T0 + 1)
+    assert core.num_unbound_refused == 20
+    assert set(core.peers(T0 + 1)) == {b"h1", b"h2", b"evil"}
+    assert (progress.epoch, progress.num_peers) == (3, 4)  # h1, h2, evil and this peer
+    assert not core.ready_to_update_epoch(T0 + 1)
+    # newer records under the honest peers' ids that name another peer: refused, over gossip
+    # and from the DHT; the honest records stay
+    for key in (b"h1", b"h2"):
+        assert not core.on_gossip(key, record(b"evil", 4, 0), T0 + 120, now=T0 + 2)
+    fetch_hijack = {b"h1": (record(b"evil", 9, 99), T0 + 90), b"h2": (None, T0 + 90)}
+    progress = core.on_fetch(fetch_hijack, T0 + 2)
+    assert core.num_unbound_refused == 23  # (a departure names nobody: h2 left, see below)
+    assert core.peers(T0 + 2)[b"h1"] == honest[0]
+    assert (progress.epoch, progress.num_peers) == (3, 3)
+    # the honest peers stepping is a quorum with the liar: the epoch moves on what peers vouch
+    fetch(core, T0 + 3, record(b"h1", 4, 0), record(b"h2", 4, 0), expiration=T0 + 100)
+    assert core.global_progress.epoch == 4
+
+
 def test_stale_departed_and_older_records():
     core = make_core(target=100)
     b = record(b"b", 0, 10, client_mode=True)  # a client: it does not vote on the epoch
