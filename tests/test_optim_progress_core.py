@@ -368,6 +368,8 @@ def test_many_records_claimed_by_one_peer_count_once():
     assert set(core.peers(T0 + 1)) == {b"h1", b"h2", b"evil"}
     assert (progress.epoch, progress.num_peers) == (3, 4)  # h1, h2, evil and this peer
     assert not core.ready_to_update_epoch(T0 + 1)
+    # the only record ahead of us is probed once, by the id it is bound to
+    assert [(p.key, p.peer_id) for p in core.probes_due(T0 + 1)] == [(b"evil", b"evil")]
     # newer records under the honest peers' ids that name another peer: refused, over gossip
     # and from the DHT; the honest records stay
     for key in (b"h1", b"h2"):
