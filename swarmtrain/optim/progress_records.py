@@ -10,13 +10,13 @@ peer's record. The record's ``peer_id`` field must be its subkey (checked when r
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import pydantic
 
 from swarmtrain.dht import PeerRecordValidator
+from swarmtrain.dht.owned_keys import PROGRESS_KEY_PATTERN
 
 from .progress_core import (
     GlobalProgress,
@@ -60,10 +60,6 @@ class TrainingProgressSchema(pydantic.BaseModel):
 def progress_key(prefix: str) -> str:
     """The DHT key of a run's progress records."""
     return f"{prefix}_progress"
-
-
-#: every progress key, of any run: records under them are owned per peer (peer id subkeys)
-PROGRESS_KEY_PATTERN = re.compile(r"(?s).*_progress")
 
 
 def progress_record_validator() -> PeerRecordValidator:
