@@ -3,9 +3,10 @@
 Under each key named here, a record's subkey is the writer's peer id and its value is signed
 with that peer's libp2p identity key (:class:`~swarmtrain.dht.PeerRecordValidator`). The
 components that write such records (matchmaking, state sharing, DiLoCo presence, training
-progress, the metrics publisher, the run directory) import their pattern from this module and register it on their
-node; ``swarmtrain node`` registers all of them (:func:`owned_keys_validator`) without
-importing those components, so a bootstrap-only node refuses unsigned and forged records too.
+progress, the metrics publisher, the run directory) import their pattern from this module and
+register it on their node; ``swarmtrain node`` registers all of them
+(:func:`owned_keys_validator`) without importing those components, so a bootstrap-only node
+refuses unsigned and forged records too.
 
 This module holds only key-name patterns: adding a pattern here makes every node that calls
 :func:`owned_keys_validator` enforce it.
