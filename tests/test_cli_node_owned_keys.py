@@ -34,7 +34,14 @@ from swarmtrain.p2p import PeerID, PeerSigner
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
 NODE_COMMAND = [sys.executable, "-X", "importtime", "-m", "swarmtrain.cli.main", "node"]
 #: one key of each owned pattern, as the components name them
-OWNED_KEYS = ["run.0b01", "run.all_averagers", "run_diloco.peers", "run_metrics", RUNS_KEY]
+OWNED_KEYS = [
+    "run.0b01",
+    "run.all_averagers",
+    "run_diloco.peers",
+    "run_progress",
+    "run_metrics",
+    RUNS_KEY,
+]
 
 
 def test_every_owned_pattern_has_an_example_key():

@@ -20,8 +20,8 @@ from swarmtrain.optim.progress_core import (
 )
 from swarmtrain.optim.progress_records import _INVALID, _parse_progress
 
-KEYS = [f"[owner:peer{i}]".encode() for i in range(5)]
-LOCAL_KEY = b"[owner:local]"
+KEYS = [f"peer{i}".encode() for i in range(5)]  # peer ids: the verified subkeys
+LOCAL_KEY = b"local"
 TARGET = 256
 # what a DHT record's value may decode to: dicts with the right keys and any values, or not
 field_values = (
@@ -42,7 +42,7 @@ class ProgressSwarm(RuleBasedStateMachine):
         self.now = 1000.0
         self.config = ProgressConfig(target_batch_size=TARGET, quorum_fraction=quorum)
         self.core = ProgressCore(
-            self.config, local_key=LOCAL_KEY, peer_id=b"local", client_mode=client_mode, now=1000.0
+            self.config, peer_id=LOCAL_KEY, client_mode=client_mode, now=1000.0
         )
         self.at = self.now  # the time of the core's last recompute (its snapshot's time)
         self.implausible: set[bytes] = set()
@@ -54,7 +54,7 @@ class ProgressSwarm(RuleBasedStateMachine):
         if draw(st.integers(0, 9)) == 0:
             return key, None  # the peer left
         progress = LocalProgress(
-            peer_id=key[7:-1],
+            peer_id=key if draw(st.integers(0, 9)) else draw(st.sampled_from(KEYS)),  # or a lie
             epoch=draw(st.sampled_from([0, 1, 2, 3, 10**9])),
             samples_accumulated=draw(st.sampled_from([0, 1, 50, TARGET, 10**12])),
             samples_per_second=draw(st.sampled_from([0.0, 1e-30, 5.0, 1e12])),

@@ -436,7 +436,6 @@ class SwarmSim:
                 step_time=step_time,
                 progress=ProgressCore(
                     config,
-                    local_key=f"peer-{i}".encode(),
                     peer_id=f"peer-{i}".encode(),
                     client_mode=False,
                     now=self.now,

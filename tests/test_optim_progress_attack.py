@@ -16,6 +16,7 @@ from test_optim_optimizer import HOST, TARGET, Peer, dhts, in_threads  # noqa: F
 
 from swarmtrain.dht import DHT
 from swarmtrain.optim import ProgressTracker
+from swarmtrain.optim.progress_core import short_peer_id
 
 
 def test_forged_progress_neither_stops_nor_desyncs_honest_peers(dhts, caplog):  # noqa: F811
@@ -52,7 +53,7 @@ def test_forged_progress_neither_stops_nor_desyncs_honest_peers(dhts, caplog):  
         messages = [r.getMessage() for r in caplog.records]
         assert not [m for m in messages if "behind the swarm" in m], messages
         for liar_dht in liar_dhts:  # each attacker is named (by the peer id in its record)
-            named = liar_dht.peer_id.to_bytes().hex()[:16]
+            named = short_peer_id(liar_dht.peer_id.to_bytes())
             assert any(named in m and "faulty or malicious" in m for m in messages), messages
         assert all(p.opt.is_synchronized_with_peers() for p in honest)
     finally:

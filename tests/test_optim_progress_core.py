@@ -27,9 +27,7 @@ T0 = 1_000_000.0
 
 def make_core(target=100, now=T0, client_mode=False, **settings) -> ProgressCore:
     config = ProgressConfig(target_batch_size=target, **settings)
-    return ProgressCore(
-        config, local_key=b"[owner:me]", peer_id=b"me", client_mode=client_mode, now=now
-    )
+    return ProgressCore(config, peer_id=b"me", client_mode=client_mode, now=now)
 
 
 def record(peer, epoch, samples, sps=10.0, time=T0, client_mode=False) -> LocalProgress:
@@ -37,8 +35,8 @@ def record(peer, epoch, samples, sps=10.0, time=T0, client_mode=False) -> LocalP
 
 
 def fetch(core, now, *records, expiration=None):
-    """A DHT fetch that returns ``records`` (owner key ``[owner:<peer id>]``)."""
-    entries = {b"[owner:" + r.peer_id + b"]": (r, expiration or now + 60) for r in records}
+    """A DHT fetch that returns ``records``, each under its peer id (its verified subkey)."""
+    entries = {r.peer_id: (r, expiration or now + 60) for r in records}
     return core.on_fetch(entries, now)
 
 
@@ -217,12 +215,12 @@ def test_gossip_only_brings_the_next_fetch_earlier():
     assert core.global_progress.next_fetch_time == pytest.approx(T0 + 11)  # max period
     for i in range(20):  # a steady flow of gossip never postpones the fetch
         now = T0 + 1 + i * 0.1
-        core.on_gossip(b"[owner:a]", record(b"a", 0, i, sps=1.0, time=now), now + 60, now)
+        core.on_gossip(b"a", record(b"a", 0, i, sps=1.0, time=now), now + 60, now)
     assert core.global_progress.next_fetch_time == pytest.approx(T0 + 11)
     # news that the epoch nearly ended brings it to the last fetch + the min period (from a peer
     # new to us: in an epoch we joined midway its samples are taken on trust; a's own jump to
     # 999 at 1 sample/s would be capped by its speed)
-    core.on_gossip(b"[owner:c]", record(b"c", 0, 999, sps=1.0, time=T0 + 4), T0 + 70, now=T0 + 4)
+    core.on_gossip(b"c", record(b"c", 0, 999, sps=1.0, time=T0 + 4), T0 + 70, now=T0 + 4)
     assert core.global_progress.next_fetch_time == pytest.approx(T0 + 1 + 0.5)
 
 
@@ -250,7 +248,7 @@ def test_epoch_claim_far_ahead_is_ignored_and_reported_once():
         assert progress.epoch == 3 and not core.ready_to_update_epoch(T0 + 1)
         assert progress.num_peers == 1 + len(honest)  # the liar is not counted at all
         (warning,) = implausible(core, T0 + 1)
-        assert (warning.peer_id, warning.key, warning.epoch) == (b"evil", b"[owner:evil]", 10**9)
+        assert (warning.peer_id, warning.key, warning.epoch) == (b"evil", b"evil", 10**9)
         assert b"evil".hex() in str(warning) and "epoch 1000000000" in str(warning)
         fetch(core, T0 + 2, liar, *honest)
         assert implausible(core, T0 + 2) == []  # once per peer
@@ -293,11 +291,11 @@ def test_peer_that_just_stepped_still_counts_toward_the_epoch_in_a_swarm_of_two(
     core = make_core(target=100)
     core.report_local_progress(0, 30, now=T0 + 3)  # 10 samples/s
     fetch(core, T0 + 3, record(b"a", 0, 30, sps=10, time=T0 + 3))
-    core.on_gossip(b"[owner:a]", record(b"a", 0, 40, sps=10, time=T0 + 4), T0 + 64, now=T0 + 4)
+    core.on_gossip(b"a", record(b"a", 0, 40, sps=10, time=T0 + 4), T0 + 64, now=T0 + 4)
     core.report_local_progress(0, 50, now=T0 + 5)
     # a reached the target in its view (our 50 + its 50) and stepped; its report of 50 was
     # never sent, its step was: extrapolated from its last report, it still counts
-    core.on_gossip(b"[owner:a]", record(b"a", 1, 0, sps=10, time=T0 + 5), T0 + 65, now=T0 + 5)
+    core.on_gossip(b"a", record(b"a", 1, 0, sps=10, time=T0 + 5), T0 + 65, now=T0 + 5)
     progress = core.global_progress
     assert progress.epoch == 0  # one of two peers does not make a quorum...
     assert progress.samples_accumulated == 100  # ...but the epoch did reach its target
@@ -352,25 +350,59 @@ def test_quorum_is_more_than_half_of_the_voters():
     assert fetch(core, T0 + 1, *ahead, *more, *behind).epoch == 20  # 4 of 7
 
 
+def test_many_records_claimed_by_one_peer_count_once():
+    """One vote per peer id: a record counts only under the peer id it names (its verified
+    subkey). One peer writing many subkeys, or under another peer's id, counts once."""
+    core = make_core(target=100)
+    core.update_epoch(3, now=T0)
+    core.report_local_progress(3, 10, now=T0 + 1)  # 10 samples/s
+    honest = [record(b"h1", 3, 10), record(b"h2", 3, 10)]
+    # 20 subkeys of one peer, each claiming the next epoch: as 20 votes they were a quorum
+    # (20 of 24 voters at epoch 4) and sent every honest peer into a state download
+    flood = {f"sybil{i}".encode(): (record(b"evil", 4, 90), T0 + 60) for i in range(20)}
+    own = {b"evil": (record(b"evil", 4, 90), T0 + 60)}
+    mine = {b"me": (record(b"evil", 4, 90), T0 + 60)}  # under our id: never from the network
+    entries = {r.peer_id: (r, T0 + 60) for r in honest} | flood | own | mine
+    progress = core.on_fetch(entries, T0 + 1)
+    assert core.num_unbound_refused == 20
+    assert set(core.peers(T0 + 1)) == {b"h1", b"h2", b"evil"}
+    assert (progress.epoch, progress.num_peers) == (3, 4)  # h1, h2, evil and this peer
+    assert not core.ready_to_update_epoch(T0 + 1)
+    # the only record ahead of us is probed once, by the id it is bound to
+    assert [(p.key, p.peer_id) for p in core.probes_due(T0 + 1)] == [(b"evil", b"evil")]
+    # newer records under the honest peers' ids that name another peer: refused, over gossip
+    # and from the DHT; the honest records stay
+    for key in (b"h1", b"h2"):
+        assert not core.on_gossip(key, record(b"evil", 4, 0), T0 + 120, now=T0 + 2)
+    fetch_hijack = {b"h1": (record(b"evil", 9, 99), T0 + 90), b"h2": (None, T0 + 90)}
+    progress = core.on_fetch(fetch_hijack, T0 + 2)
+    assert core.num_unbound_refused == 23  # (a departure names nobody: h2 left, see below)
+    assert core.peers(T0 + 2)[b"h1"] == honest[0]
+    assert (progress.epoch, progress.num_peers) == (3, 3)
+    # the honest peers stepping is a quorum with the liar: the epoch moves on what peers vouch
+    fetch(core, T0 + 3, record(b"h1", 4, 0), record(b"h2", 4, 0), expiration=T0 + 100)
+    assert core.global_progress.epoch == 4
+
+
 def test_stale_departed_and_older_records():
     core = make_core(target=100)
     b = record(b"b", 0, 10, client_mode=True)  # a client: it does not vote on the epoch
     fetch(core, T0, record(b"a", 2, 10), b, expiration=T0 + 10)
     assert core.global_progress.epoch == 2
-    assert set(core.peers(T0)) == {b"[owner:a]", b"[owner:b]"}
+    assert set(core.peers(T0)) == {b"a", b"b"}
     # an older record does not replace a newer one, from gossip or from the DHT
-    assert not core.on_gossip(b"[owner:a]", record(b"a", 9, 10), T0 + 5, now=T0)
+    assert not core.on_gossip(b"a", record(b"a", 9, 10), T0 + 5, now=T0)
     assert core.global_progress.epoch == 2
-    assert core.on_gossip(b"[owner:a]", record(b"a", 3, 10), T0 + 20, now=T0)
+    assert core.on_gossip(b"a", record(b"a", 3, 10), T0 + 20, now=T0)
     fetch(core, T0 + 1, record(b"a", 2, 10), expiration=T0 + 10)
     assert core.global_progress.epoch == 3
     # a stale record is dropped on arrival, a held one when it expires
-    assert not core.on_gossip(b"[owner:c]", record(b"c", 9, 10), T0 + 1, now=T0 + 1)
-    assert not core.on_gossip(b"[owner:me]", record(b"me", 9, 10), T0 + 60, now=T0 + 1)
+    assert not core.on_gossip(b"c", record(b"c", 9, 10), T0 + 1, now=T0 + 1)
+    assert not core.on_gossip(b"me", record(b"me", 9, 10), T0 + 60, now=T0 + 1)
     fetch(core, T0 + 11)
-    assert set(core.peers(T0 + 11)) == {b"[owner:a]"}
+    assert set(core.peers(T0 + 11)) == {b"a"}
     # a departure record (None) removes the peer
-    assert core.on_gossip(b"[owner:a]", None, T0 + 30, now=T0 + 12)
+    assert core.on_gossip(b"a", None, T0 + 30, now=T0 + 12)
     assert core.peers(T0 + 12) == {}
     progress = core.global_progress
     assert (progress.epoch, progress.num_peers) == (0, 0)
@@ -440,8 +472,8 @@ def test_clock_skew_from_future_records_and_late_gossip():
     assert warnings == [ClockSkewDetected(b"a", pytest.approx(30.0))]
     assert "ahead" in str(warnings[0])
     # gossip travels in milliseconds: a report 20 s old means a clock 20 s behind ours
-    core.on_gossip(b"[owner:c]", record(b"c", 0, 1, time=T0 - 20), T0 + 40, now=T0)
-    core.on_gossip(b"[owner:d]", record(b"d", 0, 1, time=T0 - 3), T0 + 57, now=T0)
+    core.on_gossip(b"c", record(b"c", 0, 1, time=T0 - 20), T0 + 40, now=T0)
+    core.on_gossip(b"d", record(b"d", 0, 1, time=T0 - 3), T0 + 57, now=T0)
     (warning,) = core.warnings(T0)
     assert warning.peer_id == b"c" and warning.offset == pytest.approx(-19.5)
     assert "behind" in str(warning)

@@ -26,11 +26,12 @@ REACHABLE, UNREACHABLE, UNKNOWN = (
 
 def make_core(now=T0, **settings) -> ProgressCore:
     config = ProgressConfig(target_batch_size=100, **settings)
-    return ProgressCore(config, local_key=b"[owner:me]", peer_id=b"me", client_mode=False, now=now)
+    return ProgressCore(config, peer_id=b"me", client_mode=False, now=now)
 
 
 def key(peer: bytes) -> bytes:
-    return b"[owner:" + peer + b"]"
+    """A record's key: the peer id it is bound to (its signed subkey)."""
+    return peer
 
 
 def fetch(core, now, *records, expiration=None):

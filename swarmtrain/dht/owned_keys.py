@@ -2,10 +2,11 @@
 
 Under each key named here, a record's subkey is the writer's peer id and its value is signed
 with that peer's libp2p identity key (:class:`~swarmtrain.dht.PeerRecordValidator`). The
-components that write such records (matchmaking, state sharing, DiLoCo presence, the metrics
-publisher, the run directory) import their pattern from this module and register it on their
-node; ``swarmtrain node`` registers all of them (:func:`owned_keys_validator`) without
-importing those components, so a bootstrap-only node refuses unsigned and forged records too.
+components that write such records (matchmaking, state sharing, DiLoCo presence, training
+progress, the metrics publisher, the run directory) import their pattern from this module and
+register it on their node; ``swarmtrain node`` registers all of them
+(:func:`owned_keys_validator`) without importing those components, so a bootstrap-only node
+refuses unsigned and forged records too.
 
 This module holds only key-name patterns: adding a pattern here makes every node that calls
 :func:`owned_keys_validator` enforce it.
@@ -22,6 +23,7 @@ __all__ = [
     "METRICS_KEY_PATTERN",
     "OWNED_KEY_PATTERNS",
     "PRESENCE_KEY_PATTERN",
+    "PROGRESS_KEY_PATTERN",
     "RUNS_KEY",
     "RUNS_KEY_PATTERN",
     "STATE_SHARING_KEY_PATTERN",
@@ -34,6 +36,8 @@ GROUP_KEY_PATTERN = re.compile(r"[^.]+\.0b[01]*")
 STATE_SHARING_KEY_PATTERN = re.compile(r"(?s).+\.all_averagers")
 #: DiLoCo presence records, ``{run_id}_diloco.peers`` (``optim.diloco_peers``)
 PRESENCE_KEY_PATTERN = re.compile(r"(?s).*_diloco\.peers")
+#: training progress, ``{run_id}_progress`` (``optim.progress_records``): one vote per peer id
+PROGRESS_KEY_PATTERN = re.compile(r"(?s).*_progress")
 #: training metrics, ``{run_id}_metrics`` (``monitor.metrics``)
 METRICS_KEY_PATTERN = re.compile(r"(?s).+_metrics")
 #: the run directory's one key (``monitor.runs``): one announcement per announcing peer
@@ -45,6 +49,7 @@ OWNED_KEY_PATTERNS: tuple[re.Pattern[str], ...] = (
     GROUP_KEY_PATTERN,
     STATE_SHARING_KEY_PATTERN,
     PRESENCE_KEY_PATTERN,
+    PROGRESS_KEY_PATTERN,
     METRICS_KEY_PATTERN,
     RUNS_KEY_PATTERN,
 )

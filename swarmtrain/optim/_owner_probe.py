@@ -19,13 +19,15 @@ logger = logging.getLogger(__name__)
 
 
 async def dial_owner(p2p, peer_id: bytes) -> ProbeOutcome:
-    """Connect to ``peer_id`` (an open connection is enough)."""
+    """Connect to ``peer_id``, the id a record is bound to (its signed subkey; an open
+    connection is enough)."""
     try:
         peer = PeerID(peer_id)
     except Exception:  # not a peer id at all: nobody can be dialled under it
         return ProbeOutcome.UNREACHABLE
     if peer == p2p.peer_id:
-        # our own peer id under another signing key: a record of an earlier process of ours
+        # a record under our own id is ours, or an earlier process's with our identity (the
+        # tracker never asks; a caller that does gets: not a live owner)
         return ProbeOutcome.UNREACHABLE
     if p2p.is_connected(peer):
         return ProbeOutcome.REACHABLE

@@ -5,15 +5,20 @@ time takes ``now`` (DHT time: wall-clock seconds, the clock the records carry). 
 (:mod:`swarmtrain.optim.progress_tracker`) feeds this core with what it fetched from the DHT and
 what it heard over gossip, asks it when to store, gossip and fetch, and does the I/O.
 
-Records. Every peer publishes a :class:`LocalProgress` under its own key (the
-``[owner:<public key>]`` marker it signs with). A record is versioned by its DHT expiration time:
-it replaces what we hold for its owner only if it does not expire earlier. A record whose
+Records. Every peer publishes a :class:`LocalProgress` under its own peer id (the subkey of a
+per-peer record, signed with the identity key behind that id: the tracker passes this core
+only records whose signature it verified, keyed by that peer id). One peer id is one record and
+one vote: a record whose ``peer_id`` field is not the id it is stored under is refused (counted
+in :attr:`ProgressCore.num_unbound_refused`), so claims made under many keys for one peer count
+once at most, and never for another peer. A record is versioned by its DHT expiration time: it
+replaces what we hold for its owner only if it does not expire earlier. A record whose
 expiration passed is stale and forgotten; a ``None`` record says its owner left the run. Our own
 record is never taken from the network: the local state is always newer.
 
 Global progress (hivemind's semantics, made robust to a minority of lying peers):
 
-- the global epoch is what a quorum vouches for: the voters are the live non-client peers, and
+- the global epoch is what a quorum vouches for: the voters are the live non-client peers (one
+  vote per peer id), and
   this peer once it trained (reported samples or changed epoch; a newcomer that has not trained
   yet does not vote, so it follows the swarm it joins, even a swarm of one); the quorum is more
   than ``quorum_fraction`` of the voters (two of two: then a lone liar cannot move an
@@ -43,9 +48,9 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   never postpones the DHT fallback.
 
 Records of dead peers (a killed run's, which never said goodbye): the owner of each non-client
-record ahead of this peer is dialled once (:meth:`ProgressCore.probes_due`, done by the
-tracker); a record whose owner cannot be reached is ignored until its owner stores a newer one
-(see :mod:`swarmtrain.optim.progress_liveness`).
+record ahead of this peer (the peer id the record is bound to) is dialled once
+(:meth:`ProgressCore.probes_due`, done by the tracker); a record whose owner cannot be reached
+is ignored until its owner stores a newer one (see :mod:`swarmtrain.optim.progress_liveness`).
 
 A peer publishes only while it is active: it reported samples during the global epoch or the
 one before (hivemind's rule, so auxiliary peers that never accumulate samples stay out of the
@@ -86,6 +91,11 @@ __all__ = [
 EPS = 1e-20  #: samples/s of a peer that has not measured its speed yet (never zero: we divide)
 _MIN_KNOWN_RATE = 1e-9  # total samples/s below this means "speed unknown" (no ETA to judge)
 _CREDIT_SLACK = 1.0  # s of samples at the capped speed a peer may be ahead of its bound
+
+
+def short_peer_id(peer_id: bytes) -> str:
+    """The tail of a peer id's hex, for messages (an Ed25519 peer id's head is a constant)."""
+    return peer_id.hex()[-16:]
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -335,8 +345,8 @@ class ClockSkewDetected:
     def __str__(self) -> str:
         side = "ahead of" if self.offset > 0 else "behind"
         return (
-            f"peer {self.peer_id.hex()[:16]}'s clock seems {abs(self.offset):.1f} s {side} ours: "
-            "progress and ETA estimates will be off (synchronize clocks with NTP)"
+            f"peer {short_peer_id(self.peer_id)}'s clock seems {abs(self.offset):.1f} s {side} "
+            "ours: progress and ETA estimates will be off (synchronize clocks with NTP)"
         )
 
 
@@ -379,15 +389,15 @@ class ImplausibleProgress:
     the swarm's ``swarm_epoch`` (the record is ignored), or ``samples`` far beyond the
     ``allowed`` its speed allows (they count only up to it)."""
 
-    peer_id: bytes  #: as the record states it
-    key: bytes  #: the record's owner marker (the key that signed it)
+    peer_id: bytes  #: the peer whose signed record it is
+    key: bytes  #: the record's subkey (the same peer id)
     epoch: int
     samples: int
     swarm_epoch: int
     allowed: int | None = None  #: None: the epoch was implausible
 
     def __str__(self) -> str:
-        who = f"peer {self.peer_id.hex()[:16]} (key {self.key.hex()[-16:]})"
+        who = f"peer {short_peer_id(self.peer_id)}"
         if self.allowed is None:
             return (
                 f"ignoring the progress of {who}: it claims epoch {self.epoch} while the swarm "
@@ -433,8 +443,8 @@ class _Carry:
 class ProgressCore:
     """The progress state machine (see the module docstring).
 
-    :param local_key: this peer's record key (its owner marker); records under it are ignored
-    :param peer_id: this peer's id, as bytes, put into its records
+    :param peer_id: this peer's id, as bytes: the key of its record (records of others under it
+      are ignored) and the ``peer_id`` field in it
     :param now: DHT time of creation; the first fetch is due at once
     """
 
@@ -442,13 +452,14 @@ class ProgressCore:
         self,
         config: ProgressConfig,
         *,
-        local_key: bytes,
         peer_id: bytes,
         client_mode: bool,
         now: float,
     ):
+        if not isinstance(peer_id, bytes) or not peer_id:
+            raise ValueError("peer_id must be non-empty bytes")
         self.config = config
-        self.local_key = local_key
+        self.local_key = peer_id  #: the key of this peer's record: its peer id
         self._ema = PerformanceEMA(config.performance_ema_alpha, now=now)
         self._local = LocalProgress(peer_id, 0, 0, self._ema.samples_per_second, now, client_mode)
         self._records: dict[bytes, _Record] = {}
@@ -463,7 +474,7 @@ class ProgressCore:
         self._last_active_epoch = -math.inf
         self._last_fetch_time: float | None = None
         self._fetched_this_epoch = False
-        self._num_fetches = self._num_merged = 0
+        self._num_fetches = self._num_merged = self._num_unbound = 0
         # publishing
         self._store_pending = self._gossip_pending = self._epoch_changed = False
         self._last_store_time = self._last_gossip_time = -math.inf
@@ -518,8 +529,14 @@ class ProgressCore:
         """Records of other peers that replaced an older one we held (gossip and DHT)."""
         return self._num_merged
 
+    @property
+    def num_unbound_refused(self) -> int:
+        """Records refused because their ``peer_id`` field was not the id they were stored
+        under (a peer claiming to be another, or many peers)."""
+        return self._num_unbound
+
     def peers(self, now: float) -> dict[bytes, LocalProgress]:
-        """Live records of the other peers, by key."""
+        """Live records of the other peers, by peer id."""
         return {
             key: record.progress
             for key, record in self._records.items()
@@ -600,7 +617,8 @@ class ProgressCore:
     def on_fetch(
         self, entries: Mapping[bytes, tuple[LocalProgress | None, float]], now: float
     ) -> GlobalProgress:
-        """A DHT fetch returned ``{key: (record or None, expiration_time)}``."""
+        """A DHT fetch returned ``{peer id: (record or None, expiration_time)}``: the subkeys
+        whose signatures the DHT verified."""
         for key, (progress, expiration_time) in entries.items():
             self._merge(key, progress, expiration_time, now, gossiped=False)
         self._last_fetch_time = now
@@ -622,7 +640,8 @@ class ProgressCore:
     def on_gossip(
         self, key: bytes, progress: LocalProgress | None, expiration_time: float, now: float
     ) -> bool:
-        """A (validated) record arrived over gossip; returns whether it changed anything."""
+        """A record signed by ``key`` (a peer id) arrived over gossip; returns whether it
+        changed anything."""
         if not self._merge(key, progress, expiration_time, now, gossiped=True):
             return False
         self._recompute(now)
@@ -634,7 +653,7 @@ class ProgressCore:
         """Owners of records ahead of us to dial now (see ``progress_liveness``); report each
         outcome with :meth:`on_probe_result`."""
         candidates = (  # nobody can dial a client; a record not ahead of us does not steer us
-            OwnerCandidate(key, record.progress.peer_id, record.expiration_time)
+            OwnerCandidate(key, key, record.expiration_time)  # the id the record is bound to
             for key, record in self._records.items()
             if record.progress is not None
             and record.expiration_time > now
@@ -665,6 +684,9 @@ class ProgressCore:
         gossiped: bool,
     ) -> bool:
         if key == self.local_key or not math.isfinite(expiration_time):
+            return False
+        if progress is not None and progress.peer_id != key:
+            self._num_unbound += 1  # it claims to be another peer than the one that signed it
             return False
         if expiration_time <= now:
             return False  # stale

@@ -21,8 +21,10 @@ some other owner was reached (the swarm we join is alive, so we give its other r
 benefit of the doubt) and is ignored when no owner could be reached at all (a killed run: all
 its peers are gone), until it is stored again, like a failed one.
 
-Everything is keyed by the record key (the owner's signing key): the ``peer_id`` inside a
-record is its owner's claim, so a confirmation holds for that key and that peer id only.
+Everything is keyed by the record key. Progress records and DiLoCo presence records are
+per-peer records (``swarmtrain.dht.peer_records``): the key is the peer id whose identity key
+signed the record, and that is the peer id dialled; a confirmation holds for that key and that
+peer id only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""Progress records in the DHT: their pydantic schema, validators and parsing."""
+"""Progress records in the DHT: their key, pydantic schema, validators and parsing.
+
+Each peer's record is a per-peer record (:mod:`swarmtrain.dht.peer_records`): its subkey is the
+writer's peer id (``PeerID.to_bytes()``) and its value is signed with the libp2p identity key
+behind that id, so one identity is one record and nobody writes, blanks or extends another
+peer's record. The record's ``peer_id`` field must be its subkey (checked when reading, by
+:class:`~swarmtrain.optim.progress_core.ProgressCore`).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +15,22 @@ from typing import Annotated, Any
 
 import pydantic
 
-from swarmtrain.dht import (
-    BytesWithPublicKey,
-)
+from swarmtrain.dht import PeerRecordValidator
+from swarmtrain.dht.owned_keys import PROGRESS_KEY_PATTERN
 
 from .progress_core import (
     GlobalProgress,
     LocalProgress,
 )
+
+__all__ = [
+    "PROGRESS_KEY_PATTERN",
+    "LocalProgressSchema",
+    "ProgressTrackerStatistics",
+    "TrainingProgressSchema",
+    "progress_key",
+    "progress_record_validator",
+]
 
 logger = logging.getLogger(__name__)
 _INVALID = object()  # a record that does not match the schema
@@ -37,9 +52,20 @@ class LocalProgressSchema(pydantic.BaseModel):
 
 
 class TrainingProgressSchema(pydantic.BaseModel):
-    """``{prefix}_progress``: ``{owner marker: record, or None once the peer left}``."""
+    """``{prefix}_progress``: ``{writer's peer id: record, or None once the peer left}``."""
 
-    progress: dict[BytesWithPublicKey, LocalProgressSchema | None]
+    progress: dict[bytes, LocalProgressSchema | None]
+
+
+def progress_key(prefix: str) -> str:
+    """The DHT key of a run's progress records."""
+    return f"{prefix}_progress"
+
+
+def progress_record_validator() -> PeerRecordValidator:
+    """What a node registers so that it refuses unsigned or foreign progress records (under
+    every run's progress key): add it with ``dht.add_validators([...])``."""
+    return PeerRecordValidator([PROGRESS_KEY_PATTERN])
 
 
 @dataclass(frozen=True)
@@ -57,6 +83,7 @@ class ProgressTrackerStatistics:
     gossip_received: int  #: valid gossip records that were news to us
     gossip_rejected: int  #: invalid gossip (bad signature or schema, stale, undecodable)
     unreachable_ignored: int = 0  #: records ignored: their owner could not be dialled
+    unbound_refused: int = 0  #: records whose ``peer_id`` field is not their signed subkey
 
 
 def _parse_progress(value: Any) -> LocalProgress | object | None:

@@ -20,21 +20,26 @@ Plain (blocking) code uses ``ProgressTracker(dht, "my_run", 4096)`` over a block
 Two channels (see ``proto/progress.proto``):
 
 - DHT (the record): each peer stores its progress under ``{prefix}_progress`` with subkey = its
-  ``[owner:...]`` marker, signed (:class:`~swarmtrain.dht.Ed25519SignatureValidator`: only the
-  owner can write its subkey) and checked against a pydantic schema; it re-stores it after every
-  report (coalesced) and every ``metadata_expiration / 2``. The tracker fetches all records on
+  peer id, signed with its host's libp2p identity key (a per-peer record,
+  :class:`~swarmtrain.dht.PeerRecordValidator`: only the peer behind an id can write, blank or
+  extend the record under it; every node that runs a tracker refuses unsigned records under any
+  run's progress key) and checked against a pydantic schema; a record whose ``peer_id`` field is
+  not its subkey is refused. So one identity is one record and one vote. It re-stores it after
+  every report (coalesced) and every ``metadata_expiration / 2``. The tracker fetches all records on
   hivemind's adaptive schedule (``min/max/default_refresh_period``, ``expected_drift_*``).
 - gossipsub (the push): the same signed record, on topic ``{prefix}_progress``, at most every
   ``gossip_period`` for progress and at once for a new epoch, so other peers see an epoch end
-  in milliseconds. Receivers check it with the DHT's validators. A lost message costs only
-  latency: the next DHT fetch brings the record.
+  in milliseconds. Receivers check it with the DHT's validators (the same signature). A lost
+  message costs only latency: the next DHT fetch brings the record.
 
-Dead peers: the owner of every record ahead of this peer is dialled (within ``probe_timeout``,
-at most 16 at once); records of owners that cannot be reached (a run killed without saying
-goodbye) are ignored until they store again (:mod:`swarmtrain.optim.progress_liveness`).
+Dead peers: the owner of every record ahead of this peer (the peer id it is bound to) is dialled
+(within ``probe_timeout``, at most 16 at once); records of owners that cannot be reached (a run
+killed without saying goodbye) are ignored until they store again
+(:mod:`swarmtrain.optim.progress_liveness`).
 
 Resource handling: ``create`` adds the progress validators to the DHT node (they stay
-registered: validators cannot be removed), opens a ``PubSub`` on the DHT's host unless one is
+registered: validators cannot be removed; a DHT runs at most one tracker per prefix, since its
+peer id is its record), opens a ``PubSub`` on the DHT's host unless one is
 passed in (or ``use_pubsub=False``), fetches the swarm's progress once
 (and dials the owners of the records ahead of it), then runs five tasks in a task group owned
 by the tracker (DHT reporter, gossip publisher, DHT fetcher, owner prober, gossip receiver) and
@@ -53,6 +58,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import Annotated, Any, TypeVar
@@ -67,12 +73,10 @@ from swarmtrain.dht import (
     CompositeValidator,
     DHTRecord,
     DHTValueError,
-    Ed25519SignatureValidator,
     RecordValidatorBase,
     SchemaValidator,
     ValueWithExpiration,
     deserialize,
-    generate_private_key,
     get_dht_time,
     serialize,
 )
@@ -90,6 +94,7 @@ from .progress_core import (
     ProgressCore,
     ProgressWarning,
     describe_eta,
+    short_peer_id,
 )
 from .progress_liveness import Probe, ProbeOutcome
 from .progress_records import (
@@ -98,6 +103,8 @@ from .progress_records import (
     ProgressTrackerStatistics,
     TrainingProgressSchema,
     _parse_progress,
+    progress_key,
+    progress_record_validator,
 )
 
 __all__ = [
@@ -117,13 +124,15 @@ _PROBE_MESSAGES = {
     "while another peer of the run answers",
     ProbeOutcome.REACHABLE: "%s: peer %s answered: its progress record counts again",
 }
+#: (peer id, prefix) of the trackers open in this process: a peer id holds one record per run
+_OPEN_TRACKERS: set[tuple[bytes, str]] = set()
 
 
 def _short_peer_id(peer_id: bytes) -> str:
     try:
         return str(PeerID(peer_id))[-12:]
     except Exception:
-        return peer_id.hex()[:16]
+        return short_peer_id(peer_id)
 
 
 _NonNegativeInt = Annotated[int, pydantic.Field(ge=0)]
@@ -152,7 +161,7 @@ class AsyncProgressTracker:
         self.dht, self.prefix, self._core = dht, prefix, core
         self.config = core.config
         self.client_mode = core.local_progress.client_mode
-        self.training_progress_key = f"{prefix}_progress"
+        self.training_progress_key = progress_key(prefix)
         self._key_bytes = serialize(self.training_progress_key)
         self._subkey = core.local_key
         self._subkey_bytes = serialize(self._subkey)
@@ -201,10 +210,10 @@ class AsyncProgressTracker:
         """Start tracking ``prefix``'s progress on ``dht`` (see the module docstring).
 
         The settings are those of :class:`~swarmtrain.optim.progress_core.ProgressConfig`.
-        ``client_mode`` defaults to the DHT's. ``private_key`` signs this peer's records unless
-        the DHT already has a signature validator (then that validator's key is used); without
-        it, a new key (not the process's default key: trackers in one process are distinct
-        peers).
+        ``client_mode`` defaults to the DHT's. Records are signed with the DHT host's libp2p
+        identity key under its peer id (one record per peer and run: a second tracker of
+        ``prefix`` on the same DHT raises ``ValueError``). ``private_key`` (hivemind's owner
+        key) is no longer used and warns: records are bound to the peer id instead.
         ``pubsub``: share the host's ``PubSub`` (a host runs at most one); without it the
         tracker opens its own, unless ``use_pubsub=False`` (then the DHT alone carries progress).
         """
@@ -230,27 +239,37 @@ class AsyncProgressTracker:
             probe_timeout=probe_timeout,
             probe_retry_period=probe_retry_period,
         )
+        if private_key is not None:
+            warnings.warn(
+                "ProgressTracker(private_key=...) is ignored: progress records are signed with "
+                "the DHT host's identity key, under its peer id",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         validator = dht.node.record_validator
         if not isinstance(validator, CompositeValidator):
             raise TypeError("the DHT node's record_validator must be a CompositeValidator")
-        key = f"{prefix}_progress"
-        validator.extend(
-            [
-                SchemaValidator(TrainingProgressSchema, prefix=prefix),
-                Ed25519SignatureValidator(
-                    generate_private_key() if private_key is None else private_key
-                ),
-            ]
+        key = progress_key(prefix)
+        peer_id = dht.peer_id.to_bytes()
+        if (peer_id, prefix) in _OPEN_TRACKERS:
+            raise ValueError(
+                f"this DHT already runs a ProgressTracker for {prefix!r}: a peer id holds one "
+                "progress record per run (use one DHT per peer)"
+            )
+        # the node refuses unsigned or foreign records under every run's progress key, and
+        # signs ours (subkey = our peer id) with the host's identity key
+        dht.node.add_validators(
+            [SchemaValidator(TrainingProgressSchema, prefix=prefix), progress_record_validator()]
         )
-        signer = next(v for v in validator.validators if isinstance(v, Ed25519SignatureValidator))
         core = ProgressCore(
             config,
-            local_key=signer.local_public_key,
-            peer_id=dht.peer_id.to_bytes(),
+            peer_id=peer_id,
             client_mode=dht.client_mode if client_mode is None else bool(client_mode),
             now=get_dht_time(),
         )
+        _OPEN_TRACKERS.add((peer_id, prefix))
         async with AsyncExitStack() as stack:
+            stack.callback(_OPEN_TRACKERS.discard, (peer_id, prefix))
             if pubsub is None and use_pubsub:
                 pubsub = await stack.enter_async_context(PubSub.create(dht.p2p))
             self = cls(
@@ -304,7 +323,8 @@ class AsyncProgressTracker:
 
     @property
     def local_public_key(self) -> bytes:
-        """This peer's ``[owner:...]`` marker: the subkey of its progress record."""
+        """The subkey of this peer's progress record: its peer id (``PeerID.to_bytes()``; in
+        hivemind, the ``[owner:...]`` marker of its signing key)."""
         return self._subkey
 
     @property
@@ -348,7 +368,7 @@ class AsyncProgressTracker:
         return self._core.fetched_this_epoch
 
     def peers(self) -> dict[bytes, LocalProgress]:
-        """Live progress records of the other peers, by owner marker."""
+        """Live progress records of the other peers, by peer id (``PeerID.to_bytes()``)."""
         with self._lock:
             return self._core.peers(get_dht_time())
 
@@ -358,6 +378,7 @@ class AsyncProgressTracker:
             global_progress, local_progress = core.global_progress, core.local_progress
             num_peers_seen, fetches = len(core.peers(get_dht_time())), core.num_fetches
             unreachable_ignored = core.num_unreachable_ignored
+            unbound_refused = core.num_unbound_refused
         return ProgressTrackerStatistics(
             global_progress=global_progress,
             local_progress=local_progress,
@@ -370,6 +391,7 @@ class AsyncProgressTracker:
             gossip_received=self._gossip_received,
             gossip_rejected=self._gossip_rejected,
             unreachable_ignored=unreachable_ignored,
+            unbound_refused=unbound_refused,
         )
 
     # --------------------------------------------------------- local events

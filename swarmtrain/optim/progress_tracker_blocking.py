@@ -105,7 +105,7 @@ class ProgressTracker(BackgroundService):
 
     @property
     def local_public_key(self) -> bytes:
-        """This peer's ``[owner:...]`` marker: the subkey of its progress record."""
+        """The subkey of this peer's progress record: its peer id (``PeerID.to_bytes()``)."""
         return self._tracker().local_public_key
 
     @property
