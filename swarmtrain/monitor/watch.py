@@ -12,7 +12,9 @@ from typing import Any
 
 import trio
 
-from swarmtrain.dht import AsyncDHT, get_dht_time
+from swarmtrain.dht import AsyncDHT, PeerRecordValidator, get_dht_time
+from swarmtrain.dht.owned_keys import PROGRESS_KEY_PATTERN
+from swarmtrain.dht.validation import CompositeValidator
 
 from .http import DashboardServer
 from .publisher import read_metrics
@@ -26,15 +28,24 @@ logger = logging.getLogger(__name__)
 
 
 async def read_progress(dht: AsyncDHT, run_id: str) -> list[PeerProgress]:
-    """The valid progress records of ``run_id`` (see :mod:`swarmtrain.optim.progress_tracker`)."""
+    """The valid progress records of ``run_id`` (see :mod:`swarmtrain.optim.progress_tracker`):
+    each signed by the peer its subkey names (this registers the owned progress key on
+    ``dht``'s node, which then drops the others)."""
+    validator = dht.node.record_validator
+    if isinstance(validator, CompositeValidator):
+        validator.extend([PeerRecordValidator([PROGRESS_KEY_PATTERN])])
     found = await dht.get(f"{run_id}_progress", latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
     progress = []
     for subkey, item in found.value.items():
-        if not isinstance(subkey, bytes) or b"[owner:" not in subkey:
+        value = getattr(item, "value", None)
+        # a record counts under the peer id it names (its subkey, signed by that peer's key)
+        if not (isinstance(subkey, bytes) and isinstance(value, dict)):
             continue
-        parsed = _parse_progress(getattr(item, "value", None))
+        if value.get("peer_id") != subkey:
+            continue
+        parsed = _parse_progress(value)
         if parsed is not None:
             progress.append(parsed)
     return progress
