@@ -1,0 +1,235 @@
+"""All-reduce round time next to a busy pure-Python main thread: in-process vs helper process.
+
+    python benchmarks/benchmark_process_mode.py [--numel 8M] [--rounds 6] [--repeats 1]
+        [--modes thread,thread-1ms,thread-0.1ms,process]
+
+Two peers, one process each (started by this script, ``--worker``; the parent sends commands
+over stdin and reads JSON replies), average ``--numel`` float32 values per round. Modes:
+
+- ``thread``: the blocking ``DHT`` + ``DecentralizedAverager``: the swarm runs on the trio loop
+  in a background thread of the trainer's process (the default), switch interval 5 ms;
+- ``thread-1ms``, ``thread-0.1ms``: the same with ``sys.setswitchinterval`` lowered in both
+  peers (the cheapest in-process mitigation: the loop thread gets the GIL more often);
+- ``process``: ``ProcessAverager``: the swarm (host, DHT, averager) in a helper process, the
+  tensors in shared memory.
+
+A round: both peers start ``step(wait=False, require_trigger=True, expected_group_size=2)``
+and wait until their group is assembled (``AWAITING_TRIGGER``); then the parent tells both to
+go, and each measures from ``allow_allreduce()`` to the step's result. In a *busy* round peer 0's
+main thread spins in pure Python (holding the GIL, as a Python-heavy trainer does) until its
+step is done; in an *idle* round it waits in ``result()``. Round time = the slower peer's.
+Idle and busy rounds alternate; medians over the rounds after the first (warm-up) of each
+kind. Every round checks that both peers hold the mean. Printed ratios (speed, higher is
+better): busy vs idle in the same mode, and each mode's idle speed vs ``thread``'s (the
+overhead of the mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmark_averaging import MARK, Worker, load_text, parse_config  # noqa: E402
+
+PREFIX = "benchproc"
+HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
+AVERAGER = {
+    "target_group_size": 2,
+    "min_group_size": 2,
+    "min_matchmaking_time": 1.0,
+    "request_timeout": 0.5,
+}
+SWITCH_INTERVALS = {"thread": None, "thread-1ms": 1e-3, "thread-0.1ms": 1e-4, "process": None}
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def spin_until(done) -> int:
+    """Pure-Python work until ``done()``: the GIL stays with this thread but for the switches."""
+    spins = 0
+    while not done():
+        total = 0
+        for i in range(2000):
+            total += i * i
+        spins += 1
+    return spins
+
+
+def worker(args) -> None:
+    import torch
+
+    interval = SWITCH_INTERVALS[args.mode]
+    if interval is not None:
+        sys.setswitchinterval(interval)
+
+    def reply(message) -> None:
+        print(MARK + json.dumps(message), flush=True)
+
+    tensors = [torch.zeros(args.numel)]
+    dht = None
+    if args.mode == "process":
+        from swarmtrain.averaging.process_averager import ProcessAverager
+
+        averager = ProcessAverager(
+            tensors,
+            prefix=PREFIX,
+            initial_peers=args.initial_peer,
+            dht_kwargs=HOST,
+            **AVERAGER,
+        )
+        maddrs = averager.get_visible_maddrs()
+    else:
+        from swarmtrain.averaging import DecentralizedAverager
+        from swarmtrain.dht import DHT
+
+        dht = DHT(args.initial_peer, **HOST)
+        averager = DecentralizedAverager(tensors, dht, prefix=PREFIX, **AVERAGER)
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    reply({"maddrs": maddrs})
+    control = None
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "exit":
+                break
+            if cmd["op"] == "prepare":
+                with averager.get_tensors() as local:
+                    local[0].fill_(args.index + cmd["round"])
+                control = averager.step(
+                    wait=False, require_trigger=True, expected_group_size=2, timeout=60
+                )
+                deadline = time.monotonic() + 60
+                while control.stage.name != "AWAITING_TRIGGER" and not control.done():
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
+                reply({"stage": control.stage.name})
+            elif cmd["op"] == "go":
+                started = time.perf_counter()
+                control.allow_allreduce()
+                spins = spin_until(control.done) if cmd["busy"] else 0
+                error = None
+                try:
+                    control.result(120)
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+                elapsed = time.perf_counter() - started
+                with averager.get_tensors() as local:
+                    max_err = (local[0] - (0.5 + cmd["round"])).abs().max().item()
+                reply({"s": elapsed, "error": error, "max_err": max_err, "spins": spins})
+        reply({"bye": True})
+    finally:
+        averager.shutdown()
+        if dht is not None:
+            dht.shutdown()
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def run_mode(mode: str, args, tmpdir: str, block: int) -> dict:
+    base = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode]
+    base += ["--numel", str(args.numel_value)]
+    workers: list[Worker] = []
+    times: dict[str, list[float]] = {"idle": [], "busy": []}
+    failed = 0
+    try:
+        log = os.path.join(tmpdir, f"{mode}_{block}_0.log")
+        workers.append(Worker([*base, "--index", "0"], log))
+        first = workers[0].receive(args.start_timeout)
+        extra = [x for m in first["maddrs"] for x in ("--initial-peer", m)]
+        log = os.path.join(tmpdir, f"{mode}_{block}_1.log")
+        workers.append(Worker([*base, "--index", "1", *extra], log))
+        workers[1].receive(args.start_timeout)
+        for r in range(2 * args.rounds):
+            kind = "busy" if r % 2 else "idle"
+            for w in workers:
+                w.send(op="prepare", round=r)
+            stages = [w.receive(120)["stage"] for w in workers]
+            for i, w in enumerate(workers):
+                w.send(op="go", round=r, busy=kind == "busy" and i == 0)
+            replies = [w.receive(180) for w in workers]
+            errors = [x["error"] for x in replies if x["error"]]
+            ok = not errors and all(x["max_err"] < 1e-5 for x in replies)
+            round_s = max(x["s"] for x in replies)
+            if args.verbose:
+                print(
+                    f"    {mode} round {r} {kind}: {round_s:.3f} s, stages {stages}, "
+                    f"spins {replies[0]['spins']}" + ("" if ok else f" FAILED {errors}"),
+                    flush=True,
+                )
+            if not ok:
+                failed += 1
+            elif r >= 2:  # the first round of each kind is warm-up
+                times[kind].append(round_s)
+    finally:
+        for w in workers:
+            w.close()
+    return {**times, "failed": failed}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def parent(args) -> None:
+    args.numel_value = parse_config(f"1x{args.numel}")[1]
+    modes = args.modes.split(",")
+    print(f"# {args.numel} float32 per peer, 2 peers, {args.rounds} idle + {args.rounds} busy")
+    print(f"# load before: {load_text()}  (os.getloadavg, 1/5/15 min)")
+    results = {m: {"idle": [], "busy": [], "failed": 0} for m in modes}
+    with tempfile.TemporaryDirectory() as tmpdir:
+        for block in range(args.repeats):
+            for mode in modes:
+                result = run_mode(mode, args, tmpdir, block)
+                for key in ("idle", "busy"):
+                    results[mode][key] += result[key]
+                results[mode]["failed"] += result["failed"]
+    print(f"# load after: {load_text()}")
+    base_idle = median(results[modes[0]]["idle"])
+    print(
+        f"{'mode':<14}{'idle s':>9}{'busy s':>9}{'busy/idle speed':>17}"
+        f"{'idle speed vs ' + modes[0]:>24}{'failed':>8}"
+    )
+    for mode in modes:
+        idle, busy = median(results[mode]["idle"]), median(results[mode]["busy"])
+        print(
+            f"{mode:<14}{idle:>9.3f}{busy:>9.3f}{idle / busy:>16.2f}x"
+            f"{base_idle / idle:>23.2f}x{results[mode]['failed']:>8}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--numel", default="8M", help="float32 values per peer (M = 2**20)")
+    parser.add_argument("--rounds", type=int, default=6, help="idle and busy rounds, each")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating blocks of modes")
+    parser.add_argument("--modes", default="thread,thread-1ms,thread-0.1ms,process")
+    parser.add_argument("--start-timeout", type=float, default=180.0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="thread", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peer", action="append", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.numel = int(args.numel)
+        worker(args)
+    else:
+        parent(args)
+
+
+if __name__ == "__main__":
+    main()
