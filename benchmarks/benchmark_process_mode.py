@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmark_averaging import MARK, Worker, load_text, parse_config  # noqa: E402
+from benchmark_averaging import MARK, Worker, load_text, parse_config
 
 PREFIX = "benchproc"
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}

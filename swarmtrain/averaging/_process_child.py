@@ -9,7 +9,8 @@ them, and one end of a pipe. Messages on the pipe are small tuples:
   ``("step_done", step_id, ok, value)`` when a step started with ``start_step`` ends;
   ``("failed", error)`` if the start failed.
 
-Errors travel as pickled exceptions (``_portable``): the parent re-raises the same type.
+Errors travel pickled (``_portable``): the parent re-raises the same type, even for exception
+classes whose ``__init__`` does not take their ``args``.
 
 Lifetime: the child leaves its averager and DHT (saying goodbye to the swarm) on the
 ``shutdown`` op, and also when the pipe reaches EOF -- the parent closed it or died -- so a
@@ -31,13 +32,36 @@ import trio
 logger = logging.getLogger(__name__)
 
 
-def _portable(error: BaseException) -> BaseException:
-    """``error`` if it survives a pickle round trip, else a ``RuntimeError`` naming it."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
+def _rebuild_exception(cls: type, args: tuple, state: dict) -> BaseException:
+    """Unpickled in the parent: ``cls`` with ``args`` and attributes, without its ``__init__``
+    (whose signature need not match ``args``)."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class _PortableError:
+    """Pickles as ``_rebuild_exception(...)``: the parent gets the error itself back."""
+
+    def __init__(self, error: BaseException):
+        self.parts = (type(error), error.args, dict(vars(error)))
+
+    def __reduce__(self):
+        return _rebuild_exception, self.parts
+
+
+def _portable(error: BaseException) -> Any:
+    """What to send for ``error`` so that the parent re-raises the same type: ``error`` if it
+    survives a pickle round trip, else its class, args and attributes (or, if even those do
+    not pickle, a ``RuntimeError`` naming it)."""
+    for candidate in (error, _PortableError(error)):
+        try:
+            pickle.loads(pickle.dumps(candidate))
+            return candidate
+        except Exception:
+            continue
+    return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 class _ThreadingStyleLock:
