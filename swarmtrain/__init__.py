@@ -18,6 +18,7 @@ show_logs_from_environment()
 
 _EXPORTS = {
     "DecentralizedAverager": "swarmtrain.averaging",
+    "ProcessAverager": "swarmtrain.averaging",
     "BlockwiseQuantization": "swarmtrain.compression",
     "CompressionInfo": "swarmtrain.compression",
     "Float16Compression": "swarmtrain.compression",
@@ -61,6 +62,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from swarmtrain.averaging import DecentralizedAverager as DecentralizedAverager
+    from swarmtrain.averaging import ProcessAverager as ProcessAverager
     from swarmtrain.compression import BlockwiseQuantization as BlockwiseQuantization
     from swarmtrain.compression import CompressionInfo as CompressionInfo
     from swarmtrain.compression import Float16Compression as Float16Compression

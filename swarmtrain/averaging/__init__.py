@@ -23,3 +23,6 @@ from swarmtrain.averaging.matchmaking_core import FailureReason as FailureReason
 from swarmtrain.averaging.matchmaking_core import MatchmakingConfig as MatchmakingConfig
 from swarmtrain.averaging.matchmaking_core import MatchmakingCore as MatchmakingCore
 from swarmtrain.averaging.matchmaking_core import next_group_bits as next_group_bits
+from swarmtrain.averaging.process_averager import HelperProcessError as HelperProcessError
+from swarmtrain.averaging.process_averager import ProcessAverager as ProcessAverager
+from swarmtrain.averaging.process_averager import ProcessStepControl as ProcessStepControl
