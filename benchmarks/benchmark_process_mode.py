@@ -11,7 +11,10 @@ over stdin and reads JSON replies), average ``--numel`` float32 values per round
 - ``thread-1ms``, ``thread-0.1ms``: the same with ``sys.setswitchinterval`` lowered in both
   peers (the cheapest in-process mitigation: the loop thread gets the GIL more often);
 - ``process``: ``ProcessAverager``: the swarm (host, DHT, averager) in a helper process, the
-  tensors in shared memory.
+  tensors in shared memory;
+- ``spin-elsewhere`` (a control): ``thread``, but a busy round spins in a separate process
+  (the same CPU load, no shared GIL): what a busy trainer costs on this machine without the
+  GIL, i.e. the best any mode can do here.
 
 A round: both peers start ``step(wait=False, require_trigger=True, expected_group_size=2)``
 and wait until their group is assembled (``AWAITING_TRIGGER``); then the parent tells both to
@@ -33,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +50,13 @@ AVERAGER = {
     "min_matchmaking_time": 1.0,
     "request_timeout": 0.5,
 }
-SWITCH_INTERVALS = {"thread": None, "thread-1ms": 1e-3, "thread-0.1ms": 1e-4, "process": None}
+SWITCH_INTERVALS = {
+    "thread": None,
+    "thread-1ms": 1e-3,
+    "thread-0.1ms": 1e-4,
+    "process": None,
+    "spin-elsewhere": None,
+}
 
 
 # --------------------------------------------------------------------------- worker
@@ -61,6 +71,14 @@ def spin_until(done) -> int:
             total += i * i
         spins += 1
     return spins
+
+
+def spinner(conn) -> None:
+    """``spin-elsewhere``: spin (as ``spin_until``) between a "spin" and a "stop" message."""
+    while conn.recv() == "spin":
+        spin_until(conn.poll)
+        conn.recv()  # "stop"
+        conn.send("stopped")
 
 
 def worker(args) -> None:
@@ -93,6 +111,14 @@ def worker(args) -> None:
         dht = DHT(args.initial_peer, **HOST)
         averager = DecentralizedAverager(tensors, dht, prefix=PREFIX, **AVERAGER)
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    spin_conn = None
+    if args.mode == "spin-elsewhere":  # the same busy loop, in a process of its own
+        import multiprocessing
+
+        spin_conn, child_conn = multiprocessing.get_context("spawn").Pipe()
+        multiprocessing.get_context("spawn").Process(
+            target=spinner, args=(child_conn,), daemon=True
+        ).start()
     reply({"maddrs": maddrs})
     control = None
     try:
@@ -115,7 +141,14 @@ def worker(args) -> None:
             elif cmd["op"] == "go":
                 started = time.perf_counter()
                 control.allow_allreduce()
-                spins = spin_until(control.done) if cmd["busy"] else 0
+                if cmd["busy"] and spin_conn is not None:
+                    spin_conn.send("spin")
+                    wait([control], 120)  # errors are read below
+                    spin_conn.send("stop")
+                    spin_conn.recv()
+                    spins = -1
+                else:
+                    spins = spin_until(control.done) if cmd["busy"] else 0
                 error = None
                 try:
                     control.result(120)
@@ -125,6 +158,8 @@ def worker(args) -> None:
                 with averager.get_tensors() as local:
                     max_err = (local[0] - (0.5 + cmd["round"])).abs().max().item()
                 reply({"s": elapsed, "error": error, "max_err": max_err, "spins": spins})
+        if spin_conn is not None:
+            spin_conn.send("exit")
         reply({"bye": True})
     finally:
         averager.shutdown()
@@ -197,13 +232,13 @@ def parent(args) -> None:
     base_idle = median(results[modes[0]]["idle"])
     print(
         f"{'mode':<14}{'idle s':>9}{'busy s':>9}{'busy/idle speed':>17}"
-        f"{'idle speed vs ' + modes[0]:>24}{'failed':>8}"
+        f"{'  idle speed vs ' + modes[0]:>28}{'failed':>8}"
     )
     for mode in modes:
         idle, busy = median(results[mode]["idle"]), median(results[mode]["busy"])
         print(
             f"{mode:<14}{idle:>9.3f}{busy:>9.3f}{idle / busy:>16.2f}x"
-            f"{base_idle / idle:>23.2f}x{results[mode]['failed']:>8}"
+            f"{base_idle / idle:>27.2f}x{results[mode]['failed']:>8}"
         )
     if args.json:
         with open(args.json, "w") as f:
