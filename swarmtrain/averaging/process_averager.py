@@ -29,12 +29,15 @@ process mode"). ``ProcessAverager`` moves the swarm out of the trainer's GIL::
   for it; at interpreter exit it is shut down like the other swarmtrain objects; if the
   trainer dies, the helper sees its pipe close and exits by itself.
 
+asyncio trainers: ``await averager.aio.step(...)``, ``await averager.aio.load_state_from_peers()``.
+
 Not forwarded: overriding ``get_current_state`` (the helper shares the averaged tensors and
-its group bits, like the default) and the ``.aio`` awaitables.
+its group bits, like the default).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -56,6 +59,7 @@ from swarmtrain.averaging.averager_config import (
 )
 from swarmtrain.averaging.control import AveragingStage
 from swarmtrain.averaging.state_sharing import StateDownloadFailure
+from swarmtrain.dht import serialize
 from swarmtrain.p2p import PeerID
 from swarmtrain.utils import exit_shutdown
 
@@ -82,10 +86,15 @@ class ProcessStepControl(Future):
     """A step running in the helper (``step(wait=False)``): a ``concurrent.futures.Future`` of
     the gathered data with :class:`StepControl`'s controls, each forwarded to the helper."""
 
-    def __init__(self, averager: ProcessAverager, step_id: int, weight: float | None):
+    def __init__(
+        self, averager: ProcessAverager, step_id: int, weight: float | None, gather: Any = None
+    ):
         super().__init__()
         self._averager, self._step_id = averager, step_id
         self._weight = weight
+        self._triggered = False
+        #: the serialized ``gather`` of this step (as ``StepControl.data_for_gather``)
+        self.data_for_gather: bytes = serialize(gather)
 
     def _control(self, action: str, value: Any = None) -> Any:
         return self._averager._call("control", self._step_id, action, value)
@@ -114,17 +123,24 @@ class ProcessStepControl(Future):
     def scheduled_time(self, scheduled_time: float) -> None:
         self._control("scheduled_time", scheduled_time)
 
+    @property
+    def triggered(self) -> bool:
+        """Whether :meth:`allow_allreduce` was called (always true without a trigger)."""
+        return self._triggered
+
     def allow_allreduce(self) -> None:
         """Let a step started with ``require_trigger=True`` run all-reduce once it has a group."""
         self._control("allow_allreduce")
+        self._triggered = True
 
     def cancel(self) -> bool:
-        """Stop the step (``result()`` raises ``CancelledError``); False if it had finished."""
+        """Stop the step (``result()`` raises ``CancelledError``); False if it had finished.
+        Returns at once: the helper cancels its step when the message arrives."""
         if not super().cancel():
             return False
         try:
-            self._control("cancel")
-        except (HelperProcessError, RuntimeError, TimeoutError):
+            self._averager._send("control", self._step_id, "cancel", None)
+        except (HelperProcessError, RuntimeError):
             pass  # the helper is gone or going: the step ends with it
         return True
 
@@ -413,7 +429,7 @@ class ProcessAverager:
         or with ``wait=False`` a :class:`ProcessStepControl`."""
         if wait and require_trigger:
             raise ValueError("a step that waits cannot also wait for a trigger: use wait=False")
-        kwargs = dict(
+        control, started = self._start_step(
             gather=gather,
             scheduled_time=scheduled_time,
             weight=weight,
@@ -423,8 +439,6 @@ class ProcessAverager:
             expected_group_size=expected_group_size,
             group_bits=group_bits,
         )
-        control = ProcessStepControl(self, next(self._ids), weight)
-        started = self._send("start_step", control._step_id, kwargs, step=control)
         try:
             started.result(self.call_timeout)
         except BaseException:
@@ -437,6 +451,12 @@ class ProcessAverager:
         except BaseException:
             control.cancel()  # Ctrl-C: do not leave the step running
             raise
+
+    def _start_step(self, **kwargs: Any) -> tuple[ProcessStepControl, Future]:
+        """Send a step to the helper: its control, and the future of the helper's ack."""
+        control = ProcessStepControl(self, next(self._ids), kwargs["weight"], kwargs["gather"])
+        control._triggered = not kwargs["require_trigger"]
+        return control, self._send("start_step", control._step_id, kwargs, step=control)
 
     @contextmanager
     def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
@@ -496,6 +516,62 @@ class ProcessAverager:
     def state_sharing_priority(self, value: float) -> None:
         self._call("set", "state_sharing_priority", value)
 
+    @property
+    def aio(self) -> _ProcessAio:
+        """asyncio awaitables: ``await averager.aio.step(gather=...)``,
+        ``await averager.aio.load_state_from_peers()`` (never block the asyncio loop)."""
+        return _ProcessAio(self)
+
     def _crash_helper_for_tests(self, exit_code: int = 3) -> None:
         """Make the helper exit at once, without a goodbye (tests of the crash path)."""
         self._send("crash", exit_code)
+
+
+class _ProcessAio:
+    """``ProcessAverager.aio``: the waiting calls as asyncio awaitables."""
+
+    def __init__(self, averager: ProcessAverager):
+        self._averager = averager
+
+    async def step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        expected_group_size: int | None = None,
+        group_bits: str | None = None,
+    ) -> GatheredData:
+        """As ``ProcessAverager.step``; cancelling the awaiting task cancels the step."""
+        control, started = self._averager._start_step(
+            gather=gather,
+            scheduled_time=scheduled_time,
+            weight=weight,
+            timeout=timeout,
+            allow_retries=allow_retries,
+            require_trigger=False,
+            expected_group_size=expected_group_size,
+            group_bits=group_bits,
+        )
+        try:
+            await asyncio.wrap_future(started)
+        except BaseException:
+            self._averager._steps.pop(control._step_id, None)
+            control.cancel()
+            raise
+        try:
+            return await asyncio.wrap_future(control)
+        except BaseException:
+            control.cancel()
+            raise
+
+    async def load_state_from_peers(
+        self,
+        timeout: float | None = None,
+        donors=None,
+        check=None,
+    ) -> tuple[Any, list[torch.Tensor]] | None:
+        """As ``ProcessAverager.load_state_from_peers``."""
+        future = self._averager._send("call", "load_state_from_peers", (timeout, donors, check))
+        return await asyncio.wrap_future(future)

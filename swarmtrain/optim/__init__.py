@@ -13,6 +13,9 @@ from swarmtrain.optim.grad_averager import GradientAverager as GradientAverager
 from swarmtrain.optim.grad_scaler import GradScaler as GradScaler
 from swarmtrain.optim.optimizer import Optimizer as Optimizer
 from swarmtrain.optim.power_sgd import PowerSGDGradientAverager as PowerSGDGradientAverager
+from swarmtrain.optim.process_grad_averager import (
+    ProcessGradientAverager as ProcessGradientAverager,
+)
 from swarmtrain.optim.state_averager import TrainingStateAverager as TrainingStateAverager
 
 from .progress_core import ClockSkewDetected as ClockSkewDetected

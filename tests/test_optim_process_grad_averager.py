@@ -1,0 +1,77 @@
+"""ProcessGradientAverager (gradient rounds in a helper process) next to an in-process
+GradientAverager, over real hosts on loopback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from swarm_util import group_of, swarm
+from test_optim_averagers import backward, make_model, run_all
+
+from swarmtrain.averaging import AveragingStage
+from swarmtrain.averaging.process_backend import HelperProcessBackend
+from swarmtrain.optim import GradientAverager, ProcessGradientAverager, TrainingStateAverager
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_gradients_average_between_a_helper_process_and_an_in_process_peer():
+    models = [make_model(0), make_model(1)]
+    sums = [torch.zeros_like(p) for p in models[0].parameters()]
+    with swarm(1) as (dhts, averagers):
+        averagers.append(
+            GradientAverager(models[0].parameters(), dht=dhts[0], prefix="g", **group_of(2))
+        )
+        averagers.append(
+            ProcessGradientAverager(models[1].parameters(), dht=dhts[0], prefix="g", **group_of(2))
+        )
+        helper = averagers[1].helper
+        assert helper.is_alive() and averagers[1].peer_id == helper.peer_id
+        for round_index in range(2):
+            for i, (model, averager) in enumerate(zip(models, averagers, strict=True)):
+                batch = 2 + i  # weights 2 and 3
+                grads = backward(model, batch, seed=10 * round_index + i)
+                for total, grad in zip(sums, grads, strict=True):
+                    total.add_(grad, alpha=batch)
+                averager.accumulate_grads_(batch)
+                model.zero_grad()
+            want = [total / 5 for total in sums]
+            if round_index == 0:
+                run_all(*(lambda a=a: a.step(timeout=30) for a in averagers))
+            else:  # scheduled: the trigger, stage and weight travel to the helper
+                controls = [a.schedule_step(timeout=30) for a in averagers]
+                assert not controls[1].triggered
+                assert controls[1].stage in (
+                    AveragingStage.LOOKING_FOR_GROUP,
+                    AveragingStage.AWAITING_TRIGGER,
+                )
+                run_all(
+                    *(
+                        lambda a=a, c=c: a.step(control=c)
+                        for a, c in zip(averagers, controls, strict=True)
+                    )
+                )
+                assert controls[1].triggered and controls[1].weight == 3
+            for model, averager in zip(models, averagers, strict=True):
+                with averager.use_averaged_gradients():
+                    for param, expected in zip(model.parameters(), want, strict=True):
+                        torch.testing.assert_close(param.grad, expected)
+            sums = [torch.zeros_like(p) for p in models[0].parameters()]
+    assert not helper.is_alive()
+    assert helper._process.exitcode == 0
+
+
+def test_an_averager_with_its_own_state_cannot_move_to_a_helper():
+    class ProcessStateAverager(TrainingStateAverager, HelperProcessBackend):
+        pass
+
+    model = make_model(0)
+    with swarm(1) as (dhts, _):
+        with pytest.raises(TypeError, match="get_current_state"):
+            ProcessStateAverager(
+                optimizer=torch.optim.SGD,
+                params=model.parameters(),
+                dht=dhts[0],
+                prefix="s",
+                start=False,
+            )
