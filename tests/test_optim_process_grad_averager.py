@@ -7,6 +7,7 @@ import pytest
 import torch
 from swarm_util import group_of, swarm
 from test_optim_averagers import backward, make_model, run_all
+from test_optim_optimizer import Peer, dhts, full_loss, in_threads  # noqa: F401 (dhts: fixture)
 
 from swarmtrain.averaging import AveragingStage
 from swarmtrain.averaging.process_backend import HelperProcessBackend
@@ -18,12 +19,12 @@ pytestmark = pytest.mark.timeout(240)
 def test_gradients_average_between_a_helper_process_and_an_in_process_peer():
     models = [make_model(0), make_model(1)]
     sums = [torch.zeros_like(p) for p in models[0].parameters()]
-    with swarm(1) as (dhts, averagers):
+    with swarm(1) as (nodes, averagers):
         averagers.append(
-            GradientAverager(models[0].parameters(), dht=dhts[0], prefix="g", **group_of(2))
+            GradientAverager(models[0].parameters(), dht=nodes[0], prefix="g", **group_of(2))
         )
         averagers.append(
-            ProcessGradientAverager(models[1].parameters(), dht=dhts[0], prefix="g", **group_of(2))
+            ProcessGradientAverager(models[1].parameters(), dht=nodes[0], prefix="g", **group_of(2))
         )
         helper = averagers[1].helper
         assert helper.is_alive() and averagers[1].peer_id == helper.peer_id
@@ -66,12 +67,33 @@ def test_an_averager_with_its_own_state_cannot_move_to_a_helper():
         pass
 
     model = make_model(0)
-    with swarm(1) as (dhts, _):
+    with swarm(1) as (nodes, _):
         with pytest.raises(TypeError, match="get_current_state"):
             ProcessStateAverager(
                 optimizer=torch.optim.SGD,
                 params=model.parameters(),
-                dht=dhts[0],
+                dht=nodes[0],
                 prefix="s",
                 start=False,
             )
+
+
+def test_an_optimizer_averages_its_gradients_in_a_helper_process(dhts):  # noqa: F811
+    first, second = dhts(2)
+    peers = [
+        Peer(first, 0, delay_state_averaging=False),
+        Peer(second, 1, delay_state_averaging=False, grad_averager_factory=ProcessGradientAverager),
+    ]
+    try:
+        helper = peers[1].opt.grad_averager.helper
+        assert helper.is_alive()
+        initial_loss = full_loss(peers[1].model)
+        in_threads(*(lambda p=p: p.train_until(3) for p in peers))
+        assert {p.opt.local_epoch for p in peers} == {3}
+        parts_sent, deltas_sent = helper.bytes_sent  # gradient rounds went through the helper
+        assert parts_sent > 0 and deltas_sent > 0
+        assert full_loss(peers[1].model) < initial_loss
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+    assert not helper.is_alive() and helper._process.exitcode == 0
