@@ -23,8 +23,11 @@ main thread spins in pure Python (holding the GIL, as a Python-heavy trainer doe
 step is done; in an *idle* round it waits in ``result()``. Round time = the slower peer's.
 Idle and busy rounds alternate; medians over the rounds after the first (warm-up) of each
 kind. Every round checks that both peers hold the mean. Printed ratios (speed, higher is
-better): busy vs idle in the same mode, and each mode's idle speed vs ``thread``'s (the
-overhead of the mode).
+better): busy vs idle in the same mode, and each mode's idle speed vs the first mode's (the
+overhead of the mode); also the median time to start a peer's averager (and DHT) and the
+helper process's resident memory. With ``spin-elsewhere`` among the modes, each mode's busy
+speed vs that control's: the same CPU load, so what is left is what the shared GIL costs (on
+a machine without a free core the busy loop also slows every mode, control included).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ def worker(args) -> None:
 
     tensors = [torch.zeros(args.numel)]
     dht = None
+    started = time.perf_counter()
     if args.mode == "process":
         from swarmtrain.averaging.process_averager import ProcessAverager
 
@@ -119,7 +123,13 @@ def worker(args) -> None:
         multiprocessing.get_context("spawn").Process(
             target=spinner, args=(child_conn,), daemon=True
         ).start()
-    reply({"maddrs": maddrs})
+    start_s = time.perf_counter() - started
+    helper_rss_mb = None
+    if args.mode == "process":
+        with open(f"/proc/{averager.pid}/status") as f:
+            rss = next(line for line in f if line.startswith("VmRSS:"))
+        helper_rss_mb = int(rss.split()[1]) / 1024
+    reply({"maddrs": maddrs, "start_s": start_s, "helper_rss_mb": helper_rss_mb})
     control = None
     try:
         for line in sys.stdin:
@@ -183,7 +193,9 @@ def run_mode(mode: str, args, tmpdir: str, block: int) -> dict:
         extra = [x for m in first["maddrs"] for x in ("--initial-peer", m)]
         log = os.path.join(tmpdir, f"{mode}_{block}_1.log")
         workers.append(Worker([*base, "--index", "1", *extra], log))
-        workers[1].receive(args.start_timeout)
+        second = workers[1].receive(args.start_timeout)
+        starts = [first["start_s"], second["start_s"]]
+        rss = [first["helper_rss_mb"], second["helper_rss_mb"]]
         for r in range(2 * args.rounds):
             kind = "busy" if r % 2 else "idle"
             for w in workers:
@@ -208,7 +220,7 @@ def run_mode(mode: str, args, tmpdir: str, block: int) -> dict:
     finally:
         for w in workers:
             w.close()
-    return {**times, "failed": failed}
+    return {**times, "failed": failed, "start_s": starts, "helper_rss_mb": rss}
 
 
 def median(values: list[float]) -> float:
@@ -220,7 +232,7 @@ def parent(args) -> None:
     modes = args.modes.split(",")
     print(f"# {args.numel} float32 per peer, 2 peers, {args.rounds} idle + {args.rounds} busy")
     print(f"# load before: {load_text()}  (os.getloadavg, 1/5/15 min)")
-    results = {m: {"idle": [], "busy": [], "failed": 0} for m in modes}
+    results = {m: {"idle": [], "busy": [], "failed": 0, "start_s": [], "rss": []} for m in modes}
     with tempfile.TemporaryDirectory() as tmpdir:
         for block in range(args.repeats):
             for mode in modes:
@@ -228,17 +240,24 @@ def parent(args) -> None:
                 for key in ("idle", "busy"):
                     results[mode][key] += result[key]
                 results[mode]["failed"] += result["failed"]
+                results[mode]["start_s"] += result["start_s"]
+                results[mode]["rss"] += [x for x in result["helper_rss_mb"] if x is not None]
     print(f"# load after: {load_text()}")
     base_idle = median(results[modes[0]]["idle"])
+    control = "spin-elsewhere"
+    control_busy = median(results[control]["busy"]) if control in results else float("nan")
     print(
         f"{'mode':<14}{'idle s':>9}{'busy s':>9}{'busy/idle speed':>17}"
-        f"{'  idle speed vs ' + modes[0]:>28}{'failed':>8}"
+        f"{'  idle speed vs ' + modes[0]:>28}{'busy vs ' + control:>24}"
+        f"{'failed':>8}{'start s':>9}{'helper MiB':>12}"
     )
     for mode in modes:
         idle, busy = median(results[mode]["idle"]), median(results[mode]["busy"])
         print(
             f"{mode:<14}{idle:>9.3f}{busy:>9.3f}{idle / busy:>16.2f}x"
-            f"{base_idle / idle:>27.2f}x{results[mode]['failed']:>8}"
+            f"{base_idle / idle:>27.2f}x{control_busy / busy:>23.2f}x{results[mode]['failed']:>8}"
+            f"{median(results[mode]['start_s']):>9.1f}"
+            + (f"{median(results[mode]['rss']):>12.0f}" if results[mode]["rss"] else f"{'':>12}")
         )
     if args.json:
         with open(args.json, "w") as f:
