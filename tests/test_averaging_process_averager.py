@@ -6,6 +6,7 @@ loaded box), so there are few of them and each checks a whole path.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -115,6 +116,15 @@ def test_a_helper_process_peer_averages_with_an_in_process_peer():
         with pytest.raises(ValueError, match="wait=False"):
             helper.step(require_trigger=True)
 
+        # asyncio: the same step as an awaitable
+        async def aio_step():
+            other = asyncio.get_running_loop().run_in_executor(None, lambda: local.step(timeout=30))
+            mine = await helper.aio.step(gather="aio", timeout=30)
+            await other
+            return mine
+
+        assert asyncio.run(aio_step()) == {helper.peer_id: "aio", local.peer_id: None}
+
         helper.set_group_bits("")
         assert helper.get_group_bits() == ""
         helper.state_sharing_priority = 3.0
@@ -176,23 +186,29 @@ TRAINER = textwrap.dedent(
             request_timeout=0.5,
         )
         print(helper.pid, flush=True)
-        time.sleep(600)
+        if sys.argv[1] == "hang":
+            time.sleep(600)
+        # "exit": the script ends without shutdown(): swarmtrain shuts the helper down at exit
     """
 )
 
 
-def test_a_helper_exits_when_its_trainer_is_killed(tmp_path):
+@pytest.mark.parametrize("how", ["killed", "exits without shutdown"])
+def test_no_helper_outlives_its_trainer(tmp_path, how):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER.format(dht_kwargs=HOST))
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
+    mode = "hang" if how == "killed" else "exit"
+    trainer = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, env=env)
     try:
         line = trainer.stdout.readline()
         assert line, "the trainer failed to start its helper"
         helper_pid = int(line)
-        assert not process_gone(helper_pid)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(30)
+        if how == "killed":
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(30)
+        else:
+            assert trainer.wait(60) == 0
         wait_until(lambda: process_gone(helper_pid), 60)
     finally:
         trainer.kill()
