@@ -130,6 +130,9 @@ def test_a_helper_process_peer_averages_with_an_in_process_peer():
         helper.state_sharing_priority = 3.0
         assert helper.state_sharing_priority == 3.0 and helper.allow_state_sharing
         assert helper.banned_peers == frozenset()
+        metadata, state = helper.get_current_state()
+        assert metadata == {"group_bits": ""} and state[0] is not shared[0]
+        torch.testing.assert_close(state[1], want[1])
         loaded = helper.load_state_from_peers(timeout=10)
         assert loaded is not None
         torch.testing.assert_close(loaded[1][1], want[1])

@@ -472,6 +472,12 @@ class ProcessAverager:
         finally:
             lock.release()
 
+    def get_current_state(self) -> Any:
+        """What the helper serves to newcomers: ``({"group_bits": ...}, tensor copies)``."""
+        bits = self.get_group_bits()
+        with self.get_tensors() as tensors:
+            return {"group_bits": bits}, [t.detach().clone() for t in tensors]
+
     def load_state_from_peers(
         self, wait: bool = True, timeout: float | None = None, donors=None, check=None
     ) -> tuple[Any, list[torch.Tensor]] | Future | None:
