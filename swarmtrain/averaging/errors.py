@@ -22,9 +22,6 @@ class MatchmakingError(AveragingError):
         self.reason = reason
         self.detail = detail
 
-    def __reduce__(self):  # travels from a ProcessAverager's helper with its reason
-        return type(self), (self.reason, self.detail)
-
 
 class AllReduceError(AveragingError):
     """A group formed, but no other member took part in the all-reduce (they left, were too
