@@ -1,4 +1,5 @@
 import functools
+import gc
 import inspect
 import os
 
@@ -109,9 +110,11 @@ def _with_watchdog(test, limit: float):
                 nursery.cancel_scope.cancel()
         except BaseException as e:
             if tree:
+                gc.collect()  # what the cancelled test left unclosed is reported here
                 raise _hung(limit, tree) from e
             raise
         if tree:
+            gc.collect()
             raise _hung(limit, tree)
 
     return guarded

@@ -254,8 +254,16 @@ async def test_peer_dies_mid_round():
             await group_ready.wait()
             dying = StallingRunner(service, box["group"], tensors[3], config=dying_config, after=1)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(dying.run)
+
+                async def run_until_stalled():
+                    result = await dying.run()
+                    box["unstalled"] = result  # it never stalled: the checks below say how
+                    dying.stalled.set()
+
+                nursery.start_soon(run_until_stalled)
                 await dying.stalled.wait()  # it answered one part and hangs as a reducer...
+                if "unstalled" in box:
+                    return
                 # ...and stopped sending its own parts (a worker thread sets a threading.Event)
                 await trio.to_thread.run_sync(codec.stalled.wait, 30)
                 nursery.cancel_scope.cancel()
@@ -272,6 +280,7 @@ async def test_peer_dies_mid_round():
         group_ready.set()
         results = await run_all(runners)
         elapsed = time.monotonic() - start
+    assert "unstalled" not in box, f"the dying peer's round ended before it stalled: {box}"
 
     mean4 = weighted_mean(tensors, [1] * 4, range(4))
     mean3 = weighted_mean(tensors, [1] * 4, range(3))
