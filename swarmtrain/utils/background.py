@@ -124,7 +124,7 @@ class BackgroundRuntime:
         it cancels the closing task, waits at most ``_CANCEL_GRACE`` seconds more, and
         returns (with a warning) whether or not the close finished."""
         self._check_process()
-        stopped = Future()
+        stopped: Future[None] = Future()
 
         closed = threading.Event()  # set when the task has left, even cancelled
 

@@ -45,6 +45,14 @@ def _service_method_name(impl: Callable[..., Any]) -> str:
     return impl.__name__
 
 
+def _set_signature(func: Callable[..., Any], signature: inspect.Signature) -> None:
+    """Make ``inspect.signature(func)`` return ``signature``: drop the ``__wrapped__`` that
+    ``functools.update_wrapper`` set (inspect would follow it to the implementation)."""
+    target: Any = func  # a function takes any attribute; its type declares neither of these
+    del target.__wrapped__
+    target.__signature__ = signature
+
+
 def _with_keyword(sig: inspect.Signature, name: str, default: Any) -> inspect.Signature:
     """``sig`` plus parameter ``name`` after the named ones (positional if they all are)."""
     params = list(sig.parameters.values())
@@ -92,8 +100,7 @@ def forward(
         return runtime.call(call)
 
     functools.update_wrapper(blocking_method, impl)
-    del blocking_method.__wrapped__  # inspect must use __signature__, not the async impl
-    blocking_method.__signature__ = blocking_sig
+    _set_signature(blocking_method, blocking_sig)  # not the async impl's
     if future_keyword and blocking_method.__doc__ is not None:
         blocking_method.__doc__ += (
             f"\n\nBlocking; with ``{future_keyword}=True`` returns a "
@@ -125,9 +132,8 @@ def _aio_function(name: str, impl: Callable[..., Any]) -> Callable[..., Any]:
         )
 
     functools.update_wrapper(aio, impl)
-    del aio.__wrapped__
     aio.__name__ = name
-    aio.__signature__ = inspect.signature(impl)
+    _set_signature(aio, inspect.signature(impl))
     return aio
 
 
@@ -167,7 +173,8 @@ class aio_property:
         cls = owner.__dict__.get("_aio_class")
         if cls is None:
             cls = aio_namespace(owner)
-            owner._aio_class = cls
+            target: Any = owner  # a class takes new attributes; `type` declares none
+            target._aio_class = cls
         if obj is None:
             return cls
         return cls(obj)
@@ -222,8 +229,7 @@ def _thread_aio_function(name: str, blocking: Callable[..., Any]) -> Callable[..
         return await asyncio.get_running_loop().run_in_executor(_worker(self._owner), call)
 
     functools.update_wrapper(aio, blocking)
-    del aio.__wrapped__
-    aio.__signature__ = inspect.signature(blocking)
+    _set_signature(aio, inspect.signature(blocking))
     aio.__doc__ = (blocking.__doc__ or "") + (
         f"\n\nFrom asyncio: ``await obj.aio.{name}(...)`` runs this in the object's worker "
         "thread; the asyncio loop is never blocked."
