@@ -69,17 +69,23 @@ class BackgroundP2P(BackgroundService):
         self.peer_id = self._p2p.peer_id
         self.aio = AsyncioP2P(self)
 
+    @property
+    def _loop(self) -> BackgroundRuntime:
+        runtime = self._runtime
+        assert runtime is not None  # set by _start_in_background in __init__, never reset
+        return runtime
+
     def get_visible_maddrs(self) -> list[str]:
-        return self._runtime.call_sync(self._p2p.get_visible_maddrs)
+        return self._loop.call_sync(self._p2p.get_visible_maddrs)
 
     def get_connected_peers(self) -> list:
-        return self._runtime.call_sync(self._p2p.get_connected_peers)
+        return self._loop.call_sync(self._p2p.get_connected_peers)
 
     def add_protobuf_handler(self, name: str, handler, input_protobuf_type, **kwargs) -> None:
         """Register ``handler`` (a plain function runs in a worker thread)."""
         if not inspect.iscoroutinefunction(handler) and not inspect.isasyncgenfunction(handler):
             handler = _thread_handler(handler)
-        self._runtime.call_sync(
+        self._loop.call_sync(
             functools.partial(
                 self._p2p.add_protobuf_handler, name, handler, input_protobuf_type, **kwargs
             )
@@ -87,7 +93,7 @@ class BackgroundP2P(BackgroundService):
 
     def call_protobuf_handler(self, peer, name, request, output_protobuf_type, **kwargs):
         """Blocking ``P2P.call_protobuf_handler`` (Ctrl-C cancels the call)."""
-        return self._runtime.call(
+        return self._loop.call(
             functools.partial(
                 self._p2p.call_protobuf_handler, peer, name, request, output_protobuf_type, **kwargs
             )
@@ -99,8 +105,8 @@ class BackgroundP2P(BackgroundService):
     ) -> Iterator[Iterator]:
         """Blocking ``P2P.iterate_protobuf_handler``: ``with ... as responses: for r in ...``."""
         cm = self._p2p.iterate_protobuf_handler(peer, name, request, output_protobuf_type, **kwargs)
-        with self._runtime.wrap_async_context_manager(cm) as responses:
-            yield _BlockingIterator(self._runtime, responses)
+        with self._loop.wrap_async_context_manager(cm) as responses:
+            yield _BlockingIterator(self._loop, responses)
 
 
 class _BlockingIterator:
@@ -122,7 +128,7 @@ class AsyncioP2P:
 
     def __init__(self, owner: BackgroundP2P):
         self._owner = owner
-        self._runtime = owner._runtime
+        self._runtime = owner._loop
         self._p2p = owner._p2p
         self.peer_id = owner.peer_id
 

@@ -9,11 +9,14 @@ It expects the host's attributes: ``_host`` (the py-libp2p host), ``config`` (``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import multiaddr
 import trio
 from libp2p.connection_types import ConnectionType
+from libp2p.custom_types import TProtocol
 from libp2p.network.exceptions import SwarmException
+from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
@@ -21,7 +24,14 @@ from swarmtrain.p2p._multistream import open_lazily_negotiated_stream
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError, SwarmKeyMismatchError
 from swarmtrain.p2p.private_network import KEY_MISMATCH_HINT, is_swarm_key_mismatch
 
-PEERSTORE_ADDR_TTL = 3600.0
+if TYPE_CHECKING:
+    from libp2p.host.basic_host import BasicHost
+
+    from swarmtrain.p2p.host import P2PConfig
+    from swarmtrain.p2p.private_network import PrivateNoiseTransport
+    from swarmtrain.p2p.relay import RelayManager
+
+PEERSTORE_ADDR_TTL = 3600  # seconds (py-libp2p's peerstore takes an int)
 
 
 def as_peer_id(peer: ID | str | bytes) -> ID:
@@ -36,6 +46,15 @@ def as_peer_id(peer: ID | str | bytes) -> ID:
 
 class Dialling:
     """Address bookkeeping, dialling and stream opening of a ``P2P`` host."""
+
+    # set by P2P (see the module docstring)
+    _host: BasicHost
+    config: P2PConfig
+    peer_id: ID
+    relay: RelayManager | None
+    _dial_locks: dict[ID, trio.Lock]
+    _addresses_checked: set[ID]
+    _noise: PrivateNoiseTransport | None
 
     def is_connected(self, peer: ID | str) -> bool:
         """Whether an open connection to ``peer`` exists."""
@@ -75,6 +94,8 @@ class Dialling:
         # py-libp2p 0.8.1 can keep a dead connection listed; its new_stream then fails "No
         # valid connections available" instead of dialling
         network = self._host.get_network()
+        if not isinstance(network, Swarm):
+            raise RuntimeError("libp2p internals changed: the host's network is not a Swarm")
         for conn in list(network.connections.get(peer_id, ())):
             if conn.is_closed:
                 network.remove_conn(conn)
@@ -144,7 +165,7 @@ class Dialling:
                     errors.append(f"relayed dial failed: {e}")
             elif relayed:
                 errors.append("only /p2p-circuit addresses are known and relaying is disabled")
-            if rejected or self._noise.rejected_by(peer_id):
+            if rejected or (self._noise is not None and self._noise.rejected_by(peer_id)):
                 raise SwarmKeyMismatchError(f"cannot reach {peer_id}: {KEY_MISMATCH_HINT}")
             raise PeerUnreachableError(f"cannot reach {peer_id}: " + "; ".join(errors))
 
@@ -197,4 +218,4 @@ class Dialling:
         if lazily:
             network = self._host.get_network()
             return await open_lazily_negotiated_stream(network, peer_id, protocol_id)
-        return await self._host.new_stream(peer_id, [protocol_id])
+        return await self._host.new_stream(peer_id, [TProtocol(protocol_id)])

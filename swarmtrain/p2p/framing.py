@@ -125,7 +125,7 @@ class GrowingBuffer:
         """The unfilled rest of the current piece (empty once complete)."""
         if self.filled == self.allocated < self.size:
             self._grow()
-        return memoryview(self._pieces[-1])[self._piece_filled :]
+        return self._pieces[-1].data[self._piece_filled :]
 
     def advance(self, count: int) -> None:
         self.filled += count
@@ -363,9 +363,10 @@ class FrameDecoder:
         if self._payload is not None:
             if not self._payload.complete:
                 return None
-            header, payload = self._pending_header, memoryview(self._payload.take())
+            pending, received = self._pending_header, self._payload.take().data
+            assert pending is not None  # set together with _payload
             self._pending_header, self._payload = None, None
-            return self._complete(header, payload)
+            return self._complete(pending, received)
 
         decoded = _decode_varint(self._buffer, 0)
         if decoded is None:

@@ -20,6 +20,7 @@ import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Any, TypeVar
 
 import multiaddr
@@ -29,6 +30,7 @@ from libp2p import new_host
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 
@@ -187,7 +189,9 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
     # a DHT lookup that met a dead peer waited that long. One quick retry; the layers above
     # (DHT, averaging) have their own. (new_host takes no retry_config in 0.8.1.)
     swarm = host.get_network()
-    if not isinstance(getattr(swarm, "retry_config", None), RetryConfig):
+    if not isinstance(swarm, Swarm) or not isinstance(
+        getattr(swarm, "retry_config", None), RetryConfig
+    ):
         raise RuntimeError("libp2p internals changed: the swarm has no retry_config")
     swarm.retry_config = RetryConfig(max_retries=DIAL_RETRIES, initial_delay=DIAL_RETRY_DELAY)
     tune_host(host)
@@ -253,8 +257,10 @@ class P2P(Dialling):
         key_pair = load_or_create_identity(config.identity_path)
         listen = [] if config.client_mode else [_with_ws_port(a) for a in config.host_maddrs]
         check_addresses_free(listen)
+        swarm_key = config.swarm_key
+        assert not isinstance(swarm_key, str)  # P2PConfig resolved a key file to its bytes
         noise = PrivateNoiseTransport(
-            key_pair, noise_privkey=create_x25519_key_pair().private_key, swarm_key=config.swarm_key
+            key_pair, noise_privkey=create_x25519_key_pair().private_key, swarm_key=swarm_key
         )
         host = _build_host(key_pair, config, noise)
         self = cls(host, key_pair, config)
@@ -445,7 +451,7 @@ class P2P(Dialling):
         output_protobuf_type: type[TOut],
         *,
         stream_input: bool = False,
-        timeout: float | type[Ellipsis] | None = ...,  # noqa: ASYNC109 (public facade keyword)
+        timeout: float | EllipsisType | None = ...,  # noqa: ASYNC109 (public facade keyword)
         max_message_size: int | None = None,
         bulk: bool = False,
     ) -> TOut:
@@ -475,7 +481,7 @@ class P2P(Dialling):
         output_protobuf_type: type[TOut],
         *,
         stream_input: bool = False,
-        next_message_timeout: float | type[Ellipsis] | None = ...,
+        next_message_timeout: float | EllipsisType | None = ...,
         max_message_size: int | None = None,
         bulk: bool = False,
         attachments: bool = False,

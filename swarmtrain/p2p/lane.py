@@ -34,6 +34,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -198,7 +199,7 @@ class DataLanes:
         peer_id,
         remote_ip: str | None,
         nursery: trio.Nursery,
-        on_late_lane: Callable[[object, LaneStream], None],
+        on_late_lane: Callable[[Any, LaneStream], None],  # (peer_id, lane)
         wait: float | None = None,
     ) -> LaneStream | None:
         """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds
@@ -235,8 +236,10 @@ class DataLanes:
             returning = True
         finally:
             waiting = False
-            if not returning and handover and handover[0] is not None:
-                on_late_lane(peer_id, handover.pop())  # we were cancelled: keep it for later
+            late = handover[0] if handover else None
+            if not returning and late is not None:
+                handover.pop()
+                on_late_lane(peer_id, late)  # we were cancelled: keep it for later
         return handover[0] if handover else None
 
     async def _open_or_remember(self, peer_id, remote_ip: str) -> LaneStream | None:

@@ -172,7 +172,7 @@ def _remote_failure(method: str, header: p2p_pb2.RPCFrameHeader) -> RPCError:
     return RemoteError(method, kind or "Exception", text)
 
 
-def _error_code(error: RPCError) -> int:
+def _error_code(error: RPCError) -> p2p_pb2.RPCErrorCode:
     """The ERROR code that tells the caller about a call we refuse."""
     if isinstance(error, MessageTooLargeError):
         return ErrorCode.MESSAGE_TOO_LARGE

@@ -159,7 +159,8 @@ class ResponseStream(Generic[TOut]):
     def __aiter__(self) -> ResponseStream[TOut]:
         return self
 
-    async def __anext__(self) -> TOut:
+    async def __anext__(self) -> TOut | Attached:
+        """The next response; ``Attached`` only in a call opened with ``attachments=True``."""
         if not self._timeout:  # no cancel scope to set up per message
             message = await self._reader.next_message()
             if message is None:
@@ -300,6 +301,7 @@ async def call_unary_output(
                     raise RPCProtocolError(f"{method}: the peer ended the call without a response")
                 if await reader.next_message() is not None:
                     raise RPCProtocolError(f"{method}: the peer sent more than one response")
+                assert not isinstance(response, Attached)  # the call takes no attachments
                 return response
         except RPCCancelledError:
             stale = (

@@ -128,8 +128,8 @@ class RPCStream:
         """The next frame, or None on a clean end of stream between frames. After a frame
         with an attachment, call ``receive_attachment`` before the next frame."""
         if self._pushed_back is not None:
-            frame, self._pushed_back = self._pushed_back, None
-            return frame
+            pushed_back, self._pushed_back = self._pushed_back, None
+            return pushed_back
         while True:
             frame = self._decoder.next_frame()
             if frame is not None:
@@ -247,7 +247,9 @@ class RPCStream:
     async def send_end(self) -> None:
         await self._write(_END_FRAME)
 
-    async def send_error(self, code: int, error_type: str, message: str) -> None:
+    async def send_error(
+        self, code: p2p_pb2.RPCErrorCode, error_type: str, message: str
+    ) -> None:
         await self.send_control(
             p2p_pb2.RPCFrameHeader(
                 kind=FrameKind.ERROR,
