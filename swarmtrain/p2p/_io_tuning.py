@@ -64,6 +64,7 @@ class BufferedTCPStream(TrioTCPStream):
 
     def _take(self, n: int) -> bytes:
         buffer = self._buffer
+        assert buffer is not None  # callers take only from a non-empty buffer
         chunk = bytes(buffer[:n])
         del buffer[:n]
         return chunk

@@ -122,7 +122,7 @@ def route_root_logging_calls() -> None:
             continue
         if current is not logging:
             raise RuntimeError(f"libp2p internals changed: {name}.logging is not the module")
-        module.logging = logging.getLogger(name)
+        module.__dict__["logging"] = logging.getLogger(name)
 
 
 def identify_dialled_peers_only(host) -> None:

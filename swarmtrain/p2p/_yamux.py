@@ -52,6 +52,8 @@ class TunedYamuxStream(YamuxStream):
     class by ``TunedYamux`` (``adopt``) before anything else sees them."""
 
     _window_event: trio.Event | None = None
+    _send_window_value: int  # set by adopt
+    _closed_value: bool  # set by adopt
 
     @classmethod
     def adopt(cls, stream: YamuxStream) -> None:
@@ -64,6 +66,7 @@ class TunedYamuxStream(YamuxStream):
         # YamuxStream.__init__ set these as instance attributes; here they are properties
         send_window, closed = state.pop("send_window"), state.pop("closed")
         stream.__class__ = cls
+        assert isinstance(stream, cls)
         stream._send_window_value = send_window
         stream._closed_value = closed
 

@@ -19,7 +19,7 @@ _ROUTE_PROBES = {socket.AF_INET: "192.0.2.123", socket.AF_INET6: "2001:db8::123"
 _UNSPECIFIED = {"ip4": ("0.0.0.0", socket.AF_INET), "ip6": ("::", socket.AF_INET6)}
 
 
-def default_route_ip(family: int = socket.AF_INET) -> str | None:
+def default_route_ip(family: socket.AddressFamily = socket.AF_INET) -> str | None:
     """The IP this machine sends from toward the internet (None: no such route)."""
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         try:
@@ -30,7 +30,7 @@ def default_route_ip(family: int = socket.AF_INET) -> str | None:
     return None if ipaddress.ip_address(ip).is_unspecified else ip
 
 
-def interface_ips(family: int = socket.AF_INET) -> list[str]:
+def interface_ips(family: socket.AddressFamily = socket.AF_INET) -> list[str]:
     """This machine's IPs of ``family``: the default route's first, loopback last."""
     found: list[str] = []
     route_ip = default_route_ip(family)

@@ -15,6 +15,7 @@ import multiaddr
 import trio
 from libp2p.connection_types import ConnectionType
 from libp2p.custom_types import TProtocol
+from libp2p.network.connection.swarm_connection import SwarmConn
 from libp2p.network.exceptions import SwarmException
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
@@ -97,7 +98,7 @@ class Dialling:
         if not isinstance(network, Swarm):
             raise RuntimeError("libp2p internals changed: the host's network is not a Swarm")
         for conn in list(network.connections.get(peer_id, ())):
-            if conn.is_closed:
+            if conn.is_closed and isinstance(conn, SwarmConn):  # the Swarm's only kind
                 network.remove_conn(conn)
 
     def add_addrs(self, peer: ID | str, addrs: Sequence[str]) -> None:

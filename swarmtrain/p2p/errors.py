@@ -86,7 +86,7 @@ class AddressInUseError(P2PError, OSError):
         self.address = address
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or ""
 
 
 class ResourceLimitError(RPCError):

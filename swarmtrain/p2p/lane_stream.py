@@ -99,7 +99,7 @@ class LaneStream:
             except OSError as e:
                 raise LaneResetError(f"the lane failed: {e!r}") from None
             try:
-                await trio.lowlevel.wait_readable(self._raw)
+                await trio.lowlevel.wait_readable(self._raw.fileno())
             except trio.ClosedResourceError:
                 raise LaneClosedError("the lane was closed") from None
             self._moved_without_wait = 0
@@ -227,7 +227,7 @@ class LaneStream:
                 raise LaneResetError(f"the lane failed: {e!r}") from None
             try:
                 with trio.fail_after(WRITE_STALL_TIMEOUT):
-                    await trio.lowlevel.wait_writable(self._raw)
+                    await trio.lowlevel.wait_writable(self._raw.fileno())
             except trio.ClosedResourceError:
                 raise LaneClosedError("the lane was closed") from None
             self._moved_without_wait = 0

@@ -191,7 +191,8 @@ def is_swarm_key_mismatch(error: BaseException) -> bool:
 
 def _causes(error: BaseException | None):
     """``error`` and everything it wraps: causes, contexts, and libp2p/trio error lists."""
-    pending, seen = [error], set()
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
     while pending:
         e = pending.pop()
         if e is None or id(e) in seen or len(seen) > 256:

@@ -293,7 +293,9 @@ class PubSub:
         assert self._pubsub is not None
         queue = getattr(notifee, "initiator_peers_queue", None)
         mine = self._pubsub.peer_receive_channel
-        return queue is not None and getattr(queue, "_state", None) is mine._state
+        # trio declares _state; the outdated trio-stubs of trio-typing (a py-libp2p dependency)
+        # do not, and mypy prefers them to trio's own types
+        return queue is not None and getattr(queue, "_state", None) is mine._state  # type: ignore[attr-defined]
 
     def _live(self) -> _Pubsub:
         if not self._running or self._pubsub is None:

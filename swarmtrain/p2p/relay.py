@@ -168,7 +168,7 @@ class RelayManager:
             if self.hole_punching:
                 self._dcutr = DCUtRProtocol(
                     self._host,
-                    read_timeout=self._timeout,  # type: ignore[arg-type]  (typed int, used as float)
+                    read_timeout=self._timeout,  # type: ignore[arg-type]  # typed int, used as a float
                     write_timeout=self._timeout,  # type: ignore[arg-type]
                     dial_timeout=self._timeout,  # type: ignore[arg-type]
                 )

@@ -347,7 +347,9 @@ class RPCServer:
                 self._became_idle = trio.Event()
         await stream.aclose()
 
-    async def _send_error_quietly(self, stream: RPCStream, code: int, kind: str, text: str):
+    async def _send_error_quietly(
+        self, stream: RPCStream, code: p2p_pb2.RPCErrorCode, kind: str, text: str
+    ):
         with trio.CancelScope(shield=True), trio.move_on_after(1.0):
             try:
                 await stream.send_error(code, kind, text)

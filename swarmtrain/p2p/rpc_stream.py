@@ -247,9 +247,7 @@ class RPCStream:
     async def send_end(self) -> None:
         await self._write(_END_FRAME)
 
-    async def send_error(
-        self, code: p2p_pb2.RPCErrorCode, error_type: str, message: str
-    ) -> None:
+    async def send_error(self, code: p2p_pb2.RPCErrorCode, error_type: str, message: str) -> None:
         await self.send_control(
             p2p_pb2.RPCFrameHeader(
                 kind=FrameKind.ERROR,
