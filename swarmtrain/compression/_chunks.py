@@ -23,7 +23,7 @@ import torch
 
 from swarmtrain.compression._buffers import scratch
 
-__all__ = ["CHUNK", "HALF_PIECE", "blocks", "cast", "copy", "map_chunks", "spans"]
+__all__ = ["CHUNK", "HALF_PIECE", "blocks", "cast", "copy", "map_all", "map_chunks", "spans"]
 
 CHUNK = 1 << 16  # elements per pass step: 256 KiB of float32
 HALF_PIECE = 1 << 14  # elements per torch cast: below torch's parallel grain (32768)
@@ -59,6 +59,20 @@ def copy(source: torch.Tensor, out: torch.Tensor) -> None:
     source, out = source.reshape(-1), out.view(-1)
     for start in range(0, len(source), HALF_PIECE):
         out[start : start + HALF_PIECE].copy_(source[start : start + HALF_PIECE])
+
+
+def map_all(
+    task: Callable[[Item, np.ndarray], Result],
+    items: Sequence[Item],
+    work_items: int = CHUNK,
+) -> list[Result]:
+    """``[task(item, work) for item in items]`` in the calling thread, every item (a task
+    that returns False does not stop it); ``work`` as in :func:`map_chunks`."""
+    if not items:
+        return []
+    with scratch(work_items) as work_t, np.errstate(all="ignore"):
+        work = work_t.numpy()
+        return [task(item, work) for item in items]
 
 
 def map_chunks(

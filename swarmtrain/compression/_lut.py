@@ -49,8 +49,8 @@ def decode_4bit(codebook: np.ndarray, packed: np.ndarray, out: np.ndarray) -> No
     table = np.empty((16, 16, 2), dtype=np.float32)
     table[:, :, 0] = codes[None, :]
     table[:, :, 1] = codes[:, None]
-    table = table.reshape(-1).view(np.uint64)
+    pair_codes = table.reshape(-1).view(np.uint64)
     if pairs:
-        gather(table, packed[:pairs], out[: 2 * pairs].view(np.uint64))
+        gather(pair_codes, packed[:pairs], out[: 2 * pairs].view(np.uint64))
     if count % 2:
         out[-1] = codes[packed[pairs] & 0x0F]

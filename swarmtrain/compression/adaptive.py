@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
+from typing import SupportsIndex
 
 import torch
 
@@ -95,9 +97,12 @@ class PerTensorCompression(AdaptiveCompressionBase):
         self.tensor_compressions = tensor_compressions
 
     def choose(self, info: CompressionInfo) -> CompressionBase:
+        codecs, key = self.tensor_compressions, info.key
         try:
-            return self.tensor_compressions[info.key]  # type: ignore[index]
+            if isinstance(codecs, Sequence) and isinstance(key, SupportsIndex):
+                return codecs[operator.index(key)]
+            if isinstance(codecs, Mapping):
+                return codecs[key]
         except (KeyError, IndexError, TypeError):
-            raise CompressionError(
-                f"PerTensorCompression has no codec for key {info.key!r}"
-            ) from None
+            pass
+        raise CompressionError(f"PerTensorCompression has no codec for key {key!r}")

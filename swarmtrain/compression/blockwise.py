@@ -94,7 +94,7 @@ class _Blockwise(WireCodec):
     def _parse(
         self, header: TensorHeader, buffer: np.ndarray
     ) -> tuple[int, np.ndarray, np.ndarray]:
-        block_size, code_size = _PREFIX.unpack_from(buffer)
+        block_size, code_size = _PREFIX.unpack_from(buffer.data)
         name = header.compression.name
         if code_size != self.code_size:
             raise WireFormatError(f"{name} code size {code_size}, expected {self.code_size}")
@@ -277,14 +277,14 @@ def _quantize_linear(
         with np.errstate(divide="ignore", invalid="ignore"):
             inverse = np.where(absmax > 0, np.float32(levels) / absmax, np.float32(0))
             inverse[np.isnan(absmax)] = np.nan
-        inverse = torch.from_numpy(inverse.astype(np.float32))
+        scales = torch.from_numpy(inverse.astype(np.float32))
         magic = torch.tensor(MAGIC + offset)
         if full:
             work_body = work[: full * block_size].view(full, block_size)
-            torch.addcmul(magic, body, inverse[:full, None], out=work_body)
+            torch.addcmul(magic, body, scales[:full, None], out=work_body)
         if numel > full * block_size:
             tail = values[full * block_size :]
-            torch.addcmul(magic, tail, inverse[full], out=work[full * block_size :])
+            torch.addcmul(magic, tail, scales[full], out=work[full * block_size :])
         out.copy_(work.view(torch.int32))
 
 

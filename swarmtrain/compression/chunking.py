@@ -50,14 +50,15 @@ def split_for_streaming(
         buffer=buffer[:chunk_size].tobytes(),
         size=message.size,
         dtype=message.dtype,
-        compression=int(message.compression),
+        # protoc's .pyi types enum fields as their enum class, whose values are plain ints
+        compression=int(message.compression),  # type: ignore[arg-type]
         requires_grad=message.requires_grad,
         chunks=count,
         chunk_index=0,
         buffer_size=total,
     )
     if checksum:
-        first.crc32 = zlib.crc32(buffer)
+        first.crc32 = zlib.crc32(buffer.data)
     yield first
     for index in range(1, count):
         start = index * chunk_size

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from swarmtrain.compression._buffers import empty_tensor, payload_view, scratch, small_array
-from swarmtrain.compression._chunks import blocks, cast, copy, map_chunks, spans
+from swarmtrain.compression._chunks import blocks, cast, copy, map_all, map_chunks, spans
 from swarmtrain.compression.base import (
     CompressionInfo,
     NoCompression,
@@ -189,7 +189,7 @@ def _scale_to_float16(
         np.square(deviations, out=deviations)
         return sums, block_means, np.add.reduce(deviations, axis=1)
 
-    results = map_chunks(moments, parts)
+    results = map_all(moments, parts)
     totals = np.zeros(rows, dtype=np.float64)
     for (r0, r1, _, _), (sums, _, _) in zip(parts, results, strict=True):
         totals[r0:r1] += sums

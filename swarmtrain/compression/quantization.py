@@ -133,14 +133,14 @@ class Uniform8BitQuantization(Quantization):
         inverse = 1.0 / step if step > 0 else 0.0
         if inverse > FP32_MAX:  # a step below float32's range: every value is the mean
             inverse = 0.0
-        inverse = np.float32(inverse)
+        inverse32 = np.float32(inverse)
         center = np.float32(mean)
 
         def quantize(values: np.ndarray, work: np.ndarray, out: np.ndarray) -> None:
             # bucket = clamp(round((x - mean) / step) + 128, 0, 255), as hivemind's quint8 path
             scaled = work[: len(values)]
             np.subtract(values, center, out=scaled)
-            np.multiply(scaled, inverse, out=scaled)
+            np.multiply(scaled, inverse32, out=scaled)
             np.add(scaled, np.float32(MAGIC + N_BINS // 2), out=scaled)  # rounds: see above
             np.clip(scaled, np.float32(MAGIC), np.float32(MAGIC + N_BINS - 1), out=scaled)
             np.copyto(out, scaled.view(np.int32), casting="unsafe")  # the low byte: the bucket

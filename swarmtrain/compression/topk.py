@@ -78,7 +78,7 @@ class TopKSparsification(WireCodec):
     def _decode(
         self, header: TensorHeader, buffer: np.ndarray, out: torch.Tensor | None
     ) -> torch.Tensor:
-        k, width, reserved = _PREFIX.unpack_from(buffer)
+        k, width, reserved = _PREFIX.unpack_from(buffer.data)
         numel = header.numel
         itemsize = numpy_dtype(header.dtype_name).itemsize
         if width not in (4, 8) or reserved or k > numel:

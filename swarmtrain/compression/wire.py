@@ -94,7 +94,8 @@ class TensorMessage:
     buffer: np.ndarray
     size: tuple[int, ...]
     dtype: str
-    compression: CompressionType
+    #: a CompressionType value; as received, any int (check_header turns it into the enum)
+    compression: int
     requires_grad: bool = False
 
     @property
@@ -108,7 +109,8 @@ class TensorMessage:
             buffer=self.buffer.tobytes(),
             size=self.size,
             dtype=self.dtype,
-            compression=int(self.compression),
+            # protoc's .pyi types enum fields as their enum class, whose values are plain ints
+            compression=int(self.compression),  # type: ignore[arg-type]
             requires_grad=self.requires_grad,
         )
 
