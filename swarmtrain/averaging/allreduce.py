@@ -43,7 +43,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -52,6 +52,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import torch
+from google.protobuf.message import Message
 
 from swarmtrain.averaging.allreduce_core import (
     DEFAULT_MAX_PEER_WEIGHT,
@@ -91,7 +92,7 @@ from swarmtrain.compression.wire import (
     dtype_name,
     tensor_to_numpy,
 )
-from swarmtrain.p2p import P2P, Attached, NoSuchMethodError, P2PError
+from swarmtrain.p2p import P2P, Attached, NoSuchMethodError, P2PError, PeerID
 from swarmtrain.proto import averaging_pb2
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
@@ -197,8 +198,8 @@ class AllReduceResult:
     """
 
     deltas: tuple[torch.Tensor, ...] | None
-    banned_senders: Mapping[Hashable, Failure]
-    failed_reducers: Mapping[Hashable, Failure]
+    banned_senders: Mapping[PeerID, Failure]
+    failed_reducers: Mapping[PeerID, Failure]
     timed_out: bool = False
     part_bytes_sent: int = 0
     delta_bytes_sent: int = 0
@@ -214,7 +215,9 @@ class AllReduceResult:
         return not (self.banned_senders or self.failed_reducers or self.timed_out)
 
 
-def _response(code: int, detail: str = "", **kwargs) -> averaging_pb2.AveragingResponse:
+def _response(
+    code: averaging_pb2.AveragingCode, detail: str = "", **kwargs
+) -> averaging_pb2.AveragingResponse:
     return averaging_pb2.AveragingResponse(code=code, detail=detail[:1024], **kwargs)
 
 
@@ -282,7 +285,7 @@ class AllReduceService:
             p2p.remove_protobuf_handler(self.handler_name)
             p2p.remove_protobuf_handler(self.handler_v2_name)
 
-    def _part_buffer(self, request: averaging_pb2.AveragingRequest, size: int) -> np.ndarray:
+    def _part_buffer(self, request: Message, size: int) -> np.ndarray:
         return self._part_buffers.take(size)
 
     def speaks_v2(self, peer_id: Hashable) -> bool:
@@ -391,7 +394,7 @@ class AllReduceRunner:
     def __init__(
         self,
         service: AllReduceService,
-        group: AllReduceGroup,
+        group: AllReduceGroup[PeerID],
         tensors: Sequence[torch.Tensor],
         *,
         weight: float | None = None,
@@ -418,7 +421,7 @@ class AllReduceRunner:
                 f"service's max_message_size={service.max_message_size}"
             )
         self.tensors = tuple(tensors)
-        self._core: AllReduceCore | None = None
+        self._core: AllReduceCore[PeerID] | None = None
         self._part_ready: list[anyio.Event] = []
         self._changed = anyio.Event()
         self._read_scopes: dict[int, anyio.CancelScope] = {}
@@ -710,7 +713,7 @@ class AllReduceRunner:
 
     async def _serve_sender(
         self, first, requests, remote_id, attached: bool = False
-    ) -> AsyncIterator[averaging_pb2.AveragingResponse | Attached]:
+    ) -> AsyncGenerator[averaging_pb2.AveragingResponse | Attached]:
         """Average one sender's parts with the others' and stream back the deltas
         (``attached``: a v2 call, the deltas go back as attachments)."""
         core = self.core

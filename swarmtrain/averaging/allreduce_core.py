@@ -40,6 +40,7 @@ import enum
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -73,6 +74,10 @@ __all__ = [
     "PartOutcome",
     "Reject",
 ]
+
+
+#: how the caller names peers (the shell: libp2p peer ids; tests: anything hashable)
+PeerT = TypeVar("PeerT", bound=Hashable)
 
 
 class AveragingMode(enum.Enum):
@@ -112,7 +117,7 @@ BAD_BEHAVIOUR = frozenset({Failure.BAD_DATA, Failure.NON_FINITE, Failure.IMPLAUS
 
 
 @dataclass(frozen=True)
-class AllReduceGroup:
+class AllReduceGroup(Generic[PeerT]):
     """Who takes part in a round, agreed on by every member before it starts.
 
     :param group_id: unique id of this round
@@ -126,10 +131,10 @@ class AllReduceGroup:
     """
 
     group_id: bytes
-    peer_ids: tuple[Hashable, ...]
+    peer_ids: tuple[PeerT, ...]
     fractions: tuple[float, ...]
     modes: tuple[AveragingMode, ...] = ()
-    leader: Hashable | None = None
+    leader: PeerT | None = None
     part_layout: int = 0
 
     def __post_init__(self):
@@ -204,7 +209,7 @@ class _Sender(enum.Enum):
     BANNED = 3
 
 
-class AllReduceCore:
+class AllReduceCore(Generic[PeerT]):
     """One peer's state for one round.
 
     :param group: the members, fractions and modes
@@ -224,7 +229,7 @@ class AllReduceCore:
 
     def __init__(
         self,
-        group: AllReduceGroup,
+        group: AllReduceGroup[PeerT],
         local_index: int,
         tensors: Sequence[torch.Tensor],
         *,
@@ -552,6 +557,7 @@ class AllReduceCore:
             self.fail_reducer(reducer, Failure.BAD_DATA)
             return False
         if not unchanged:
+            assert delta is not None  # else bad
             norm = _finite_norm(delta)
             if norm is None:
                 self.fail_reducer(reducer, Failure.NON_FINITE)
@@ -591,11 +597,11 @@ class AllReduceCore:
         return self.container.deltas() if self.is_sender else None
 
     @property
-    def banned_senders(self) -> dict[Hashable, Failure]:
+    def banned_senders(self) -> dict[PeerT, Failure]:
         return {self.group.peer_ids[p]: r for p, r in self._ban_reasons.items()}
 
     @property
-    def failed_reducers(self) -> dict[Hashable, Failure]:
+    def failed_reducers(self) -> dict[PeerT, Failure]:
         return {self.group.peer_ids[p]: r for p, r in self._reducer_failures.items()}
 
     def statistics(self) -> AllReduceStatistics:
@@ -643,8 +649,8 @@ def _plausible(delta_norm: float, own: torch.Tensor, ratio: float) -> bool:
         if delta_norm <= ratio * math.sqrt(float(np.dot(sample, sample))):
             return True
     else:
-        sample = flat[:: max(1, flat.numel() // _SAMPLES)]
-        if delta_norm <= ratio * float(torch.linalg.vector_norm(sample.double())):
+        strided = flat[:: max(1, flat.numel() // _SAMPLES)]
+        if delta_norm <= ratio * float(torch.linalg.vector_norm(strided.double())):
             return True
     own_norm = float(torch.linalg.vector_norm(flat.double()))
     return own_norm == 0 or delta_norm <= ratio * own_norm

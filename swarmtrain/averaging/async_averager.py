@@ -165,7 +165,7 @@ class AsyncDecentralizedAverager:
         #: averaged deltas (as a reducer)
         self.part_bytes_sent = self.delta_bytes_sent = 0
         #: members that sent poison, avoided in matchmaking for a while (DHT time)
-        self.bans = BanList(config.ban_duration)
+        self.bans: BanList[PeerID] = BanList(config.ban_duration)
         # (snapshot, flat delta buffers) of the last round that ended well, reused by the next
         self._spare_round_buffers: tuple[list[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
@@ -420,8 +420,9 @@ class AsyncDecentralizedAverager:
         assert self._matchmaking is not None
         while True:
             control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
-            own_bits = control.group_bits is None
-            bits = self._group_bits if own_bits else control.group_bits
+            requested_bits = control.group_bits
+            own_bits = requested_bits is None
+            bits = self._group_bits if requested_bits is None else requested_bits
             control._on_scheduled_time = self._matchmaking.set_scheduled_time
             try:
                 assembled = await self._matchmaking.look_for_group(
@@ -483,7 +484,7 @@ class AsyncDecentralizedAverager:
     @staticmethod
     def _allreduce_group(
         group: MatchmakingGroup, total_size: int, suffix: bytes = b""
-    ) -> AllReduceGroup:
+    ) -> AllReduceGroup[PeerID]:
         """The all-reduce round of an assembled group over ``total_size`` values: slices by
         bandwidth (none for clients; aux peers send nothing), parts cut with the part layout
         of the group (its members' lowest), id ``group_id + suffix``. Bandwidths are claims:

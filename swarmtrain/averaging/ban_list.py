@@ -12,10 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 __all__ = ["DEFAULT_BAN_DURATION", "BanList"]
 
 DEFAULT_BAN_DURATION = 60.0
+
+
+PeerT = TypeVar("PeerT", bound=Hashable)
 
 
 @dataclass
@@ -25,7 +29,7 @@ class _Record:
     until: float
 
 
-class BanList:
+class BanList(Generic[PeerT]):
     """Decaying bans of peers (see the module docstring).
 
     :param base_duration: length of a first ban in seconds (0: nobody is ever banned)
@@ -57,9 +61,9 @@ class BanList:
         self.max_duration = max_duration
         self.half_life = half_life
         self.max_peers = max_peers
-        self._records: dict[Hashable, _Record] = {}
+        self._records: dict[PeerT, _Record] = {}
 
-    def offences(self, peer: Hashable, now: float) -> float:
+    def offences(self, peer: PeerT, now: float) -> float:
         """``peer``'s offence count, decayed to ``now``."""
         record = self._records.get(peer)
         if record is None:
@@ -67,7 +71,7 @@ class BanList:
         elapsed = max(0.0, now - record.last_offence)
         return record.offences * 0.5 ** (elapsed / self.half_life)
 
-    def ban(self, peer: Hashable, now: float) -> float:
+    def ban(self, peer: PeerT, now: float) -> float:
         """Record an offence of ``peer``; return when its ban ends."""
         if not self.base_duration:
             return now
@@ -80,11 +84,11 @@ class BanList:
             del self._records[min(self._records, key=lambda p: self._records[p].until)]
         return until
 
-    def is_banned(self, peer: Hashable, now: float) -> bool:
+    def is_banned(self, peer: PeerT, now: float) -> bool:
         record = self._records.get(peer)
         return record is not None and now < record.until
 
-    def banned(self, now: float) -> frozenset[Hashable]:
+    def banned(self, now: float) -> frozenset[PeerT]:
         """The peers banned at ``now``."""
         return frozenset(p for p, r in self._records.items() if now < r.until)
 

@@ -110,7 +110,7 @@ def rpc_join_group_name(prefix: str) -> str:
 # ---------------------------------------------------------------------------------- wire codecs
 
 
-def _mode(value: int) -> AveragingMode:
+def _mode(value: pb.MatchmakingMode) -> AveragingMode:
     try:
         return _MODES_BACK[value]
     except KeyError:
@@ -427,9 +427,9 @@ class Matchmaking:
                     self._join_calls[action.leader] = scope
                     self._round_nursery.start_soon(self._join_call, core, action, scope)
             elif isinstance(action, CancelJoinRequest):
-                scope = self._join_calls.pop(action.leader, None)
-                if scope is not None:
-                    scope.cancel()
+                join_call = self._join_calls.pop(action.leader, None)
+                if join_call is not None:
+                    join_call.cancel()
             elif isinstance(action, SendToFollower):
                 channel = self._followers.get(action.follower)
                 if channel is not None:

@@ -290,8 +290,8 @@ class MatchmakingCore:
         # 1. an answer or a group that is overdue
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING) and now >= self._request_deadline:
             if self._phase == Phase.REQUESTING:
-                self._unreachable.add(self._leader)
-            actions.append(CancelJoinRequest(self._leader))
+                self._unreachable.add(self._asked_leader())
+            actions.append(CancelJoinRequest(self._asked_leader()))
             self._leave_leader()
         if now >= self._window_end:
             self._window_checked = True
@@ -445,7 +445,7 @@ class MatchmakingCore:
     def _assemble(self, now: float) -> list[Action]:
         actions: list[Action] = []
         if self._phase == Phase.REQUESTING:
-            actions.append(CancelJoinRequest(self._leader))
+            actions.append(CancelJoinRequest(self._asked_leader()))
             self._leave_leader()
         members = [self._own_member(), *self._follower_members()]
         group_id = derive_group_id(
@@ -517,9 +517,15 @@ class MatchmakingCore:
         return self._drop_leader(now)
 
     def _drop_leader(self, now: float, cancel: bool = False) -> list[Action]:
-        actions: list[Action] = [CancelJoinRequest(self._leader)] if cancel else []
+        actions: list[Action] = [CancelJoinRequest(self._asked_leader())] if cancel else []
         self._leave_leader()
         return actions + self._advance(now)
+
+    def _asked_leader(self) -> PeerId:
+        """The leader we asked or follow (set in the REQUESTING and FOLLOWING phases)."""
+        leader = self._leader
+        assert leader is not None, self._phase
+        return leader
 
     def _leave_leader(self) -> None:
         self._phase = Phase.SEARCHING
@@ -663,7 +669,7 @@ class MatchmakingCore:
     def _fail(self, reason: FailureReason, detail: str) -> list[Action]:
         actions = self._disband(None)
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING):
-            actions.append(CancelJoinRequest(self._leader))
+            actions.append(CancelJoinRequest(self._asked_leader()))
         self._leave_leader()
         return actions + self._finish(MatchmakingFailed(reason, detail))
 

@@ -344,7 +344,7 @@ class StateSharing:
         return [PeerID(p) for p in sorted(priorities, key=priorities.__getitem__, reverse=True)]
 
     async def load_state_from_peers(
-        self, donors: Sequence[PeerID] | None = None, check: StateCheck | None = None
+        self, donors: Sequence[PeerID | bytes] | None = None, check: StateCheck | None = None
     ) -> tuple[Any, list[torch.Tensor]] | None:
         """Download (metadata, tensors) from the best donors (see the module docstring); None if
         no donor could provide it. Bound it with the caller's ``move_on_after``.
