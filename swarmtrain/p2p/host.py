@@ -18,10 +18,10 @@ import logging
 import math
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from types import EllipsisType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import multiaddr
 import trio
@@ -472,6 +472,38 @@ class P2P(Dialling):
         assert scope.cancelled_caught
         raise RPCTimeoutError(f"{name} to {peer} did not complete within {timeout} s")
 
+    @overload
+    def iterate_protobuf_handler(
+        self,
+        peer: ID | str,
+        name: str,
+        request,
+        output_protobuf_type: type[TOut],
+        *,
+        stream_input: bool = ...,
+        next_message_timeout: float | EllipsisType | None = ...,
+        max_message_size: int | None = ...,
+        bulk: bool = ...,
+        attachments: Literal[False] = ...,
+        attachment_buffer: Callable[[Message, int], Any] | None = ...,
+    ) -> AbstractAsyncContextManager[rpc_client.ResponseStream[TOut]]: ...
+
+    @overload
+    def iterate_protobuf_handler(
+        self,
+        peer: ID | str,
+        name: str,
+        request,
+        output_protobuf_type: type[TOut],
+        *,
+        stream_input: bool = ...,
+        next_message_timeout: float | EllipsisType | None = ...,
+        max_message_size: int | None = ...,
+        bulk: bool = ...,
+        attachments: bool,
+        attachment_buffer: Callable[[Message, int], Any] | None = ...,
+    ) -> AbstractAsyncContextManager[rpc_client.ResponseStream[TOut | rpc.Attached]]: ...
+
     @asynccontextmanager
     async def iterate_protobuf_handler(
         self,
@@ -486,7 +518,7 @@ class P2P(Dialling):
         bulk: bool = False,
         attachments: bool = False,
         attachment_buffer: Callable[[Message, int], Any] | None = None,
-    ) -> AsyncIterator[rpc_client.ResponseStream[TOut]]:
+    ) -> AsyncIterator[rpc_client.ResponseStream[Any]]:
         """Call a stream-output handler: ``async with ... as responses: async for r in responses``.
 
         ``next_message_timeout`` (default ``request_timeout``) bounds the wait for each

@@ -25,6 +25,7 @@ from swarmtrain.utils.exception_groups import collapse_exception_groups
 
 logger = logging.getLogger("swarmtrain.p2p.rpc")
 TOut = TypeVar("TOut", bound=Message)
+TItem = TypeVar("TItem")
 
 OpenStream = Callable[[Any], Awaitable[Any]]
 _ACLOSE_TIMEOUT = 1.0  # bound on closing a caller's request generator
@@ -146,21 +147,22 @@ class _ResponseReader(Generic[TOut]):
         )
 
 
-class ResponseStream(Generic[TOut]):
-    """Async iterator over the responses of a stream-output call.
+class ResponseStream(Generic[TItem]):
+    """Async iterator over the responses of a stream-output call: output messages, and
+    ``Attached`` ones too in a call opened with ``attachments=True`` (``TItem`` says which).
 
     ``next_message_timeout`` bounds the wait for each message (RPCTimeoutError).
     """
 
-    def __init__(self, reader: _ResponseReader[TOut], next_message_timeout: float | None):
+    def __init__(self, reader: _ResponseReader[Any], next_message_timeout: float | None):
         self._reader = reader
         self._timeout = next_message_timeout
 
-    def __aiter__(self) -> ResponseStream[TOut]:
+    def __aiter__(self) -> ResponseStream[TItem]:
         return self
 
-    async def __anext__(self) -> TOut | Attached:
-        """The next response; ``Attached`` only in a call opened with ``attachments=True``."""
+    async def __anext__(self) -> TItem:
+        message: Any  # a TItem: the reader yields Attached only if the call was opened so
         if not self._timeout:  # no cancel scope to set up per message
             message = await self._reader.next_message()
             if message is None:
