@@ -32,7 +32,7 @@ import trio
 logger = logging.getLogger(__name__)
 
 
-def _rebuild_exception(cls: type, args: tuple, state: dict) -> BaseException:
+def _rebuild_exception(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
     """Unpickled in the parent: ``cls`` with ``args`` and attributes, without its ``__init__``
     (whose signature need not match ``args``)."""
     error = cls.__new__(cls)

@@ -12,7 +12,7 @@ import math
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -131,6 +131,19 @@ def _normalize_state(state: Any) -> State:
     return metadata, tensors, infos
 
 
+class TensorLock(Protocol):
+    """What guards the averaged tensors: a ``threading.Lock``, or a ``multiprocessing`` lock
+    behind threading's ``acquire`` signature (``_process_child._ThreadingStyleLock``)."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> bool: ...
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any, /) -> Any: ...
+
+
 class AsyncDecentralizedAverager:
     """The trio averager. Build it with ``async with DecentralizedAverager.create(...)`` (or
     this class's ``create``, e.g. from a subclass that overrides ``get_current_state``)."""
@@ -141,7 +154,7 @@ class AsyncDecentralizedAverager:
         dht,
         config: AveragerConfig,
         *,
-        tensor_lock: threading.Lock | None = None,
+        tensor_lock: TensorLock | None = None,
         state_provider: Callable[[], Any] | None = None,
     ):
         self._averaged_tensors = check_averaged_tensors(averaged_tensors)
@@ -151,7 +164,7 @@ class AsyncDecentralizedAverager:
         self.mode = config.mode
         self.client_mode = config.client_mode
         self.peer_id: PeerID = dht.p2p.peer_id
-        self.lock_averaged_tensors = tensor_lock or threading.Lock()
+        self.lock_averaged_tensors: TensorLock = tensor_lock or threading.Lock()
         self.total_size = sum(t.numel() for t in self._averaged_tensors)
         self.schema_hash = compute_schema_hash(self._averaged_tensors, config.part_size_bytes)
         self._group_bits = config.initial_group_bits
@@ -178,7 +191,7 @@ class AsyncDecentralizedAverager:
         *,
         prefix: str,
         client_mode: bool | None = None,
-        tensor_lock: threading.Lock | None = None,
+        tensor_lock: TensorLock | None = None,
         state_provider: Callable[[], Any] | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[AsyncDecentralizedAverager]:

@@ -48,6 +48,7 @@ import torch
 from swarmtrain.averaging.async_averager import (
     AsyncDecentralizedAverager,
     GatheredData,
+    TensorLock,
     _check_group_bits,
 )
 from swarmtrain.averaging.averager_config import (
@@ -96,7 +97,7 @@ class DecentralizedAverager(BackgroundService):
             client_mode = dht.client_mode
         self.config = AveragerConfig(prefix=prefix, client_mode=client_mode, **kwargs)
         self._averaged_tensors = check_averaged_tensors(averaged_tensors)
-        self.lock_averaged_tensors = threading.Lock()
+        self.lock_averaged_tensors: TensorLock = threading.Lock()
         self.dht = dht
         self.prefix, self.mode, self.client_mode = prefix, self.config.mode, client_mode
         if start:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from swarmtrain.averaging._process_child import _ThreadingStyleLock
 from swarmtrain.averaging.averager import DecentralizedAverager
 from swarmtrain.averaging.process_averager import ProcessAverager
 
@@ -61,7 +62,7 @@ class HelperProcessBackend(DecentralizedAverager):
         )
         self.config = self._helper.config
         self._averaged_tensors = self._helper._averaged_tensors
-        self.lock_averaged_tensors = self._helper.lock_averaged_tensors
+        self.lock_averaged_tensors = _ThreadingStyleLock(self._helper.lock_averaged_tensors)
         self.dht = dht
         self.prefix, self.mode, self.client_mode = (
             prefix,
