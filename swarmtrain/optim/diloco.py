@@ -46,6 +46,13 @@ Behaviour worth knowing:
   few peers, timeout, nobody else took part) the peer logs a warning and applies *its own*
   pseudo-gradient alone: training goes on, and that peer's shared parameters drift from the
   others' until it loads the state again (``statistics().rounds_alone`` counts such rounds).
+  Each peer's presence record carries the inner step of the last round it started: a peer
+  that finds every other peer already past its round (it fell behind: a slow step, a failed
+  round) steps alone at once instead of waiting out its matchmaking, and after a round alone
+  a peer that sees others a round or more ahead loads their state, hence their inner step
+  count, and meets them in their next round (``statistics().states_caught_up``; with
+  ``delay`` > 0 it only warns). Without that, rounds being keyed by their number, it would
+  stay one round behind, alone in every round.
 - **Overlap.** With ``delay`` (tau) > 0 the all-reduce of a round runs in the background while
   training continues; its result is applied ``delay`` inner steps later and mixed into the
   local parameters with ``alpha`` (``p = alpha * p + (1 - alpha) * shared``).
