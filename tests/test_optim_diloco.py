@@ -616,7 +616,7 @@ def test_a_peer_a_round_behind_loads_the_state_and_rejoins_the_rounds(data, dhts
     """Rounds are keyed by their number: a peer that missed one (the others left it without
     waiting for it) used to wait out its matchmaking alone in that round and in every later
     one, one round behind for good (the DiLoCo churn soak, issue 18). It now sees from the
-    others' presence records that they are past its round, steps alone at once, loads their
+    others' presence records that they finished its round, steps alone at once, loads their
     state (their inner step count) and averages with them from the next round on."""
     config = SimulationConfig(num_workers=3, inner_steps=3, batch_size=4, context=MODEL.context)
     h = config.inner_steps

@@ -46,8 +46,8 @@ Behaviour worth knowing:
   few peers, timeout, nobody else took part) the peer logs a warning and applies *its own*
   pseudo-gradient alone: training goes on, and that peer's shared parameters drift from the
   others' until it loads the state again (``statistics().rounds_alone`` counts such rounds).
-  Each peer's presence record carries the inner step of the last round it started: a peer
-  that finds every other peer already past its round (it fell behind: a slow step, a failed
+  Each peer's presence record carries the inner step of the last round it finished: a peer
+  that finds every other peer already done with its round (it fell behind: a slow step, a failed
   round) steps alone at once instead of waiting out its matchmaking, and after a round alone
   a peer that sees others a round or more ahead loads their state, hence their inner step
   count, and meets them in their next round (``statistics().states_caught_up``; with
@@ -608,20 +608,19 @@ class DiLoCoOptimizer:
     def _launch(self, pending: _Round) -> None:
         # (a pseudo-gradient with NaN or inf goes in too: the averager sends zeros with weight
         # 0 instead, so the others wait for nobody, and the step fails: see _finish_round)
-        self.presence.declare_step(pending.start_step)
         others = self.presence.others()
         pending.others = len(others)
         if not others:  # nobody to average with: no matchmaking wait
             log = logger.info if self.verbose else logger.debug
             log("no other peer in run %r: outer step alone", self.run_id)
             return
-        if len(self._peers_ahead(others, pending)) == len(others):
-            # Every other peer already started a later round of this fragment: nobody will
+        if all(peer.step is not None and peer.step >= pending.start_step for peer in others):
+            # Every other peer already finished this round (or a later one): nobody will
             # come to this one (we fell behind: a slow step, a failed round). Step alone at
             # once; _finish_round then loads their state, which puts us in their rounds.
             logger.warning(
-                "DiLoCo fragment %d: every other peer of run %r is past the round of inner "
-                "step %d: stepping alone, then loading their state",
+                "DiLoCo fragment %d: every other peer of run %r is done with the round of "
+                "inner step %d: stepping alone, then loading their state",
                 pending.fragment,
                 self.run_id,
                 pending.start_step,
@@ -730,14 +729,17 @@ class DiLoCoOptimizer:
             group_size,
             waited,
         )
+        # (declared once the round is over: a store during matchmaking would compete with the
+        # matchmaking's own DHT requests)
+        self.presence.declare_step(pending.start_step)
         if gathered is not None:
             self._adopt_reference_state(gathered, pending)
         elif pending.others:
             self._catch_up(pending)
 
     def _peers_ahead(self, others, pending: _Round) -> list:
-        """The peers of ``others`` (``RunPresence`` records) that started the next round of
-        ``pending``'s fragment or a later one, hence left ``pending``'s round for good."""
+        """The peers of ``others`` (``RunPresence`` records) that finished a round at least H
+        inner steps after ``pending``'s: a round or more ahead of us."""
         return [
             peer
             for peer in others

@@ -2,13 +2,13 @@
 
 Key ``{run_id}_diloco.peers``, subkey: the peer's id (signed with its identity key, so nobody
 else can write it: ``swarmtrain.dht.peer_records``), value ``{"donor": bool, "step": int}``
-(whether it serves its state to joiners; the inner step of the last round it started, once it
-started one), expiring ``ttl`` seconds after each store; a thread re-stores it every ``ttl / 3``
+(whether it serves its state to joiners; the inner step of the last round it finished, once
+it finished one), expiring ``ttl`` seconds after each store; a thread re-stores it every ``ttl / 3``
 seconds and at once after :meth:`RunPresence.declare_step`, and :meth:`RunPresence.stop`
 replaces it with ``None`` (gone). The optimizer uses it to skip waits that cannot end well: a
 lone peer loads no state and starts no round, a round is complete as soon as every peer
-present has joined, and a peer whose round every other peer has already left (they declared a
-later step) does not wait for them in it.
+present has joined, and a peer whose round every other peer has already finished (they
+declared that step or a later one) does not wait for them in it.
 
 A peer killed without saying goodbye stays "present" until its record expires (``ttl``): a
 rerun of the run at once waited for it in its first rounds and tried to load its state. So
@@ -51,7 +51,7 @@ class Present:
 
     peer_id: bytes
     donor: bool
-    #: the inner step of the last round it started (None: none yet, or an older version)
+    #: the inner step of the last round it finished (None: none yet, or an older version)
     step: int | None = None
 
 
@@ -107,7 +107,7 @@ class RunPresence:
         self._store(None)  # newcomers see at once that we left
 
     def declare_step(self, step: int) -> None:
-        """Declare that we started the round of inner step ``step`` (stored in the background,
+        """Declare that we finished the round of inner step ``step`` (stored in the background,
         at once: this call does not wait for the DHT)."""
         self._step = int(step)
         self._wake.set()
