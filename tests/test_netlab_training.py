@@ -56,13 +56,5 @@ def test_optimizer_trains_for_two_minutes_behind_nats():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    reason="DiLoCo peers behind NATs start training tens of seconds apart (startup through "
-    "relays on a loaded box; DiLoCo has no wait_for_peers): a late peer now loads the others' "
-    "state and averages in every round after it, but then averaged in fewer than half of the "
-    "outer steps; in one of three runs no round had two peers (matchmaking over relays; "
-    "docs/reliability.md, issue 18.2)",
-    strict=False,
-)
 def test_diloco_trains_behind_nats():
     _check(_run("diloco", 60), min_epochs=2)

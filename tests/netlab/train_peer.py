@@ -138,6 +138,10 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
             say({"joined": opt.load_state_from_peers(), **progress(opt, mode)})
         elif mode != "diloco":
             opt.wait_for_peers(peers, timeout=60)
+        else:  # the same start barrier: a peer that starts rounds late only loads the state
+            until = time.monotonic() + 60
+            while len(opt.presence.others()) < peers - 1 and time.monotonic() < until:
+                time.sleep(0.2)
         if command.get("say_started"):
             say({"started": True, **progress(opt, mode)})
         generator = torch.Generator().manual_seed(1000 + index)
