@@ -33,6 +33,16 @@ def main() -> None:
     parser.add_argument("--averaging-timeout", type=float, default=30.0)
     parser.add_argument("--matchmaking-time", type=float, default=5.0)
     parser.add_argument("--inner-steps", type=int, default=50)
+    parser.add_argument(
+        "--outer-lr", type=float, help="DiLoCo's outer SGD lr (default: DiLoCo's, 0.7)"
+    )
+    parser.add_argument(
+        "--outer-momentum",
+        type=float,
+        help="DiLoCo's outer Nesterov momentum (default: DiLoCo's, 0.9); on this small "
+        "classifier 0.7 / 0.9 overfits within 10 outer steps even without churn "
+        "(docs/reliability.md): the soak test uses 0.5 / 0.5",
+    )
     args = parser.parse_args()
     reason = netlab.unavailable_reason()
     if reason:
@@ -41,6 +51,10 @@ def main() -> None:
     train = {"matchmaking_time": args.matchmaking_time}
     if args.mode == "diloco":
         train["inner_steps"] = args.inner_steps
+        if args.outer_lr is not None:
+            train["outer_lr"] = args.outer_lr
+        if args.outer_momentum is not None:
+            train["outer_momentum"] = args.outer_momentum
     with netlab.Lab() as lab:
         soak = ChurnSoak(
             lab,

@@ -77,13 +77,12 @@ def test_optimizer_survives_churn():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(
-    reason="under churn the DiLoCo swarm's eval loss rose (0.03 -> 0.13, 0.02 -> 0.19) over "
-    "20 outer steps, and a peer that fell out of the others' per-round groups did not reach "
-    "the agreed last outer step in time (docs/reliability.md); causes not isolated yet",
-    strict=False,
-)
 def test_diloco_survives_churn():
-    report = _soak("diloco", {"matchmaking_time": 5.0, "inner_steps": 50})
+    # DiLoCo's own outer optimizer (SGD lr 0.7, Nesterov 0.9) overfits this small classifier:
+    # with 8 shards and no churn nor network (docs/reliability.md) the eval loss bottoms out
+    # at outer step 3 (0.017) and climbs to 0.12 by step 25 while the train loss goes to 0.
+    # Momentum 0.5 keeps an outer momentum (handed to newcomers) without that climb.
+    train = {"matchmaking_time": 5.0, "inner_steps": 50, "outer_lr": 0.5, "outer_momentum": 0.5}
+    report = _soak("diloco", train)
     _check(report)
     assert all(report.synced.values()), report.synced

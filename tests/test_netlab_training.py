@@ -56,10 +56,5 @@ def test_optimizer_trains_for_two_minutes_behind_nats():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    reason="a DiLoCo peer can fall out of the others' rounds behind NATs on a loaded box and "
-    "then reach the last outer step alone, slowly (docs/reliability.md, issue 18.2)",
-    strict=False,
-)
 def test_diloco_trains_behind_nats():
     _check(_run("diloco", 60), min_epochs=2)

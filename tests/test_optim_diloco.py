@@ -603,3 +603,54 @@ def test_nan_pseudo_gradient_is_never_sent_and_the_peer_restarts_from_shared(dat
     finally:
         for peer in peers:
             peer.opt.shutdown()
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_a_peer_a_round_behind_loads_the_state_and_rejoins_the_rounds(data, dhts):
+    """Rounds are keyed by their number: a peer that missed one (the others left it without
+    waiting for it) used to wait out its matchmaking alone in that round and in every later
+    one, one round behind for good (the DiLoCo churn soak, issue 18). It now sees from the
+    others' presence records that they finished its round, steps alone at once, loads their
+    state (their inner step count) and averages with them from the next round on."""
+    config = SimulationConfig(num_workers=3, inner_steps=3, batch_size=4, context=MODEL.context)
+    h = config.inner_steps
+    peers = [
+        Peer(config, i, dht, data, pseudo_grad_compression=NoCompression())
+        for i, dht in enumerate(dhts(3))
+    ]
+    lagger = peers[2]
+    try:
+        in_threads([lambda p=p: p.train(h) for p in peers[:2]])  # round 0 without the third
+        assert [p.opt.statistics().last_group_size for p in peers] == [2, 2, 0]
+        # round 1 of the first two; the third reaches its round 0 once they declared round 1
+        caught_up_in = []
+
+        def lag() -> None:
+            _wait_for(
+                lambda: sorted(p.step or 0 for p in lagger.opt.presence.others()) == [2 * h] * 2,
+                timeout=20,
+            )
+            started = time.monotonic()
+            lagger.train(h)
+            caught_up_in.append(time.monotonic() - started)
+
+        in_threads([lambda p=p: p.train(h) for p in peers[:2]] + [lag])
+        stats = lagger.opt.statistics()
+        assert (stats.rounds_alone, stats.states_caught_up) == (1, 1), stats
+        assert lagger.opt.inner_step == 2 * h and lagger.opt.outer_step == 2
+        assert caught_up_in[0] < 8, caught_up_in  # no matchmaking wait (averaging_timeout 10 s)
+
+        in_threads([lambda p=p: p.train(h) for p in peers])  # round 2: all three
+        assert [p.opt.statistics().last_group_size for p in peers] == [3, 3, 3]
+        shared = [p.opt.shared_parameters() for p in peers]
+        for other in shared[1:]:
+            assert_params_close(other, shared[0], rtol=0, atol=1e-6)
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()

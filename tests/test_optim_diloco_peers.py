@@ -84,3 +84,24 @@ def test_an_outsider_cannot_mark_a_peer_gone_or_wipe_the_run():
         for dht in (evil, second, first):
             dht.shutdown()
     assert BackgroundRuntime.active_references() == 0
+
+
+def test_a_declared_step_reaches_the_other_peers():
+    first = DHT([], **HOST)
+    second = DHT(first.get_visible_maddrs(), **HOST)
+    presences = [RunPresence(dht, "run", donor=True) for dht in (first, second)]
+    try:
+        for presence in presences:
+            presence.start()
+        assert [p.step for p in presences[1].others()] == [None]  # no round started yet
+        presences[0].declare_step(42)  # stored in the background
+        deadline = time.monotonic() + 10
+        while [p.step for p in presences[1].others()] != [42]:
+            assert time.monotonic() < deadline, presences[1].others()
+            time.sleep(0.05)
+    finally:
+        for presence in presences:
+            presence.stop()
+        for dht in (second, first):
+            dht.shutdown()
+    assert BackgroundRuntime.active_references() == 0

@@ -46,6 +46,13 @@ Behaviour worth knowing:
   few peers, timeout, nobody else took part) the peer logs a warning and applies *its own*
   pseudo-gradient alone: training goes on, and that peer's shared parameters drift from the
   others' until it loads the state again (``statistics().rounds_alone`` counts such rounds).
+  Each peer's presence record carries the inner step of the last round it finished: a peer
+  that finds every other peer already done with its round (it fell behind: a slow step, a failed
+  round) steps alone at once instead of waiting out its matchmaking, and after a round alone
+  a peer that sees others a round or more ahead loads their state, hence their inner step
+  count, and meets them in their next round (``statistics().states_caught_up``; with
+  ``delay`` > 0 it only warns). Without that, rounds being keyed by their number, it would
+  stay one round behind, alone in every round.
 - **Overlap.** With ``delay`` (tau) > 0 the all-reduce of a round runs in the background while
   training continues; its result is applied ``delay`` inner steps later and mixed into the
   local parameters with ``alpha`` (``p = alpha * p + (1 - alpha) * shared``).
@@ -145,6 +152,8 @@ class DiLoCoStatistics:
       excluded)
     :param bytes_sent_as_reducer: payload of the averaged parts we returned to other senders
     :param seconds_waiting: wall time ``step()`` spent waiting for averaging results
+    :param states_caught_up: times we fell a round behind the others and loaded their state
+      to rejoin their rounds
     """
 
     inner_step: int
@@ -156,6 +165,7 @@ class DiLoCoStatistics:
     bytes_sent_as_sender: int
     bytes_sent_as_reducer: int
     seconds_waiting: float
+    states_caught_up: int = 0
 
 
 @dataclass
@@ -171,6 +181,7 @@ class _Round:
     outer_step: int
     control: StepControl | None = None
     bytes_before: tuple[int, int] = (0, 0)  # the averager's bytes_sent at launch
+    others: int = 0  # other peers of the run present at launch
 
 
 class _PseudoGradientAverager(DecentralizedAverager):
@@ -302,6 +313,7 @@ class DiLoCoOptimizer:
         self._samples = [0.0] * num_fragments  # per fragment, since its last sync started
         self._pending: dict[int, _Round] = {}
         self._rounds_averaged = self._rounds_alone = 0
+        self._states_caught_up = 0
         self._last_group_size = 0
         self._bytes_as_sender = self._bytes_as_reducer = 0
         self._seconds_waiting = 0.0
@@ -472,6 +484,7 @@ class DiLoCoOptimizer:
                 bytes_sent_as_sender=self._bytes_as_sender,
                 bytes_sent_as_reducer=self._bytes_as_reducer,
                 seconds_waiting=self._seconds_waiting,
+                states_caught_up=self._states_caught_up,
             )
 
     def load_state_from_peers(self, timeout: float | None = None, donors=None) -> bool:
@@ -596,9 +609,22 @@ class DiLoCoOptimizer:
         # (a pseudo-gradient with NaN or inf goes in too: the averager sends zeros with weight
         # 0 instead, so the others wait for nobody, and the step fails: see _finish_round)
         others = self.presence.others()
+        pending.others = len(others)
         if not others:  # nobody to average with: no matchmaking wait
             log = logger.info if self.verbose else logger.debug
             log("no other peer in run %r: outer step alone", self.run_id)
+            return
+        if all(peer.step is not None and peer.step >= pending.start_step for peer in others):
+            # Every other peer already finished this round (or a later one): nobody will
+            # come to this one (we fell behind: a slow step, a failed round). Step alone at
+            # once; _finish_round then loads their state, which puts us in their rounds.
+            logger.warning(
+                "DiLoCo fragment %d: every other peer of run %r is done with the round of "
+                "inner step %d: stepping alone, then loading their state",
+                pending.fragment,
+                self.run_id,
+                pending.start_step,
+            )
             return
         # With no target size, the group is complete once every peer present has joined.
         expected = 1 + len(others) if self.target_group_size is None else None
@@ -703,8 +729,57 @@ class DiLoCoOptimizer:
             group_size,
             waited,
         )
+        # (declared once the round is over: a store during matchmaking would compete with the
+        # matchmaking's own DHT requests)
+        self.presence.declare_step(pending.start_step)
         if gathered is not None:
             self._adopt_reference_state(gathered, pending)
+        elif pending.others:
+            self._catch_up(pending)
+
+    def _peers_ahead(self, others, pending: _Round) -> list:
+        """The peers of ``others`` (``RunPresence`` records) that finished a round at least H
+        inner steps after ``pending``'s: a round or more ahead of us."""
+        return [
+            peer
+            for peer in others
+            if peer.step is not None and peer.step >= pending.start_step + self.inner_steps
+        ]
+
+    def _catch_up(self, pending: _Round) -> None:
+        """After a round we stepped alone in while other peers were present: if some of them
+        are already a round further, we fell behind, and every later round of ours would be
+        alone too (rounds are keyed by their number). Load the state of those peers: their
+        shared parameters and inner step count put us back into their rounds."""
+        ahead = self._peers_ahead(self.presence.others(), pending)
+        ahead_donors = [peer.peer_id for peer in ahead if peer.donor]
+        if not ahead:
+            return
+        if self.schedule.delay > 0 or not ahead_donors:  # (no state served mid-round)
+            logger.warning(
+                "DiLoCo fragment %d: %d peers are a round or more ahead of this one and serve "
+                "no state now; call load_state_from_peers() to rejoin their rounds",
+                pending.fragment,
+                len(ahead),
+            )
+            return
+        logger.warning(
+            "DiLoCo fragment %d: %d peers are a round or more ahead of this one (inner step "
+            "%d): loading their state to rejoin their rounds",
+            pending.fragment,
+            len(ahead),
+            pending.start_step,
+        )
+        timeout = min(self.load_state_timeout, self.averaging_timeout)
+        if self.load_state_from_peers(timeout, donors=sorted(ahead_donors)):
+            with self._lock:
+                self._states_caught_up += 1
+        else:
+            logger.warning(
+                "DiLoCo fragment %d: could not load the state of the peers ahead; this peer "
+                "stays behind their rounds",
+                pending.fragment,
+            )
 
     def _adopt_reference_state(self, gathered: dict, pending: _Round) -> None:
         """If the round's fingerprints show that our shared parameters differ from the ones

@@ -1,11 +1,14 @@
 """Who is in a DiLoCo run: each peer declares itself in the DHT, and reads the others.
 
 Key ``{run_id}_diloco.peers``, subkey: the peer's id (signed with its identity key, so nobody
-else can write it: ``swarmtrain.dht.peer_records``), value ``{"donor": bool}`` (whether it
-serves its state to joiners), expiring ``ttl`` seconds after each store; a thread re-stores it
-every ``ttl / 3`` seconds, and :meth:`RunPresence.stop` replaces it with ``None`` (gone). The
-optimizer uses it to skip waits that cannot end well: a lone peer loads no state and starts
-no round, and a round is complete as soon as every peer present has joined.
+else can write it: ``swarmtrain.dht.peer_records``), value ``{"donor": bool, "step": int}``
+(whether it serves its state to joiners; the inner step of the last round it finished, once
+it finished one), expiring ``ttl`` seconds after each store; a thread re-stores it every ``ttl / 3``
+seconds and at once after :meth:`RunPresence.declare_step`, and :meth:`RunPresence.stop`
+replaces it with ``None`` (gone). The optimizer uses it to skip waits that cannot end well: a
+lone peer loads no state and starts no round, a round is complete as soon as every peer
+present has joined, and a peer whose round every other peer has already finished (they
+declared that step or a later one) does not wait for them in it.
 
 A peer killed without saying goodbye stays "present" until its record expires (``ttl``): a
 rerun of the run at once waited for it in its first rounds and tried to load its state. So
@@ -48,6 +51,8 @@ class Present:
 
     peer_id: bytes
     donor: bool
+    #: the inner step of the last round it finished (None: none yet, or an older version)
+    step: int | None = None
 
 
 class RunPresence:
@@ -77,6 +82,8 @@ class RunPresence:
         self.timeout = float(timeout)
         self._ours = dht.peer_id.to_bytes()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # store the record now (a new step, or stop)
+        self._step: int | None = None
         self._thread: threading.Thread | None = None
         self.probe_timeout = float(probe_timeout)
         self._liveness = OwnerLiveness(retry_period=self.ttl / 3)
@@ -85,7 +92,7 @@ class RunPresence:
     def start(self) -> None:
         # records are owned: only a peer can write (or blank) its own subkey
         self.dht.add_validators([PeerRecordValidator([PRESENCE_KEY_PATTERN])])
-        self._store({"donor": self.donor})
+        self._store(self._record())
         self._thread = threading.Thread(
             target=self._refresh, name=f"presence {self.key}", daemon=True
         )
@@ -95,8 +102,21 @@ class RunPresence:
         if self._thread is None or self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         self._thread.join(self.timeout + 1.0)
         self._store(None)  # newcomers see at once that we left
+
+    def declare_step(self, step: int) -> None:
+        """Declare that we finished the round of inner step ``step`` (stored in the background,
+        at once: this call does not wait for the DHT)."""
+        self._step = int(step)
+        self._wake.set()
+
+    def _record(self) -> dict:
+        record: dict = {"donor": self.donor}
+        if self._step is not None:
+            record["step"] = self._step
+        return record
 
     def others(self) -> list[Present]:
         """The other peers whose records are alive (blocking DHT read; [] if it fails)."""
@@ -116,7 +136,9 @@ class RunPresence:
             expiration = getattr(item, "expiration_time", now + 1)
             if expiration <= now:
                 continue
-            present[subkey] = (Present(subkey, bool(value.get("donor", False))), expiration)
+            step = value.get("step")
+            step = step if isinstance(step, int) and not isinstance(step, bool) else None
+            present[subkey] = (Present(subkey, bool(value.get("donor", False)), step), expiration)
         return self._reachable(present, now)
 
     def _reachable(self, present: dict[bytes, tuple[Present, float]], now: float) -> list[Present]:
@@ -184,5 +206,9 @@ class RunPresence:
             logger.debug("could not declare this peer under %s: %r", self.key, e)
 
     def _refresh(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            self._store({"donor": self.donor})
+        while True:
+            self._wake.wait(self.ttl / 3)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self._store(self._record())

@@ -6,7 +6,8 @@ classifier of ``swarmtrain demo`` (offline data), driven by JSON lines on stdin.
 ``{"ready": ..., "peer_id", "maddrs"}``, then answers:
 
 - ``{"op": "wait_circuit", "timeout": s}``: wait for a ``/p2p-circuit`` address;
-- ``{"op": "train", "seconds": s, "peers": n, "run_id": ...}``: wait until the run has ``n``
+- ``{"op": "train", "seconds": s, "peers": n, "run_id": ...}`` (DiLoCo: also ``inner_steps``,
+  ``outer_lr``, ``outer_momentum``): wait until the run has ``n``
   peers (Optimizer), train for ``s`` seconds, then print ``{"trained": ..., "epoch": E}`` and
   keep training until a ``{"op": "finish", "epoch": E}`` line arrives and our epoch (outer step
   for DiLoCo) reaches it; then print ``{"done": ...}``: epochs, rounds averaged / alone, eval
@@ -16,6 +17,7 @@ classifier of ``swarmtrain demo`` (offline data), driven by JSON lines on stdin.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
@@ -45,6 +47,7 @@ def progress(opt, mode: str) -> dict:
             "alone": stats.rounds_alone,
             "last_group_size": stats.last_group_size,
             "bytes_sent": stats.bytes_sent,
+            "caught_up": stats.states_caught_up,
         }
     return {"epoch": opt.local_epoch, "averaged": opt.epochs_averaged, "alone": opt.epochs_alone}
 
@@ -96,12 +99,22 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
     model = make_model()
     batch = 16
     if mode == "diloco":
+        outer = None  # DiLoCo's own (SGD, lr 0.7, Nesterov momentum 0.9) unless told
+        if "outer_lr" in command or "outer_momentum" in command:
+            momentum = command.get("outer_momentum", 0.9)
+            outer = functools.partial(
+                torch.optim.SGD,
+                lr=command.get("outer_lr", 0.7),
+                momentum=momentum,
+                nesterov=momentum > 0,
+            )
         opt = DiLoCoOptimizer(
             model.parameters(),
             dht=dht,
             run_id=command["run_id"],
             inner_optimizer=lambda params: torch.optim.Adam(params, lr=0.003),
             inner_steps=command.get("inner_steps", 50),
+            outer_optimizer=outer,
             batch_size_per_step=batch,
             matchmaking_time=command.get("matchmaking_time", 5.0),
             averaging_timeout=command.get("averaging_timeout", 60.0),
@@ -125,6 +138,10 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
             say({"joined": opt.load_state_from_peers(), **progress(opt, mode)})
         elif mode != "diloco":
             opt.wait_for_peers(peers, timeout=60)
+        else:  # the same start barrier: a peer that starts rounds late only loads the state
+            until = time.monotonic() + 60
+            while len(opt.presence.others()) < peers - 1 and time.monotonic() < until:
+                time.sleep(0.2)
         if command.get("say_started"):
             say({"started": True, **progress(opt, mode)})
         generator = torch.Generator().manual_seed(1000 + index)
