@@ -262,6 +262,36 @@ async def test_monitor_follows_training_peers_and_streams_their_metrics():
             nursery.cancel_scope.cancel()
 
 
+def start_monitor(address: str) -> tuple[subprocess.Popen, str]:
+    """A ``swarmtrain monitor`` subprocess following ``address``; its dashboard's base URL
+    (read from its output, killed if it prints none)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarmtrain.cli.main",
+            "monitor",
+            "--initial_peers",
+            address,
+            "--port",
+            "0",
+            "--refresh_period",
+            "0.3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output = [proc.stdout.readline()]  # other lines: warnings of a client on loopback
+    while output[-1] and not output[-1].startswith("dashboard at "):
+        output.append(proc.stdout.readline())
+    if not output[-1].startswith("dashboard at http://127.0.0.1:"):
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"the monitor printed no dashboard address: {output}")
+    return proc, output[-1].split(" at ")[1].strip().rstrip("/")
+
+
 def test_the_monitor_command_serves_a_dashboard(tmp_path):
     trainer = DHT(**FAST_DHT)
     proc = None
@@ -269,30 +299,7 @@ def test_the_monitor_command_serves_a_dashboard(tmp_path):
         trainer.run_coroutine(
             lambda dht, _: announce_run(dht, RunAnnouncement(run_id="cli_run", name="from the CLI"))
         )
-        address = trainer.get_visible_maddrs()[0]
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "swarmtrain.cli.main",
-                "monitor",
-                "--initial_peers",
-                address,
-                "--port",
-                "0",
-                "--refresh_period",
-                "0.3",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        output = [proc.stdout.readline()]  # other lines: warnings of a client on loopback
-        while output[-1] and not output[-1].startswith("dashboard at "):
-            output.append(proc.stdout.readline())
-        line = output[-1]
-        assert line.startswith("dashboard at http://127.0.0.1:"), output
-        base = line.split(" at ")[1].strip().rstrip("/")
+        proc, base = start_monitor(trainer.get_visible_maddrs()[0])
         status, _, page = http_get(base + "/")
         assert status == 200 and b"swarmtrain monitor" in page
         state = first_event(base + "/events", lambda s: "cli_run" in s.get("runs", {}))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -17,6 +16,7 @@ from contextlib import AsyncExitStack
 import pytest
 import trio
 from swarm_util import FAST_DHT
+from test_monitor_dashboard import start_monitor
 
 from swarmtrain.dht import DHT
 from swarmtrain.monitor import AsyncMetricsPublisher
@@ -44,32 +44,10 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _start_monitor(address: str) -> tuple[subprocess.Popen, threading.Thread, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "swarmtrain.cli.main",
-            "monitor",
-            "--initial_peers",
-            address,
-            "--port",
-            "0",
-            "--refresh_period",
-            "0.3",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    output = [proc.stdout.readline()]
-    while output[-1] and not output[-1].startswith("dashboard at "):
-        output.append(proc.stdout.readline())
-    if not output[-1]:
-        proc.kill()
-        raise AssertionError(f"the monitor did not start: {output}")
+    proc, base = start_monitor(address)
     drain = threading.Thread(target=proc.stdout.read, daemon=True)  # keep its pipe drained
     drain.start()
-    return proc, drain, output[-1].split(" at ")[1].strip().rstrip("/")
+    return proc, drain, base
 
 
 def _read_events(url: str, stop: threading.Event, counts: list[int]) -> None:
