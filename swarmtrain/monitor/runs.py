@@ -61,23 +61,26 @@ MAX_INITIAL_PEERS = 8
 MAX_MADDR_LENGTH = 512
 
 
-def _text(limit: int) -> Any:
-    return Annotated[str, pydantic.Field(max_length=limit)]
+_Name = Annotated[str, pydantic.Field(max_length=_LIMITS["name"])]
+_Description = Annotated[str, pydantic.Field(max_length=_LIMITS["description"])]
+_Model = Annotated[str, pydantic.Field(max_length=_LIMITS["model"])]
+_Command = Annotated[str, pydantic.Field(max_length=_LIMITS["command"])]
+_Requirements = Annotated[str, pydantic.Field(max_length=_LIMITS["requirements"])]
 
 
 class RunAnnouncementSchema(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
 
     run_id: Annotated[str, pydantic.Field(min_length=1, max_length=_LIMITS["run_id"])]
-    name: _text(_LIMITS["name"])
-    description: _text(_LIMITS["description"])
-    model: _text(_LIMITS["model"])
+    name: _Name
+    description: _Description
+    model: _Model
     initial_peers: Annotated[
         list[Annotated[str, pydantic.Field(max_length=MAX_MADDR_LENGTH)]],
         pydantic.Field(max_length=MAX_INITIAL_PEERS),
     ]
-    command: _text(_LIMITS["command"])
-    requirements: _text(_LIMITS["requirements"])
+    command: _Command
+    requirements: _Requirements
     private: bool
     time: Annotated[float, pydantic.Field(allow_inf_nan=False)]
 

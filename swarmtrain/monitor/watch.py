@@ -8,7 +8,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import trio
 
@@ -51,7 +51,7 @@ async def read_progress(dht: AsyncDHT, run_id: str) -> list[PeerProgress]:
     return progress
 
 
-def _count(value: Any) -> bool:
+def _count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
