@@ -19,7 +19,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 #: packages that are not type-checked yet (``ignore_errors``); remove, never add
 NOT_YET_CHECKED = {
-    "swarmtrain.dht.*",
     "swarmtrain.optim.*",
 }
 

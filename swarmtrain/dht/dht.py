@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from swarmtrain.p2p import P2P, PeerID
 from swarmtrain.utils.async_context import async_context_only
@@ -102,6 +102,8 @@ class DHT(BackgroundService):
     ``identity_path``, ...), ``record_validators``, and :class:`DHTNodeConfig` fields
     (``num_replicas``, ``bucket_size``, ``wait_timeout``, ...). ``client_mode`` applies to both.
     """
+
+    _aio_class: ClassVar[type]  #: ``dht.aio``'s class (set below)
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ import random
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -167,22 +167,26 @@ class DHTNodeConfig:
             raise ValueError(
                 f"parallel_rpc must be a positive integer or None, got {self.parallel_rpc!r}"
             )
-        if self.beam_size is None:
-            object.__setattr__(self, "beam_size", max(self.bucket_size, self.num_replicas))
-        if self.beam_size < self.num_replicas:
+        beam_size = self.beam_size
+        if beam_size is None:
+            beam_size = max(self.bucket_size, self.num_replicas)
+            object.__setattr__(self, "beam_size", beam_size)
+        if beam_size < self.num_replicas:
             raise ValueError(
-                f"beam_size ({self.beam_size}) must be at least num_replicas ({self.num_replicas})"
+                f"beam_size ({beam_size}) must be at least num_replicas ({self.num_replicas})"
             )
-        if self.latest_beam_size is None:
-            object.__setattr__(self, "latest_beam_size", self.num_replicas)
+        latest_beam_size = self.latest_beam_size
+        if latest_beam_size is None:
+            latest_beam_size = self.num_replicas
+            object.__setattr__(self, "latest_beam_size", latest_beam_size)
         if (
-            isinstance(self.latest_beam_size, bool)
-            or not isinstance(self.latest_beam_size, int)
-            or not self.num_replicas <= self.latest_beam_size <= self.beam_size
+            isinstance(latest_beam_size, bool)
+            or not isinstance(latest_beam_size, int)
+            or not self.num_replicas <= latest_beam_size <= beam_size
         ):
             raise ValueError(
                 f"latest_beam_size must be an integer between num_replicas ({self.num_replicas}) "
-                f"and beam_size ({self.beam_size}), got {self.latest_beam_size!r}"
+                f"and beam_size ({beam_size}), got {latest_beam_size!r}"
             )
         if self.cache_nearest < 0:
             raise ValueError("cache_nearest must be non-negative")
@@ -383,7 +387,9 @@ class DHTNode:
         :returns: {query: {node_id: peer_id}, nearest first}; includes this node unless it is
           a client or ``exclude_self``
         """
-        k = k if k is not None else self.config.beam_size
+        default_k = self.config.beam_size
+        assert default_k is not None  # set by DHTNodeConfig.__post_init__
+        k = k if k is not None else default_k
         beam_size = max(beam_size, k) if beam_size is not None else k
         queries = list(dict.fromkeys(queries))
         found, _ = await self._search(queries, beam_size, include_self=not exclude_self)
@@ -563,8 +569,9 @@ class DHTNode:
             assert beam_size is not None
             found_nodes, _ = await self._search(queries, beam_size, on_result, include_self=True)
             for key_id in queries:
-                if best[key_id] is not None:
-                    self._cache(key_of[key_id], best[key_id], found_nodes[key_id], lacking[key_id])
+                best_found = best[key_id]
+                if best_found is not None:
+                    self._cache(key_of[key_id], best_found, found_nodes[key_id], lacking[key_id])
         return {key: best[key_id] for key_id, key in key_of.items()}
 
     def _validated(self, serialized_key: bytes, found: FoundValue | None) -> FoundValue | None:
@@ -636,7 +643,8 @@ class DHTNode:
                 found.expiration_time,
             )
         return ValueWithExpiration(
-            self._unsigned(serialized_key, NO_SUBKEY, found), found.expiration_time
+            self._unsigned(serialized_key, NO_SUBKEY, cast(ValueWithExpiration[bytes], found)),
+            found.expiration_time,
         )
 
     def _unsigned(self, key: bytes, subkey: bytes, item: ValueWithExpiration[bytes]) -> Any:

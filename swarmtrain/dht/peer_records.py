@@ -204,5 +204,5 @@ class PeerRecordValidator(RecordValidatorBase):
         return {"exact": self._exact, "patterns": list(self._patterns.values())}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["patterns"])
+        PeerRecordValidator.__init__(self, state["patterns"])
         self._exact = set(state["exact"])

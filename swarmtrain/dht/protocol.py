@@ -33,6 +33,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import multiaddr
 import trio
@@ -138,18 +139,19 @@ def merge_found_values(a: FoundValue | None, b: FoundValue | None, now: float) -
     """
     if a is None or b is None:
         return a if b is None else b
+    a_value, b_value = a.value, b.value
     a_dict, b_dict = (
-        isinstance(a.value, DictionaryDHTValue),
-        isinstance(b.value, DictionaryDHTValue),
+        isinstance(a_value, DictionaryDHTValue),
+        isinstance(b_value, DictionaryDHTValue),
     )
     if a_dict != b_dict:
         return a if a_dict else b
-    if a_dict and b_dict:
-        merged = a.value.copy()
-        for subkey, item in b.value.items(now):
+    if isinstance(a_value, DictionaryDHTValue) and isinstance(b_value, DictionaryDHTValue):
+        merged = a_value.copy()
+        for subkey, item in b_value.items(now):
             merged.store(subkey, item.value, item.expiration_time, now)
         merged.latest_expiration_time = max(
-            merged.latest_expiration_time, b.value.latest_expiration_time
+            merged.latest_expiration_time, b_value.latest_expiration_time
         )
         return ValueWithExpiration(merged, max(a.expiration_time, b.expiration_time))
     return b if b.expiration_time > a.expiration_time else a
@@ -504,7 +506,7 @@ class DHTProtocol:
                 result.expiration_time = found.expiration_time
             elif found is not None:
                 result.type = dht_pb2.DHTFindResult.FOUND_REGULAR
-                result.value = found.value
+                result.value = cast(bytes, found.value)  # a regular value: its bytes
                 result.expiration_time = found.expiration_time
             for node_id, peer_id in self.routing_table.get_nearest_neighbors(
                 key_id, k, exclude=caller_id

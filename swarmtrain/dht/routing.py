@@ -10,7 +10,7 @@ import heapq
 import random
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from .identifiers import DHTID
 from .storage import get_dht_time
@@ -233,7 +233,7 @@ class RoutingTable(Generic[PeerT]):
         """Whether a node id (an ``int``), or the peer id of a node, is in a bucket's main list
         (replacements do not count)."""
         if not isinstance(item, int):
-            node_id = self._peer_id_to_uid.get(item)  # type: ignore[call-overload]
+            node_id = self._peer_id_to_uid.get(cast(PeerT, item))
             return node_id is not None and node_id in self
         if not DHTID.MIN <= item < DHTID.MAX:
             return False
@@ -255,7 +255,7 @@ class RoutingTable(Generic[PeerT]):
         if (node_id is None) == (peer_id is None):
             raise TypeError("pass exactly one of node_id and peer_id")
         try:
-            return self[node_id if node_id is not None else peer_id]
+            return self[node_id if node_id is not None else cast(PeerT, peer_id)]
         except KeyError:
             return default
 

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import msgpack
 
@@ -343,7 +343,7 @@ class DHTLocalStorage(TimedStorage[DHTID, bytes | DictionaryDHTValue]):
             return refusal
 
         if subkey is None:
-            if dictionary is not None:  # an empty one: its subkeys were all evicted
+            if dictionary is not None and previous is not None:  # an empty one: all evicted
                 self._release(key, previous)
             self._put(key, ValueWithExpiration(value, expiration_time))
         else:
@@ -383,17 +383,18 @@ class DHTLocalStorage(TimedStorage[DHTID, bytes | DictionaryDHTValue]):
         while budget is not None and self.ledger.total_bytes > budget:
             ref = self.ledger.oldest()
             assert ref is not None  # total_bytes > 0
-            key, subkey = ref
+            key_hashable, subkey = ref
+            key = cast(DHTID, key_hashable)  # the ledger holds this storage's keys
             self.ledger.release(ref)
-            entry = self._data.get(key)  # type: ignore[arg-type]
+            entry = self._data.get(key)
             if entry is None:
                 continue
             if subkey is None and not isinstance(entry[0].value, DictionaryDHTValue):
-                self.pop(key)  # type: ignore[arg-type]
+                self.pop(key)
             elif subkey is not None and isinstance(entry[0].value, DictionaryDHTValue):
                 entry[0].value.pop(subkey)
                 if len(entry[0].value) == 0:
-                    self.pop(key)  # type: ignore[arg-type]
+                    self.pop(key)
 
     def usage(self, peer: Hashable | None, now: float) -> PeerUsage:
         """Records and bytes that ``peer`` (None: this node) holds here at ``now``."""

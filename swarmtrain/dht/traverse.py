@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Mapping
 from typing import Any
 
 import anyio
@@ -27,7 +27,7 @@ GetNeighbors = Callable[
     [DHTID, list[DHTID]], Awaitable[Mapping[DHTID, tuple[Collection[DHTID], bool]] | None]
 ]
 #: ``await found_callback(query, nearest_nodes, visited_nodes)`` once per query, when it finishes.
-FoundCallback = Callable[[DHTID, list[DHTID], set[DHTID]], Awaitable[Any]]
+FoundCallback = Callable[[DHTID, list[DHTID], set[DHTID]], Coroutine[Any, Any, Any]]
 
 
 def _check_positive(**kwargs: int) -> None:

@@ -237,7 +237,9 @@ class Ed25519SignatureValidator(RecordValidatorBase):
         return {"private_key": raw, "node_default": self._node_default}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(Ed25519PrivateKey.from_private_bytes(state["private_key"]))
+        Ed25519SignatureValidator.__init__(
+            self, Ed25519PrivateKey.from_private_bytes(state["private_key"])
+        )
         self._node_default = state["node_default"]
 
     @property
@@ -387,7 +389,7 @@ class SchemaValidator(RecordValidatorBase):
         return any(self._matches(schema, name, value) for schema, name in fields)
 
     @staticmethod
-    def _matches(schema: type, name: str, value: Any) -> bool:
+    def _matches(schema: Any, name: str, value: Any) -> bool:
         if _is_pydantic_v1_model(schema):
             # pydantic.v1 has no strict mode: a value passes if the field accepts it unchanged
             # (declare numbers as StrictInt / confloat(strict=True): 3.0 == 3 in Python)
