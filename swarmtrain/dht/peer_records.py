@@ -191,9 +191,12 @@ class PeerRecordValidator(RecordValidatorBase):
         """Absorb another ``PeerRecordValidator``'s keys (and its signer if this has none)."""
         if not isinstance(other, PeerRecordValidator):
             return False
-        self._exact |= other._exact
-        self._patterns.update(other._patterns)
-        self._registered_cache = {}
+        new_exact = other._exact - self._exact
+        new_patterns = {k: v for k, v in other._patterns.items() if k not in self._patterns}
+        if new_exact or new_patterns:  # (readers re-register each call: usually nothing new)
+            self._exact |= new_exact
+            self._patterns.update(new_patterns)
+            self._registered_cache = {}
         if self._signer is None:
             self._signer = other._signer
         return True

@@ -40,7 +40,6 @@ import swarmtrain
 from swarmtrain.dht import (
     DHT,
     AsyncDHT,
-    CompositeValidator,
     PeerRecordValidator,
     SchemaValidator,
     get_dht_time,
@@ -74,14 +73,11 @@ class MetricsPublisherStatistics:
 def add_metrics_validators(dht: AsyncDHT, run_id: str | None = None) -> None:
     """Register the owned metrics key pattern (every run's ``{run_id}_metrics``) on ``dht``'s
     node and, with ``run_id``, that run's metrics schema."""
-    validator = dht.node.record_validator
-    if not isinstance(validator, CompositeValidator):
-        raise TypeError("the DHT node's record_validator must be a CompositeValidator")
     validators: list = [PeerRecordValidator([METRICS_KEY_PATTERN])]
     if run_id is not None:
         metrics_key(run_id)  # checks run_id
         validators.append(SchemaValidator(MetricsSchema, prefix=run_id))
-    validator.extend(validators)
+    dht.add_validators(validators)
 
 
 def _reachability(dht: AsyncDHT) -> str:

@@ -28,7 +28,6 @@ import trio
 from swarmtrain.dht import (
     MAX_PEER_ID_BYTES,
     AsyncDHT,
-    CompositeValidator,
     PeerRecordValidator,
     SchemaValidator,
     get_dht_time,
@@ -134,10 +133,7 @@ class RunAnnouncement:
 def add_runs_validators(dht: AsyncDHT) -> None:
     """Register the run directory's schema and its owned key on ``dht``'s node (records under
     :data:`RUNS_KEY` are then signed by, and checked against, their subkey's peer)."""
-    validator = dht.node.record_validator
-    if not isinstance(validator, CompositeValidator):
-        raise TypeError("the DHT node's record_validator must be a CompositeValidator")
-    validator.extend([SchemaValidator(RunsSchema), PeerRecordValidator([RUNS_KEY_PATTERN])])
+    dht.add_validators([SchemaValidator(RunsSchema), PeerRecordValidator([RUNS_KEY_PATTERN])])
 
 
 async def announce_run(

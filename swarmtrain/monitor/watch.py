@@ -14,7 +14,6 @@ import trio
 
 from swarmtrain.dht import AsyncDHT, PeerRecordValidator, get_dht_time
 from swarmtrain.dht.owned_keys import PROGRESS_KEY_PATTERN
-from swarmtrain.dht.validation import CompositeValidator
 
 from .http import DashboardServer
 from .publisher import read_metrics
@@ -31,9 +30,7 @@ async def read_progress(dht: AsyncDHT, run_id: str) -> list[PeerProgress]:
     """The valid progress records of ``run_id`` (see :mod:`swarmtrain.optim.progress_tracker`):
     each signed by the peer its subkey names (this registers the owned progress key on
     ``dht``'s node, which then drops the others)."""
-    validator = dht.node.record_validator
-    if isinstance(validator, CompositeValidator):
-        validator.extend([PeerRecordValidator([PROGRESS_KEY_PATTERN])])
+    dht.add_validators([PeerRecordValidator([PROGRESS_KEY_PATTERN])])
     found = await dht.get(f"{run_id}_progress", latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
