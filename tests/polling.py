@@ -1,4 +1,4 @@
-"""Waiting for state py-libp2p has no event for."""
+"""Waiting for state that has no event to wait on (py-libp2p's, another process's, the DHT's)."""
 
 import time
 
@@ -11,3 +11,16 @@ async def wait_until(predicate) -> float:
     while not predicate():  # noqa: ASYNC110 (nothing to wait on: libp2p state)
         await trio.sleep(0.02)
     return time.perf_counter() - started
+
+
+def wait_for(condition, timeout: float, what: str = "the condition", interval: float = 0.05):
+    """Blocking: poll ``condition`` until it returns a true value, and return that value.
+    :raises TimeoutError: ``what`` did not hold within ``timeout`` seconds"""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout} s")
+        time.sleep(interval)

@@ -14,10 +14,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
+from polling import wait_for
 
 from swarmtrain.averaging import (
     AveragingStage,
@@ -39,13 +39,6 @@ pytestmark = pytest.mark.timeout(240)
 def random_tensors(seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(*shape, generator=generator) for shape in SHAPES]
-
-
-def wait_until(predicate, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def process_gone(pid: int) -> bool:
@@ -99,7 +92,7 @@ def test_a_helper_process_peer_averages_with_an_in_process_peer():
         # a triggered step, driven from the trainer's side of the pipe
         control = helper.step(wait=False, require_trigger=True, expected_group_size=2, timeout=30)
         other = local.step(wait=False, expected_group_size=2, timeout=30)
-        wait_until(lambda: control.stage == AveragingStage.AWAITING_TRIGGER, 30)
+        wait_for(lambda: control.stage == AveragingStage.AWAITING_TRIGGER, 30, "the trigger wait")
         control.allow_allreduce()
         assert control.result(30) == {helper.peer_id: None, local.peer_id: None}
         other.result(30)
@@ -212,7 +205,7 @@ def test_no_helper_outlives_its_trainer(tmp_path, how):
             trainer.wait(30)
         else:
             assert trainer.wait(60) == 0
-        wait_until(lambda: process_gone(helper_pid), 60)
+        wait_for(lambda: process_gone(helper_pid), 60, "the helper's exit")
     finally:
         trainer.kill()
         trainer.wait()

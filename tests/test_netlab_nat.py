@@ -10,11 +10,10 @@ is behind a NAT: AutoNAT finds out, and the NAT peers then reserve slots on the 
 
 from __future__ import annotations
 
-import time
-
 import netlab
 import pytest
 from netlab.nat_swarm import NatSwarm
+from polling import wait_for
 
 FLOATS = 1 << 18  # 1 MiB of float32 per peer
 PAYLOAD = FLOATS * 4
@@ -29,17 +28,6 @@ def swarm():
         swarm = NatSwarm(lab, {"a": "cone", "b": "cone", "c": "symmetric"})
         swarm.ask_all({name: {"op": "wait_circuit", "timeout": 60} for name in "abc"}, 90)
         yield swarm
-
-
-def _wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout} s")
-        time.sleep(0.2)
 
 
 def test_autonat_finds_the_nat_peers_and_they_reserve_on_the_relay(swarm):
@@ -94,7 +82,9 @@ def test_cone_nat_pair_averages_then_holepunches_to_a_direct_connection(swarm):
         punches = a["hole_punches_succeeded"] + b["hole_punches_succeeded"]
         return "direct" in a["paths"].get("b", []) and punches >= 1
 
-    _wait_for(punched_through, 30, "a direct connection from a to b, made by a hole punch")
+    wait_for(
+        punched_through, 30, "a direct connection from a to b, made by a hole punch", interval=0.2
+    )
     # traffic now takes the direct path: the relays see a small part of the payload
     before = swarm.public_bytes()
     _average(swarm, "ab", "cone", rounds=1)
@@ -128,7 +118,7 @@ def test_symmetric_nat_hole_punch_fails_and_is_counted(swarm):
 
     if not swarm.paths("a")["paths"].get("c"):
         _average(swarm, "ac", "sym", rounds=1)
-    assert _wait_for(failed, 60, "a failed hole punch between a and c") >= 1
+    assert wait_for(failed, 60, "a failed hole punch between a and c", interval=0.2) >= 1
     assert swarm.paths("a")["paths"]["c"] == ["relayed"]
 
 
@@ -151,12 +141,20 @@ def test_a_lane_offered_from_behind_a_nat_costs_one_open_wait():
         assert info["reachability"] == "unknown"
         circuit = next(a for a in info["maddrs"] if "/p2p-circuit" in a)
         swarm.ask("a", {"op": "connect", "maddr": circuit})  # relayed, then hole-punched
-        _wait_for(lambda: "direct" in swarm.paths("a")["paths"].get("d", []), 30, "a-d direct")
+        wait_for(
+            lambda: "direct" in swarm.paths("a")["paths"].get("d", []),
+            30,
+            "a-d direct",
+            interval=0.2,
+        )
         call = {"op": "bulk_call", "peer": swarm.peer_id("d"), "mib": 4, "bulk": True}
         first = swarm.ask("a", call)
         assert first["correct"] and first["lanes_opened"] == 0
         assert first["seconds"] >= 0.5  # it waited lane.OPEN_WAIT for the lane
-        assert _wait_for(lambda: swarm.paths("a")["lane_fallbacks"], 10, "the fallback") == 1
+        assert (
+            wait_for(lambda: swarm.paths("a")["lane_fallbacks"], 10, "the fallback", interval=0.2)
+            == 1
+        )
         second = swarm.ask("a", call)
         assert second["correct"] and second["lanes_opened"] == 0
         assert swarm.paths("a")["lane_fallbacks"] == 1  # not tried again

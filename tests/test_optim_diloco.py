@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from polling import wait_for
 from torch import nn
 
 from swarmtrain.compression import Float16Compression, NoCompression
@@ -605,13 +606,6 @@ def test_nan_pseudo_gradient_is_never_sent_and_the_peer_restarts_from_shared(dat
             peer.opt.shutdown()
 
 
-def _wait_for(predicate: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_a_peer_a_round_behind_loads_the_state_and_rejoins_the_rounds(data, dhts):
     """Rounds are keyed by their number: a peer that missed one (the others left it without
     waiting for it) used to wait out its matchmaking alone in that round and in every later
@@ -632,9 +626,10 @@ def test_a_peer_a_round_behind_loads_the_state_and_rejoins_the_rounds(data, dhts
         caught_up_in = []
 
         def lag() -> None:
-            _wait_for(
+            wait_for(
                 lambda: sorted(p.step or 0 for p in lagger.opt.presence.others()) == [2 * h] * 2,
-                timeout=20,
+                20,
+                "the others' round-1 declarations",
             )
             started = time.monotonic()
             lagger.train(h)

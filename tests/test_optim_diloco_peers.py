@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 
+from polling import wait_for
 from test_averaging_dead_donors import silent_port
 
 from swarmtrain.dht import DHT, PeerRecordValidator, get_dht_time
@@ -95,10 +96,7 @@ def test_a_declared_step_reaches_the_other_peers():
             presence.start()
         assert [p.step for p in presences[1].others()] == [None]  # no round started yet
         presences[0].declare_step(42)  # stored in the background
-        deadline = time.monotonic() + 10
-        while [p.step for p in presences[1].others()] != [42]:
-            assert time.monotonic() < deadline, presences[1].others()
-            time.sleep(0.05)
+        wait_for(lambda: [p.step for p in presences[1].others()] == [42], 10, "step 42")
     finally:
         for presence in presences:
             presence.stop()
