@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -114,17 +114,25 @@ class DecentralizedAverager(BackgroundService):
         dht_runtime, async_dht = self.dht._running()
         if BackgroundRuntime._instance is not dht_runtime:
             raise RuntimeError("the DHT runs on another background loop (made before a fork?)")
+        self._start_in_background(lambda: self.open_async(async_dht))
+
+    def open_async(
+        self, async_dht: Any, state_provider: Callable[[], Any] | None = None
+    ) -> AbstractAsyncContextManager[AsyncDecentralizedAverager]:
+        """The trio averager over this object's tensors, lock and config, on ``async_dht`` (an
+        ``AsyncDHT``), to enter on the caller's trio loop: how an object made with
+        ``start=False`` (e.g. a ``GradientAverager`` whose buffer methods a trio optimizer
+        uses) averages without the background loop. ``state_provider``: what newcomers
+        download (default :meth:`get_current_state`)."""
         fields = {k: v for k, v in vars(self.config).items() if k not in ("prefix", "client_mode")}
-        self._start_in_background(
-            lambda: AsyncDecentralizedAverager.create(
-                self._averaged_tensors,
-                async_dht,
-                prefix=self.prefix,
-                client_mode=self.client_mode,
-                tensor_lock=self.lock_averaged_tensors,
-                state_provider=self.get_current_state,
-                **fields,
-            )
+        return AsyncDecentralizedAverager.create(
+            self._averaged_tensors,
+            async_dht,
+            prefix=self.prefix,
+            client_mode=self.client_mode,
+            tensor_lock=self.lock_averaged_tensors,
+            state_provider=state_provider or self.get_current_state,
+            **fields,
         )
 
     def shutdown(self, timeout: float | None = None) -> None:

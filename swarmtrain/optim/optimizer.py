@@ -84,7 +84,15 @@ from swarmtrain.averaging import StepControl
 from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.optim._epoch_gradients import GradientRounds
 from swarmtrain.optim._epoch_update import EpochUpdates, scaler_method
-from swarmtrain.optim._optimizer_options import check_positive, resolve_modes
+from swarmtrain.optim._optimizer_options import (
+    averager_options,
+    check_keywords,
+    check_positive,
+    grad_averager_options,
+    resolve_modes,
+    state_averager_options,
+)
+from swarmtrain.optim.async_optimizer import AsyncOptimizer
 from swarmtrain.optim.epoch_core import EpochCore, EpochModes
 from swarmtrain.optim.grad_averager import GradientAverager
 from swarmtrain.optim.progress_core import GlobalProgress
@@ -209,28 +217,19 @@ class Optimizer(EpochUpdates):
         tracker_opts: dict[str, Any] | None = None,
         verbose: bool = False,
     ):
-        if not isinstance(run_id, str) or not run_id:
-            raise ValueError("run_id must be a non-empty string")
-        if "." in run_id or "::" in run_id:
-            raise ValueError(
-                f"run_id must not contain '.' or '::' (they separate the parts of the run's DHT "
-                f"keys and RPC names), got {run_id!r}"
-            )
-        if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int):
-            raise TypeError(f"target_batch_size must be an int, got {target_batch_size!r}")
-        check_positive("target_batch_size", target_batch_size)
-        check_positive("batch_size_per_step", batch_size_per_step, allow_none=True)
-        check_positive("matchmaking_time", matchmaking_time)
-        check_positive("averaging_timeout", averaging_timeout)
-        check_positive("allreduce_timeout", allreduce_timeout, allow_none=True)
-        check_positive("next_chunk_timeout", next_chunk_timeout, allow_none=True)
-        check_positive("load_state_timeout", load_state_timeout)
-        if (
-            isinstance(average_state_every, bool)
-            or not isinstance(average_state_every, int)
-            or average_state_every < 1
-        ):
-            raise ValueError(f"average_state_every must be an int >= 1, got {average_state_every}")
+        check_keywords(
+            run_id=run_id,
+            target_batch_size=target_batch_size,
+            batch_size_per_step=batch_size_per_step,
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            load_state_timeout=load_state_timeout,
+            average_state_every=average_state_every,
+            averager_opts=averager_opts,
+            tracker_opts=tracker_opts,
+        )
         if client_mode is None:
             _check_dht(dht)
             client_mode = bool(dht.client_mode)
@@ -247,11 +246,6 @@ class Optimizer(EpochUpdates):
             delay_state_averaging=delay_state_averaging,
             grad_averager_factory=grad_averager_factory,
         )
-        for name, opts in (("averager_opts", averager_opts), ("tracker_opts", tracker_opts)):
-            if opts is not None and not isinstance(opts, dict):
-                raise TypeError(f"{name} must be a dict of keywords")
-        if tracker_opts and "client_mode" in tracker_opts:
-            raise ValueError("pass client_mode to the Optimizer, not in tracker_opts")
         _check_dht(dht)
 
         self.dht, self.run_id = dht, run_id
@@ -288,17 +282,13 @@ class Optimizer(EpochUpdates):
             )
         )
 
-        common: dict[str, Any] = {
-            "min_matchmaking_time": self.matchmaking_time,
-            "matchmaking_time_keyword": "matchmaking_time",  # messages name our keyword
-            "request_timeout": min(3.0, self.matchmaking_time / 2),
-            "allreduce_timeout": self.averaging_timeout
-            if allreduce_timeout is None
-            else float(allreduce_timeout),
-        }
-        if next_chunk_timeout is not None:
-            common["next_chunk_timeout"] = float(next_chunk_timeout)
-        common.update(averager_opts or {})
+        common = averager_options(
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            averager_opts=averager_opts,
+        )
         self.state_averager: TrainingStateAverager | None = None
         self.grad_averager: GradientAverager | None = None
         self.tracker: ProgressTracker | None = None
@@ -310,15 +300,13 @@ class Optimizer(EpochUpdates):
         self._gradients_consumed = threading.Event()  # the optimizer took the last round's result
         self._gradients_consumed.set()
         try:
-            state_opts = dict(common)
-            if state_averaging_compression is not None:
-                state_opts.setdefault("compression", state_averaging_compression)
-            if load_state_compression is None:
-                load_state_compression = state_averaging_compression
-            if load_state_compression is not None:
-                state_opts.setdefault("state_compression", load_state_compression)
-            if self.use_local_updates:  # the state round is the only one
-                state_opts.setdefault("aggregation", aggregation)
+            state_opts = state_averager_options(
+                common,
+                state_averaging_compression=state_averaging_compression,
+                load_state_compression=load_state_compression,
+                use_local_updates=self.use_local_updates,
+                aggregation=aggregation,
+            )
             self.state_averager = TrainingStateAverager(
                 dht=dht,
                 optimizer=optimizer,
@@ -338,8 +326,10 @@ class Optimizer(EpochUpdates):
                 **state_opts,
             )
             if not self.use_local_updates:
-                grad_common = {"aggregation": aggregation, **common}
-                self._make_grad_averager(grad_averager_factory, grad_compression, grad_common)
+                grad_opts = grad_averager_options(
+                    common, aggregation=aggregation, grad_compression=grad_compression
+                )
+                self._make_grad_averager(grad_averager_factory, grad_opts)
             self.tracker = ProgressTracker(
                 dht,
                 run_id,
@@ -355,13 +345,8 @@ class Optimizer(EpochUpdates):
     def _make_grad_averager(
         self,
         factory: GradientAveragerFactory | None,
-        compression: Any,
-        common: dict[str, Any],
+        grad_opts: dict[str, Any],
     ) -> None:
-        grad_opts = dict(common)
-        grad_opts.pop("auxiliary", None)  # aux peers average with weight 0 to get the result
-        if compression is not None:
-            grad_opts.setdefault("compression", compression)
         self.grad_averager = (factory or GradientAverager)(
             self._state_averager.main_parameters,
             dht=self.dht,
@@ -730,6 +715,10 @@ class Optimizer(EpochUpdates):
             self._shut_down = True  # the stopped components stay readable
         if errors:
             raise errors[0]
+
+    #: the trio way in: ``async with Optimizer.create(dht=async_dht, ...) as opt:`` and
+    #: ``await opt.step()`` in the trainer's own trio loop (``swarmtrain.optim.async_optimizer``)
+    create = AsyncOptimizer.create
 
     #: asyncio awaitables, e.g. ``await opt.aio.step()``: each runs the blocking method in
     #: this optimizer's worker thread, never blocking the asyncio loop

@@ -771,6 +771,11 @@ class TrainingStateAverager(DecentralizedAverager):
         loaded = super().load_state_from_peers(wait=True, timeout=timeout, check=check)
         if loaded is None:
             return False
+        return self._load_downloaded_state(loaded)
+
+    def _load_downloaded_state(self, loaded: tuple[Any, list[torch.Tensor]]) -> bool:
+        """Load a donor's ``(metadata, tensors)`` that passed :meth:`_state_check` (takes the
+        locks: call it off the trio loop); False if it no longer fits."""
         metadata, tensors = loaded
         epoch = metadata["epoch"]
         if epoch < self.local_epoch:  # we moved on during the download

@@ -1,0 +1,224 @@
+"""The trio ``Optimizer`` (``async with Optimizer.create(...)``, ``AsyncOptimizer``): real peers on
+loopback, each a trio task of one test run, training a regression with ``await opt.step()``.
+
+No background loop thread is involved (``BackgroundRuntime`` stays unused), and the loop is
+never blocked by the optimizer's tensor work: a thread holding the optimizer's lock makes a
+step wait, and the loop keeps running meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import trio
+
+from swarmtrain.optim import AsyncOptimizer, Optimizer
+from swarmtrain.utils.background import BackgroundRuntime
+
+from swarm_util import open_dhts
+
+FEATURES, BATCH, TARGET = 8, 4, 48
+FAST = {
+    "matchmaking_time": 1.0,
+    "averaging_timeout": 15.0,
+    "load_state_timeout": 15.0,
+    "tracker_opts": {"gossip_period": 0.1, "min_refresh_period": 0.2},
+}
+
+_generator = torch.Generator().manual_seed(0)
+TRUE_W = torch.randn(FEATURES, 1, generator=_generator)
+X = torch.randn(600, FEATURES, generator=_generator)
+Y = X @ TRUE_W + 0.01 * torch.randn(600, 1, generator=_generator)
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(FEATURES, 1)
+
+
+def full_loss(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(X), Y).item()
+
+
+def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def options(model: torch.nn.Module, **opts) -> dict:
+    return {
+        "run_id": "trio_regression",
+        "target_batch_size": TARGET,
+        "batch_size_per_step": BATCH,
+        "optimizer": lambda params: torch.optim.SGD(params, lr=0.1),
+        "params": model.parameters(),
+        **FAST,
+        **opts,
+    }
+
+
+class Trainer:
+    """One peer's model, its shard, and what it saw at each epoch."""
+
+    def __init__(self, index: int, peers: int) -> None:
+        self.model = make_model()
+        self.shard = torch.arange(index, len(X), peers)
+        self.position = 0
+        self.snapshots: dict[int, list[torch.Tensor]] = {}
+
+    def backward(self) -> None:
+        rows = self.shard[self.position : self.position + BATCH]
+        self.position = (self.position + BATCH) % (len(self.shard) - BATCH)
+        torch.nn.functional.mse_loss(self.model(X[rows]), Y[rows]).backward()
+
+    async def train_until(self, opt: AsyncOptimizer, epoch: int, pause: float = 0.02) -> None:
+        while opt.local_epoch < epoch:
+            before = opt.local_epoch
+            self.backward()
+            await opt.step()
+            opt.zero_grad()
+            if opt.local_epoch != before:
+                self.snapshots[opt.local_epoch] = params_of(self.model)
+            await trio.sleep(pause)  # the trainer's own compute, elsewhere
+
+
+async def train_together(trainers: list[Trainer], dhts, epochs: int, **opts) -> list:
+    """Each trainer in its own task with its own optimizer; the optimizers after training."""
+    opts_seen: list = [None] * len(trainers)
+
+    async def run(i: int) -> None:
+        async with Optimizer.create(dht=dhts[i], **options(trainers[i].model, **opts)) as opt:
+            opts_seen[i] = opt
+            await opt.wait_for_peers(len(trainers), timeout=10)
+            await trainers[i].train_until(opt, epochs)
+            ready[i].set()
+            for event in ready:  # stay in the swarm until everyone is done
+                await event.wait()
+
+    ready = [trio.Event() for _ in trainers]
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            for i in range(len(trainers)):
+                nursery.start_soon(run, i)
+    return opts_seen
+
+
+@pytest.mark.trio
+async def test_three_trio_peers_average_gradients_and_agree():
+    async with open_dhts(3) as dhts:
+        trainers = [Trainer(i, 3) for i in range(3)]
+        initial_loss = full_loss(trainers[0].model)
+        # synchronous state rounds: the models agree exactly (test_optim_optimizer.py's reason)
+        opts = await train_together(trainers, dhts, 3, delay_state_averaging=False)
+    assert BackgroundRuntime.active_references() == 0  # no background loop was involved
+    assert all(opt.local_epoch == 3 for opt in opts)
+    assert all(opt.epochs_averaged >= 2 for opt in opts), [o.epochs_averaged for o in opts]
+    assert all(opt.offload_optimizer for opt in opts)  # the default with a factory
+    common = set.intersection(*(set(t.snapshots) for t in trainers))
+    assert common
+    if all(opt.epochs_alone == 0 for opt in opts):  # a round that failed under load logged why
+        for epoch in common:
+            for trainer in trainers[1:]:
+                for a, b in zip(trainers[0].snapshots[epoch], trainer.snapshots[epoch]):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert full_loss(trainers[0].model) < 0.6 * initial_loss
+
+
+@pytest.mark.trio
+async def test_local_updates_with_delayed_state_rounds_on_trio():
+    async with open_dhts(2) as dhts:
+        trainers = [Trainer(i, 2) for i in range(2)]
+        initial_loss = full_loss(trainers[0].model)
+        opts = await train_together(
+            trainers,
+            dhts,
+            3,
+            use_local_updates=True,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+        )
+    assert all(opt.local_epoch == 3 for opt in opts)
+    assert all(not opt.offload_optimizer and opt.delay_state_averaging for opt in opts)
+    assert full_loss(trainers[0].model) < 0.6 * initial_loss
+    # the delayed state rounds pulled the two models together (they differ by the local steps
+    # since the last applied round only)
+    gap = max((a - b).abs().max().item() for a, b in zip(*(params_of(t.model) for t in trainers)))
+    assert gap < 0.5
+
+
+@pytest.mark.trio
+async def test_a_newcomer_loads_the_state_on_trio():
+    async with open_dhts(2) as dhts:
+        donor = Trainer(0, 1)
+        async with Optimizer.create(
+            dht=dhts[0], **options(donor.model, target_batch_size=BATCH)
+        ) as donor_opt:
+            with trio.fail_after(30):
+                await donor.train_until(donor_opt, 2, pause=0.0)
+            newcomer = Trainer(1, 2)
+            newcomer.model.weight.data.add_(1.0)  # another starting point
+            async with Optimizer.create(dht=dhts[1], **options(newcomer.model)) as opt:
+                with trio.fail_after(30):
+                    assert await opt.load_state_from_peers()
+                assert opt.local_epoch == donor_opt.local_epoch == 2
+                for a, b in zip(params_of(donor.model), params_of(newcomer.model)):
+                    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.trio
+async def test_a_step_waiting_for_the_optimizer_lock_does_not_block_the_loop():
+    """By construction: the optimizer step takes ``lock_optimizer`` in a worker thread. A thread
+    holds that lock for ``HOLD`` s while a lone peer ends an epoch: the step waits for it, and a
+    ticker task keeps running meanwhile (a step taking the lock on the loop would freeze it)."""
+    hold = 1.0
+    async with open_dhts(1) as dhts:
+        trainer = Trainer(0, 1)
+        async with Optimizer.create(
+            dht=dhts[0], **options(trainer.model, target_batch_size=BATCH)
+        ) as opt:
+            trainer.backward()
+            ticks: list[float] = []
+            locked, release = threading.Event(), threading.Event()
+
+            def hold_lock() -> None:
+                with opt._state.lock_optimizer:
+                    locked.set()
+                    release.wait(hold)
+
+            async def ticker() -> None:
+                while True:
+                    await trio.sleep(0.01)
+                    ticks.append(time.perf_counter())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.to_thread.run_sync, hold_lock)
+                await trio.to_thread.run_sync(locked.wait)
+                nursery.start_soon(ticker)
+                started = time.perf_counter()
+                with trio.fail_after(30):
+                    await opt.step()  # a lone peer's every step ends an epoch
+                ended = time.perf_counter()
+                nursery.cancel_scope.cancel()
+            assert opt.local_epoch == 1
+            assert ended - started >= 0.5 * hold  # it did wait for the lock
+            during = [t for t in ticks if started <= t <= ended]
+            assert len(during) >= 5, (len(during), ended - started)
+
+
+@pytest.mark.trio
+async def test_modes_not_yet_on_trio_raise_and_a_blocking_dht_is_refused():
+    model = make_model()
+    with pytest.raises(TypeError, match="trio swarmtrain DHT"):
+        async with Optimizer.create(dht=object(), **options(model)):
+            pass
+    async with open_dhts(1) as dhts:
+        for extra in (
+            {"delay_grad_averaging": True},
+            {"delay_optimizer_step": True},
+            {"auxiliary": True, "batch_size_per_step": None, "params": model.parameters()},
+        ):
+            with pytest.raises(NotImplementedError, match="blocking"):
+                async with Optimizer.create(dht=dhts[0], **options(model, **extra)):
+                    pass
