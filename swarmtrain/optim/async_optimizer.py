@@ -215,6 +215,7 @@ class AsyncOptimizer:
         self._tracker_opts = dict(tracker_opts or {})
         self._last_progress: GlobalProgress | None = None
         self._closed = False
+        self.state_rounds_averaged = 0  #: state rounds that averaged with a group
         common = averager_options(
             matchmaking_time=self.matchmaking_time,
             averaging_timeout=self.averaging_timeout,
@@ -650,6 +651,7 @@ class AsyncOptimizer:
         except BaseException:
             control.cancel()
             raise
+        self.state_rounds_averaged += 1
         logger.log(
             self.status_loglevel,
             "%s: averaged the training state with %d peers",
