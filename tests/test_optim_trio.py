@@ -122,9 +122,9 @@ async def test_three_trio_peers_average_gradients_and_agree():
         trainers = [Trainer(i, 3) for i in range(3)]
         initial_loss = full_loss(trainers[0].model)
         # synchronous state rounds: the models agree exactly (test_optim_optimizer.py's reason)
-        opts = await train_together(trainers, dhts, 3, delay_state_averaging=False)
+        opts = await train_together(trainers, dhts, 4, delay_state_averaging=False)
     assert BackgroundRuntime.active_references() == 0  # no background loop was involved
-    assert all(opt.local_epoch == 3 for opt in opts)
+    assert all(opt.local_epoch == 4 for opt in opts)
     assert all(opt.epochs_averaged >= 2 for opt in opts), [o.epochs_averaged for o in opts]
     assert all(opt.offload_optimizer for opt in opts)  # the default with a factory
     common = set.intersection(*(set(t.snapshots) for t in trainers))
@@ -217,6 +217,40 @@ async def test_a_step_waiting_for_the_optimizer_lock_does_not_block_the_loop():
 
 
 @pytest.mark.trio
+async def test_an_auxiliary_peer_keeps_up_on_trio():
+    """Two trainers and an auxiliary peer (no data: ``await opt.step()`` in a loop): it
+    averages with weight 0, steps on the group's gradients, and catches up when it misses a
+    round, so its model follows the swarm's."""
+    async with open_dhts(3) as dhts:
+        trainers = [Trainer(i, 2) for i in range(2)]
+        helper_model = make_model()
+        initial_loss = full_loss(helper_model)
+        trained = trio.Event()
+
+        async def helper() -> AsyncOptimizer:
+            opts = options(helper_model, auxiliary=True, batch_size_per_step=None)
+            async with Optimizer.create(dht=dhts[2], **opts) as opt:
+                while not trained.is_set():
+                    await opt.step()
+                    await trio.sleep(0.05)
+                return opt
+
+        async with trio.open_nursery() as nursery:
+            result: list = []
+
+            async def run_helper() -> None:
+                result.append(await helper())
+
+            nursery.start_soon(run_helper)
+            opts = await train_together(trainers, dhts[:2], 4, delay_state_averaging=False)
+            trained.set()
+        (aux,) = result
+    assert aux.auxiliary and aux.local_epoch >= 3, aux.local_epoch
+    assert full_loss(helper_model) < 0.6 * initial_loss
+    assert all(opt.local_epoch == 4 for opt in opts)
+
+
+@pytest.mark.trio
 async def test_modes_not_yet_on_trio_raise_and_a_blocking_dht_is_refused():
     model = make_model()
     with pytest.raises(TypeError, match="trio swarmtrain DHT"):
@@ -226,7 +260,6 @@ async def test_modes_not_yet_on_trio_raise_and_a_blocking_dht_is_refused():
         for extra in (
             {"delay_grad_averaging": True},
             {"delay_optimizer_step": True},
-            {"auxiliary": True, "batch_size_per_step": None, "params": model.parameters()},
         ):
             with pytest.raises(NotImplementedError, match="blocking"):
                 async with Optimizer.create(dht=dhts[0], **options(model, **extra)):

@@ -27,7 +27,7 @@ state) runs in ``trio.to_thread``, so the trainer's loop keeps serving the swarm
 Modes: gradient averaging (default), ``use_local_updates``, ``offload_optimizer``,
 ``delay_state_averaging`` (the state round is a task of this optimizer's nursery; its result is
 applied at a later ``step``), ``reuse_grad_buffers``, ``average_state_every``, ``client_mode``,
-GradScaler. Not yet: ``delay_optimizer_step`` / ``delay_grad_averaging``, ``auxiliary``,
+GradScaler, ``auxiliary``. Not yet: ``delay_optimizer_step`` / ``delay_grad_averaging``,
 ``grad_averager_factory`` (``NotImplementedError``: use the blocking ``Optimizer`` for those).
 
 Cancellation: every method can be cancelled. A step cancelled during its epoch end leaves the
@@ -67,6 +67,7 @@ from swarmtrain.optim._optimizer_options import (
 )
 from swarmtrain.optim.epoch_core import (
     AccumulateBatch,
+    AuxiliaryCatchUp,
     BatchCheck,
     EpochAdvanced,
     EpochCore,
@@ -176,7 +177,6 @@ class AsyncOptimizer:
         for name, value in (
             ("delay_optimizer_step", delay_optimizer_step),
             ("delay_grad_averaging", delay_grad_averaging),
-            ("auxiliary", auxiliary),
             ("grad_averager_factory", grad_averager_factory is not None),
         ):
             if value:
@@ -190,7 +190,7 @@ class AsyncOptimizer:
         self.load_state_timeout = float(load_state_timeout)
         self.average_state_every = average_state_every
         self.use_local_updates = bool(use_local_updates)
-        self.client_mode, self.auxiliary = client_mode, False
+        self.client_mode, self.auxiliary = client_mode, bool(auxiliary)
         self.reuse_grad_buffers = bool(reuse_grad_buffers)
         self.offload_optimizer = offload_optimizer
         self.delay_optimizer_step = self.delay_grad_averaging = False
@@ -202,6 +202,7 @@ class AsyncOptimizer:
         self.last_epoch_samples = 0.0  #: samples this peer contributed to its last epoch
         self._epoch_core = EpochCore(
             EpochModes(
+                auxiliary=self.auxiliary,
                 client_mode=self.client_mode,
                 use_local_updates=self.use_local_updates,
                 offload_optimizer=self.offload_optimizer,
@@ -423,7 +424,8 @@ class AsyncOptimizer:
         check_positive("num_peers", num_peers)
         check_positive("timeout", timeout)
         tracker = self._tracker
-        tracker.announce()
+        if not self.auxiliary:  # an auxiliary peer publishes no progress and is not counted
+            tracker.announce()
         with trio.move_on_after(timeout):
             await tracker.wait_num_peers(num_peers)
         seen = tracker.global_progress.num_peers
@@ -454,13 +456,18 @@ class AsyncOptimizer:
 
     async def _step(self, closure: Any, batch_size: int | None, grad_scaler: Any) -> Any:
         tracker, core = self._tracker, self._epoch_core
+        if self.auxiliary and (
+            closure is not None or batch_size is not None or grad_scaler is not None
+        ):
+            raise ValueError("an auxiliary peer has no batches: call step() without arguments")
         if grad_scaler is not None:
             scaler_method(grad_scaler, "unscale_swarm_grads_")
             scaler_method(grad_scaler, "on_swarm_epoch_end_")
-        batch_size = self.batch_size_per_step if batch_size is None else batch_size
-        if batch_size is None:
-            raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
-        check_positive("batch_size", batch_size)
+        if not self.auxiliary:
+            batch_size = self.batch_size_per_step if batch_size is None else batch_size
+            if batch_size is None:
+                raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
+            check_positive("batch_size", batch_size)
         await self._apply_finished_state_round()
         loss = None
         if closure is not None:
@@ -473,7 +480,7 @@ class AsyncOptimizer:
         ):
             await self._catch_up()
             return loss
-        if not await self._accumulate(batch_size, grad_scaler):
+        if batch_size is not None and not await self._accumulate(batch_size, grad_scaler):
             return loss
         progress = self._last_progress = tracker.global_progress
         plan = core.on_progress(self.local_epoch, progress, get_dht_time())
@@ -533,10 +540,15 @@ class AsyncOptimizer:
                 self.local_epoch, tracker.global_progress, grad_scaler is not None
             )
             averaged = None
-            if plan.begin_round:
+            if plan.tag_along:  # this epoch's round is over: do not disrupt the next one
+                assert self._rounds is not None
+                await self._rounds.tag_along()
+            elif plan.begin_round:
                 averaged = await self._gradient_round(plan, grad_scaler)
             decision = core.on_round_result(averaged, self.state_averaging_in_progress)
-            assert isinstance(decision, FinishEpoch)  # AuxiliaryCatchUp: auxiliary peers only
+            if isinstance(decision, AuxiliaryCatchUp):
+                await self._auxiliary_catch_up(decision.load_state)
+                return
             gathered = await self._finish_epoch(decision)
             self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered))
         if grad_scaler is not None:
@@ -679,6 +691,16 @@ class AsyncOptimizer:
         if done is not None:
             await done.wait()
         await self._apply_finished_state_round()
+
+    async def _auxiliary_catch_up(self, load_state: bool) -> None:
+        """An auxiliary peer that missed this epoch's gradients loads the state (if
+        ``load_state``: others are seen), else moves to the next epoch on its own."""
+        assert self._grads is not None
+        self._grads.notify_used_averaged_gradients()
+        if load_state and await self._load_state_from_peers(self.averaging_timeout):
+            return
+        self._state.local_epoch += 1
+        self._tracker.update_epoch(self.local_epoch)
 
     def _advance_epoch(self, advanced: EpochAdvanced) -> None:
         if advanced.adopted_from is not None:
