@@ -16,7 +16,7 @@ import torch
 import trio
 from swarm_util import open_dhts
 
-from swarmtrain.optim import AsyncOptimizer, Optimizer
+from swarmtrain.optim import AsyncOptimizer, Optimizer, PowerSGDGradientAverager
 from swarmtrain.utils.background import BackgroundRuntime
 
 FEATURES, BATCH, TARGET = 8, 4, 48
@@ -104,6 +104,7 @@ async def train_together(
             opts_seen[i] = opt
             await opt.wait_for_peers(len(trainers), timeout=10)
             await trainers[i].train_until(opt, epochs, pause)
+            await opt.wait_for_delayed_updates()
             ready[i].set()
             for event in ready:  # stay in the swarm until everyone is done
                 await event.wait()
@@ -217,6 +218,32 @@ async def test_a_step_waiting_for_the_optimizer_lock_does_not_block_the_loop():
 
 
 @pytest.mark.trio
+@pytest.mark.parametrize(
+    "delays",
+    [
+        {"delay_optimizer_step": True},
+        {"delay_optimizer_step": True, "delay_grad_averaging": True},
+    ],
+    ids=["delay_optimizer_step", "delay_grad_averaging"],
+)
+async def test_delayed_optimizer_steps_run_as_jobs_of_the_optimizer(delays):
+    """The optimizer step (and the wait for the round, and the state round) run in the
+    optimizer's task group while the trainer goes on; a later step applies them."""
+    async with open_dhts(2) as dhts:
+        trainers = [Trainer(i, 2) for i in range(2)]
+        initial_loss = full_loss(trainers[0].model)
+        # epochs of ~1.2 s: the round's matchmaking, pre-scheduled matchmaking_time ahead,
+        # has assembled the group by the epoch's end (a job that finds its round still
+        # looking for a group after the swarm moved on gives it up, as the blocking class)
+        opts = await train_together(trainers, dhts, 4, pause=0.2, **delays)
+    assert all(opt.delay_optimizer_step and opt.offload_optimizer for opt in opts)
+    assert all(opt.local_epoch == 4 for opt in opts)
+    assert all(opt.epochs_averaged + opt.epochs_alone == 4 for opt in opts)
+    assert all(opt.epochs_averaged >= 1 for opt in opts), [o.epochs_averaged for o in opts]
+    assert full_loss(trainers[0].model) < 0.6 * initial_loss
+
+
+@pytest.mark.trio
 async def test_an_auxiliary_peer_keeps_up_on_trio():
     """Two trainers and an auxiliary peer (no data: ``await opt.step()`` in a loop): it
     averages with weight 0, steps on the group's gradients, and catches up when it misses a
@@ -257,10 +284,7 @@ async def test_modes_not_yet_on_trio_raise_and_a_blocking_dht_is_refused():
         async with Optimizer.create(dht=object(), **options(model)):
             pass
     async with open_dhts(1) as dhts:
-        for extra in (
-            {"delay_grad_averaging": True},
-            {"delay_optimizer_step": True},
-        ):
-            with pytest.raises(NotImplementedError, match="blocking"):
-                async with Optimizer.create(dht=dhts[0], **options(model, **extra)):
-                    pass
+        with pytest.raises(NotImplementedError, match="blocking"):
+            opts = options(model, grad_averager_factory=PowerSGDGradientAverager)
+            async with Optimizer.create(dht=dhts[0], **opts):
+                pass

@@ -27,8 +27,10 @@ state) runs in ``trio.to_thread``, so the trainer's loop keeps serving the swarm
 Modes: gradient averaging (default), ``use_local_updates``, ``offload_optimizer``,
 ``delay_state_averaging`` (the state round is a task of this optimizer's nursery; its result is
 applied at a later ``step``), ``reuse_grad_buffers``, ``average_state_every``, ``client_mode``,
-GradScaler, ``auxiliary``. Not yet: ``delay_optimizer_step`` / ``delay_grad_averaging``,
-``grad_averager_factory`` (``NotImplementedError``: use the blocking ``Optimizer`` for those).
+GradScaler, ``auxiliary``, ``delay_optimizer_step`` and ``delay_grad_averaging`` (the optimizer
+step, the wait for the round and the state round after it are a job of this optimizer's task
+group: ``swarmtrain.optim._async_delayed``). Not yet: ``grad_averager_factory``
+(``NotImplementedError``: use the blocking ``Optimizer`` for it).
 
 Cancellation: every method can be cancelled. A step cancelled during its epoch end leaves the
 epoch unfinished and drops the gradients accumulated for it (a running thread part finishes
@@ -45,6 +47,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Union
 
@@ -55,6 +58,7 @@ from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.dht import AsyncDHT, get_dht_time
+from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
 from swarmtrain.optim._epoch_update import scaler_method
 from swarmtrain.optim._optimizer_options import (
@@ -74,6 +78,7 @@ from swarmtrain.optim.epoch_core import (
     EpochModes,
     FinishEpoch,
     RoundPlan,
+    RoundWait,
     SkipBatch,
 )
 from swarmtrain.optim.grad_averager import GradientAverager
@@ -98,6 +103,16 @@ def _not_yet(name: str) -> NotImplementedError:
         f"{name} is not supported by the trio Optimizer (Optimizer.create) yet: use the blocking "
         "swarmtrain.Optimizer (or its .aio form) for it"
     )
+
+
+@dataclass(frozen=True)
+class _PendingGradients:
+    """A gradient round whose gradients a delayed job uses (and waits for, if ``wait``)."""
+
+    control: StepControl | None
+    others_seen: bool
+    epoch: int
+    wait: bool
 
 
 class AsyncOptimizer:
@@ -174,13 +189,8 @@ class AsyncOptimizer:
             delay_state_averaging=delay_state_averaging,
             grad_averager_factory=grad_averager_factory,
         )
-        for name, value in (
-            ("delay_optimizer_step", delay_optimizer_step),
-            ("delay_grad_averaging", delay_grad_averaging),
-            ("grad_averager_factory", grad_averager_factory is not None),
-        ):
-            if value:
-                raise _not_yet(name)
+        if grad_averager_factory is not None:
+            raise _not_yet("grad_averager_factory")
 
         self.dht, self.run_id = dht, run_id
         self.target_batch_size = target_batch_size
@@ -193,7 +203,8 @@ class AsyncOptimizer:
         self.client_mode, self.auxiliary = client_mode, bool(auxiliary)
         self.reuse_grad_buffers = bool(reuse_grad_buffers)
         self.offload_optimizer = offload_optimizer
-        self.delay_optimizer_step = self.delay_grad_averaging = False
+        self.delay_optimizer_step = delay_optimizer_step and not self.auxiliary
+        self.delay_grad_averaging = bool(delay_grad_averaging) and not self.auxiliary
         self.delay_state_averaging = bool(delay_state_averaging)
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
         if verbose:
@@ -206,6 +217,8 @@ class AsyncOptimizer:
                 client_mode=self.client_mode,
                 use_local_updates=self.use_local_updates,
                 offload_optimizer=self.offload_optimizer,
+                delay_optimizer_step=self.delay_optimizer_step,
+                delay_grad_averaging=self.delay_grad_averaging,
                 delay_state_averaging=self.delay_state_averaging,
                 reuse_grad_buffers=self.reuse_grad_buffers,
                 average_state_every=self.average_state_every,
@@ -268,9 +281,7 @@ class AsyncOptimizer:
         self._tracker_service: AsyncProgressTracker | None = None
         self._rounds: AsyncGradientRounds | None = None
         self._nursery: trio.Nursery | None = None
-        # the delayed state round: running, and finished but not applied yet
-        self._state_round_done: trio.Event | None = None
-        self._state_round_averaged = False
+        self._delayed: DelayedUpdates | None = None  # delayed steps and state rounds
         self._busy = trio.StrictFIFOLock()  # step / load_state_from_peers: one at a time
 
     @classmethod
@@ -306,6 +317,13 @@ class AsyncOptimizer:
                 )
             )
             self._nursery = await stack.enter_async_context(trio.open_nursery())
+            self._delayed = DelayedUpdates(
+                self._nursery,
+                self._state,
+                run_id=self.run_id,
+                status_loglevel=self.status_loglevel,
+                wait_state_round=self._wait_state_round,
+            )
             try:
                 yield self
             finally:
@@ -344,7 +362,8 @@ class AsyncOptimizer:
 
     @property
     def scheduler(self) -> LRScheduler | None:
-        return self._state.scheduler
+        scheduler = self._state.scheduler  # built from a factory, or given
+        return scheduler if isinstance(scheduler, LRScheduler) else None
 
     @property
     def local_epoch(self) -> int:
@@ -383,8 +402,7 @@ class AsyncOptimizer:
     @property
     def state_averaging_in_progress(self) -> bool:
         """Whether a delayed state round still runs."""
-        done = self._state_round_done
-        return done is not None and not done.is_set()
+        return self._delayed is not None and self._delayed.round_in_progress
 
     def is_synchronized_with_peers(self) -> bool:
         """Whether this peer is at most one epoch behind the swarm (hivemind's test)."""
@@ -439,6 +457,12 @@ class AsyncOptimizer:
             )
         return seen
 
+    async def wait_for_delayed_updates(self) -> None:
+        """Wait for the delayed work still running (optimizer steps, gradient and state rounds
+        of ``delay_*``), then apply it to the model, e.g. before evaluating or saving."""
+        async with self._busy:
+            await self._delayed_updates().wait_all()
+
     # ------------------------------------------------------------------ a step
 
     async def step(
@@ -468,7 +492,7 @@ class AsyncOptimizer:
             if batch_size is None:
                 raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
             check_positive("batch_size", batch_size)
-        await self._apply_finished_state_round()
+        await self._delayed_updates().apply_finished()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -539,17 +563,17 @@ class AsyncOptimizer:
             plan = core.begin_epoch_end(
                 self.local_epoch, tracker.global_progress, grad_scaler is not None
             )
-            averaged = None
+            averaged, pending = None, None
             if plan.tag_along:  # this epoch's round is over: do not disrupt the next one
                 assert self._rounds is not None
                 await self._rounds.tag_along()
             elif plan.begin_round:
-                averaged = await self._gradient_round(plan, grad_scaler)
+                averaged, pending = await self._gradient_round(plan, grad_scaler)
             decision = core.on_round_result(averaged, self.state_averaging_in_progress)
             if isinstance(decision, AuxiliaryCatchUp):
                 await self._auxiliary_catch_up(decision.load_state)
                 return
-            gathered = await self._finish_epoch(decision)
+            gathered = await self._finish_epoch(decision, pending)
             self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered))
         if grad_scaler is not None:
             grad_scaler.on_swarm_epoch_end_()
@@ -561,10 +585,16 @@ class AsyncOptimizer:
             "with" if decision.average_state else "no",
         )
 
-    async def _gradient_round(self, plan: RoundPlan, grad_scaler: Any) -> bool:
-        """Run the round ``plan`` describes and wait for it: whether the group averaged."""
+    async def _gradient_round(
+        self, plan: RoundPlan, grad_scaler: Any
+    ) -> tuple[bool | None, _PendingGradients | None]:
+        """Run the round ``plan`` describes and wait for it here, or leave the wait (and the
+        gradients' use) to a delayed job: (whether it averaged, None if not known here; what
+        the job does with the gradients)."""
         rounds, grads = self._rounds, self._grads
         assert rounds is not None and grads is not None
+        if plan.wait_gradients_consumed:  # the last job took the averaged buffers' content
+            await self._delayed_updates().wait_gradients_consumed(self.averaging_timeout)
         weight = plan.weight
         if plan.unscale_before_round:
             params = self.main_parameters
@@ -578,15 +608,34 @@ class AsyncOptimizer:
                 await trio.to_thread.run_sync(grads.reset_accumulated_grads_)
                 weight = 0.0
         control = await rounds.begin(weight, plan.others_seen, plan.epoch, plan.num_peers_present)
-        gathered = await rounds.finish(control, plan.others_seen, plan.epoch)
-        return self._epoch_core.round_averaged(
-            plan.epoch, None if gathered is None else gathered.values()
-        )
+        if plan.wait is RoundWait.IN_WORKER:
+            return None, _PendingGradients(control, plan.others_seen, plan.epoch, wait=True)
+        averaged = await self._await_gradients(control, plan.others_seen, plan.epoch)
+        if plan.wait is RoundWait.HERE_CONSUME_IN_WORKER:
+            return averaged, _PendingGradients(control, plan.others_seen, plan.epoch, wait=False)
+        return averaged, None
 
-    async def _finish_epoch(self, decision: FinishEpoch) -> list[Any] | None:
+    async def _await_gradients(self, control: StepControl | None, others: bool, epoch: int) -> bool:
+        """Wait for the gradient round: whether the group averaged (for an auxiliary peer: this
+        epoch's gradients). Else the averaged buffers hold the local mean gradient."""
+        assert self._rounds is not None
+        gathered = await self._rounds.finish(control, others, epoch)
+        averaged = self._epoch_core.round_averaged(
+            epoch, None if gathered is None else gathered.values()
+        )
+        if gathered is not None and not averaged:
+            logger.log(self.status_loglevel, "%s: the group was in another epoch", self.run_id)
+        return averaged
+
+    async def _finish_epoch(
+        self, decision: FinishEpoch, pending: _PendingGradients | None
+    ) -> list[Any] | None:
         """The optimizer step and the state round ``decision`` asks for; the epochs of the
         state round's group if it averaged here."""
         state, grads = self._state, self._grads
+        if decision.delay_optimizer_step:
+            self._delay_step_and_round(decision, pending)
+            return None
         if decision.state_round_skipped:
             logger.log(
                 self.status_loglevel,
@@ -615,6 +664,40 @@ class AsyncOptimizer:
         gathered = await self._state_round(decision)
         return None if gathered is None else list(gathered.values())
 
+    def _delay_step_and_round(
+        self, decision: FinishEpoch, pending: _PendingGradients | None
+    ) -> None:
+        """``delay_optimizer_step``: move to the next epoch now; queue a job that (waits for
+        the round and) loads the averaged gradients, steps the optimizer and runs the state
+        round, whose matchmaking starts now (``TrainingStateAverager.step``'s order)."""
+        state, service = self._state, self._state_service
+        assert service is not None
+        state.local_epoch += 1
+        control = None
+        if decision.average_state:
+            control = service.start_step(
+                gather=state.local_epoch,
+                weight=decision.state_round_weight,
+                timeout=self.averaging_timeout,
+                require_trigger=True,
+            )
+        gradients = None
+        if pending is not None and pending.wait:
+            gradients = partial(
+                self._await_gradients, pending.control, pending.others_seen, pending.epoch
+            )
+        self._delayed_updates().start(
+            gradients=gradients,
+            consume=self._load_averaged_gradients_into_optimizer,
+            optimizer_step=True,
+            state_round=control,
+        )
+
+    def _delayed_updates(self) -> DelayedUpdates:
+        if self._delayed is None:
+            raise RuntimeError("this Optimizer is not running: use `async with Optimizer.create`")
+        return self._delayed
+
     def _load_averaged_gradients_into_optimizer(self) -> None:
         """(Worker thread) the averaged gradients into the optimizer's CPU copies' ``.grad``."""
         assert self._grads is not None
@@ -630,8 +713,9 @@ class AsyncOptimizer:
         """Average the training state as of now: waited for here, or (delayed) in a task of
         this optimizer whose result a later step applies."""
         service, state = self._state_service, self._state
-        assert service is not None and self._nursery is not None
-        await self._apply_finished_state_round()  # before its buffers are loaded again
+        assert service is not None
+        delayed = self._delayed_updates()
+        await delayed.apply_finished()  # before its buffers are loaded again
         control = service.start_step(
             gather=state.local_epoch,
             weight=decision.state_round_weight,
@@ -645,8 +729,7 @@ class AsyncOptimizer:
             raise
         control.allow_allreduce()
         if decision.delay_state_averaging:
-            done = self._state_round_done = trio.Event()
-            self._nursery.start_soon(self._delayed_state_round, control, done)
+            delayed.start(state_round=control, inputs_loaded=True)
             return None
         gathered = await self._wait_state_round(control)
         if gathered is not None:
@@ -671,26 +754,6 @@ class AsyncOptimizer:
             len(gathered),
         )
         return dict(gathered)
-
-    async def _delayed_state_round(self, control: StepControl, done: trio.Event) -> None:
-        try:
-            self._state_round_averaged = await self._wait_state_round(control) is not None
-        finally:
-            done.set()
-
-    async def _apply_finished_state_round(self) -> None:
-        """Apply a delayed state round that finished (in a worker thread)."""
-        if self._state_round_averaged and not self.state_averaging_in_progress:
-            self._state_round_averaged = False
-            await trio.to_thread.run_sync(self._state._apply_round)
-            logger.log(self.status_loglevel, "%s: applied a delayed state round", self.run_id)
-
-    async def _wait_for_state_round(self) -> None:
-        """Wait for a delayed state round, then apply it."""
-        done = self._state_round_done
-        if done is not None:
-            await done.wait()
-        await self._apply_finished_state_round()
 
     async def _auxiliary_catch_up(self, load_state: bool) -> None:
         """An auxiliary peer that missed this epoch's gradients loads the state (if
@@ -777,7 +840,7 @@ class AsyncOptimizer:
         assert service is not None
         if self._rounds is not None:
             await self._rounds.tag_along()
-        await self._wait_for_state_round()
+        await self._delayed_updates().wait_all()
         deadline = trio.current_time() + timeout
         loaded, detail = False, "no peer served a state in time"
         errors: set[str] = set()

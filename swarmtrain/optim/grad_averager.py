@@ -112,7 +112,7 @@ class GradientAverager(DecentralizedAverager):
 
     def __init__(
         self,
-        parameters: Iterable[torch.nn.Parameter],
+        parameters: Iterable[torch.Tensor],
         *,
         dht,
         prefix: str,

@@ -54,7 +54,12 @@ from typing import Any, Union
 import torch
 
 from swarmtrain.averaging import DecentralizedAverager, StepControl
-from swarmtrain.averaging.state_checks import RejectReason, StateRejected, TensorSpec
+from swarmtrain.averaging.state_checks import (
+    RejectReason,
+    StateCheck,
+    StateRejected,
+    TensorSpec,
+)
 from swarmtrain.compression import CompressionInfo, NoCompression, TensorRole
 from swarmtrain.dht import serialize
 from swarmtrain.optim._optimizer_state import (
@@ -806,7 +811,7 @@ class TrainingStateAverager(DecentralizedAverager):
         logger.log(self.status_loglevel, "loaded the training state of epoch %d", epoch)
         return True
 
-    def _state_check(self, swarm_epoch: int | None) -> Callable[[Any], list[TensorSpec]]:
+    def _state_check(self, swarm_epoch: int | None) -> StateCheck:
         """A snapshot of what a donor's state must look like (ours, now), as a check."""
         with self.lock_optimizer:
             local = [TensorSpec.of(t) for t in (*self._opt_params(), *self.extra_tensors)]
