@@ -278,6 +278,41 @@ async def test_an_auxiliary_peer_keeps_up_on_trio():
 
 
 @pytest.mark.trio
+async def test_a_step_cancelled_in_its_gradient_round_leaves_the_optimizer_usable():
+    """Cancelling ``await opt.step()`` while its epoch end waits for a group (the other peer
+    is present but never steps) cancels the round; once that peer left, the next steps end
+    the epoch alone."""
+    async with open_dhts(2) as dhts:
+        trainer = Trainer(0, 1)
+        quiet_model = make_model()
+        left, gone = trio.Event(), trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def quiet_peer() -> None:
+                async with Optimizer.create(dht=dhts[1], **options(quiet_model)) as quiet:
+                    await quiet.wait_for_peers(2, timeout=10)
+                    await left.wait()
+                gone.set()  # its goodbye is stored
+
+            nursery.start_soon(quiet_peer)
+            opts = options(trainer.model, target_batch_size=BATCH)
+            async with Optimizer.create(dht=dhts[0], **opts) as opt:
+                assert await opt.wait_for_peers(2, timeout=10) == 2
+                trainer.backward()
+                with trio.move_on_after(0.5) as waited:
+                    await opt.step()  # the epoch ends: a round with a peer that never comes
+                assert waited.cancelled_caught and opt.local_epoch == 0
+                assert opt.scheduled_grads is None
+                left.set()  # the quiet peer says goodbye
+                with trio.fail_after(30):
+                    await gone.wait()
+                    assert (await opt.tracker.refresh()).num_peers == 1
+                    opt.zero_grad()
+                    await trainer.train_until(opt, 2, pause=0.0)
+                assert opt.local_epoch == 2 and opt.epochs_alone >= 2
+
+
+@pytest.mark.trio
 async def test_modes_not_yet_on_trio_raise_and_a_blocking_dht_is_refused():
     model = make_model()
     with pytest.raises(TypeError, match="trio swarmtrain DHT"):
