@@ -16,7 +16,7 @@ import torch
 import trio
 from swarm_util import open_dhts
 
-from swarmtrain.optim import AsyncOptimizer, Optimizer, PowerSGDGradientAverager
+from swarmtrain.optim import AsyncOptimizer, GradScaler, Optimizer, PowerSGDGradientAverager
 from swarmtrain.utils.background import BackgroundRuntime
 
 FEATURES, BATCH, TARGET = 8, 4, 48
@@ -310,6 +310,40 @@ async def test_a_step_cancelled_in_its_gradient_round_leaves_the_optimizer_usabl
                     opt.zero_grad()
                     await trainer.train_until(opt, 2, pause=0.0)
                 assert opt.local_epoch == 2 and opt.epochs_alone >= 2
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("reuse", [False, True], ids=["accumulators", "reuse_grad_buffers"])
+async def test_a_grad_scaler_drops_non_finite_batches_on_trio(reuse):
+    """``await scaler.step(opt)``: an inf batch is dropped (or, with ``reuse_grad_buffers``,
+    the epoch's gradients are dropped at its end), the scale backs off, training goes on."""
+    async with open_dhts(1) as dhts:
+        model = make_model()
+        scaler = GradScaler("cpu", init_scale=64.0)
+        opts = options(model, reuse_grad_buffers=reuse, target_batch_size=2 * BATCH)
+        async with Optimizer.create(dht=dhts[0], **opts) as opt:
+            scaler.scale(model(X[:BATCH]).sum() * float("inf")).backward()
+            await scaler.step(opt)
+            scaler.update()
+            if not reuse:
+                assert opt.skipped_batches == 1 and opt.local_samples_accumulated == 0
+                assert scaler.get_scale() == 32.0
+                opt.zero_grad()
+            initial_loss = full_loss(model)
+            position = 0
+            with trio.fail_after(30):
+                while opt.local_epoch < 6:
+                    rows = slice(position, position + BATCH)
+                    position = (position + BATCH) % (len(X) - BATCH)
+                    loss = torch.nn.functional.mse_loss(model(X[rows]), Y[rows])
+                    scaler.scale(loss).backward()
+                    await scaler.step(opt)
+                    scaler.update()
+                    if not reuse:
+                        opt.zero_grad()
+    assert scaler.get_scale() < 64.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert full_loss(model) < 0.8 * initial_loss
 
 
 @pytest.mark.trio
