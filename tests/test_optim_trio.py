@@ -8,6 +8,7 @@ step wait, and the loop keeps running meanwhile.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -16,7 +17,13 @@ import torch
 import trio
 from swarm_util import open_dhts
 
-from swarmtrain.optim import AsyncOptimizer, GradScaler, Optimizer, PowerSGDGradientAverager
+from swarmtrain.optim import (
+    AsyncOptimizer,
+    GradScaler,
+    Optimizer,
+    PowerSGDGradientAverager,
+    ProcessGradientAverager,
+)
 from swarmtrain.utils.background import BackgroundRuntime
 
 FEATURES, BATCH, TARGET = 8, 4, 48
@@ -71,8 +78,8 @@ def options(model: torch.nn.Module, **opts) -> dict:
 class Trainer:
     """One peer's model, its shard, and what it saw at each epoch."""
 
-    def __init__(self, index: int, peers: int) -> None:
-        self.model = make_model()
+    def __init__(self, index: int, peers: int, model: torch.nn.Module | None = None) -> None:
+        self.model = make_model() if model is None else model
         self.shard = torch.arange(index, len(X), peers)
         self.position = 0
         self.snapshots: dict[int, list[torch.Tensor]] = {}
@@ -346,6 +353,26 @@ async def test_a_grad_scaler_drops_non_finite_batches_on_trio(reuse):
     assert full_loss(model) < 0.8 * initial_loss
 
 
+def two_layers() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Linear(16, 1))
+
+
+@pytest.mark.trio
+async def test_a_power_sgd_averager_plugs_in_on_trio():
+    """``grad_averager_factory``: PowerSGD's trio averager (two all-reduce rounds per step)
+    runs on the trainer's loop (``PowerSGDGradientAverager.open_async``)."""
+    factory = functools.partial(PowerSGDGradientAverager, averager_rank=2)
+    async with open_dhts(2) as dhts:
+        trainers = [Trainer(i, 2, model=two_layers()) for i in range(2)]
+        initial_loss = full_loss(trainers[0].model)
+        opts = await train_together(trainers, dhts, 3, pause=0.1, grad_averager_factory=factory)
+    assert all(isinstance(opt._grads, PowerSGDGradientAverager) for opt in opts)
+    assert all(opt.local_epoch == 3 for opt in opts)
+    assert all(opt.epochs_averaged >= 1 for opt in opts), [o.epochs_averaged for o in opts]
+    assert full_loss(trainers[0].model) < 0.7 * initial_loss
+
+
 @pytest.mark.trio
 async def test_modes_not_yet_on_trio_raise_and_a_blocking_dht_is_refused():
     model = make_model()
@@ -353,7 +380,7 @@ async def test_modes_not_yet_on_trio_raise_and_a_blocking_dht_is_refused():
         async with Optimizer.create(dht=object(), **options(model)):
             pass
     async with open_dhts(1) as dhts:
-        with pytest.raises(NotImplementedError, match="blocking"):
-            opts = options(model, grad_averager_factory=PowerSGDGradientAverager)
+        with pytest.raises(NotImplementedError, match="helper process"):
+            opts = options(model, grad_averager_factory=ProcessGradientAverager)
             async with Optimizer.create(dht=dhts[0], **opts):
                 pass

@@ -29,8 +29,9 @@ Modes: gradient averaging (default), ``use_local_updates``, ``offload_optimizer`
 applied at a later ``step``), ``reuse_grad_buffers``, ``average_state_every``, ``client_mode``,
 GradScaler, ``auxiliary``, ``delay_optimizer_step`` and ``delay_grad_averaging`` (the optimizer
 step, the wait for the round and the state round after it are a job of this optimizer's task
-group: ``swarmtrain.optim._async_delayed``). Not yet: ``grad_averager_factory``
-(``NotImplementedError``: use the blocking ``Optimizer`` for it).
+group: ``swarmtrain.optim._async_delayed``), ``grad_averager_factory`` (e.g. PowerSGD). Not
+yet: averagers in a helper process (``ProcessGradientAverager``: ``NotImplementedError``, use
+the blocking ``Optimizer`` for it).
 
 Cancellation: every method can be cancelled. A step cancelled during its epoch end leaves the
 epoch unfinished and drops the gradients accumulated for it (a running thread part finishes
@@ -57,6 +58,7 @@ import trio
 from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.finite import first_non_finite
+from swarmtrain.averaging.process_backend import HelperProcessBackend
 from swarmtrain.dht import AsyncDHT, get_dht_time
 from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
@@ -96,6 +98,13 @@ from swarmtrain.utils.logs import show_logs
 __all__ = ["AsyncOptimizer"]
 
 logger = logging.getLogger("swarmtrain.optim.optimizer")
+
+
+def _runs_in_a_helper_process(factory: Any) -> bool:
+    """Whether ``factory`` (a class or a ``functools.partial`` of one) builds an averager
+    whose swarm runs in a helper process (it has no trio averager to run on our loop)."""
+    target = factory.func if isinstance(factory, partial) else factory
+    return isinstance(target, type) and issubclass(target, HelperProcessBackend)
 
 
 def _not_yet(name: str) -> NotImplementedError:
@@ -189,8 +198,8 @@ class AsyncOptimizer:
             delay_state_averaging=delay_state_averaging,
             grad_averager_factory=grad_averager_factory,
         )
-        if grad_averager_factory is not None:
-            raise _not_yet("grad_averager_factory")
+        if _runs_in_a_helper_process(grad_averager_factory):
+            raise _not_yet("a grad_averager_factory whose averager runs in a helper process")
 
         self.dht, self.run_id = dht, run_id
         self.target_batch_size = target_batch_size
@@ -263,8 +272,9 @@ class AsyncOptimizer:
             ),
         )
         self._grads: GradientAverager | None = None
+        self._grad_buffers_match = True
         if not self.use_local_updates:
-            self._grads = GradientAverager(
+            self._grads = (grad_averager_factory or GradientAverager)(
                 self._state.main_parameters,
                 dht=dht,
                 prefix=f"{run_id}_grad_averager",
@@ -275,6 +285,19 @@ class AsyncOptimizer:
                     common, aggregation=aggregation, grad_compression=grad_compression
                 ),
             )
+            if isinstance(self._grads, HelperProcessBackend):
+                raise _not_yet("a grad_averager_factory whose averager runs in a helper process")
+            with self._grads.get_tensors() as averaged:
+                params = self.main_parameters
+                self._grad_buffers_match = len(averaged) == len(params) and all(
+                    a.shape == p.shape for a, p in zip(averaged, params, strict=False)
+                )
+            if self.delay_optimizer_step and not self._grad_buffers_match:
+                raise ValueError(
+                    "delay_optimizer_step needs a gradient averager whose averaged tensors are "
+                    "one gradient per parameter; this one averages other tensors (e.g. PowerSGD "
+                    "factors)"
+                )
             self.health.model = describe_parameters(self.main_parameters)
         # set by create()
         self._state_service: AsyncDecentralizedAverager | None = None
@@ -700,14 +723,25 @@ class AsyncOptimizer:
 
     def _load_averaged_gradients_into_optimizer(self) -> None:
         """(Worker thread) the averaged gradients into the optimizer's CPU copies' ``.grad``."""
-        assert self._grads is not None
+        grads = self._grads
+        assert grads is not None
         opt_params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        with torch.no_grad(), self._grads.get_tensors() as averaged:
-            for target, grad in zip(opt_params, averaged, strict=True):
-                if target.grad is None or target.grad.shape != target.shape:
-                    target.grad = torch.zeros_like(target)
-                target.grad.copy_(grad)
-        self._grads.notify_used_averaged_gradients()
+        if not self._grad_buffers_match:  # the averager rebuilds the gradients (PowerSGD)
+            with torch.no_grad(), grads.use_averaged_gradients():
+                self._copy_grads(opt_params, [p.grad for p in self.main_parameters])
+            return
+        with torch.no_grad(), grads.get_tensors() as averaged:
+            self._copy_grads(opt_params, averaged)
+        grads.notify_used_averaged_gradients()
+
+    @staticmethod
+    def _copy_grads(targets: Sequence[torch.Tensor], grads: Sequence[Any]) -> None:
+        for target, grad in zip(targets, grads, strict=True):
+            if grad is None:
+                continue
+            if target.grad is None or target.grad.shape != target.shape:
+                target.grad = torch.zeros_like(target)
+            target.grad.copy_(grad)
 
     async def _state_round(self, decision: FinishEpoch) -> dict | None:
         """Average the training state as of now: waited for here, or (delayed) in a task of

@@ -34,7 +34,8 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import torch
@@ -55,7 +56,6 @@ from swarmtrain.compression import CompressionInfo, TensorRole
 from swarmtrain.optim._tensor_infos import TaggedCompression, tag_compression
 from swarmtrain.optim.grad_averager import GradientAverager
 from swarmtrain.p2p import PeerID
-from swarmtrain.utils.background import BackgroundRuntime
 
 __all__ = ["PowerSGDGradientAverager", "PowerSGDPlan", "matrix_shape", "orthogonalize_"]
 
@@ -381,23 +381,21 @@ class PowerSGDGradientAverager(GradientAverager):
     def schema_hash(self) -> bytes:
         return _schema_hash(self._averaged_tensors, self._plan, self.config.part_size_bytes)
 
-    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
-        """Start the averager (the constructor does this unless ``start=False``)."""
-        dht_runtime, async_dht = self.dht._running()
-        if BackgroundRuntime._instance is not dht_runtime:
-            raise RuntimeError("the DHT runs on another background loop (made before a fork?)")
+    def open_async(
+        self, async_dht: Any, state_provider: Callable[[], Any] | None = None
+    ) -> AbstractAsyncContextManager[AsyncDecentralizedAverager]:
+        """The trio PowerSGD averager over this object's tensors and plan (what
+        ``run_in_background`` runs on the background loop; see ``DecentralizedAverager``)."""
         fields = {k: v for k, v in vars(self.config).items() if k not in ("prefix", "client_mode")}
-        self._start_in_background(
-            lambda: self._async_class.create_with_plan(
-                self._averaged_tensors,
-                async_dht,
-                plan=self._plan,
-                prefix=self.prefix,
-                client_mode=self.client_mode,
-                tensor_lock=self.lock_averaged_tensors,
-                state_provider=self.get_current_state,
-                **fields,
-            )
+        return self._async_class.create_with_plan(
+            self._averaged_tensors,
+            async_dht,
+            plan=self._plan,
+            prefix=self.prefix,
+            client_mode=self.client_mode,
+            tensor_lock=self.lock_averaged_tensors,
+            state_provider=state_provider or self.get_current_state,
+            **fields,
         )
 
     def get_current_state(self) -> Any:
