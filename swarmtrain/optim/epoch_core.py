@@ -69,9 +69,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Union
 
 from swarmtrain.optim._epoch_sync import EpochSync
+from swarmtrain.optim.progress_core import GlobalProgress
 
 __all__ = [
     "AccumulateBatch",
@@ -87,7 +88,6 @@ __all__ = [
     "RoundWait",
     "SkipBatch",
     "StepPlan",
-    "SwarmLike",
     "SwarmView",
 ]
 
@@ -144,25 +144,8 @@ class SwarmView:
     eta_next_epoch: float = float("inf")
 
 
-class SwarmLike(Protocol):
-    """What the core reads of the swarm: a :class:`SwarmView`, or the tracker's
-    ``GlobalProgress`` (which has these fields)."""
-
-    @property
-    def epoch(self) -> int: ...
-
-    @property
-    def num_peers(self) -> int: ...
-
-    @property
-    def samples_accumulated(self) -> int: ...
-
-    @property
-    def target_batch_size(self) -> int: ...
-
-    @property
-    def eta_next_epoch(self) -> float: ...
-
+#: what the core reads of the swarm: a ``SwarmView`` or the tracker's ``GlobalProgress``
+Swarm = Union[SwarmView, GlobalProgress]
 
 # ------------------------------------------------------------------ decisions
 
@@ -307,11 +290,11 @@ class EpochCore:
 
     # ------------------------------------------------------------------ a step
 
-    def others_seen(self, swarm: SwarmLike) -> bool:
+    def others_seen(self, swarm: Swarm) -> bool:
         """Whether the tracker sees another peer (an auxiliary peer does not count itself)."""
         return swarm.num_peers > (0 if self.modes.auxiliary else 1)
 
-    def peers_present(self, swarm: SwarmLike) -> int:
+    def peers_present(self, swarm: Swarm) -> int:
         """Peers the tracker counts, plus this one if it is auxiliary (it is not counted)."""
         return swarm.num_peers + (1 if self.modes.auxiliary else 0)
 
@@ -340,7 +323,7 @@ class EpochCore:
         self._counts["batches_accumulated"] += 1
         return AccumulateBatch(modes.use_local_updates, modes.delay_optimizer_step)
 
-    def on_progress(self, local_epoch: int, swarm: SwarmLike, now: float) -> StepPlan:
+    def on_progress(self, local_epoch: int, swarm: Swarm, now: float) -> StepPlan:
         """The tracker's progress after this step's report: schedule the round, end the epoch?"""
         others = self.others_seen(swarm)
         seconds_left = swarm.eta_next_epoch - now
@@ -360,7 +343,7 @@ class EpochCore:
 
     # ------------------------------------------------------------------ an epoch's end
 
-    def begin_epoch_end(self, local_epoch: int, swarm: SwarmLike, has_scaler: bool) -> RoundPlan:
+    def begin_epoch_end(self, local_epoch: int, swarm: Swarm, has_scaler: bool) -> RoundPlan:
         """The epoch ends (``on_progress`` said so): how the gradient round runs."""
         modes = self.modes
         others = self.others_seen(swarm)

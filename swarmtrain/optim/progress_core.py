@@ -877,8 +877,8 @@ class ProgressCore:
         participants = [*others.values(), self._local] if active_self else list(others.values())
         if epoch == self._global.epoch + 1 and not self._epoch_witnessed:
             self._epoch_witnessed = True  # from now on, no peer's samples are taken on trust
-            for credit in self._credits.values():
-                credit.base = 0
+            for held in self._credits.values():
+                held.base = 0
         max_rate = config.max_rate_factor * self._reference_rate(others.values(), now)
 
         samples, estimated, rate = 0.0, 0.0, 0.0
