@@ -56,7 +56,7 @@ import torch
 import trio
 
 from swarmtrain.averaging import StepControl
-from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
+from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager, _copies_on_loop
 from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.process_backend import HelperProcessBackend
 from swarmtrain.dht import AsyncDHT, get_dht_time
@@ -273,6 +273,11 @@ class AsyncOptimizer:
         )
         self._grads: GradientAverager | None = None
         self._grad_buffers_match = True
+        #: check and accumulate batches on the loop: CPU parameters of at most
+        #: INLINE_COPY_MAX_BYTES, accumulated (a local optimizer step takes a lock: a thread)
+        self._batches_on_loop = not self.use_local_updates and _copies_on_loop(
+            self._state.main_parameters
+        )
         if not self.use_local_updates:
             self._grads = (grad_averager_factory or GradientAverager)(
                 self._state.main_parameters,
@@ -540,7 +545,8 @@ class AsyncOptimizer:
         return loss
 
     async def _accumulate(self, batch_size: int, grad_scaler: Any) -> bool:
-        """Check the batch and take it (in one worker thread hop); False if it was dropped."""
+        """Check the batch and take it (in one worker thread hop, or on the loop for small CPU
+        models without local updates: no lock is taken then); False if it was dropped."""
         core, params = self._epoch_core, self.main_parameters
         check = core.batch_check(grad_scaler is not None)
         state, grads = self._state, self._grads
@@ -566,7 +572,10 @@ class AsyncOptimizer:
                 grads.accumulate_grads_(batch_size)
             return decision
 
-        decision = await trio.to_thread.run_sync(take)
+        if self._batches_on_loop:  # a few ms at most: cheaper than a thread hop under load
+            decision = take()
+        else:
+            decision = await trio.to_thread.run_sync(take)
         if isinstance(decision, SkipBatch):
             if decision.reset_accumulators:
                 self.local_samples_accumulated = 0.0
