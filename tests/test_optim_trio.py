@@ -185,6 +185,28 @@ async def test_a_newcomer_loads_the_state_on_trio():
 
 
 @pytest.mark.trio
+async def test_state_dict_round_trip_on_trio():
+    async with open_dhts(2) as dhts:
+        trainer = Trainer(0, 1)
+        adam = {"optimizer": lambda params: torch.optim.Adam(params, lr=0.01)}
+        opts = options(trainer.model, target_batch_size=BATCH, **adam)
+        async with Optimizer.create(dht=dhts[0], **opts) as opt:
+            with trio.fail_after(30):
+                await trainer.train_until(opt, 2, pause=0.0)
+            checkpoint = await opt.state_dict()
+        assert checkpoint["swarmtrain_local_epoch"] == 2
+        other = make_model(seed=1)
+        async with Optimizer.create(dht=dhts[1], **options(other, **adam)) as fresh:
+            await fresh.load_state_dict(checkpoint)
+            assert fresh.local_epoch == 2 and fresh.tracker.local_progress.epoch == 2
+            loaded = fresh.optimizer.state_dict()["state"]
+            for key, value in checkpoint["state"].items():
+                torch.testing.assert_close(loaded[key]["exp_avg"], value["exp_avg"])
+            with pytest.raises(ValueError, match="invalid epoch"):
+                await fresh.load_state_dict({**checkpoint, "swarmtrain_local_epoch": -1})
+
+
+@pytest.mark.trio
 async def test_a_step_waiting_for_the_optimizer_lock_does_not_block_the_loop():
     """By construction: the optimizer step takes ``lock_optimizer`` in a worker thread. A thread
     holds that lock for ``HOLD`` s while a lone peer ends an epoch: the step waits for it, and a

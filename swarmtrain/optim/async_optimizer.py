@@ -62,6 +62,7 @@ from swarmtrain.averaging.process_backend import HelperProcessBackend
 from swarmtrain.dht import AsyncDHT, get_dht_time
 from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
+from swarmtrain.optim._checkpoint import load_checkpoint, make_checkpoint
 from swarmtrain.optim._epoch_update import scaler_method
 from swarmtrain.optim._optimizer_options import (
     averager_options,
@@ -490,6 +491,22 @@ class AsyncOptimizer:
         of ``delay_*``), then apply it to the model, e.g. before evaluating or saving."""
         async with self._busy:
             await self._delayed_updates().wait_all()
+
+    async def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict, plus the epoch and the scheduler's state (after
+        the delayed work: an ``await``, unlike torch's, since it waits and takes the lock)."""
+        async with self._busy:
+            await self._delayed_updates().wait_all()
+            return await trio.to_thread.run_sync(make_checkpoint, self._state)
+
+    async def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (a plain torch optimizer state works too); a
+        new epoch drops the accumulated gradients and is announced."""
+        async with self._busy:
+            await self._delayed_updates().wait_all()
+            epoch = await trio.to_thread.run_sync(load_checkpoint, self._state, state_dict)
+            if epoch is not None:
+                await self._enter_epoch(epoch)
 
     # ------------------------------------------------------------------ a step
 

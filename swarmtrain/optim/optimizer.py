@@ -82,6 +82,7 @@ import torch
 
 from swarmtrain.averaging import StepControl
 from swarmtrain.dht import DHT, get_dht_time
+from swarmtrain.optim._checkpoint import load_checkpoint, make_checkpoint
 from swarmtrain.optim._epoch_gradients import GradientRounds
 from swarmtrain.optim._epoch_update import EpochUpdates, scaler_method
 from swarmtrain.optim._optimizer_options import (
@@ -111,8 +112,6 @@ __all__ = ["Optimizer"]
 
 logger = logging.getLogger(__name__)
 
-_EPOCH_KEY = "swarmtrain_local_epoch"
-_SCHEDULER_KEY = "swarmtrain_scheduler"
 GradientAveragerFactory = Callable[..., GradientAverager]
 
 
@@ -659,27 +658,13 @@ class Optimizer(EpochUpdates):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, plus the epoch and the scheduler's state."""
-        state = dict(self.optimizer.state_dict())
-        state[_EPOCH_KEY] = self.local_epoch
-        if self.scheduler is not None:
-            state[_SCHEDULER_KEY] = self.scheduler.state_dict()
-        return state
+        return make_checkpoint(self._state_averager)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (a plain torch optimizer state works too)."""
-        state = dict(state_dict)
-        epoch = state.pop(_EPOCH_KEY, None)
-        scheduler_state = state.pop(_SCHEDULER_KEY, None)
         state_averager = self._state_averager
         state_averager.step(wait_for_delayed_updates=True)
-        with state_averager.lock_optimizer:
-            self.optimizer.load_state_dict(state)
-            if scheduler_state is not None and self.scheduler is not None:
-                self.scheduler.load_state_dict(scheduler_state)
-            if epoch is not None:
-                if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-                    raise ValueError(f"invalid epoch in the state dict: {epoch!r}")
-                state_averager.local_epoch = epoch
+        epoch = load_checkpoint(state_averager, state_dict)
         if epoch is not None:
             self._tracker.update_epoch(epoch)
             self.local_samples_accumulated = 0.0
