@@ -48,7 +48,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Union
 
@@ -61,6 +60,7 @@ from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.process_backend import HelperProcessBackend
 from swarmtrain.dht import AsyncDHT, get_dht_time
 from swarmtrain.optim._async_delayed import DelayedUpdates
+from swarmtrain.optim._async_epoch_update import AsyncEpochUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
 from swarmtrain.optim._checkpoint import load_checkpoint, make_checkpoint
 from swarmtrain.optim._epoch_update import scaler_method
@@ -74,14 +74,9 @@ from swarmtrain.optim._optimizer_options import (
 )
 from swarmtrain.optim.epoch_core import (
     AccumulateBatch,
-    AuxiliaryCatchUp,
     BatchCheck,
-    EpochAdvanced,
     EpochCore,
     EpochModes,
-    FinishEpoch,
-    RoundPlan,
-    RoundWait,
     SkipBatch,
 )
 from swarmtrain.optim.grad_averager import GradientAverager
@@ -115,17 +110,7 @@ def _not_yet(name: str) -> NotImplementedError:
     )
 
 
-@dataclass(frozen=True)
-class _PendingGradients:
-    """A gradient round whose gradients a delayed job uses (and waits for, if ``wait``)."""
-
-    control: StepControl | None
-    others_seen: bool
-    epoch: int
-    wait: bool
-
-
-class AsyncOptimizer:
+class AsyncOptimizer(AsyncEpochUpdates):
     """The trio ``Optimizer``; build it with ``async with Optimizer.create(dht=..., ...)``
     (``dht``: an ``AsyncDHT`` from ``DHT.create``). Keywords: those of ``Optimizer``."""
 
@@ -333,7 +318,7 @@ class AsyncOptimizer:
                     averaging_timeout=self.averaging_timeout,
                     status_loglevel=self.status_loglevel,
                     health=self.health,
-                    swarm_epoch=lambda: self._tracker.global_epoch,
+                    swarm_epoch=self._swarm_epoch,
                 )
             self._tracker_service = await stack.enter_async_context(
                 AsyncProgressTracker.create(
@@ -360,6 +345,11 @@ class AsyncOptimizer:
                 if self._rounds is not None:
                     self._rounds.cancel()
                 self._nursery.cancel_scope.cancel()
+
+    def _swarm_epoch(self) -> int:
+        """The tracker's epoch of the swarm (also while closing, for a job still waiting)."""
+        assert self._tracker_service is not None
+        return self._tracker_service.global_epoch
 
     def _current_state(self) -> Any:
         """What newcomers download (in a worker thread): the state averager's state, with the
@@ -602,245 +592,6 @@ class AsyncOptimizer:
         self.local_samples_accumulated += batch_size
         self._tracker.report_local_progress(self.local_epoch, int(self.local_samples_accumulated))
         return True
-
-    # ------------------------------------------------------------------ an epoch's end
-
-    async def _end_epoch(self, grad_scaler: Any) -> None:
-        """End this epoch as the epoch core decides (``_epoch_update``'s order, awaited)."""
-        tracker, core = self._tracker, self._epoch_core
-        with tracker.pause_updates():
-            plan = core.begin_epoch_end(
-                self.local_epoch, tracker.global_progress, grad_scaler is not None
-            )
-            averaged, pending = None, None
-            if plan.tag_along:  # this epoch's round is over: do not disrupt the next one
-                assert self._rounds is not None
-                await self._rounds.tag_along()
-            elif plan.begin_round:
-                averaged, pending = await self._gradient_round(plan, grad_scaler)
-            decision = core.on_round_result(averaged, self.state_averaging_in_progress)
-            if isinstance(decision, AuxiliaryCatchUp):
-                await self._auxiliary_catch_up(decision.load_state)
-                return
-            gathered = await self._finish_epoch(decision, pending)
-            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered))
-        if grad_scaler is not None:
-            grad_scaler.on_swarm_epoch_end_()
-        logger.log(
-            self.status_loglevel,
-            "%s: epoch %d (%s state averaging)",
-            self.run_id,
-            self.local_epoch,
-            "with" if decision.average_state else "no",
-        )
-
-    async def _gradient_round(
-        self, plan: RoundPlan, grad_scaler: Any
-    ) -> tuple[bool | None, _PendingGradients | None]:
-        """Run the round ``plan`` describes and wait for it here, or leave the wait (and the
-        gradients' use) to a delayed job: (whether it averaged, None if not known here; what
-        the job does with the gradients)."""
-        rounds, grads = self._rounds, self._grads
-        assert rounds is not None and grads is not None
-        if plan.wait_gradients_consumed:  # the last job took the averaged buffers' content
-            await self._delayed_updates().wait_gradients_consumed(self.averaging_timeout)
-        weight = plan.weight
-        if plan.unscale_before_round:
-            params = self.main_parameters
-            unscale = scaler_method(grad_scaler, "unscale_swarm_grads_")
-            if not await trio.to_thread.run_sync(unscale, params):
-                logger.log(
-                    self.status_loglevel,
-                    "%s: non-finite gradients: this peer contributes weight 0 this epoch",
-                    self.run_id,
-                )
-                await trio.to_thread.run_sync(grads.reset_accumulated_grads_)
-                weight = 0.0
-        control = await rounds.begin(weight, plan.others_seen, plan.epoch, plan.num_peers_present)
-        if plan.wait is RoundWait.IN_WORKER:
-            return None, _PendingGradients(control, plan.others_seen, plan.epoch, wait=True)
-        averaged = await self._await_gradients(control, plan.others_seen, plan.epoch)
-        if plan.wait is RoundWait.HERE_CONSUME_IN_WORKER:
-            return averaged, _PendingGradients(control, plan.others_seen, plan.epoch, wait=False)
-        return averaged, None
-
-    async def _await_gradients(self, control: StepControl | None, others: bool, epoch: int) -> bool:
-        """Wait for the gradient round: whether the group averaged (for an auxiliary peer: this
-        epoch's gradients). Else the averaged buffers hold the local mean gradient."""
-        assert self._rounds is not None
-        gathered = await self._rounds.finish(control, others, epoch)
-        averaged = self._epoch_core.round_averaged(
-            epoch, None if gathered is None else gathered.values()
-        )
-        if gathered is not None and not averaged:
-            logger.log(self.status_loglevel, "%s: the group was in another epoch", self.run_id)
-        return averaged
-
-    async def _finish_epoch(
-        self, decision: FinishEpoch, pending: _PendingGradients | None
-    ) -> list[Any] | None:
-        """The optimizer step and the state round ``decision`` asks for; the epochs of the
-        state round's group if it averaged here."""
-        state, grads = self._state, self._grads
-        if decision.delay_optimizer_step:
-            self._delay_step_and_round(decision, pending)
-            return None
-        if decision.state_round_skipped:
-            logger.log(
-                self.status_loglevel,
-                "%s: skipping state averaging: the last round is still running",
-                self.run_id,
-            )
-        if decision.optimizer_step:
-            assert grads is not None
-            if decision.step_with_averaged_now:
-
-                def step() -> None:
-                    with grads.use_averaged_gradients():
-                        state.step(increment_epoch=True, optimizer_step=True)
-
-            else:  # offload_optimizer: the averaged buffers go to the optimizer's copies
-
-                def step() -> None:
-                    self._load_averaged_gradients_into_optimizer()
-                    state.step(increment_epoch=True, optimizer_step=True)
-
-            await trio.to_thread.run_sync(step)
-        else:
-            state.local_epoch += 1
-        if not decision.average_state:
-            return None
-        gathered = await self._state_round(decision)
-        return None if gathered is None else list(gathered.values())
-
-    def _delay_step_and_round(
-        self, decision: FinishEpoch, pending: _PendingGradients | None
-    ) -> None:
-        """``delay_optimizer_step``: move to the next epoch now; queue a job that (waits for
-        the round and) loads the averaged gradients, steps the optimizer and runs the state
-        round, whose matchmaking starts now (``TrainingStateAverager.step``'s order)."""
-        state, service = self._state, self._state_service
-        assert service is not None
-        state.local_epoch += 1
-        control = None
-        if decision.average_state:
-            control = service.start_step(
-                gather=state.local_epoch,
-                weight=decision.state_round_weight,
-                timeout=self.averaging_timeout,
-                require_trigger=True,
-            )
-        gradients = None
-        if pending is not None and pending.wait:
-            gradients = partial(
-                self._await_gradients, pending.control, pending.others_seen, pending.epoch
-            )
-        self._delayed_updates().start(
-            gradients=gradients,
-            consume=self._load_averaged_gradients_into_optimizer,
-            optimizer_step=True,
-            state_round=control,
-        )
-
-    def _delayed_updates(self) -> DelayedUpdates:
-        if self._delayed is None:
-            raise RuntimeError("this Optimizer is not running: use `async with Optimizer.create`")
-        return self._delayed
-
-    def _load_averaged_gradients_into_optimizer(self) -> None:
-        """(Worker thread) the averaged gradients into the optimizer's CPU copies' ``.grad``."""
-        grads = self._grads
-        assert grads is not None
-        opt_params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if not self._grad_buffers_match:  # the averager rebuilds the gradients (PowerSGD)
-            with torch.no_grad(), grads.use_averaged_gradients():
-                self._copy_grads(opt_params, [p.grad for p in self.main_parameters])
-            return
-        with torch.no_grad(), grads.get_tensors() as averaged:
-            self._copy_grads(opt_params, averaged)
-        grads.notify_used_averaged_gradients()
-
-    @staticmethod
-    def _copy_grads(targets: Sequence[torch.Tensor], grads: Sequence[Any]) -> None:
-        for target, grad in zip(targets, grads, strict=True):
-            if grad is None:
-                continue
-            if target.grad is None or target.grad.shape != target.shape:
-                target.grad = torch.zeros_like(target)
-            target.grad.copy_(grad)
-
-    async def _state_round(self, decision: FinishEpoch) -> dict | None:
-        """Average the training state as of now: waited for here, or (delayed) in a task of
-        this optimizer whose result a later step applies."""
-        service, state = self._state_service, self._state
-        assert service is not None
-        delayed = self._delayed_updates()
-        await delayed.apply_finished()  # before its buffers are loaded again
-        control = service.start_step(
-            gather=state.local_epoch,
-            weight=decision.state_round_weight,
-            timeout=self.averaging_timeout,
-            require_trigger=True,
-        )
-        try:
-            await trio.to_thread.run_sync(state._load_round_inputs, control)
-        except BaseException:
-            control.cancel()
-            raise
-        control.allow_allreduce()
-        if decision.delay_state_averaging:
-            delayed.start(state_round=control, inputs_loaded=True)
-            return None
-        gathered = await self._wait_state_round(control)
-        if gathered is not None:
-            await trio.to_thread.run_sync(state._apply_round)
-        return gathered
-
-    async def _wait_state_round(self, control: StepControl) -> dict | None:
-        try:
-            gathered = await control.wait_result()
-        except Exception as e:
-            control.cancel()
-            logger.log(self.status_loglevel, "%s: state averaging failed: %r", self.run_id, e)
-            return None
-        except BaseException:
-            control.cancel()
-            raise
-        self.state_rounds_averaged += 1
-        logger.log(
-            self.status_loglevel,
-            "%s: averaged the training state with %d peers",
-            self.run_id,
-            len(gathered),
-        )
-        return dict(gathered)
-
-    async def _auxiliary_catch_up(self, load_state: bool) -> None:
-        """An auxiliary peer that missed this epoch's gradients loads the state (if
-        ``load_state``: others are seen), else moves to the next epoch on its own."""
-        assert self._grads is not None
-        self._grads.notify_used_averaged_gradients()
-        if load_state and await self._load_state_from_peers(self.averaging_timeout):
-            return
-        self._state.local_epoch += 1
-        self._tracker.update_epoch(self.local_epoch)
-
-    def _advance_epoch(self, advanced: EpochAdvanced) -> None:
-        if advanced.adopted_from is not None:
-            logger.log(
-                self.status_loglevel,
-                "%s: the state round's group was in epoch %d: moving there from epoch %d",
-                self.run_id,
-                advanced.epoch,
-                advanced.adopted_from,
-            )
-            self._state.local_epoch = advanced.epoch
-        self.last_epoch_samples = self.local_samples_accumulated
-        self.local_samples_accumulated = 0.0
-        self._tracker.update_epoch(advanced.epoch)
-        if advanced.serve_state:
-            assert self._state_service is not None
-            self._state_service.state_sharing_priority = advanced.epoch
 
     # ------------------------------------------------------------------ loading the state
 
