@@ -9,6 +9,7 @@ step wait, and the loop keeps running meanwhile.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 
@@ -17,6 +18,7 @@ import torch
 import trio
 from swarm_util import open_dhts
 
+from swarmtrain.averaging.state_checks import RejectReason
 from swarmtrain.optim import (
     AsyncOptimizer,
     GradScaler,
@@ -204,6 +206,49 @@ async def test_state_dict_round_trip_on_trio():
                 torch.testing.assert_close(loaded[key]["exp_avg"], value["exp_avg"])
             with pytest.raises(ValueError, match="invalid epoch"):
                 await fresh.load_state_dict({**checkpoint, "swarmtrain_local_epoch": -1})
+
+
+class HostileOptimizer(AsyncOptimizer):
+    """Serves its state with a NaN in the first parameter."""
+
+    def _current_state(self):
+        metadata, tensors, _ = super()._current_state()
+        tensors[0][0, 0] = float("nan")  # a copy: its own parameters stay as they are
+        return metadata, tensors
+
+
+@pytest.mark.trio
+async def test_a_trio_newcomer_skips_a_hostile_donor_for_an_honest_one(caplog):
+    """The state checks are wired through the trio load path: the donor asked first serves
+    NaN, is rejected (and banned), and the honest donor's state is loaded."""
+    async with open_dhts(3) as dhts:
+        honest = Trainer(0, 1)
+        opts = options(honest.model, target_batch_size=BATCH)
+        async with Optimizer.create(dht=dhts[0], **opts) as honest_opt:
+            with trio.fail_after(30):
+                await honest.train_until(honest_opt, 2, pause=0.0)
+            hostile_model = make_model(seed=3)
+            async with HostileOptimizer.create(dht=dhts[1], **options(hostile_model)) as hostile:
+                hostile._state.local_epoch = 2
+                assert hostile._state_service is not None
+                hostile._state_service.state_sharing_priority = 1e9  # asked first
+                newcomer_model = make_model(seed=2)
+                async with Optimizer.create(dht=dhts[2], **options(newcomer_model)) as opt:
+                    with trio.fail_after(30):
+                        await opt.tracker.wait_global_epoch(2)
+                        caplog.clear()
+                        with caplog.at_level(logging.WARNING):
+                            assert await opt.load_state_from_peers()
+                    assert opt.local_epoch == 2
+                    for mine, theirs in zip(
+                        params_of(newcomer_model), params_of(honest.model), strict=True
+                    ):
+                        assert torch.equal(mine, theirs)
+    hostile_id = str(hostile.dht.peer_id)
+    assert any(
+        hostile_id in r.getMessage() and RejectReason.NON_FINITE.value in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.trio
