@@ -9,6 +9,7 @@ step wait, and the loop keeps running meanwhile.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -451,3 +452,9 @@ async def test_modes_not_yet_on_trio_raise_and_a_blocking_dht_is_refused():
             opts = options(model, grad_averager_factory=ProcessGradientAverager)
             async with Optimizer.create(dht=dhts[0], **opts):
                 pass
+
+
+def test_create_shows_the_optimizer_keywords():
+    parameters = inspect.signature(Optimizer.create).parameters
+    assert list(parameters)[:3] == ["dht", "run_id", "target_batch_size"]
+    assert Optimizer.create.__self__ is AsyncOptimizer  # the trio class behind the name

@@ -45,6 +45,7 @@ is the caller's.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -701,3 +702,18 @@ class AsyncOptimizer(AsyncEpochUpdates):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(run_id={self.run_id!r}, local_epoch={self.local_epoch})"
+
+
+def _show_keywords_on_create() -> None:
+    """``inspect.signature(Optimizer.create)`` (IDEs, ``help()``) lists the keywords of
+    ``__init__`` rather than ``**kwargs``."""
+    init = inspect.signature(AsyncOptimizer.__init__)
+    params = list(init.parameters.values())
+    cls_param = inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    create: Any = vars(AsyncOptimizer)["create"].__func__
+    create.__signature__ = init.replace(
+        parameters=[cls_param, *params[1:]], return_annotation=inspect.Signature.empty
+    )
+
+
+_show_keywords_on_create()
