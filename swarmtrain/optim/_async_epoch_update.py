@@ -166,15 +166,15 @@ class AsyncEpochUpdates:
         """The optimizer step and the state round ``decision`` asks for; the epochs of the
         state round's group if it averaged here."""
         state, grads = self._state, self._grads
-        if decision.delay_optimizer_step:
-            self._delay_step_and_round(decision, pending)
-            return None
-        if decision.state_round_skipped:
+        if decision.state_round_skipped:  # as hivemind: the next epoch's round will run
             logger.log(
                 self.status_loglevel,
                 "%s: skipping state averaging: the last round is still running",
                 self.run_id,
             )
+        if decision.delay_optimizer_step:
+            self._delay_step_and_round(decision, pending)
+            return None
         if decision.optimizer_step:
             assert grads is not None
             if decision.step_with_averaged_now:
