@@ -253,10 +253,12 @@ async def test_a_trio_newcomer_skips_a_hostile_donor_for_an_honest_one(caplog):
 
 
 @pytest.mark.trio
-async def test_a_step_waiting_for_the_optimizer_lock_does_not_block_the_loop():
-    """By construction: the optimizer step takes ``lock_optimizer`` in a worker thread. A thread
-    holds that lock for ``HOLD`` s while a lone peer ends an epoch: the step waits for it, and a
-    ticker task keeps running meanwhile (a step taking the lock on the loop would freeze it)."""
+@pytest.mark.parametrize("lock", ["optimizer", "averaged_gradients"])
+async def test_a_step_waiting_for_a_lock_does_not_block_the_loop(lock):
+    """By construction: the epoch end takes the state averager's ``lock_optimizer`` (the
+    optimizer step) and the gradient averager's lock (its averaged buffers) in worker threads.
+    A thread holds one of them for ``hold`` s while a lone peer ends an epoch: the step waits
+    for it, and a ticker task keeps running meanwhile (taking it on the loop would freeze it)."""
     hold = 1.0
     async with open_dhts(1) as dhts:
         trainer = Trainer(0, 1)
@@ -267,8 +269,14 @@ async def test_a_step_waiting_for_the_optimizer_lock_does_not_block_the_loop():
             ticks: list[float] = []
             locked, release = threading.Event(), threading.Event()
 
+            held = (
+                opt._state.lock_optimizer
+                if lock == "optimizer"
+                else opt._grads.lock_averaged_tensors
+            )
+
             def hold_lock() -> None:
-                with opt._state.lock_optimizer:
+                with held:
                     locked.set()
                     release.wait(hold)
 
