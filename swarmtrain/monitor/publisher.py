@@ -7,6 +7,7 @@
             for step, batch in enumerate(data):
                 loss = train_step(batch)
                 publisher.report(loss=loss, step=step, epoch=opt.local_epoch)  # never blocks
+                publisher.report_failure("data_loader", "a shard was unreadable")  # optional
 
 Plain (blocking) code uses ``MetricsPublisher(dht, "my_run")`` over a blocking
 :class:`~swarmtrain.dht.DHT`: the same object on swarmtrain's background trio loop, and its
@@ -16,8 +17,11 @@ Resource handling: ``create`` adds the metrics schema and the owned metrics key 
 DHT node (validators stay registered), then runs one store task in a task group owned by the
 publisher. The record's subkey is this host's peer id; the node signs it with the host's
 identity key, and other nodes refuse a record under a peer id whose key did not sign it.
-Leaving the ``async with`` stops it; the last record expires ``expiration`` seconds after it was
-stored. The DHT stays open.
+With ``capture_warnings`` (the default) it also installs a
+:class:`~swarmtrain.monitor.failures.FailureLogHandler`: the run's ``SwarmHealth`` and progress
+warnings logged in this process go into the record's recent failures (the newest
+:data:`~swarmtrain.monitor.metrics.MAX_FAILURES`). Leaving the ``async with`` stops it; the
+last record expires ``expiration`` seconds after it was stored. The DHT stays open.
 
 Error handling: ``report`` raises ``ValueError`` / ``TypeError`` on a bad value (NaN loss, a
 negative rate, an oversized map) and keeps the previous values; a failed store is logged and
@@ -50,6 +54,7 @@ from swarmtrain.p2p import PeerID
 from swarmtrain.utils.background import BackgroundService
 from swarmtrain.utils.change_signal import ChangeSignal
 
+from .failures import FailureLogHandler, RecentFailures
 from .metrics import LocalMetrics, MetricsSchema, PublishSchedule, metrics_key, parse_metrics
 
 __all__ = [
@@ -107,6 +112,7 @@ class AsyncMetricsPublisher:
         self._lock = threading.Lock()
         self._changed = ChangeSignal()
         self._reports = self._stores = self._store_failures = 0
+        self._failures = RecentFailures()
 
     @classmethod
     @asynccontextmanager
@@ -118,11 +124,14 @@ class AsyncMetricsPublisher:
         min_interval: float = 5.0,
         expiration: float | None = None,
         role: str | None = None,
+        capture_warnings: bool = True,
     ) -> AsyncIterator[AsyncMetricsPublisher]:
         """Start publishing. ``min_interval``: at most one store per this many seconds.
         ``expiration`` (default ``max(60, 3 * min_interval)``): how long a record lives; it is
         re-stored every ``expiration / 2`` while the publisher runs. ``role`` defaults to
-        ``"client"`` or ``"node"`` from the DHT's mode (pass ``"aux"`` for auxiliary peers)."""
+        ``"client"`` or ``"node"`` from the DHT's mode (pass ``"aux"`` for auxiliary peers).
+        ``capture_warnings``: publish the run's ``SwarmHealth`` and progress warnings logged in
+        this process as recent failures (see the module docstring)."""
         if expiration is None:
             expiration = max(60.0, 3 * min_interval)
         if not (math.isfinite(expiration) and expiration > 0):
@@ -139,12 +148,19 @@ class AsyncMetricsPublisher:
             version=swarmtrain.__version__,
         )
         self = cls(dht, run_id, schedule, base, expiration)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._store_loop)
-            try:
-                yield self
-            finally:
-                nursery.cancel_scope.cancel()
+        handler = FailureLogHandler(run_id, self.report_failure) if capture_warnings else None
+        if handler is not None:
+            handler.install()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._store_loop)
+                try:
+                    yield self
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if handler is not None:
+                handler.uninstall()
 
     def report(
         self,
@@ -173,6 +189,20 @@ class AsyncMetricsPublisher:
             self._current = updated
             self._schedule.offer(updated)
             self._reports += 1
+        self._changed.notify_threadsafe()
+
+    def report_failure(self, kind: str, message: str) -> None:
+        """Add a failure or warning (``kind``: lowercase letters, digits, ``_``, e.g. one of
+        :data:`~swarmtrain.monitor.metrics.FAILURE_KINDS`) to the next record; only the newest
+        :data:`~swarmtrain.monitor.metrics.MAX_FAILURES` are kept, ``message`` is cut to
+        :data:`~swarmtrain.monitor.metrics.MAX_FAILURE_MESSAGE` characters. Never blocks;
+        callable from any thread. :raises ValueError: a malformed ``kind``"""
+        now = get_dht_time()
+        with self._lock:
+            self._failures.add(kind, message, now)
+            updated = dataclasses.replace(self._current, failures=self._failures.items())
+            self._current = updated
+            self._schedule.offer(updated)
         self._changed.notify_threadsafe()
 
     def statistics(self) -> MetricsPublisherStatistics:
@@ -260,6 +290,10 @@ class MetricsPublisher(BackgroundService):
     def report(self, **values: Any) -> None:
         """See :meth:`AsyncMetricsPublisher.report`."""
         self._running()[1].report(**values)
+
+    def report_failure(self, kind: str, message: str) -> None:
+        """See :meth:`AsyncMetricsPublisher.report_failure`."""
+        self._running()[1].report_failure(kind, message)
 
     def statistics(self) -> MetricsPublisherStatistics:
         return self._running()[1].statistics()

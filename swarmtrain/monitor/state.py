@@ -3,7 +3,9 @@
 :class:`MonitorState` takes what the DHT returned (``on_runs``, ``on_metrics``,
 ``on_progress``) with the time it was read, and gives a JSON-ready :meth:`snapshot`. Memory is
 bounded: at most ``max_runs`` runs, ``max_peers`` peers per run (the most recently heard),
-``history`` points per run and ``peer_history`` per peer.
+``history`` points per run and ``peer_history`` per peer. A run's snapshot lists the newest
+``max_failures`` failures and warnings of its alive peers (each peer's record carries at most
+:data:`~swarmtrain.monitor.metrics.MAX_FAILURES`, checked by the schema).
 """
 
 from __future__ import annotations
@@ -52,13 +54,16 @@ class MonitorState:
         history: int = 720,
         peer_history: int = 30,
         target_batch_size: int | None = None,
+        max_failures: int = 32,
     ):
-        if min(max_runs, max_peers, history, peer_history) < 1:
-            raise ValueError("max_runs, max_peers, history and peer_history must be positive")
+        if min(max_runs, max_peers, history, peer_history, max_failures) < 1:
+            raise ValueError(
+                "max_runs, max_peers, history, peer_history and max_failures must be positive"
+            )
         if target_batch_size is not None and target_batch_size < 1:
             raise ValueError("target_batch_size must be positive")
         self.max_runs, self.max_peers, self.history = max_runs, max_peers, history
-        self.peer_history = peer_history
+        self.peer_history, self.max_failures = peer_history, max_failures
         self.target_batch_size = target_batch_size
         self._runs: dict[str, _Run] = {}
 
@@ -153,6 +158,23 @@ class MonitorState:
             return epoch, samples, None
         return epoch, samples, max(0.0, self.target_batch_size - samples) / rate
 
+    def failures_of(self, run_id: str) -> list[dict[str, Any]]:
+        """The newest ``max_failures`` failures and warnings of a run's alive peers, newest
+        first: ``{"peer_id", "kind", "message", "time"}`` (plain text: escape it to show it)."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return []
+        found = [
+            (failure, record.peer_id)
+            for record in run.peers.values()
+            for failure in record.failures
+        ]
+        found.sort(key=lambda item: item[0].time, reverse=True)
+        return [
+            {"peer_id": peer_id} | failure.to_dict()
+            for failure, peer_id in found[: self.max_failures]
+        ]
+
     def snapshot(self) -> dict[str, Any]:
         """Everything the dashboard shows, as JSON-ready data."""
         runs = {}
@@ -173,6 +195,7 @@ class MonitorState:
                     "target_batch_size": self.target_batch_size,
                     "eta_seconds": eta[2],
                 },
+                "failures": self.failures_of(run_id),
                 "last_update": None if math.isinf(run.last_update) else run.last_update,
             }
         return {"runs": runs}

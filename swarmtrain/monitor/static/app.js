@@ -80,6 +80,21 @@ function renderRun(runId, run) {
       duration(Math.max(0, now - p.time)) + " ago"].map((c) => el("td", {}, c))));
   }
   section.append(table);
+  // Failures and warnings are text from other peers: el() appends them as text nodes, never
+  // as markup.
+  const failures = run.failures || [];
+  if (failures.length) {
+    const list = el("table", { class: "failures" }, el("tr", {}, ...["when", "peer", "kind",
+      "message"].map((h) => el("th", {}, h))));
+    for (const f of failures) {
+      list.append(el("tr", { class: "failure" },
+        el("td", {}, duration(Math.max(0, now - f.time)) + " ago"),
+        el("td", {}, String(f.peer_id).slice(0, 16) + "…"),
+        el("td", { class: "kind" }, String(f.kind)),
+        el("td", { class: "message" }, String(f.message))));
+    }
+    section.append(el("h3", {}, "Recent failures and warnings"), list);
+  }
   if (ann) {
     const join = [];
     if (ann.command) join.push("join with: " + ann.command);
