@@ -3,8 +3,10 @@ follows one run (or every announced run) and serves a live web dashboard."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
+from contextlib import AsyncExitStack
 
 import trio
 
@@ -15,6 +17,7 @@ from swarmtrain.monitor.sinks import MetricsSink, TensorBoardSink, WandbSink
 from swarmtrain.monitor.state import MonitorState
 from swarmtrain.monitor.watch import watch
 from swarmtrain.p2p import P2PError
+from swarmtrain.p2p.pubsub import PubSub
 
 HELP = "follow a run (or every announced run) and serve a live web dashboard"
 
@@ -47,6 +50,12 @@ def add_arguments(parser) -> None:
         help="also log to TensorBoard (needs tensorboard)",
     )
     add_option(parser, "--wandb_project", default=None, help="also log to wandb (needs wandb)")
+    add_option(
+        parser,
+        "--no_gossip",
+        action="store_true",
+        help="read metrics from the DHT only (default: also follow their gossip)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -67,15 +76,30 @@ async def serve(args, sinks: list[MetricsSink]) -> None:
             DHT.create(
                 initial_peers=args.initial_peers, client_mode=True, swarm_key=args.swarm_key_path
             ) as dht,
-            trio.open_nursery() as nursery,
+            AsyncExitStack() as stack,
         ):
-            port = await nursery.start(server.serve, args.port, args.host)
-            print(f"dashboard at http://{args.host}:{port}/", flush=True)
-            nursery.start_soon(watch, dht, state, server, args.run_id, args.refresh_period, sinks)
-            async for signum in signals:
-                print(f"received {signal.Signals(signum).name}, shutting down", flush=True)
-                break
-            nursery.cancel_scope.cancel()
+            pubsub = None
+            if not args.no_gossip:
+                pubsub = await stack.enter_async_context(PubSub.create(dht.p2p))
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(server.serve, args.port, args.host)
+                print(f"dashboard at http://{args.host}:{port}/", flush=True)
+                nursery.start_soon(
+                    functools.partial(
+                        watch,
+                        dht,
+                        state,
+                        server,
+                        args.run_id,
+                        args.refresh_period,
+                        sinks,
+                        pubsub=pubsub,
+                    )
+                )
+                async for signum in signals:
+                    print(f"received {signal.Signals(signum).name}, shutting down", flush=True)
+                    break
+                nursery.cancel_scope.cancel()
 
 
 def run(args) -> int:

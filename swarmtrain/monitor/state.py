@@ -1,9 +1,11 @@
 """What the monitor knows about the runs it follows, in bounded memory (no I/O, no clock).
 
 :class:`MonitorState` takes what the DHT returned (``on_runs``, ``on_metrics``,
-``on_progress``) with the time it was read, and gives a JSON-ready :meth:`snapshot`. Memory is
-bounded: at most ``max_runs`` runs, ``max_peers`` peers per run (the most recently heard),
-``history`` points per run and ``peer_history`` per peer. A run's snapshot lists the newest
+``on_progress``) with the time it was read, and metrics records that arrived by gossip
+(``on_gossip``: each peer's newest record wins, from either path), and gives a JSON-ready
+:meth:`snapshot`. Memory is bounded: at most ``max_runs`` runs, ``max_peers`` peers per run
+(the most recently heard; as many gossiped records), ``history`` points per run and
+``peer_history`` per peer. A run's snapshot lists the newest
 ``max_failures`` failures and warnings of its alive peers (each peer's record carries at most
 :data:`~swarmtrain.monitor.metrics.MAX_FAILURES`, checked by the schema).
 """
@@ -36,6 +38,7 @@ class _Run:
     history: deque  # (time, mean loss or None, total samples/s, alive peers)
     peers: dict[bytes, LocalMetrics] = field(default_factory=dict)
     peer_history: dict[bytes, deque] = field(default_factory=dict)  # (time, loss, samples/s)
+    gossip: dict[bytes, tuple[LocalMetrics, float]] = field(default_factory=dict)  # + expiration
     progress: list[PeerProgress] = field(default_factory=list)
     announcement: RunAnnouncement | None = None
     last_update: float = -math.inf
@@ -66,6 +69,8 @@ class MonitorState:
         self.peer_history, self.max_failures = peer_history, max_failures
         self.target_batch_size = target_batch_size
         self._runs: dict[str, _Run] = {}
+        self.gossip_received = 0  #: gossiped records that were news
+        self.gossip_rejected = 0  #: gossiped records that failed a check (counted by the caller)
 
     def run_ids(self) -> list[str]:
         return list(self._runs)
@@ -102,12 +107,42 @@ class MonitorState:
                 ):
                     run.announcement = announcement
 
+    def on_gossip(self, run_id: str, owner: bytes, record: LocalMetrics, expiration: float) -> bool:
+        """A record of ``owner`` (a peer id, checked by the caller) that arrived by gossip,
+        valid until ``expiration``; whether it was news. It shows at once if it is newer than
+        what the monitor has of that peer, and counts as alive at the next :meth:`on_metrics`
+        until ``expiration``. At most ``max_peers`` gossiped records per run (the oldest go)."""
+        if run_id not in self._runs:
+            return False
+        run = self._runs[run_id]
+        gossiped = run.gossip.get(owner)
+        for known in (gossiped and gossiped[0], run.peers.get(owner)):
+            if known is not None and known.time >= record.time:
+                return False
+        if owner not in run.gossip and len(run.gossip) >= self.max_peers:
+            oldest = min(run.gossip, key=lambda key: run.gossip[key][0].time)
+            if run.gossip[oldest][0].time >= record.time:
+                return False
+            del run.gossip[oldest]
+        run.gossip[owner] = (record, expiration)
+        if owner in run.peers or len(run.peers) < self.max_peers:
+            run.peers[owner] = record
+        self.gossip_received += 1
+        return True
+
     def on_metrics(self, run_id: str, metrics: Mapping[bytes, LocalMetrics], now: float) -> None:
-        """A run's metrics as read at ``now``: the peers in it are the alive ones."""
+        """A run's metrics as read at ``now`` (merged with live gossiped records, the newest
+        record of each peer wins): the peers in it are the alive ones."""
         if not self.follow(run_id):
             return
         run = self._runs[run_id]
-        newest = sorted(metrics.items(), key=lambda item: item[1].time, reverse=True)
+        merged = dict(metrics)
+        for owner, (record, expiration) in list(run.gossip.items()):
+            if expiration <= now:
+                del run.gossip[owner]
+            elif owner not in merged or merged[owner].time < record.time:
+                merged[owner] = record
+        newest = sorted(merged.items(), key=lambda item: item[1].time, reverse=True)
         run.peers = dict(newest[: self.max_peers])
         for owner in list(run.peer_history):
             if owner not in run.peers:
@@ -198,7 +233,8 @@ class MonitorState:
                 "failures": self.failures_of(run_id),
                 "last_update": None if math.isinf(run.last_update) else run.last_update,
             }
-        return {"runs": runs}
+        gossip = {"received": self.gossip_received, "rejected": self.gossip_rejected}
+        return {"runs": runs, "gossip": gossip}
 
 
 def _announcement(run: RunAnnouncement | None) -> dict[str, Any] | None:
