@@ -11,8 +11,10 @@ from contextlib import AsyncExitStack
 import trio
 
 from swarmtrain.cli.options import add_option
+from swarmtrain.cli.runs import load_known_runs
 from swarmtrain.dht import DHT
 from swarmtrain.monitor.http import DashboardServer
+from swarmtrain.monitor.run_trust import RunTrust
 from swarmtrain.monitor.sinks import MetricsSink, TensorBoardSink, WandbSink
 from swarmtrain.monitor.state import MonitorState
 from swarmtrain.monitor.watch import watch
@@ -52,6 +54,12 @@ def add_arguments(parser) -> None:
     add_option(parser, "--wandb_project", default=None, help="also log to wandb (needs wandb)")
     add_option(
         parser,
+        "--known_runs",
+        default=None,
+        help="JSON file of run owner keys ({run_id: key}, as `swarmtrain runs` keeps it)",
+    )
+    add_option(
+        parser,
         "--no_gossip",
         action="store_true",
         help="read metrics from the DHT only (default: also follow their gossip)",
@@ -69,7 +77,9 @@ def make_sinks(args) -> list[MetricsSink]:
 
 
 async def serve(args, sinks: list[MetricsSink]) -> None:
-    state = MonitorState(target_batch_size=args.target_batch_size)
+    state = MonitorState(
+        target_batch_size=args.target_batch_size, trust=RunTrust(load_known_runs(args.known_runs))
+    )
     server = DashboardServer()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with (

@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .metrics import LocalMetrics
+from .run_trust import OWNER, UNSIGNED, RunTrust
 from .runs import RunAnnouncement
 
 __all__ = ["MonitorState", "PeerProgress"]
+
+MAX_OTHER_ANNOUNCERS = 8  #: other announcers of a run_id listed in a snapshot
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class _Run:
     gossip: dict[bytes, tuple[LocalMetrics, float]] = field(default_factory=dict)  # + expiration
     progress: list[PeerProgress] = field(default_factory=list)
     announcement: RunAnnouncement | None = None
+    trust: str = UNSIGNED  # the shown announcement's verdict (``run_trust``)
+    others: list = field(default_factory=list)  # (announcement, verdict) of the other announcers
     last_update: float = -math.inf
     points: int = 0  # points ever appended to history
 
@@ -58,6 +63,7 @@ class MonitorState:
         peer_history: int = 30,
         target_batch_size: int | None = None,
         max_failures: int = 32,
+        trust: RunTrust | None = None,
     ):
         if min(max_runs, max_peers, history, peer_history, max_failures) < 1:
             raise ValueError(
@@ -69,6 +75,7 @@ class MonitorState:
         self.peer_history, self.max_failures = peer_history, max_failures
         self.target_batch_size = target_batch_size
         self._runs: dict[str, _Run] = {}
+        self.trust = RunTrust() if trust is None else trust  #: owner keys pinned so far
         self.gossip_received = 0  #: gossiped records that were news
         self.gossip_rejected = 0  #: gossiped records that failed a check (counted by the caller)
 
@@ -87,25 +94,49 @@ class MonitorState:
     def on_runs(self, announcements: Iterable[RunAnnouncement]) -> None:
         """The run directory as read: follow new runs (up to ``max_runs``), keep their details.
 
-        A run's details come from the first peer seen announcing it, as long as that peer
-        still announces it: another peer announcing the same ``run_id`` later (an impostor
-        pointing volunteers at its own bootstrap peers) does not replace them. Among several
-        new announcers, one that is among the run's own initial peers is preferred."""
-        listed = sorted(announcements, key=lambda a: not a.announced_by_initial_peer)
-        still_announced = {(a.run_id, a.announcer) for a in listed}
-        for announcement in listed:
-            if self.follow(announcement.run_id):
-                run = self._runs[announcement.run_id]
+        Trust (:class:`~swarmtrain.monitor.run_trust.RunTrust`): a ``run_id`` whose owner key
+        is pinned shows its newest announcement signed by that key, and lists every other
+        announcer of it as an impostor. Without a pin, a run's details come from the first peer
+        seen announcing it, as long as that peer still announces it: another peer announcing
+        the same ``run_id`` later does not replace them; among several new announcers, one
+        that is among the run's own initial peers is preferred."""
+        classified = self.trust.classify(announcements)
+        classified.sort(key=lambda item: not item[0].announced_by_initial_peer)
+        still_announced = {(a.run_id, a.announcer) for a, _ in classified}
+        by_run: dict[str, list[tuple[RunAnnouncement, str]]] = {}
+        for announcement, verdict in classified:
+            by_run.setdefault(announcement.run_id, []).append((announcement, verdict))
+        for run_id, listed in by_run.items():
+            if not self.follow(run_id):
+                continue
+            run = self._runs[run_id]
+            owned = [a for a, verdict in listed if verdict == OWNER]
+            if owned:
+                shown, run.trust = max(owned, key=lambda a: a.time), OWNER
+            elif self.trust.pinned(run_id) is not None:
+                shown, run.trust = None, OWNER  # only impostors announce it now
+            else:
                 current = run.announcement
-                if (
-                    current is None
-                    or (announcement.run_id, current.announcer) not in still_announced
-                    or (
-                        announcement.announcer == current.announcer
-                        and announcement.time >= current.time
-                    )
-                ):
-                    run.announcement = announcement
+                shown = current
+                for announcement, _ in listed:
+                    if (
+                        shown is None
+                        or (run_id, shown.announcer) not in still_announced
+                        or (
+                            announcement.announcer == shown.announcer
+                            and announcement.time >= shown.time
+                        )
+                    ):
+                        shown = announcement
+                run.trust = dict((a.announcer, v) for a, v in listed).get(
+                    shown.announcer if shown else "", UNSIGNED
+                )
+            run.announcement = shown
+            run.others = [
+                (a, verdict)
+                for a, verdict in listed
+                if shown is None or a.announcer != shown.announcer
+            ][:MAX_OTHER_ANNOUNCERS]
 
     def on_gossip(self, run_id: str, owner: bytes, record: LocalMetrics, expiration: float) -> bool:
         """A record of ``owner`` (a peer id, checked by the caller) that arrived by gossip,
@@ -216,7 +247,8 @@ class MonitorState:
         for run_id, run in self._runs.items():
             eta = self.eta(run_id)
             runs[run_id] = {
-                "announcement": _announcement(run.announcement),
+                "announcement": _announcement(run.announcement, run.trust),
+                "other_announcers": [_announcement(a, verdict) for a, verdict in run.others],
                 "history": [list(point) for point in run.history],
                 "peers": [
                     record.to_dict()
@@ -237,7 +269,12 @@ class MonitorState:
         return {"runs": runs, "gossip": gossip}
 
 
-def _announcement(run: RunAnnouncement | None) -> dict[str, Any] | None:
+def _announcement(run: RunAnnouncement | None, trust: str) -> dict[str, Any] | None:
     if run is None:
         return None
-    return run.to_dict() | {"announcer": run.announcer}
+    return run.to_dict() | {
+        "announcer": run.announcer,
+        "announced_by_initial_peer": run.announced_by_initial_peer,
+        "owner_key": run.owner_key,
+        "trust": trust,
+    }

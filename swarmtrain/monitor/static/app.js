@@ -102,8 +102,29 @@ function renderRun(runId, run) {
     if (ann.requirements) join.push("requirements: " + ann.requirements);
     if (ann.model) join.push("model: " + ann.model);
     if (ann.private) join.push("private run: ask the organisers for the swarm key");
-    if (ann.announcer) join.push("announced by peer " + ann.announcer);
+    if (ann.announcer) join.push("announced by peer " + ann.announcer +
+      (ann.announced_by_initial_peer ? " (one of its initial peers)" : " (not an initial peer)"));
     if (join.length) section.append(el("h3", {}, "How to join"), el("div", { class: "join" }, join.join("\n")));
+  }
+  const trustText = {
+    owner: "signed by the run's owner key ",
+    unsigned: "unsigned announcement: anyone can announce this run_id; check the bootstrap address with the organisers",
+    conflict: "UNTRUSTED: several owner keys claim this run_id; ask the organisers for theirs",
+    impostor: "UNTRUSTED: not signed by this run_id's owner key",
+  };
+  if (ann) {
+    const text = (trustText[ann.trust] || "") + (ann.trust === "owner" ? ann.owner_key : "");
+    section.append(el("p", { class: "trust trust-" + ann.trust }, text));
+  }
+  const others = run.other_announcers || [];
+  if (others.length) {
+    const list = el("ul", { class: "others" });
+    for (const o of others) {
+      list.append(el("li", { class: "announcer trust-" + o.trust }, "peer " + o.announcer + ": " +
+        (trustText[o.trust] || o.trust) + (o.trust === "owner" ? o.owner_key : "") +
+        (o.initial_peers && o.initial_peers.length ? " — points to " + o.initial_peers.join(" ") : "")));
+    }
+    section.append(el("h3", {}, "Other announcers of this run_id"), list);
   }
   return section;
 }
