@@ -1,5 +1,7 @@
 """``swarmtrain monitor --initial_peers ... [--run_id RUN] [--port 8080]``: a DHT client that
-follows one run (or every announced run) and serves a live web dashboard."""
+follows one run (or every announced run) and serves a live web dashboard. With
+``--checkpoint_dir DIR`` it also saves the run's shared state there every ``--checkpoint_every``
+seconds (:mod:`swarmtrain.monitor.checkpoints`), keeping the newest ``--checkpoint_keep``."""
 
 from __future__ import annotations
 
@@ -54,6 +56,32 @@ def add_arguments(parser) -> None:
     add_option(parser, "--wandb_project", default=None, help="also log to wandb (needs wandb)")
     add_option(
         parser,
+        "--checkpoint_dir",
+        default=None,
+        help="save the run's shared state here (needs --run_id; a non-training client)",
+    )
+    add_option(
+        parser,
+        "--checkpoint_every",
+        type=float,
+        default=600.0,
+        help="seconds between checkpoints (default 600)",
+    )
+    add_option(
+        parser,
+        "--checkpoint_keep",
+        type=int,
+        default=3,
+        help="checkpoints kept, the newest (default 3)",
+    )
+    add_option(
+        parser,
+        "--state_prefix",
+        default=None,
+        help="the averager whose state is saved (default RUN_ID_state_averager, the Optimizer's)",
+    )
+    add_option(
+        parser,
         "--known_runs",
         default=None,
         help="JSON file of run owner keys ({run_id: key}, as `swarmtrain runs` keeps it)",
@@ -94,6 +122,21 @@ async def serve(args, sinks: list[MetricsSink]) -> None:
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(server.serve, args.port, args.host)
                 print(f"dashboard at http://{args.host}:{port}/", flush=True)
+                if args.checkpoint_dir is not None:
+                    from swarmtrain.monitor.checkpoints import checkpoint_loop  # imports torch
+
+                    await nursery.start(
+                        functools.partial(
+                            checkpoint_loop,
+                            dht,
+                            args.run_id,
+                            args.checkpoint_dir,
+                            every=args.checkpoint_every,
+                            keep=args.checkpoint_keep,
+                            prefix=args.state_prefix,
+                            on_saved=lambda path: print(f"saved checkpoint {path}", flush=True),
+                        )
+                    )
                 nursery.start_soon(
                     functools.partial(
                         watch,
@@ -117,6 +160,15 @@ def run(args) -> int:
         raise SystemExit("swarmtrain monitor: --initial_peers is required (a peer of the run)")
     if not args.refresh_period > 0:
         raise SystemExit("swarmtrain monitor: --refresh_period must be positive")
+    if args.checkpoint_dir is not None:
+        if args.run_id is None:
+            raise SystemExit(
+                "swarmtrain monitor: --checkpoint_dir needs --run_id (the run to save)"
+            )
+        if not (args.checkpoint_every > 0 and args.checkpoint_keep >= 1):
+            raise SystemExit(
+                "swarmtrain monitor: --checkpoint_every must be positive, --checkpoint_keep >= 1"
+            )
     try:
         sinks = make_sinks(args)
     except ImportError as e:
