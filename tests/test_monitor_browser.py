@@ -17,7 +17,7 @@ from test_monitor_dashboard import open_dhts, serving
 
 from swarmtrain.monitor import AsyncMetricsPublisher
 from swarmtrain.monitor.http import DashboardServer
-from swarmtrain.monitor.runs import AsyncRunAnnouncer, RunAnnouncement
+from swarmtrain.monitor.runs import AsyncRunAnnouncer, RunAnnouncement, generate_owner_key
 from swarmtrain.monitor.state import MonitorState
 from swarmtrain.monitor.watch import watch
 
@@ -62,7 +62,9 @@ async def test_dashboard_renders_the_peers_in_headless_chromium(tmp_path):
             )
             for dht in trainers
         ]
-        await stack.enter_async_context(AsyncRunAnnouncer.create(trainers[0], announcement))
+        await stack.enter_async_context(
+            AsyncRunAnnouncer.create(trainers[0], announcement, owner_key=generate_owner_key())
+        )
         state = MonitorState()
         server = DashboardServer()
         async with serving(server) as base, trio.open_nursery() as nursery:
@@ -85,6 +87,7 @@ async def test_dashboard_renders_the_peers_in_headless_chromium(tmp_path):
             assert dom.count('<tr class="peer">') == 2, dom
             assert "tiny transformer on the stdlib" in dom and "How to join" in dom
             assert "<polyline" in dom  # the charts were drawn
+            assert 'class="trust trust-owner"' in dom and "signed by the run's owner key" in dom
             screenshot = await trio.Path(
                 os.environ.get("SWARMTRAIN_SCREENSHOT") or tmp_path / "monitor.png"
             ).absolute()

@@ -167,28 +167,35 @@ def test_decoding_refuses_expired_and_unsigned_records():
 
 def test_the_monitor_command_follows_metrics_gossip():
     """A real ``swarmtrain monitor`` subprocess (gossip on by default) counts the records a
-    trainer gossips."""
+    running trainer gossips. (The trainer's ``PubSub`` runs before the monitor connects, as a
+    trainer's tracker does from its start; a ``PubSub`` started on a peer already connected to
+    the monitor was seen, about 1 run in 10, never to learn the monitor's subscription: a
+    ``p2p.pubsub`` race, reported, not handled here.)"""
     trainer = DHT(**FAST_DHT)
     proc = None
+    started, done = threading.Event(), threading.Event()
 
     async def publish_for_a_while(dht, _):
         async with (
             PubSub.create(dht.p2p) as pubsub,
             AsyncMetricsPublisher.create(dht, "gossip_run", min_interval=0.2, pubsub=pubsub) as p,
         ):
-            with trio.move_on_after(60):
-                for step in range(1000):
+            started.set()
+            with trio.move_on_after(90):
+                for step in range(10000):
                     p.report(loss=1.0, step=step)
                     await trio.sleep(0.2)
                     if done.is_set():
                         return
 
-    done = threading.Event()
     try:
-        proc, base = start_monitor(trainer.get_visible_maddrs()[0], "--run_id", "gossip_run")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             running = pool.submit(trainer.run_coroutine, publish_for_a_while)
             try:
+                assert started.wait(30)
+                proc, base = start_monitor(
+                    trainer.get_visible_maddrs()[0], "--run_id", "gossip_run"
+                )
                 state = first_event(
                     base + "/events", lambda s: s.get("gossip", {}).get("received", 0) >= 2, 40
                 )
