@@ -65,6 +65,10 @@ async def test_dashboard_renders_the_peers_in_headless_chromium(tmp_path):
         await stack.enter_async_context(
             AsyncRunAnnouncer.create(trainers[0], announcement, owner_key=generate_owner_key())
         )
+        publishers[1].report_failure(
+            "state_download_failed",
+            "3 state downloads from peers failed in a row (last: no donor answered in time)",
+        )
         state = MonitorState()
         server = DashboardServer()
         async with serving(server) as base, trio.open_nursery() as nursery:
@@ -87,6 +91,7 @@ async def test_dashboard_renders_the_peers_in_headless_chromium(tmp_path):
             assert dom.count('<tr class="peer">') == 2, dom
             assert "tiny transformer on the stdlib" in dom and "How to join" in dom
             assert "<polyline" in dom  # the charts were drawn
+            assert '<td class="kind">state_download_failed</td>' in dom
             assert 'class="trust trust-owner"' in dom and "signed by the run's owner key" in dom
             screenshot = await trio.Path(
                 os.environ.get("SWARMTRAIN_SCREENSHOT") or tmp_path / "monitor.png"
