@@ -100,6 +100,19 @@ def test_warnings_of_swarm_health_and_the_tracker_are_recognised_by_run():
     assert failure_from_log_record(plain, "run") is None
 
 
+def test_a_snapshot_lists_the_newest_failures_of_the_run_once():
+    state = MonitorState(max_failures=5)
+    full = [RecentFailure("lone_peer", "m" * MAX_FAILURE_MESSAGE, float(t)) for t in range(8)]
+    state.on_metrics(
+        "run",
+        {b"p%d" % i: record(peer_id=f"p{i}", failures=full[i % 3 :]) for i in range(100)},
+        1.0,
+    )
+    run = state.snapshot()["runs"]["run"]
+    assert [f["time"] for f in run["failures"]] == [7.0] * 5  # the newest 5 of all peers
+    assert {p["failures"] for p in run["peers"]} == {8, 7, 6}  # per peer: only a count
+
+
 # ---------------------------------------------------------------- real peers
 
 

@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 MAX_GOSSIP_HORIZON = 600.0  #: a gossiped record may expire at most this many seconds from now
 MAX_GOSSIP_VALUE = 16384  #: bytes of a gossiped metrics value (a full record is ~3 KiB)
+#: messages buffered per followed run before the oldest are dropped (times the pubsub's
+#: ``max_message_size``, 256 KiB, bounds the memory a flood can take)
+GOSSIP_BUFFER = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +124,9 @@ async def follow_metrics_gossip(
 
     add_metrics_validators(dht)
     validator = dht.node.record_validator
-    subscription = await pubsub.subscribe(metrics_key(run_id), protobuf_type=ProgressRecord)
+    subscription = await pubsub.subscribe(
+        metrics_key(run_id), protobuf_type=ProgressRecord, buffer_size=GOSSIP_BUFFER
+    )
     async with subscription:
         try:
             async for message in subscription:

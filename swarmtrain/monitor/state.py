@@ -250,8 +250,8 @@ class MonitorState:
                 "announcement": _announcement(run.announcement, run.trust),
                 "other_announcers": [_announcement(a, verdict) for a, verdict in run.others],
                 "history": [list(point) for point in run.history],
-                "peers": [
-                    record.to_dict()
+                "peers": [  # their failures are listed once, under "failures"
+                    record.to_dict() | {"failures": len(record.failures)}
                     for record in sorted(run.peers.values(), key=lambda r: r.peer_id)
                 ],
                 "progress": None
