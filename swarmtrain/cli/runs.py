@@ -12,6 +12,7 @@ import os
 import re
 import sys
 from collections import Counter
+from typing import Any
 
 import trio
 
@@ -81,12 +82,11 @@ _CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
 def describe(run: RunAnnouncement, now: float, announcers: int = 1) -> list[str]:
     """The lines printed for one run (``announcers``: how many peers announce its ``run_id``).
     Control characters in the announcement (terminal escapes) are printed as ``?``."""
-    run = RunAnnouncement(
-        **{
-            key: _CONTROL.sub("?", value) if isinstance(value, str) else value
-            for key, value in (run.to_dict() | {"announcer": run.announcer}).items()
-        }
-    )
+    fields: dict[str, Any] = {
+        key: _CONTROL.sub("?", value) if isinstance(value, str) else value
+        for key, value in (run.to_dict() | {"announcer": run.announcer}).items()
+    }
+    run = RunAnnouncement(**fields)
     title = f"{run.run_id}" + (f" ({run.name})" if run.name else "")
     lines = [f"{title}  [announced {max(0.0, now - run.time):.0f} s ago]"]
     vouch = "one of its initial peers" if run.announced_by_initial_peer else "not an initial peer"
