@@ -351,7 +351,8 @@ class StateSharing:
 
         :param donors: only these peers (of those that declared they share their state)
         :param check: validates the metadata and returns every tensor's spec (raising
-          ``StateRejected``); without it any shapes and dtypes are taken (NaN / inf never)
+          ``StateRejected``); without it, or if it returns None, any shapes and dtypes are
+          taken (NaN / inf never)
         """
         self.last_failure = None
         found = await self.find_donors()
@@ -535,7 +536,8 @@ class StateSharing:
 def _decode_and_check(data: bytes, check: StateCheck | None) -> tuple[Any, Any]:
     """(metadata, tensor specs or None); runs in a worker thread (both are bounded work)."""
     metadata = _decode_metadata(data)
-    return metadata, (None if check is None else list(check(metadata)))
+    specs = None if check is None else check(metadata)
+    return metadata, (None if specs is None else list(specs))
 
 
 async def _next_or_none(iterator):
