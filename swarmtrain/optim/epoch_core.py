@@ -10,6 +10,7 @@ step the optimizer, average the state, load the state, move to an epoch, warn).
 One step of a peer, in the order the shell asks::
 
     is_behind(local, swarm)      -> bool          a peer behind loads the state instead (1)
+    catch_up_due(now)            -> bool          ... unless a failed catch-up backs off
     batch_check(has_scaler)      -> BatchCheck    how to check this batch's gradients
     on_batch(check, finite)      -> SkipBatch | AccumulateBatch
     on_progress(local, p, now)   -> StepPlan      schedule the round? end the epoch?
@@ -56,7 +57,9 @@ no GradScaler               per batch: a non-finite batch is skipped with a warn
 
 (1) Behind (``swarmtrain.optim._epoch_sync``): two or more epochs behind, or one epoch behind in
 an epoch the swarm had already left when this peer entered it; an auxiliary peer only when two
-or more epochs behind (it catches up by itself when it misses a round).
+or more epochs behind (it catches up by itself when it misses a round). A catch-up that leaves
+the peer behind is retried after a back-off (1 s, doubling up to 60 s: ``CatchUpBackoff``); the
+steps in between skip their batch (``catch_ups_backed_off``).
 
 The epoch ends when the swarm is ahead of us, reached ``target_batch_size``, or its ETA passed;
 the gradient round's matchmaking is scheduled once the ETA is within ``matchmaking_time`` and
@@ -71,7 +74,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Union
 
-from swarmtrain.optim._epoch_sync import EpochSync
+from swarmtrain.optim._epoch_sync import CatchUpBackoff, EpochSync
 from swarmtrain.optim.progress_core import GlobalProgress
 
 __all__ = [
@@ -271,6 +274,8 @@ class EpochCoreStatistics:
     epochs_adopted: int
     epochs_entered: int
     epochs_entered_without_state: int
+    catch_ups_failed: int = 0  #: catch-ups that left this peer behind
+    catch_ups_backed_off: int = 0  #: steps behind that waited for the back-off, no attempt
 
 
 EpochEndDecision = Union[AuxiliaryCatchUp, FinishEpoch]
@@ -282,6 +287,8 @@ class EpochCore:
     def __init__(self, modes: EpochModes):
         self.modes = modes
         self._sync = EpochSync()
+        self._backoff = CatchUpBackoff()
+        self._retry_in = 0.0
         self._plan: RoundPlan | None = None  # the epoch end in progress
         self._counts = dict.fromkeys(EpochCoreStatistics.__dataclass_fields__, 0)
 
@@ -302,8 +309,20 @@ class EpochCore:
         """Whether this peer must catch up (load the state) before this step's batch; call it
         at every step (the first call in an epoch is remembered, ``_epoch_sync``)."""
         if self.modes.auxiliary:
-            return local_epoch < swarm_epoch - 1
-        return self._sync.must_catch_up(local_epoch, swarm_epoch)
+            behind = local_epoch < swarm_epoch - 1
+        else:
+            behind = self._sync.must_catch_up(local_epoch, swarm_epoch)
+        if not behind:
+            self._backoff.reset()
+        return behind
+
+    def catch_up_due(self, now: float) -> bool:
+        """Whether a peer behind tries to catch up now (False: a failed catch-up backs off;
+        skip this step's batch without trying or warning). ``now``: a monotonic clock."""
+        if self._backoff.due(now):
+            return True
+        self._counts["catch_ups_backed_off"] += 1
+        return False
 
     def batch_check(self, has_scaler: bool) -> BatchCheck:
         if not has_scaler:
@@ -429,20 +448,33 @@ class EpochCore:
     def after_load(self, loaded_epoch: int, swarm_epoch: int) -> EnterEpoch:
         """A state was loaded at ``loaded_epoch``: the epoch to enter (the swarm's, if the
         donor was one epoch behind it: it was about to move on)."""
+        self._backoff.reset()
         self._counts["epochs_entered"] += 1
         epoch = swarm_epoch if swarm_epoch - 1 <= loaded_epoch < swarm_epoch else loaded_epoch
         return EnterEpoch(epoch, own_state=False)
 
+    @property
+    def retry_in(self) -> float:
+        """Seconds the last failed catch-up backs off before the next attempt."""
+        return self._retry_in
+
     def after_failed_catch_up(
-        self, local_epoch: int, swarm_epoch: int, no_donor: bool
+        self, local_epoch: int, swarm_epoch: int, no_donor: bool, *, now: float
     ) -> EnterEpoch | None:
         """A peer behind could not load the state (``no_donor``: no peer shares one at all):
         take the swarm's epoch with our own state when the swarm is one epoch ahead or nobody
-        can serve, rather than stay behind and never average gradients again."""
-        if self.modes.auxiliary or not (swarm_epoch == local_epoch + 1 or no_donor):
+        can serve, rather than stay behind and never average gradients again. None: it stays
+        behind, and its next attempt waits for the back-off (:meth:`retry_in` says how long;
+        ``now``: the monotonic clock of :meth:`catch_up_due`)."""
+        if (
+            self.modes.auxiliary
+            or not (swarm_epoch == local_epoch + 1 or no_donor)
+            or swarm_epoch <= local_epoch
+        ):
+            self._counts["catch_ups_failed"] += 1
+            self._retry_in = self._backoff.failed(now)
             return None
-        if swarm_epoch <= local_epoch:
-            return None
+        self._backoff.reset()
         self._counts["epochs_entered"] += 1
         self._counts["epochs_entered_without_state"] += 1
         return EnterEpoch(swarm_epoch, own_state=True)
