@@ -258,7 +258,7 @@ def test_a_peer_whose_catch_ups_fail_backs_off_instead_of_retrying_every_step(mo
     assert _catch_up_attempts(core, 3, 300.0, no_donor=False)[:3] == [63.0, 123.0, 183.0]
 
 
-def test_a_load_or_no_longer_being_behind_ends_the_back_off():
+def test_a_load_or_an_epoch_end_ends_the_back_off():
     core = EpochCore(MODES["offload"])
     assert core.is_behind(0, 3) and core.catch_up_due(0.0)
     assert core.after_failed_catch_up(0, 3, no_donor=False, now=0.0) is None
@@ -267,8 +267,27 @@ def test_a_load_or_no_longer_being_behind_ends_the_back_off():
     assert core.catch_up_due(0.5)
     assert core.after_failed_catch_up(3, 6, no_donor=False, now=1.0) is None
     assert not core.catch_up_due(1.5)
-    assert not core.is_behind(6, 6)  # it got there another way (a state round's epoch)
+    core.on_epoch_finished(3, [6])  # it got there another way (a state round's epoch)
     assert core.catch_up_due(1.5)
+
+
+def test_an_auxiliary_peer_whose_catch_up_fails_stays_in_its_epoch_while_donors_exist():
+    core = EpochCore(MODES["auxiliary"])
+    # a donor exists but its state could not be loaded: stay, try again after the back-off
+    assert core.after_failed_auxiliary_catch_up(4, no_donor=False, now=10.0) is None
+    assert core.retry_in == 1.0 and not core.catch_up_due(10.5) and core.catch_up_due(11.0)
+    assert core.after_failed_auxiliary_catch_up(4, no_donor=False, now=11.0) is None
+    assert core.retry_in == 2.0
+    # nobody can serve a state: move on with its own
+    assert core.after_failed_auxiliary_catch_up(4, no_donor=True, now=12.0) == EnterEpoch(
+        5, own_state=True
+    )
+    assert core.catch_up_due(12.0)
+    stats = core.statistics()
+    assert (stats.catch_ups_failed, stats.epochs_entered_without_state) == (2, 1)
+    # once the swarm left its epoch, only a state after that epoch's step will do
+    assert core.auxiliary_catch_up_epoch(4, 5) == 5
+    assert core.auxiliary_catch_up_epoch(4, 4) == 4
 
 
 def test_a_state_group_in_a_later_epoch_takes_us_there():

@@ -89,26 +89,42 @@ def test_modes_train_together(dhts, mode):  # noqa: F811
 
 
 def test_auxiliary_peer_keeps_up_and_serves_state(dhts):  # noqa: F811
+    """An auxiliary peer that missed an epoch's gradients catches up by loading the state after
+    that epoch's step, then steps on the same averaged gradients: it holds a trainer's state.
+    (No state rounds here: only gradient rounds and loads change the models, so whichever
+    rounds fail under load, the auxiliary peer's model is one of the trainers'.)"""
+    opts = {**MOMENTUM_SGD, "average_state_every": 1000}
     first, second, aux_dht = dhts(3)
-    trainers = [Peer(first, 0, **MOMENTUM_SGD), Peer(second, 1, **MOMENTUM_SGD)]
-    aux = Peer(aux_dht, 2, seed=7, auxiliary=True, batch_size_per_step=None, **MOMENTUM_SGD)
-    initial_gap = max_gap(params_of(aux.model), params_of(trainers[0].model))
-    newcomer = None
+    trainers = [Peer(first, 0, **opts), Peer(second, 1, **opts)]
+    aux = newcomer = None
     done = threading.Event()
-
-    def run_aux() -> None:
-        while not done.is_set():
-            aux.opt.step()
-            time.sleep(0.05)
-
     try:
+        in_threads(*(lambda p=p: p.train_until(1) for p in trainers))
+        land(trainers)
+        at_epoch_1 = [params_of(t.model) for t in trainers]
+
+        # It joins in epoch 0, which the swarm has left: its first epoch end is a catch-up.
+        aux = Peer(aux_dht, 2, seed=7, auxiliary=True, batch_size_per_step=None, **opts)
         with pytest.raises(ValueError, match="auxiliary"):
             aux.opt.step(batch_size=4)
+        deadline = time.monotonic() + 20
+        while aux.opt.local_epoch < 1:
+            assert time.monotonic() < deadline, "the auxiliary peer did not catch up"
+            aux.opt.step()
+            time.sleep(0.05)
+        assert aux.opt.local_epoch == 1
+        assert any(same_params(params_of(aux.model), state) for state in at_epoch_1)
+
+        def run_aux() -> None:
+            while not done.is_set():
+                aux.opt.step()
+                time.sleep(0.05)
+
         aux_thread = threading.Thread(target=run_aux)
         aux_thread.start()
         try:
             in_threads(*(lambda p=p: p.train_until(2) for p in trainers))
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 20  # a failed round: it catches up after the swarm
             while aux.opt.local_epoch < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
@@ -116,22 +132,23 @@ def test_auxiliary_peer_keeps_up_and_serves_state(dhts):  # noqa: F811
             aux_thread.join(30)
         land([*trainers, aux])
         assert aux.opt.local_epoch == 2
-        assert aux.opt.epochs_averaged >= 1  # it took part in gradient rounds
+        assert aux.opt._epoch_core.statistics().epochs_entered_without_state == 0
         assert aux.opt.grad_averager is not None and aux.opt.grad_averager.mode.name == "NODE"
-        gap = max_gap(params_of(aux.model), params_of(trainers[0].model))
-        if all(p.opt.epochs_alone == 0 for p in [*trainers, aux]):
-            assert gap < 1e-3  # it stepped on the same averaged gradients
-        else:  # a loaded machine made a round fail (logged): it still follows the swarm
-            assert gap < 0.5 * initial_gap
+        # the same averaged gradients as the trainers of its round, or a trainer's loaded state
+        assert min(max_gap(params_of(aux.model), params_of(t.model)) for t in trainers) < 1e-3
 
         for peer in trainers:  # the aux peer is now the only donor
             peer.opt.shutdown()
-        newcomer = Peer(dhts(1)[0], 0, seed=123, **MOMENTUM_SGD)
+        newcomer = Peer(dhts(1)[0], 0, seed=123, **opts)
         assert newcomer.opt.load_state_from_peers()
         assert newcomer.opt.local_epoch == 2
         assert_same_params(params_of(newcomer.model), params_of(aux.model))
     finally:
-        shutdown([*trainers, aux, *([newcomer] if newcomer else [])])
+        shutdown([*trainers, *(p for p in (aux, newcomer) if p is not None)])
+
+
+def same_params(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_client_mode_peer_trains_with_a_normal_one(dhts):  # noqa: F811

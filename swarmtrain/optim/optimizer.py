@@ -628,6 +628,11 @@ class Optimizer(EpochUpdates):
         a peer, retrying until ``timeout`` (default ``load_state_timeout``) while some peer
         declares a state to share; returns False at once when none does (a lone first peer).
         The accumulated gradients are dropped. Returns whether a state was loaded."""
+        return self._load_state(timeout)
+
+    def _load_state(self, timeout: float | None, min_epoch: int | None = None) -> bool:
+        """:meth:`load_state_from_peers`; ``min_epoch``: skip donors whose state is older
+        (they are retried until ``timeout``)."""
         timeout = self.load_state_timeout if timeout is None else timeout
         check_positive("timeout", timeout)
         state_averager, tracker = self._state_averager, self._tracker
@@ -644,7 +649,7 @@ class Optimizer(EpochUpdates):
                 break
             try:
                 loaded = state_averager.load_state_from_peers(
-                    timeout=remaining, swarm_epoch=self._vouched_epoch()
+                    timeout=remaining, swarm_epoch=self._vouched_epoch(), min_epoch=min_epoch
                 )
             except Exception as e:
                 detail = repr(e)
