@@ -4,6 +4,7 @@ steps, reuse_grad_buffers, auxiliary and client-mode peers, a peer killed mid-tr
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -253,3 +254,37 @@ def test_power_sgd_averager_plugs_in_with_delays(dhts):  # noqa: F811
         assert full_loss(peers[0].model) < 0.7 * initial_loss
     finally:
         shutdown(peers)
+
+
+def test_a_peer_behind_whose_catch_ups_fail_backs_off(dhts, caplog):  # noqa: F811
+    """An auxiliary peer two epochs behind a swarm whose states it cannot take (the trainers'
+    lr is beyond what it accepts: every donor is rejected) tries to catch up after 1, 2, 4 ...
+    s, not at every step (nor warns at each)."""
+    first, second, aux_dht = dhts(3)
+    trainers = [Peer(dht, i, **MOMENTUM_SGD) for i, dht in enumerate((first, second))]
+    aux = None
+    try:
+        in_threads(*(lambda p=p: p.train_until(2) for p in trainers))
+        small_lr = {"optimizer": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.5)}
+        aux = Peer(aux_dht, 2, auxiliary=True, batch_size_per_step=None, **small_lr)
+        deadline = time.monotonic() + 20
+        while aux.opt.tracker.global_epoch < 2:  # the trainers' progress arrives
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="swarmtrain.optim.optimizer"):
+            aux.opt.step()  # the first try: both donors rejected (and banned)
+            first_try = time.monotonic()
+            steps = 1
+            while time.monotonic() < first_try + 3.5:
+                aux.opt.step()
+                steps += 1
+                time.sleep(0.01)
+        behind = [r for r in caplog.records if "is behind the swarm" in r.getMessage()]
+        stats = aux.opt._epoch_core.statistics()
+        # tries at 0, >= 1 and >= 3 s: at most 3 in 3.5 s, however slow each step is
+        assert 1 <= len(behind) == stats.catch_ups_failed <= 3, [r.getMessage() for r in behind]
+        assert stats.catch_ups_backed_off == steps - len(behind) >= 10
+        assert aux.opt.local_epoch == 0  # (it waits for a donor; it never takes an epoch)
+    finally:
+        shutdown([*trainers, *([aux] if aux is not None else [])])
