@@ -57,6 +57,7 @@ from swarmtrain.averaging.averager_config import (
     compute_schema_hash,
 )
 from swarmtrain.averaging.control import StepControl
+from swarmtrain.averaging.state_checks import StateCheck, TensorsLike
 from swarmtrain.averaging.state_sharing import StateDownloadFailure
 from swarmtrain.dht import get_dht_time
 from swarmtrain.p2p import PeerID
@@ -132,6 +133,7 @@ class DecentralizedAverager(BackgroundService):
             client_mode=self.client_mode,
             tensor_lock=self.lock_averaged_tensors,
             state_provider=state_provider or self.get_current_state,
+            state_check=self._default_state_check(),
             **fields,
         )
 
@@ -245,6 +247,13 @@ class DecentralizedAverager(BackgroundService):
         with self.get_tensors() as tensors:
             return {"group_bits": bits}, [t.detach().cpu().clone() for t in tensors]
 
+    def _default_state_check(self) -> StateCheck | None:
+        """Tensors like our averaged tensors, if donors serve those (``get_current_state`` is
+        not overridden); else None (any tensors)."""
+        if type(self).get_current_state is DecentralizedAverager.get_current_state:
+            return TensorsLike.of(self._averaged_tensors)
+        return None
+
     @overload
     def load_state_from_peers(
         self, wait: Literal[True] = ..., timeout: float | None = ..., donors=..., check=...
@@ -265,7 +274,11 @@ class DecentralizedAverager(BackgroundService):
     ) -> tuple[Any, list[torch.Tensor]] | Future | None:
         """Download ``(metadata, tensors)`` from the best donors (None if nobody could);
         ``donors``: only from these peers (``PeerID`` or bytes); ``check``: a
-        ``state_checks.StateCheck`` a donor's state must pass (NaN / inf never pass)."""
+        ``state_checks.StateCheck`` a donor's state must pass (NaN / inf never pass). Without
+        one, an averager that shares the default state (its averaged tensors) takes only
+        tensors of their shapes and dtypes (``state_checks.TensorsLike``); a subclass that
+        overrides ``get_current_state`` should pass its own check (default: any tensors). A
+        donor whose state fails is banned for 10 minutes and the next donor is tried."""
         runtime, core = self._running()
         fn = functools.partial(core.load_state_from_peers, timeout, donors, check)
         if not wait:

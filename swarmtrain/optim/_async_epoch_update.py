@@ -87,7 +87,9 @@ class AsyncEpochUpdates:
         @property
         def _tracker(self) -> AsyncProgressTracker: ...
 
-        async def _load_state_from_peers(self, seconds: float | None) -> bool: ...
+        async def _load_state_from_peers(
+            self, seconds: float | None, min_epoch: int | None = None
+        ) -> bool: ...
 
     async def _end_epoch(self, grad_scaler: Any) -> None:
         """End this epoch as the epoch core decides (``_epoch_update``'s order, awaited)."""
@@ -300,11 +302,35 @@ class AsyncEpochUpdates:
         return dict(gathered)
 
     async def _auxiliary_catch_up(self, load_state: bool) -> None:
-        """An auxiliary peer that missed this epoch's gradients loads the state (if
-        ``load_state``: others are seen), else moves to the next epoch on its own."""
-        assert self._grads is not None
+        """An auxiliary peer that missed this epoch's gradients loads the state instead (if
+        ``load_state``: others are seen; once the swarm left this epoch, the state after its
+        step: ``EpochCore.auxiliary_catch_up_epoch``), else moves to the next epoch on its own.
+        If the load fails while donors exist it stays in this epoch
+        (``EpochCore.after_failed_auxiliary_catch_up``): its next step tries again once the
+        back-off allows (``Optimizer._auxiliary_catch_up``'s rule)."""
+        assert self._grads is not None and self._state_service is not None
         self._grads.notify_used_averaged_gradients()
-        if load_state and await self._load_state_from_peers(self.averaging_timeout):
+        core, no_donor = self._epoch_core, True
+        if load_state:
+            if not core.catch_up_due(trio.current_time()):
+                return  # the last try failed: wait for the back-off, in this epoch
+            least = core.auxiliary_catch_up_epoch(self.local_epoch, self._tracker.global_epoch)
+            if await self._load_state_from_peers(self.averaging_timeout, least):
+                return
+            failure = self._state_service.state_download_failure
+            no_donor = failure is not None and not failure.donors
+        enter = core.after_failed_auxiliary_catch_up(
+            self.local_epoch, no_donor, now=trio.current_time()
+        )
+        if enter is None:
+            logger.warning(
+                "%s: this auxiliary peer missed epoch %d's gradients and could not load the "
+                "state after it: staying in epoch %d, next try in %.0f s",
+                self.run_id,
+                self.local_epoch,
+                self.local_epoch,
+                core.retry_in,
+            )
             return
         self._state.local_epoch += 1
         self._tracker.update_epoch(self.local_epoch)

@@ -13,6 +13,7 @@ attributes used here are set by ``Optimizer.__init__``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -92,7 +93,7 @@ class EpochUpdates:
         @property
         def _tracker(self) -> ProgressTracker: ...
 
-        def load_state_from_peers(self, timeout: float | None = None) -> bool: ...
+        def _load_state(self, timeout: float | None, min_epoch: int | None = None) -> bool: ...
 
     @property
     def skipped_batches(self) -> int:
@@ -308,10 +309,34 @@ class EpochUpdates:
 
     def _auxiliary_catch_up(self, load_state: bool) -> None:
         """An auxiliary peer that missed this epoch's gradients loads the state instead (if
-        ``load_state``: others are seen), else moves to the next epoch on its own."""
+        ``load_state``: others are seen; once the swarm left this epoch, the state after its
+        step: ``EpochCore.auxiliary_catch_up_epoch``), else moves to the next epoch on its own.
+        If the load fails while donors exist it stays in this epoch
+        (``EpochCore.after_failed_auxiliary_catch_up``): its next step tries again once the
+        back-off allows."""
         assert self.grad_averager is not None
         self.grad_averager.notify_used_averaged_gradients()
-        if load_state and self.load_state_from_peers(timeout=self.averaging_timeout):
+        core, no_donor = self._epoch_core, True
+        if load_state:
+            if not core.catch_up_due(time.monotonic()):
+                return  # the last try failed: wait for the back-off, in this epoch
+            least = core.auxiliary_catch_up_epoch(self.local_epoch, self._tracker.global_epoch)
+            if self._load_state(self.averaging_timeout, min_epoch=least):
+                return
+            failure = self._state_averager.state_download_failure
+            no_donor = failure is not None and not failure.donors
+        enter = core.after_failed_auxiliary_catch_up(
+            self.local_epoch, no_donor, now=time.monotonic()
+        )
+        if enter is None:
+            logger.warning(
+                "%s: this auxiliary peer missed epoch %d's gradients and could not load the "
+                "state after it: staying in epoch %d, next try in %.0f s",
+                self.run_id,
+                self.local_epoch,
+                self.local_epoch,
+                core.retry_in,
+            )
             return
         self._state_averager.step(increment_epoch=True)
         self._tracker.update_epoch(self.local_epoch)

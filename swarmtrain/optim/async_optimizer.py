@@ -597,7 +597,11 @@ class AsyncOptimizer(AsyncEpochUpdates):
     # ------------------------------------------------------------------ loading the state
 
     async def _catch_up(self) -> None:
-        """As ``Optimizer._catch_up``: load the state, or take the swarm's epoch alone."""
+        """As ``Optimizer._catch_up``: load the state, or take the swarm's epoch alone; after a
+        catch-up that left us behind, the next waits for a back-off (``EpochCore.catch_up_due``:
+        until then a step only skips its batch)."""
+        if not self._epoch_core.catch_up_due(trio.current_time()):
+            return
         logger.warning(
             "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
             self.run_id,
@@ -611,9 +615,15 @@ class AsyncOptimizer(AsyncEpochUpdates):
         failure = self._state_service.state_download_failure
         no_donor = failure is not None and not failure.donors
         enter = self._epoch_core.after_failed_catch_up(
-            self.local_epoch, self._tracker.global_epoch, no_donor
+            self.local_epoch, self._tracker.global_epoch, no_donor, now=trio.current_time()
         )
-        if enter is not None:
+        if enter is None:
+            logger.warning(
+                "%s: still behind the swarm; the next try to catch up is in %.0f s",
+                self.run_id,
+                self._epoch_core.retry_in,
+            )
+        else:
             logger.warning(
                 "%s: no peer served its state: moving to the swarm's epoch %d with this peer's "
                 "own parameters",
@@ -644,7 +654,11 @@ class AsyncOptimizer(AsyncEpochUpdates):
         async with self._busy:
             return await self._load_state_from_peers(timeout)
 
-    async def _load_state_from_peers(self, seconds: float | None) -> bool:
+    async def _load_state_from_peers(
+        self, seconds: float | None, min_epoch: int | None = None
+    ) -> bool:
+        """:meth:`load_state_from_peers`; ``min_epoch``: skip donors whose state is older (they
+        are retried until the timeout)."""
         timeout = self.load_state_timeout if seconds is None else seconds
         check_positive("timeout", timeout)
         service, state = self._state_service, self._state
@@ -661,10 +675,14 @@ class AsyncOptimizer(AsyncEpochUpdates):
             if remaining <= 0:
                 break
             try:
-                check = await trio.to_thread.run_sync(state._state_check, self._vouched_epoch())
+                check = await trio.to_thread.run_sync(
+                    state._state_check, self._vouched_epoch(), min_epoch
+                )
                 downloaded = await service.load_state_from_peers(remaining, check=check)
                 if downloaded is not None:
-                    loaded = await trio.to_thread.run_sync(state._load_downloaded_state, downloaded)
+                    loaded = await trio.to_thread.run_sync(
+                        state._load_downloaded_state, downloaded, min_epoch
+                    )
             except Exception as e:
                 detail = repr(e)
                 if detail not in errors:

@@ -556,7 +556,10 @@ class Optimizer(EpochUpdates):
         """Load the state from peers; if none could serve it and the swarm is one epoch ahead
         (or no peer shares a state at all), take the swarm's epoch with this peer's own state
         (its next state round pulls it in), rather than stay behind and average no gradients
-        ever again."""
+        ever again. After a catch-up that left us behind, the next waits for a back-off
+        (``EpochCore.catch_up_due``): until then a step only skips its batch."""
+        if not self._epoch_core.catch_up_due(time.monotonic()):
+            return
         logger.warning(
             "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
             self.run_id,
@@ -569,9 +572,15 @@ class Optimizer(EpochUpdates):
         failure = self._state_averager.state_download_failure
         no_donor = failure is not None and not failure.donors
         enter = self._epoch_core.after_failed_catch_up(
-            self.local_epoch, self._tracker.global_epoch, no_donor
+            self.local_epoch, self._tracker.global_epoch, no_donor, now=time.monotonic()
         )
-        if enter is not None:
+        if enter is None:
+            logger.warning(
+                "%s: still behind the swarm; the next try to catch up is in %.0f s",
+                self.run_id,
+                self._epoch_core.retry_in,
+            )
+        else:
             logger.warning(
                 "%s: no peer served its state: moving to the swarm's epoch %d with this peer's "
                 "own parameters",
@@ -603,6 +612,11 @@ class Optimizer(EpochUpdates):
         a peer, retrying until ``timeout`` (default ``load_state_timeout``) while some peer
         declares a state to share; returns False at once when none does (a lone first peer).
         The accumulated gradients are dropped. Returns whether a state was loaded."""
+        return self._load_state(timeout)
+
+    def _load_state(self, timeout: float | None, min_epoch: int | None = None) -> bool:
+        """:meth:`load_state_from_peers`; ``min_epoch``: skip donors whose state is older
+        (they are retried until ``timeout``)."""
         timeout = self.load_state_timeout if timeout is None else timeout
         check_positive("timeout", timeout)
         state_averager, tracker = self._state_averager, self._tracker
@@ -619,7 +633,7 @@ class Optimizer(EpochUpdates):
                 break
             try:
                 loaded = state_averager.load_state_from_peers(
-                    timeout=remaining, swarm_epoch=self._vouched_epoch()
+                    timeout=remaining, swarm_epoch=self._vouched_epoch(), min_epoch=min_epoch
                 )
             except Exception as e:
                 detail = repr(e)
