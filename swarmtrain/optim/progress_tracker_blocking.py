@@ -82,6 +82,13 @@ class ProgressTracker(BackgroundService):
             return self._service
         return self._tracker()
 
+    @property
+    def pubsub(self) -> Any:
+        """The ``PubSub`` progress is gossiped on (None with ``use_pubsub=False``). It lives on
+        swarmtrain's background loop, like a blocking ``MetricsPublisher``: pass it there as
+        ``MetricsPublisher(dht, run_id, pubsub=opt.tracker.pubsub)`` to gossip metrics too."""
+        return self._tracker().pubsub
+
     # Reads take the core's current snapshots directly (frozen objects, replaced whole), and
     # reports run in this thread under the tracker's lock, waking the loop without waiting for
     # it: a training step never waits for a loop busy with averaging or the DHT.
