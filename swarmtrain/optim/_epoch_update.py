@@ -13,7 +13,7 @@ attributes used here are set by ``Optimizer.__init__``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -263,7 +263,21 @@ class EpochUpdates:
         )
         if gathered is not None and not averaged:
             logger.log(self.status_loglevel, "%s: the group was in another epoch", self.run_id)
+        if averaged and gathered is not None:
+            self._note_round_partners(gathered, epoch)
         return averaged
+
+    def _note_round_partners(self, gathered: Mapping[Any, Any], epoch: int) -> None:
+        """Tell the tracker who averaged with this peer in a round of ``epoch``: the members
+        that sent their parts and returned our deltas (``gathered.failed`` did not). Only such
+        partners vote for epochs ahead of ours (``swarmtrain.optim.progress_core``). Runs in
+        the trainer's thread or the state averager's worker."""
+        failed = getattr(gathered, "failed", frozenset())
+        partners = [peer for peer in gathered if peer not in failed]
+        try:
+            self._tracker.on_round_partners(partners, epoch)
+        except Exception as e:  # shut down meanwhile: nobody needs the partners any more
+            logger.debug("%s: round partners not recorded: %r", self.run_id, e)
 
     def _consume_gradients(self) -> None:
         """With ``offload_optimizer``, put the averaged buffers into the optimizer's ``.grad``;
