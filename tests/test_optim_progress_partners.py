@@ -242,7 +242,7 @@ def test_sybils_one_epoch_ahead_do_not_cut_an_honest_swarms_epochs(seed):
     sizes = sim.epoch_sizes(6)
     # the Sybils' own claimed samples (1 each) count once the swarm is in their epoch
     assert all(size >= TARGET - 8 for size in sizes[1:]), sizes
-    assert sim.catch_ups == 0 and sim.max_lead <= 1 and sim.max_unvouched == 8
+    assert sim.catch_ups == 0 and sim.max_lead <= 1 and sim.max_unvouched >= 8
     for peer in sim.peers:
         assert peer.core.statistics().epochs_adopted == 0
         assert peer.progress.num_live_partners >= 2
