@@ -16,6 +16,7 @@ import pytest
 from test_optim_epoch_core import TARGET, SimPeer, SwarmSim
 
 from swarmtrain.optim import LocalProgress, ProgressConfig, ProgressCore
+from swarmtrain.optim.epoch_core import EpochCore, EpochModes
 
 T0 = 1_000_000.0
 SYBILS = [f"sybil-{i}".encode() for i in range(10)]
@@ -108,6 +109,17 @@ def test_partner_window_is_configurable_and_validated():
         core.on_round_partners([b"b"], -1, T0)
     with pytest.raises(TypeError):
         core.on_round_partners(["b"], 1, T0)  # type: ignore[list-item]
+
+
+def test_one_state_round_member_cannot_claim_an_epoch_the_swarm_does_not_vouch_for():
+    core = EpochCore(EpochModes(offload_optimizer=False, delay_state_averaging=False))
+    # a partner in our state round gathers epoch 10**9: only as far as the quorum vouches
+    advanced = core.on_epoch_finished(4, [4, 10**9], swarm_epoch=4)
+    assert (advanced.epoch, advanced.adopted_from) == (4, None)
+    # the swarm moved on while our gradient round failed: the group takes us there
+    assert core.on_epoch_finished(4, [4, 5], swarm_epoch=4).epoch == 5
+    assert core.on_epoch_finished(5, [5, 8, 10**9], swarm_epoch=8).epoch == 8
+    assert core.statistics().epochs_adopted == 2
 
 
 # ------------------------------------------------------------------ whole swarms in memory

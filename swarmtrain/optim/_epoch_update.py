@@ -140,7 +140,8 @@ class EpochUpdates:
                 self._auxiliary_catch_up(decision.load_state)
                 return
             gathered = self._finish_epoch(decision, wait_for_trigger)
-            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered))
+            swarm_epoch = tracker.global_epoch
+            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered, swarm_epoch))
         if grad_scaler is not None:
             grad_scaler.on_swarm_epoch_end_()
         logger.log(
