@@ -50,7 +50,9 @@ and closes the ``PubSub`` it opened. The DHT, and a ``PubSub`` passed in, stay o
 Error handling: a failed DHT store or fetch is logged and retried on schedule; invalid gossip is
 dropped and counted (``statistics().gossip_rejected``); warnings (clock skew, a lone peer, an
 epoch that never reaches its target, a peer whose implausible progress is ignored) are logged
-once each. The global epoch is what a quorum of peers vouches for (see the core).
+once each. The global epoch is what a quorum of peers vouches for (see the core); once this peer
+has averaged with others (:meth:`AsyncProgressTracker.on_round_partners`, which the
+``Optimizer`` calls after each round), only those partners vote for an epoch ahead of ours.
 """
 
 from __future__ import annotations
