@@ -111,6 +111,22 @@ def test_partner_window_is_configurable_and_validated():
         core.on_round_partners(["b"], 1, T0)  # type: ignore[list-item]
 
 
+def test_partners_set_the_reference_speed_that_caps_everyone_elses_claims():
+    def fast_sybils(now: float) -> list[LocalProgress]:
+        return [LocalProgress(key, 3, 0, 1e6, now, False) for key in SYBILS]
+
+    # without partners ten identities are the median: their 1e6 samples/s count in the ETA
+    core = trained_at(3)
+    fetch(core, T0 + 1, record(b"b", 3), *fast_sybils(T0 + 1))
+    assert core.global_progress.samples_per_second > 1e6
+    # with a partner, it and we set the reference (10 and 1 samples/s): each identity counts
+    # at most max_rate_factor (8) times it
+    core = trained_at(3)
+    core.on_round_partners([b"b"], 3, T0)
+    fetch(core, T0 + 1, record(b"b", 3), *fast_sybils(T0 + 1))
+    assert core.global_progress.samples_per_second <= 1 + 10 + len(SYBILS) * 8 * 10
+
+
 def test_one_state_round_member_cannot_claim_an_epoch_the_swarm_does_not_vouch_for():
     core = EpochCore(EpochModes(offload_optimizer=False, delay_state_averaging=False))
     # a partner in our state round gathers epoch 10**9: only as far as the quorum vouches

@@ -47,9 +47,10 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   accumulated in the global epoch before it stepped still count toward it (so that in a swarm
   of two, the peer that did not step yet sees the target reached as the other one did);
 - a peer's samples count at most what ``max_rate_factor`` times the swarm's reference speed
-  allows since it entered the epoch (the reference: the lower median of the reported samples/s,
-  or this peer's own measured speed in the epoch if faster); its reported samples/s is capped
-  the same way for the ETA. A record whose samples exceed twice that bound is reported once;
+  allows since it entered the epoch (the reference: the lower median of the reported samples/s
+  -- of our live partners and us while we have partners, so that free identities cannot set
+  it -- or this peer's own measured speed in the epoch if faster); its reported samples/s is
+  capped the same way for the ETA. A record whose samples exceed twice that bound is reported once;
 - ``samples_accumulated`` sums those samples of the peers at the global epoch;
 - the ETA extrapolates each such peer's samples from its report time at its samples/s, and
   divides what remains of ``target_batch_size`` by the samples/s of those peers. (hivemind
@@ -493,7 +494,7 @@ class ProgressCore:
         self._epoch_witnessed = False  # we saw the global epoch begin (not joined it midway)
         self._local_epoch_started_at = now
         self._ignored: set[bytes] = set()  # keys whose records the last recompute ignored
-        self._num_live_partners = 0
+        self._live_partners: set[bytes] = set()  # partners with a live non-client record
         self._partners: dict[bytes, int] = {}  # peer id -> epoch of our last round with it
         self._unvouched: set[bytes] = set()  # keys ahead of us whose votes did not count
         self._implausible_warned: set[bytes] = set()
@@ -565,7 +566,7 @@ class ProgressCore:
     def num_live_partners(self) -> int:
         """Partners (see :meth:`on_round_partners`) with a live non-client record: while there
         is one, only partners vote on the epoch."""
-        return self._num_live_partners
+        return len(self._live_partners)
 
     @property
     def num_unvouched_ahead(self) -> int:
@@ -787,7 +788,7 @@ class ProgressCore:
         The voters: our live partners if there is any, else every live non-client peer."""
         voters = {key: peer for key, peer in live.items() if not peer.client_mode}
         partners = {key: voters[key] for key in self._partners if key in voters}
-        self._num_live_partners = len(partners)
+        self._live_partners = set(partners)
         self._unvouched = set()
         if partners:
             self._unvouched = {
@@ -946,7 +947,10 @@ class ProgressCore:
             self._epoch_witnessed = True  # from now on, no peer's samples are taken on trust
             for credit in self._credits.values():
                 credit.base = 0
-        max_rate = config.max_rate_factor * self._reference_rate(others.values(), now)
+        # with partners, they set the reference speed: a majority of free identities would
+        # otherwise set the median, and with it the cap on their own claims
+        reference = [p for k, p in others.items() if k in self._live_partners] or others.values()
+        max_rate = config.max_rate_factor * self._reference_rate(reference, now)
 
         samples, estimated, rate = 0.0, 0.0, 0.0
         if active_self and self._local.epoch == epoch:  # our own samples are not in doubt
