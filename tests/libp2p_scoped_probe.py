@@ -112,6 +112,7 @@ def pieces(host, peer_id) -> dict:
     secured = muxed.secured_conn
     upgrader = network.upgrader
     return {
+        "connection": type(conn).__name__,
         "muxer": type(muxed).__name__,
         "streams": type(muxed.streams).__name__,
         "noise": type(secured.conn).__name__,

@@ -31,3 +31,30 @@ def test_integers_empties_and_the_first_bad_tensor():
     tensors = [torch.zeros(3), torch.tensor([0.0, math.nan]), torch.tensor([math.inf])]
     assert first_non_finite(tensors) == 1
     assert first_non_finite(tensors[:1]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_many_tensors_are_checked_together_and_the_bad_one_is_still_named(dtype):
+    torch.manual_seed(0)
+    grads = [torch.randn(n, dtype=dtype) for n in (7, 300, 1, 64, 5000)]
+    mixed = [*grads, torch.arange(5), torch.empty(0)]  # integers and empties are finite
+    assert first_non_finite(mixed) is None
+    for index in range(len(grads)):
+        for bad in (math.nan, math.inf, -math.inf):
+            broken = [g.clone() for g in mixed]
+            broken[index].view(-1)[-1] = bad
+            assert first_non_finite(broken) == index
+    # norms that overflow their dtype fall back to the exact check: still finite
+    huge = [torch.full((100,), 6e4 if dtype == torch.float16 else 3e38, dtype=dtype)] * 3
+    assert first_non_finite(huge) is None
+
+
+def test_complex_and_large_cpu_sets_take_the_per_tensor_path():
+    import swarmtrain.averaging.finite as finite
+
+    assert finite._all_finite_together([torch.ones(3, dtype=torch.complex64)]) is False
+    big = [torch.ones(finite.BATCHED_CPU_MAX_VALUES), torch.ones(1)]
+    assert finite._all_finite_together(big) is False
+    assert first_non_finite(big) is None
+    big[1][0] = math.nan
+    assert first_non_finite(big) == 1

@@ -298,7 +298,13 @@ FACTS: list[tuple[str, str, object, str]] = [
         "swarm_connection logs through the logging module's functions (the root logger)",
         "swarm_connection.logging is logging",
         True,
-        "p2p/_tuning.py (route_root_logging_calls)",
+        "p2p/_tuning.py (log_connections_to_module_logger)",
+    ),
+    (
+        "Swarm.add_conn builds its SwarmConn after a function-local import",
+        "'SwarmConn' in Swarm.add_conn.__code__.co_names",
+        True,
+        "p2p/_tuning.py (log_connections_to_module_logger)",
     ),
     # -- pubsub
     (

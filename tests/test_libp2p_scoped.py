@@ -3,8 +3,8 @@
 Our hosts get their behaviour from subclasses and instances (``p2p/_tuning.py`` lists them).
 ``tests/libp2p_scoped_probe.py`` runs in a fresh process: it records every loaded ``libp2p.*``
 module's and class's attributes, runs two swarmtrain hosts (small RPCs, 3 MiB over yamux),
-records again, then runs two plain py-libp2p hosts in the same process. The one process-wide
-change left is listed here and in docs/libp2p.md (#10: py-libp2p's root-logger calls).
+records again, then runs two plain py-libp2p hosts in the same process. No process-wide change
+is left (``ALLOWED_CHANGES``).
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).resolve().parent / "libp2p_scoped_probe.py"
 
-#: the only assignment onto py-libp2p left, once per process (docs/libp2p.md #10):
-#: ``_tuning.route_root_logging_calls`` (its calls run ``logging.basicConfig()`` on the
-#: application's root logger; no per-host way exists)
-ALLOWED_CHANGES = [
-    "libp2p.network.connection.swarm_connection:logging",
-]
+#: assignments onto py-libp2p's modules and classes that we allow: none (the last one, the
+#: routing of ``SwarmConn``'s root-logger calls, is per host since 2026-12-04)
+ALLOWED_CHANGES: list[str] = []
 STOCK_PIECES = {
+    "connection": "SwarmConn",
     "muxer": "Yamux",
     "streams": "dict",
     "noise": "NoiseTransportReadWriter",
@@ -38,6 +36,7 @@ STOCK_PIECES = {
     "dial_delay": 0.25,
 }
 OUR_PIECES = {
+    "connection": "ScopedSwarmConn",  # logs to a module logger, not the root logger
     "muxer": "TunedYamux",
     "streams": "_AdoptingStreams",
     "noise": "BatchingNoiseReadWriter",

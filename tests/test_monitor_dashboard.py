@@ -262,9 +262,9 @@ async def test_monitor_follows_training_peers_and_streams_their_metrics():
             nursery.cancel_scope.cancel()
 
 
-def start_monitor(address: str) -> tuple[subprocess.Popen, str]:
-    """A ``swarmtrain monitor`` subprocess following ``address``; its dashboard's base URL
-    (read from its output, killed if it prints none)."""
+def start_monitor(address: str, *options: str) -> tuple[subprocess.Popen, str]:
+    """A ``swarmtrain monitor`` subprocess following ``address`` (more ``options`` for it);
+    its dashboard's base URL (read from its output, killed if it prints none)."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -277,6 +277,7 @@ def start_monitor(address: str) -> tuple[subprocess.Popen, str]:
             "0",
             "--refresh_period",
             "0.3",
+            *options,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -41,7 +41,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -142,6 +142,49 @@ class DecentralizedAverager(BackgroundService):
     def schema_hash(self) -> bytes:
         return compute_schema_hash(self._averaged_tensors, self.config.part_size_bytes)
 
+    @overload
+    def step(
+        self,
+        gather: Any = ...,
+        scheduled_time: float | None = ...,
+        weight: float | None = ...,
+        timeout: float | None = ...,
+        allow_retries: bool = ...,
+        require_trigger: bool = ...,
+        wait: Literal[True] = ...,
+        expected_group_size: int | None = ...,
+        group_bits: str | None = ...,
+    ) -> GatheredData: ...
+
+    @overload
+    def step(
+        self,
+        gather: Any = ...,
+        scheduled_time: float | None = ...,
+        weight: float | None = ...,
+        timeout: float | None = ...,
+        allow_retries: bool = ...,
+        require_trigger: bool = ...,
+        *,
+        wait: Literal[False],
+        expected_group_size: int | None = ...,
+        group_bits: str | None = ...,
+    ) -> StepControl: ...
+
+    @overload
+    def step(
+        self,
+        gather: Any = ...,
+        scheduled_time: float | None = ...,
+        weight: float | None = ...,
+        timeout: float | None = ...,
+        allow_retries: bool = ...,
+        require_trigger: bool = ...,
+        wait: bool = ...,
+        expected_group_size: int | None = ...,
+        group_bits: str | None = ...,
+    ) -> GatheredData | StepControl: ...
+
     def step(
         self,
         gather: Any = None,
@@ -193,6 +236,21 @@ class DecentralizedAverager(BackgroundService):
         bits = self._service.get_group_bits() if self._service is not None else ""
         with self.get_tensors() as tensors:
             return {"group_bits": bits}, [t.detach().cpu().clone() for t in tensors]
+
+    @overload
+    def load_state_from_peers(
+        self, wait: Literal[True] = ..., timeout: float | None = ..., donors=..., check=...
+    ) -> tuple[Any, list[torch.Tensor]] | None: ...
+
+    @overload
+    def load_state_from_peers(
+        self, wait: Literal[False], timeout: float | None = ..., donors=..., check=...
+    ) -> Future: ...
+
+    @overload
+    def load_state_from_peers(
+        self, wait: bool = ..., timeout: float | None = ..., donors=..., check=...
+    ) -> tuple[Any, list[torch.Tensor]] | Future | None: ...
 
     def load_state_from_peers(
         self, wait: bool = True, timeout: float | None = None, donors=None, check=None

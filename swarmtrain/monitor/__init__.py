@@ -6,6 +6,7 @@ bound; no I/O) and :mod:`.publisher` (publishing and reading over a DHT).
 
 from .metrics import LocalMetrics as LocalMetrics
 from .metrics import MetricsSchema as MetricsSchema
+from .metrics import RecentFailure as RecentFailure
 from .metrics import metrics_key as metrics_key
 from .publisher import AsyncMetricsPublisher as AsyncMetricsPublisher
 from .publisher import MetricsPublisher as MetricsPublisher
@@ -18,6 +19,7 @@ __all__ = [
     "MetricsPublisher",
     "MetricsPublisherStatistics",
     "MetricsSchema",
+    "RecentFailure",
     "metrics_key",
     "read_metrics",
 ]

@@ -8,6 +8,14 @@ the record under its own peer id. :class:`MetricsSchema` is the pydantic schema 
 node enforces (finite numbers, bounded strings and maps). A record's ``peer_id`` field must name
 its subkey's peer: readers drop records that name another peer.
 
+A record also carries the peer's recent failures and warnings (:class:`RecentFailure`: the
+:class:`~swarmtrain.optim.SwarmHealth` kinds and the progress tracker's warnings, see
+:data:`FAILURE_KINDS`): at most :data:`MAX_FAILURES`, each a ``kind`` made of lowercase letters,
+digits and ``_`` (at most :data:`MAX_KIND_LENGTH`), a ``message`` of at most
+:data:`MAX_FAILURE_MESSAGE` characters without control characters, and a finite ``time``. The
+schema refuses anything larger; a message is plain text that readers must escape (the
+dashboard renders it as a text node).
+
 This module does no I/O: :class:`PublishSchedule` decides when the next record may go out
 (at most one store per ``min_interval`` seconds, the latest report wins). The publisher is in
 :mod:`swarmtrain.monitor.publisher`.
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -25,12 +34,16 @@ import pydantic
 from swarmtrain.dht import MAX_PEER_ID_BYTES
 
 __all__ = [
+    "FAILURE_KINDS",
     "MAX_EXTRA_METRICS",
+    "MAX_FAILURES",
+    "MAX_FAILURE_MESSAGE",
     "REACHABILITIES",
     "ROLES",
     "LocalMetrics",
     "MetricsSchema",
     "PublishSchedule",
+    "RecentFailure",
     "metrics_key",
     "parse_metrics",
 ]
@@ -40,6 +53,21 @@ REACHABILITIES = ("public", "private", "relayed", "unknown")
 MAX_EXTRA_METRICS = 16  #: named extra values (accuracy, grad norm, ...) per record
 MAX_NAME_LENGTH = 64  #: characters of a peer id, a version, an extra metric's name
 MAX_ABS_VALUE = 1e30  #: bound on every float (a loss of 1e300 is a bug, not a measurement)
+MAX_FAILURES = 8  #: recent failures and warnings per record (the newest are kept)
+MAX_FAILURE_MESSAGE = 256  #: characters of one failure's message
+MAX_KIND_LENGTH = 32  #: characters of a failure's kind
+KIND_PATTERN = r"^[a-z][a-z0-9_]*$"
+_NO_CONTROL_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"  # no control characters (C0, DEL, C1)
+#: the kinds swarmtrain reports: ``SwarmHealth``'s and the progress tracker's warnings (a
+#: record may carry other kinds that match :data:`KIND_PATTERN`, from newer versions)
+FAILURE_KINDS = (
+    "model_mismatch",
+    "state_download_failed",
+    "clock_skew_detected",
+    "lone_peer",
+    "target_not_reached",
+    "implausible_progress",
+)
 
 
 def metrics_key(run_id: str) -> str:
@@ -76,6 +104,48 @@ def _check_name(name: str, value: Any) -> str:
     return value
 
 
+_KIND_RE = re.compile(KIND_PATTERN)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecentFailure:
+    """One failure or warning a peer saw (validated on construction: ``ValueError`` /
+    ``TypeError`` on a malformed kind, an oversized message or control characters in it)."""
+
+    kind: str  #: e.g. ``"model_mismatch"`` (see :data:`FAILURE_KINDS`)
+    message: str  #: plain text, at most :data:`MAX_FAILURE_MESSAGE` characters
+    time: float  #: DHT time it was seen
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, str) or not isinstance(self.message, str):
+            raise TypeError("a failure's kind and message must be strings")
+        if len(self.kind) > MAX_KIND_LENGTH or not _KIND_RE.match(self.kind):
+            raise ValueError(
+                f"a failure's kind must match {KIND_PATTERN} (at most {MAX_KIND_LENGTH} "
+                f"characters): {self.kind[: MAX_KIND_LENGTH + 1]!r}"
+            )
+        if len(self.message) > MAX_FAILURE_MESSAGE:
+            raise ValueError(
+                f"a failure's message must be at most {MAX_FAILURE_MESSAGE} characters"
+            )
+        if _CONTROL_RE.search(self.message):
+            raise ValueError("a failure's message must not contain control characters")
+        object.__setattr__(self, "time", _check_float("failure time", self.time))
+
+    @classmethod
+    def from_text(cls, kind: str, text: str, time: float) -> RecentFailure:
+        """A failure with ``text`` made to fit: control characters become spaces, and a text
+        longer than :data:`MAX_FAILURE_MESSAGE` is cut (ending with ``…``)."""
+        message = _CONTROL_RE.sub(" ", str(text))
+        if len(message) > MAX_FAILURE_MESSAGE:
+            message = message[: MAX_FAILURE_MESSAGE - 1] + "…"
+        return cls(kind, message, time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message, "time": self.time}
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalMetrics:
     """One peer's latest training metrics (validated on construction: ``ValueError`` /
@@ -91,6 +161,7 @@ class LocalMetrics:
     loss: float | None = None
     samples_per_second: float = 0.0
     extra: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    failures: tuple[RecentFailure, ...] = ()  #: recent failures and warnings, oldest first
 
     def __post_init__(self) -> None:
         _check_name("peer_id", self.peer_id)
@@ -121,11 +192,19 @@ class LocalMetrics:
             for k, v in self.extra.items()
         }
         object.__setattr__(self, "extra", extra)
+        failures = tuple(
+            item if isinstance(item, RecentFailure) else RecentFailure(**item)
+            for item in self.failures
+        )
+        if len(failures) > MAX_FAILURES:
+            raise ValueError(f"at most {MAX_FAILURES} recent failures")
+        object.__setattr__(self, "failures", failures)
 
     def to_dict(self) -> dict[str, Any]:
         """The record's DHT value (a plain dict: msgpack has no dataclasses)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
-            "extra": dict(self.extra)
+            "extra": dict(self.extra),
+            "failures": [failure.to_dict() for failure in self.failures],
         }
 
 
@@ -133,6 +212,18 @@ _Name = Annotated[str, pydantic.Field(max_length=MAX_NAME_LENGTH)]
 _Float = Annotated[float, pydantic.Field(ge=-MAX_ABS_VALUE, le=MAX_ABS_VALUE, allow_inf_nan=False)]
 _Count = Annotated[int, pydantic.Field(ge=0, lt=2**63)]
 _PeerIdBytes = Annotated[bytes, pydantic.Field(min_length=1, max_length=MAX_PEER_ID_BYTES)]
+
+
+class RecentFailureSchema(pydantic.BaseModel):
+    """One :class:`RecentFailure` (strict; a kind of safe characters, a short plain message)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    kind: Annotated[str, pydantic.Field(max_length=MAX_KIND_LENGTH, pattern=KIND_PATTERN)]
+    message: Annotated[
+        str, pydantic.Field(max_length=MAX_FAILURE_MESSAGE, pattern=_NO_CONTROL_PATTERN)
+    ]
+    time: _Float
 
 
 class LocalMetricsSchema(pydantic.BaseModel):
@@ -150,6 +241,8 @@ class LocalMetricsSchema(pydantic.BaseModel):
     loss: _Float | None
     samples_per_second: Annotated[_Float, pydantic.Field(ge=0.0)]
     extra: Annotated[dict[_Name, _Float], pydantic.Field(max_length=MAX_EXTRA_METRICS)]
+    #: absent in records of versions before it
+    failures: Annotated[list[RecentFailureSchema], pydantic.Field(max_length=MAX_FAILURES)] = []
 
 
 class MetricsSchema(pydantic.BaseModel):
@@ -163,7 +256,9 @@ def parse_metrics(value: Any) -> LocalMetrics | None:
     """A DHT value as ``LocalMetrics``, or None if it does not match the schema."""
     try:
         checked = LocalMetricsSchema.model_validate(value, strict=True)
-        return LocalMetrics(**checked.model_dump())
+        fields = checked.model_dump()
+        fields["failures"] = tuple(RecentFailure(**item) for item in fields["failures"])
+        return LocalMetrics(**fields)
     except (pydantic.ValidationError, TypeError, ValueError):
         return None
 

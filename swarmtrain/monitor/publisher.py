@@ -7,6 +7,7 @@
             for step, batch in enumerate(data):
                 loss = train_step(batch)
                 publisher.report(loss=loss, step=step, epoch=opt.local_epoch)  # never blocks
+                publisher.report_failure("data_loader", "a shard was unreadable")  # optional
 
 Plain (blocking) code uses ``MetricsPublisher(dht, "my_run")`` over a blocking
 :class:`~swarmtrain.dht.DHT`: the same object on swarmtrain's background trio loop, and its
@@ -16,8 +17,12 @@ Resource handling: ``create`` adds the metrics schema and the owned metrics key 
 DHT node (validators stay registered), then runs one store task in a task group owned by the
 publisher. The record's subkey is this host's peer id; the node signs it with the host's
 identity key, and other nodes refuse a record under a peer id whose key did not sign it.
-Leaving the ``async with`` stops it; the last record expires ``expiration`` seconds after it was
-stored. The DHT stays open.
+With ``pubsub`` each stored record is also gossiped, signed the same way
+(:mod:`swarmtrain.monitor.gossip`). With ``capture_warnings`` (the default) it also installs a
+:class:`~swarmtrain.monitor.failures.FailureLogHandler`: the run's ``SwarmHealth`` and progress
+warnings logged in this process go into the record's recent failures (the newest
+:data:`~swarmtrain.monitor.metrics.MAX_FAILURES`). Leaving the ``async with`` stops it; the
+last record expires ``expiration`` seconds after it was stored. The DHT stays open.
 
 Error handling: ``report`` raises ``ValueError`` / ``TypeError`` on a bad value (NaN loss, a
 negative rate, an oversized map) and keeps the previous values; a failed store is logged and
@@ -47,9 +52,12 @@ from swarmtrain.dht import (
 from swarmtrain.dht.node import DHTNode
 from swarmtrain.dht.owned_keys import METRICS_KEY_PATTERN
 from swarmtrain.p2p import PeerID
+from swarmtrain.p2p.pubsub import PubSub
 from swarmtrain.utils.background import BackgroundService
 from swarmtrain.utils.change_signal import ChangeSignal
 
+from .failures import FailureLogHandler, RecentFailures
+from .gossip import encode_metrics_gossip
 from .metrics import LocalMetrics, MetricsSchema, PublishSchedule, metrics_key, parse_metrics
 
 __all__ = [
@@ -68,6 +76,7 @@ class MetricsPublisherStatistics:
     stores: int  #: records stored (at most one per ``min_interval``)
     store_failures: int
     last_stored: LocalMetrics | None
+    gossip_sent: int = 0  #: records also pushed by gossip (with ``pubsub=``)
 
 
 def add_metrics_validators(dht: AsyncDHT, run_id: str | None = None) -> None:
@@ -99,6 +108,7 @@ class AsyncMetricsPublisher:
         schedule: PublishSchedule,
         base: LocalMetrics,
         expiration: float,
+        pubsub: PubSub | None = None,
     ):
         self.dht, self.run_id, self.key = dht, run_id, metrics_key(run_id)
         self.subkey: bytes = dht.peer_id.to_bytes()  #: this peer's id, its record's subkey
@@ -107,6 +117,9 @@ class AsyncMetricsPublisher:
         self._lock = threading.Lock()
         self._changed = ChangeSignal()
         self._reports = self._stores = self._store_failures = 0
+        self._failures = RecentFailures()
+        self.pubsub = pubsub  #: where records are also gossiped (None: the DHT only)
+        self._gossip_sent = 0
 
     @classmethod
     @asynccontextmanager
@@ -118,11 +131,17 @@ class AsyncMetricsPublisher:
         min_interval: float = 5.0,
         expiration: float | None = None,
         role: str | None = None,
+        capture_warnings: bool = True,
+        pubsub: PubSub | None = None,
     ) -> AsyncIterator[AsyncMetricsPublisher]:
         """Start publishing. ``min_interval``: at most one store per this many seconds.
         ``expiration`` (default ``max(60, 3 * min_interval)``): how long a record lives; it is
         re-stored every ``expiration / 2`` while the publisher runs. ``role`` defaults to
-        ``"client"`` or ``"node"`` from the DHT's mode (pass ``"aux"`` for auxiliary peers)."""
+        ``"client"`` or ``"node"`` from the DHT's mode (pass ``"aux"`` for auxiliary peers).
+        ``capture_warnings``: publish the run's ``SwarmHealth`` and progress warnings logged in
+        this process as recent failures (see the module docstring). ``pubsub``: also push each
+        stored record on gossipsub topic ``{run_id}_metrics`` (share the host's ``PubSub``,
+        e.g. ``tracker.pubsub``; a host runs at most one), so a monitor sees it at once."""
         if expiration is None:
             expiration = max(60.0, 3 * min_interval)
         if not (math.isfinite(expiration) and expiration > 0):
@@ -138,13 +157,20 @@ class AsyncMetricsPublisher:
             reachability=_reachability(dht),
             version=swarmtrain.__version__,
         )
-        self = cls(dht, run_id, schedule, base, expiration)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._store_loop)
-            try:
-                yield self
-            finally:
-                nursery.cancel_scope.cancel()
+        self = cls(dht, run_id, schedule, base, expiration, pubsub)
+        handler = FailureLogHandler(run_id, self.report_failure) if capture_warnings else None
+        if handler is not None:
+            handler.install()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._store_loop)
+                try:
+                    yield self
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if handler is not None:
+                handler.uninstall()
 
     def report(
         self,
@@ -175,6 +201,20 @@ class AsyncMetricsPublisher:
             self._reports += 1
         self._changed.notify_threadsafe()
 
+    def report_failure(self, kind: str, message: str) -> None:
+        """Add a failure or warning (``kind``: lowercase letters, digits, ``_``, e.g. one of
+        :data:`~swarmtrain.monitor.metrics.FAILURE_KINDS`) to the next record; only the newest
+        :data:`~swarmtrain.monitor.metrics.MAX_FAILURES` are kept, ``message`` is cut to
+        :data:`~swarmtrain.monitor.metrics.MAX_FAILURE_MESSAGE` characters. Never blocks;
+        callable from any thread. :raises ValueError: a malformed ``kind``"""
+        now = get_dht_time()
+        with self._lock:
+            self._failures.add(kind, message, now)
+            updated = dataclasses.replace(self._current, failures=self._failures.items())
+            self._current = updated
+            self._schedule.offer(updated)
+        self._changed.notify_threadsafe()
+
     def statistics(self) -> MetricsPublisherStatistics:
         with self._lock:
             return MetricsPublisherStatistics(
@@ -182,6 +222,7 @@ class AsyncMetricsPublisher:
                 stores=self._stores,
                 store_failures=self._store_failures,
                 last_stored=self._schedule.last_stored,
+                gossip_sent=self._gossip_sent,
             )
 
     async def _store_loop(self) -> None:
@@ -212,6 +253,21 @@ class AsyncMetricsPublisher:
                     self._stores += 1
                 else:
                     self._store_failures += 1
+            if self.pubsub is not None:
+                await self._gossip(record, now + self.expiration)
+
+    async def _gossip(self, record: LocalMetrics, expiration: float) -> None:
+        assert self.pubsub is not None
+        message = encode_metrics_gossip(
+            self.dht.node.record_validator, self.run_id, self.subkey, record.to_dict(), expiration
+        )
+        try:
+            await self.pubsub.publish_protobuf(self.key, message)
+        except Exception:
+            logger.warning("could not gossip metrics of %s", self.run_id, exc_info=True)
+            return
+        with self._lock:
+            self._gossip_sent += 1
 
 
 async def read_metrics(dht: AsyncDHT, run_id: str) -> dict[bytes, LocalMetrics]:
@@ -260,6 +316,10 @@ class MetricsPublisher(BackgroundService):
     def report(self, **values: Any) -> None:
         """See :meth:`AsyncMetricsPublisher.report`."""
         self._running()[1].report(**values)
+
+    def report_failure(self, kind: str, message: str) -> None:
+        """See :meth:`AsyncMetricsPublisher.report_failure`."""
+        self._running()[1].report_failure(kind, message)
 
     def statistics(self) -> MetricsPublisherStatistics:
         return self._running()[1].statistics()

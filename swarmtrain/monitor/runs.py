@@ -9,21 +9,35 @@ both, each with its announcer's peer id (:attr:`RunAnnouncement.announcer`), and
 they trust; :attr:`RunAnnouncement.announced_by_initial_peer` says whether the announcer is one
 of the bootstrap peers it lists.
 
+A run can have an owner key (Ed25519, :func:`generate_owner_key`, ``swarmtrain keygen
+--run_owner PATH``): an announcement signed with it carries ``owner_key`` (the public key, hex)
+and ``owner_signature`` over all its other fields (:meth:`RunAnnouncement.sign`). Records with
+an owner key and a bad signature are dropped when read. Readers pin the first owner key they
+see for a ``run_id`` (:mod:`swarmtrain.monitor.run_trust`) and flag later announcements of that
+``run_id`` that are not signed by it. Any peer may re-announce a signed announcement (it cannot
+change it), so the organisers may announce from several peers with one key.
+
 ``list_runs(dht)`` reads them (``swarmtrain runs --initial_peers ...`` prints them);
-``AsyncRunAnnouncer.create(dht, announcement)`` keeps one announced while it runs.
+``AsyncRunAnnouncer.create(dht, announcement, owner_key=key)`` keeps one announced (signed)
+while it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import pydantic
 import trio
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from swarmtrain.dht import (
     MAX_PEER_ID_BYTES,
@@ -42,7 +56,11 @@ __all__ = [
     "RunsSchema",
     "add_runs_validators",
     "announce_run",
+    "generate_owner_key",
     "list_runs",
+    "load_owner_key",
+    "owner_public_key",
+    "save_owner_key",
 ]
 
 logger = logging.getLogger(__name__)
@@ -58,6 +76,9 @@ _LIMITS = {
 }
 MAX_INITIAL_PEERS = 8
 MAX_MADDR_LENGTH = 512
+_OWNER_SIGNING_DOMAIN = b"swarmtrain.monitor.run-announcement.v1\n"
+_OWNER_KEY_PATTERN = r"^([0-9a-f]{64})?$"  # 32-byte Ed25519 public key, hex, or ""
+_OWNER_SIGNATURE_PATTERN = r"^([0-9a-f]{128})?$"  # 64-byte Ed25519 signature, hex, or ""
 
 
 _Name = Annotated[str, pydantic.Field(max_length=_LIMITS["name"])]
@@ -82,6 +103,9 @@ class RunAnnouncementSchema(pydantic.BaseModel):
     requirements: _Requirements
     private: bool
     time: Annotated[float, pydantic.Field(allow_inf_nan=False)]
+    #: absent in announcements of versions before owner keys
+    owner_key: Annotated[str, pydantic.Field(pattern=_OWNER_KEY_PATTERN)] = ""
+    owner_signature: Annotated[str, pydantic.Field(pattern=_OWNER_SIGNATURE_PATTERN)] = ""
 
 
 class RunsSchema(pydantic.BaseModel):
@@ -106,6 +130,8 @@ class RunAnnouncement:
     requirements: str = ""  #: e.g. "1 GPU with 16 GB, torch>=2.2"
     private: bool = False  #: a swarm key is needed to join (ask the organisers)
     time: float = 0.0  #: DHT time of the announcement (set by ``announce_run``)
+    owner_key: str = ""  #: hex Ed25519 public key of the run's owner ("" : unsigned)
+    owner_signature: str = ""  #: hex signature by ``owner_key`` over the other fields
     announcer: str = ""  #: base58 peer id of the peer that announced it (set when read)
 
     def __post_init__(self) -> None:
@@ -116,11 +142,41 @@ class RunAnnouncement:
             raise ValueError(f"invalid run announcement: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The DHT value (without ``announcer``, which is the record's subkey)."""
+        """The DHT value (without ``announcer``, which is the record's subkey; without the
+        owner fields when unsigned)."""
         value = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         del value["announcer"]
         value["initial_peers"] = list(self.initial_peers)
+        if not (self.owner_key or self.owner_signature):
+            del value["owner_key"], value["owner_signature"]  # as versions before owner keys
         return value
+
+    def _signed_payload(self) -> bytes:
+        fields = self.to_dict()
+        fields.pop("owner_signature", None)
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return _OWNER_SIGNING_DOMAIN + canonical.encode()
+
+    def sign(self, owner_key: Ed25519PrivateKey) -> RunAnnouncement:
+        """This announcement with ``owner_key`` (its public part) and a signature over every
+        other field (``time`` included: set it first)."""
+        unsigned = dataclasses.replace(
+            self, owner_key=owner_public_key(owner_key), owner_signature=""
+        )
+        signature = owner_key.sign(unsigned._signed_payload()).hex()
+        return dataclasses.replace(unsigned, owner_signature=signature)
+
+    @property
+    def signed(self) -> bool:
+        """Whether it carries an owner key and a valid signature by it."""
+        if not (self.owner_key and self.owner_signature):
+            return False
+        try:
+            public_key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(self.owner_key))
+            public_key.verify(bytes.fromhex(self.owner_signature), self._signed_payload())
+        except (InvalidSignature, ValueError):
+            return False
+        return True
 
     @property
     def announced_by_initial_peer(self) -> bool:
@@ -136,14 +192,56 @@ def add_runs_validators(dht: AsyncDHT) -> None:
     dht.add_validators([SchemaValidator(RunsSchema), PeerRecordValidator([RUNS_KEY_PATTERN])])
 
 
+def generate_owner_key() -> Ed25519PrivateKey:
+    """A new random owner key for a run (keep it secret; publish its :func:`owner_public_key`)."""
+    return Ed25519PrivateKey.generate()
+
+
+def owner_public_key(owner_key: Ed25519PrivateKey) -> str:
+    """The hex public key that announcements signed with ``owner_key`` carry."""
+    raw = owner_key.public_key().public_bytes(
+        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    )
+    return raw.hex()
+
+
+def save_owner_key(owner_key: Ed25519PrivateKey, path: str) -> None:
+    """Write ``owner_key`` to a new file (PEM, mode 0600); refuses to overwrite one."""
+    pem = owner_key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(pem)
+
+
+def load_owner_key(path: str) -> Ed25519PrivateKey:
+    """The owner key saved by :func:`save_owner_key`; ``ValueError`` if it is not one."""
+    with open(path, "rb") as file:
+        data = file.read(16384)
+    key = serialization.load_pem_private_key(data, password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} does not hold an Ed25519 private key")
+    return key
+
+
 async def announce_run(
-    dht: AsyncDHT, announcement: RunAnnouncement, expiration: float = 300.0
+    dht: AsyncDHT,
+    announcement: RunAnnouncement,
+    expiration: float = 300.0,
+    owner_key: Ed25519PrivateKey | None = None,
 ) -> bool:
-    """Store ``announcement`` (stamped with the current time) for ``expiration`` seconds under
-    this peer's id (replacing this peer's earlier announcement); whether any node stored it."""
+    """Store ``announcement`` (stamped with the current time, and signed with ``owner_key`` if
+    given) for ``expiration`` seconds under this peer's id (replacing this peer's earlier
+    announcement); whether any node stored it."""
     add_runs_validators(dht)
     now = get_dht_time()
-    value = dataclasses.replace(announcement, time=now).to_dict()
+    stamped = dataclasses.replace(announcement, time=now)
+    if owner_key is not None:
+        stamped = stamped.sign(owner_key)
+    value = stamped.to_dict()
     return await dht.store(RUNS_KEY, value, now + expiration, subkey=dht.peer_id.to_bytes())
 
 
@@ -154,12 +252,16 @@ def _parse(subkey: Any, value: Any) -> RunAnnouncement | None:
         checked = RunAnnouncementSchema.model_validate(value, strict=True)
     except pydantic.ValidationError:
         return None
-    return RunAnnouncement(**checked.model_dump(), announcer=PeerID(subkey).to_base58())
+    parsed = RunAnnouncement(**checked.model_dump(), announcer=PeerID(subkey).to_base58())
+    if (parsed.owner_key or parsed.owner_signature) and not parsed.signed:
+        return None  # a forged or broken owner signature
+    return parsed
 
 
 async def list_runs(dht: AsyncDHT) -> list[RunAnnouncement]:
     """The announced runs, most recent first (at most :data:`MAX_RUNS_LISTED`). Records not
-    signed by their subkey's peer are dropped (this registers the run directory on ``dht``)."""
+    signed by their subkey's peer, or with an owner key whose signature does not verify, are
+    dropped (this registers the run directory on ``dht``)."""
     add_runs_validators(dht)
     found = await dht.get(RUNS_KEY, latest=True)
     if found is None or not isinstance(found.value, dict):
@@ -176,8 +278,15 @@ async def list_runs(dht: AsyncDHT) -> list[RunAnnouncement]:
 class AsyncRunAnnouncer:
     """Keeps one run announced: re-announces every ``expiration / 3`` seconds while open."""
 
-    def __init__(self, dht: AsyncDHT, announcement: RunAnnouncement, expiration: float):
+    def __init__(
+        self,
+        dht: AsyncDHT,
+        announcement: RunAnnouncement,
+        expiration: float,
+        owner_key: Ed25519PrivateKey | None = None,
+    ):
         self.dht, self.announcement, self.expiration = dht, announcement, expiration
+        self.owner_key = owner_key
         self.announcements = 0  #: successful stores
 
     @classmethod
@@ -188,10 +297,13 @@ class AsyncRunAnnouncer:
         announcement: RunAnnouncement,
         *,
         expiration: float = 300.0,
+        owner_key: Ed25519PrivateKey | None = None,
     ) -> AsyncIterator[AsyncRunAnnouncer]:
+        """Announce ``announcement`` every ``expiration / 3`` seconds, signed with the run's
+        ``owner_key`` if given (see the module docstring)."""
         if not (math.isfinite(expiration) and expiration > 0):
             raise ValueError("expiration must be positive")
-        self = cls(dht, announcement, expiration)
+        self = cls(dht, announcement, expiration, owner_key)
         add_runs_validators(dht)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._loop)
@@ -204,7 +316,9 @@ class AsyncRunAnnouncer:
         while True:
             try:
                 with trio.move_on_after(self.expiration / 3):
-                    if await announce_run(self.dht, self.announcement, self.expiration):
+                    if await announce_run(
+                        self.dht, self.announcement, self.expiration, self.owner_key
+                    ):
                         self.announcements += 1
             except Exception:
                 logger.warning("could not announce run %s", self.announcement.run_id, exc_info=True)

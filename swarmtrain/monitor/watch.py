@@ -1,9 +1,11 @@
 """The monitor's loop: read the run directory, metrics and progress from the DHT every
 ``period`` seconds into a :class:`~swarmtrain.monitor.state.MonitorState` and hand the snapshot
-to a :class:`~swarmtrain.monitor.http.DashboardServer` (``swarmtrain monitor`` runs both)."""
+to a :class:`~swarmtrain.monitor.http.DashboardServer` (``swarmtrain monitor`` runs both). With
+a ``PubSub`` it also follows each run's metrics gossip (:mod:`swarmtrain.monitor.gossip`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -14,7 +16,9 @@ import trio
 
 from swarmtrain.dht import AsyncDHT, PeerRecordValidator, get_dht_time
 from swarmtrain.dht.owned_keys import PROGRESS_KEY_PATTERN
+from swarmtrain.p2p.pubsub import PubSub
 
+from .gossip import MetricsGossip, follow_metrics_gossip
 from .http import DashboardServer
 from .publisher import read_metrics
 from .runs import list_runs
@@ -114,14 +118,38 @@ async def watch(
     run_id: str | None = None,
     period: float = 2.0,
     sinks: Sequence[MetricsSink] = (),
+    pubsub: PubSub | None = None,
 ) -> None:
     """Refresh every ``period`` seconds (each round bounded by ``4 * period``), forever; publish
-    each snapshot to ``server`` and each new swarm point to ``sinks``."""
+    each snapshot to ``server`` and each new swarm point to ``sinks``. With ``pubsub``, each
+    followed run's metrics gossip goes into ``state`` as it arrives (one subscription per run,
+    at most ``state.max_runs``)."""
     sent: dict[str, int] = {}
-    while True:
-        with trio.move_on_after(4 * period):
-            await refresh(dht, state, run_id)
-        if server is not None:
-            server.publish(json.dumps(state.snapshot(), separators=(",", ":")).encode())
-        send_to_sinks(state, sinks, sent)
-        await trio.sleep(period)
+    gossiped: set[str] = set()
+
+    def on_record(followed: str, record: MetricsGossip) -> None:
+        state.on_gossip(followed, record.subkey, record.metrics, record.expiration)
+
+    def on_rejected() -> None:
+        state.gossip_rejected += 1
+
+    async with trio.open_nursery() as nursery:
+        while True:
+            with trio.move_on_after(4 * period):
+                await refresh(dht, state, run_id)
+            for followed in state.run_ids() if pubsub is not None else ():
+                if followed not in gossiped and run_id in (None, followed):
+                    gossiped.add(followed)
+                    nursery.start_soon(
+                        follow_metrics_gossip,
+                        dht,
+                        pubsub,
+                        followed,
+                        functools.partial(on_record, followed),
+                        get_dht_time,
+                        on_rejected,
+                    )
+            if server is not None:
+                server.publish(json.dumps(state.snapshot(), separators=(",", ":")).encode())
+            send_to_sinks(state, sinks, sent)
+            await trio.sleep(period)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,10 @@ from swarmtrain.optim.epoch_core import (
     RoundWait,
     SkipBatch,
 )
+
+if TYPE_CHECKING:
+    from swarmtrain.optim.progress_tracker_blocking import ProgressTracker
+    from swarmtrain.optim.state_averager import TrainingStateAverager
 
 __all__ = ["EpochUpdates", "scaler_method"]
 
@@ -69,6 +73,26 @@ class EpochUpdates:
     _epoch_core: EpochCore
     _rounds: Any
     _gradients_consumed: Any
+    _grad_buffers_match: bool
+
+    if TYPE_CHECKING:  # Optimizer's properties and methods that the epoch steps use
+
+        @property
+        def optimizer(self) -> torch.optim.Optimizer: ...
+
+        @property
+        def main_parameters(self) -> tuple[torch.Tensor, ...]: ...
+
+        @property
+        def local_epoch(self) -> int: ...
+
+        @property
+        def _state_averager(self) -> TrainingStateAverager: ...
+
+        @property
+        def _tracker(self) -> ProgressTracker: ...
+
+        def load_state_from_peers(self, timeout: float | None = None) -> bool: ...
 
     @property
     def skipped_batches(self) -> int:
@@ -220,7 +244,8 @@ class EpochUpdates:
         weight = self._gradient_weight(plan, grad_scaler)
         control = self._rounds.begin(weight, plan.others_seen, plan.epoch, plan.num_peers_present)
         args = (control, plan.others_seen, plan.epoch)
-        averaged, wait_for_trigger = None, None
+        averaged = None
+        wait_for_trigger: Callable[[], Any] | None = None
         if plan.wait is RoundWait.IN_WORKER:
             wait_for_trigger = partial(self._finish_gradients, *args)
         elif plan.wait is RoundWait.HERE_CONSUME_IN_WORKER:  # load them in the worker thread

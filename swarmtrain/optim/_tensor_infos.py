@@ -44,7 +44,9 @@ class TaggedCompression(CompressionBase):
         return self.inner.compress(tensor, self._tag(info), allow_inplace)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return self.inner.estimate_compression_ratio(self._tag(info))
+        tagged = self._tag(info)
+        assert tagged is not None  # _tag maps an info to an info
+        return self.inner.estimate_compression_ratio(tagged)
 
     def __repr__(self) -> str:
         return f"{self.inner!r} (tagged with {len(self.infos)} tensor roles)"

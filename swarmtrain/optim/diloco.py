@@ -106,6 +106,7 @@ from swarmtrain.optim.diloco_peers import RunPresence
 from swarmtrain.optim.diloco_simulation import default_inner_optimizer
 from swarmtrain.optim.diloco_state import (
     STATE_FORMAT,
+    _peer_order,
     check_positive,
     check_positive_int,
     flatten_params,
@@ -820,7 +821,7 @@ class DiLoCoOptimizer:
                 "DiLoCo fragment %d: could not load the shared parameters of peers %s; this "
                 "peer keeps its own, which differ",
                 pending.fragment,
-                sorted(p.hex()[:12] for p in reference),
+                sorted(_peer_order(p)[1].hex()[:12] for p in reference),
             )
 
     def _check_lockstep(self, gathered: dict, pending: _Round) -> None:

@@ -72,10 +72,8 @@ def unpack_state(metadata: Any, tensors: Sequence[torch.Tensor]) -> tuple[dict[s
     """
     if not isinstance(metadata, dict) or metadata.get("format") != STATE_FORMAT:
         raise ValueError(f"not a {STATE_FORMAT} state: {str(metadata)[:200]}")
-    num_params, inner_step = metadata.get("num_params"), metadata.get("inner_step")
-    for name, value in (("num_params", num_params), ("inner_step", inner_step)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    num_params = _non_negative_int(metadata, "num_params")
+    inner_step = _non_negative_int(metadata, "inner_step")
     if num_params > len(tensors):
         raise ValueError(f"state announces {num_params} parameters, carries {len(tensors)} tensors")
 
@@ -85,6 +83,13 @@ def unpack_state(metadata: Any, tensors: Sequence[torch.Tensor]) -> tuple[dict[s
         "outer_step": metadata.get("outer_step"),
     }
     return state, inner_step
+
+
+def _non_negative_int(metadata: dict, name: str) -> int:
+    value = metadata.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
 
 
 def check_positive(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -184,7 +189,8 @@ def reference_peers(
         furthest = max(fingerprints[p][1] for p in members)
         return (-len(members), -furthest, order.index(members[0]))
 
-    return frozenset(min(classes, key=rank))
+    best = min(classes, key=rank)
+    return frozenset(best)
 
 
 def _peer_order(peer: Hashable) -> tuple:

@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from swarmtrain.optim._epoch_sync import EpochSync
+from swarmtrain.optim.progress_core import GlobalProgress
 
 __all__ = [
     "AccumulateBatch",
@@ -142,6 +143,9 @@ class SwarmView:
     target_batch_size: int = 1
     eta_next_epoch: float = float("inf")
 
+
+#: what the core reads of the swarm: a ``SwarmView`` or the tracker's ``GlobalProgress``
+Swarm = Union[SwarmView, GlobalProgress]
 
 # ------------------------------------------------------------------ decisions
 
@@ -286,11 +290,11 @@ class EpochCore:
 
     # ------------------------------------------------------------------ a step
 
-    def others_seen(self, swarm: SwarmView) -> bool:
+    def others_seen(self, swarm: Swarm) -> bool:
         """Whether the tracker sees another peer (an auxiliary peer does not count itself)."""
         return swarm.num_peers > (0 if self.modes.auxiliary else 1)
 
-    def peers_present(self, swarm: SwarmView) -> int:
+    def peers_present(self, swarm: Swarm) -> int:
         """Peers the tracker counts, plus this one if it is auxiliary (it is not counted)."""
         return swarm.num_peers + (1 if self.modes.auxiliary else 0)
 
@@ -319,7 +323,7 @@ class EpochCore:
         self._counts["batches_accumulated"] += 1
         return AccumulateBatch(modes.use_local_updates, modes.delay_optimizer_step)
 
-    def on_progress(self, local_epoch: int, swarm: SwarmView, now: float) -> StepPlan:
+    def on_progress(self, local_epoch: int, swarm: Swarm, now: float) -> StepPlan:
         """The tracker's progress after this step's report: schedule the round, end the epoch?"""
         others = self.others_seen(swarm)
         seconds_left = swarm.eta_next_epoch - now
@@ -339,7 +343,7 @@ class EpochCore:
 
     # ------------------------------------------------------------------ an epoch's end
 
-    def begin_epoch_end(self, local_epoch: int, swarm: SwarmView, has_scaler: bool) -> RoundPlan:
+    def begin_epoch_end(self, local_epoch: int, swarm: Swarm, has_scaler: bool) -> RoundPlan:
         """The epoch ends (``on_progress`` said so): how the gradient round runs."""
         modes = self.modes
         others = self.others_seen(swarm)

@@ -112,7 +112,7 @@ class GradientAverager(DecentralizedAverager):
 
     def __init__(
         self,
-        parameters: Iterable[torch.nn.Parameter],
+        parameters: Iterable[torch.Tensor],
         *,
         dht,
         prefix: str,
@@ -191,7 +191,7 @@ class GradientAverager(DecentralizedAverager):
             yield from self._local_accumulators
 
     @torch.no_grad()
-    def accumulate_grads_(self, batch_size: int) -> None:
+    def accumulate_grads_(self, batch_size: float) -> None:
         """Add the current ``.grad`` (the gradient of a mean loss over ``batch_size`` samples)
         to the accumulators; with ``reuse_grad_buffers`` only the counters change."""
         batch_size = _check_batch_size(batch_size)

@@ -213,7 +213,8 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
     def create_with_plan(cls, averaged_tensors, dht, *, plan: PowerSGDPlan, **kwargs: Any):
         """``create`` for this class (``create`` builds ``cls(...)``: bind the plan to it)."""
         factory = functools.partial(cls, plan=plan)
-        return AsyncDecentralizedAverager.create.__func__(factory, averaged_tensors, dht, **kwargs)
+        create = AsyncDecentralizedAverager.create.__func__  # type: ignore[attr-defined]
+        return create(factory, averaged_tensors, dht, **kwargs)
 
     async def _round(
         self,
@@ -303,12 +304,14 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
 
         def commit(tensors: Sequence[torch.Tensor]) -> None:
             approximations = plan.finish(ms, ps, qs, keep_residuals=weight <= 0)
-            new = [None] * len(snapshot)
+            new: list[torch.Tensor | None] = [None] * len(snapshot)
             for i, value in zip(plan.compressed, approximations, strict=True):
                 new[i] = value
             for i, value in zip(plan.uncompressed, plain, strict=True):
                 new[i] = value
-            step_deltas = [v - s.float() for v, s in zip(new, snapshot, strict=True)]
+            filled = [v for v in new if v is not None]
+            assert len(filled) == len(snapshot)  # the plan covers every tensor once
+            step_deltas = [v - s.float() for v, s in zip(filled, snapshot, strict=True)]
             _add_deltas(tensors, step_deltas)
 
         async with self._locked_tensors() as tensors:
@@ -419,12 +422,16 @@ class PowerSGDGradientAverager(GradientAverager):
         ]
         return metadata, qs, infos
 
-    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
+    def load_state_from_peers(  # type: ignore[override]
+        self, wait: bool = True, timeout: float | None = None, donors=None, check=None
+    ) -> Any:
         """Download the group's ``Q`` matrices (see :meth:`get_current_state`); returns what
         ``DecentralizedAverager.load_state_from_peers`` returns."""
         if not wait:
             raise ValueError("PowerSGDGradientAverager.load_state_from_peers needs wait=True")
-        loaded = super().load_state_from_peers(wait=True, timeout=timeout)
+        loaded = super().load_state_from_peers(
+            wait=True, timeout=timeout, donors=donors, check=check
+        )
         if loaded is None:
             return None
         _, tensors = loaded

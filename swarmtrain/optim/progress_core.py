@@ -945,12 +945,14 @@ class ProgressCore:
         participants = [*others.values(), self._local] if active_self else list(others.values())
         if epoch == self._global.epoch + 1 and not self._epoch_witnessed:
             self._epoch_witnessed = True  # from now on, no peer's samples are taken on trust
-            for credit in self._credits.values():
-                credit.base = 0
+            for held in self._credits.values():
+                held.base = 0
         # with partners, they set the reference speed: a majority of free identities would
         # otherwise set the median, and with it the cap on their own claims
-        reference = [p for k, p in others.items() if k in self._live_partners] or others.values()
-        max_rate = config.max_rate_factor * self._reference_rate(reference, now)
+        reference = [p for k, p in others.items() if k in self._live_partners]
+        max_rate = config.max_rate_factor * self._reference_rate(
+            reference or list(others.values()), now
+        )
 
         samples, estimated, rate = 0.0, 0.0, 0.0
         if active_self and self._local.epoch == epoch:  # our own samples are not in doubt

@@ -289,7 +289,11 @@ class TrainingStateAverager(DecentralizedAverager):
                 status_loglevel, "creating the optimizer's statistics (initialize_optimizer)"
             )
             initialize_optimizer_state_(self.optimizer)
-        self.scheduler = scheduler(self.optimizer) if scheduler_is_factory else scheduler
+        self.scheduler: LRScheduler | None
+        if scheduler is None or isinstance(scheduler, LRScheduler):
+            self.scheduler = scheduler
+        else:
+            self.scheduler = scheduler(self.optimizer)
         if self.scheduler is not None and self.scheduler.optimizer is not self.optimizer:
             raise ValueError("the scheduler belongs to another optimizer")
         check_optimizer_state_serializable(self.optimizer)

@@ -3,8 +3,7 @@
 Every change is scoped to our own hosts: they are built with our own classes and instances
 (``tune_host``, ``private_network.PrivateNoiseTransport``), and py-libp2p's
 modules and classes stay exactly as imported (``tests/test_libp2p_scoped.py``), so a plain
-py-libp2p host in the same process behaves as stock py-libp2p. One exception remains, a
-module attribute set once per process: ``route_root_logging_calls`` (see there).
+py-libp2p host in the same process behaves as stock py-libp2p.
 
 - Yamux (``_yamux.TunedYamux``): 1 MiB frames, all-or-nothing frame writes under
   cancellation, writers woken by window updates, window updates in batches, no RTT pings.
@@ -22,6 +21,10 @@ module attribute set once per process: ``route_root_logging_calls`` (see there).
 - Dialling: py-libp2p waits 250 ms (``swarm._HAPPY_EYEBALLS_DELAY``) after starting the dial
   of an address, even when it succeeded; our swarm's ``dial_peer`` reads it as 0
   (``remove_dial_delay``, on the instance: ``_scoped_globals``).
+- Connection logging (``log_connections_to_module_logger``): py-libp2p's ``SwarmConn`` logs
+  with ``logging.debug(...)``, the root logger, which runs ``logging.basicConfig()`` when the
+  root logger has no handler yet (the application's own ``basicConfig`` was then ignored); our
+  swarm builds a subclass whose methods log to the module's logger.
 - Logging: py-libp2p logs bare warnings (and sometimes hex dumps of whole values) and reports
   routine events (a peer closing during identify) as errors; its loggers stay at CRITICAL
   unless ``SWARMTRAIN_LIBP2P_LOG_LEVEL`` or ``LIBP2P_DEBUG`` says otherwise.
@@ -60,6 +63,36 @@ def remove_dial_delay(host) -> None:
     override_method_globals(host.get_network(), "dial_peer", _HAPPY_EYEBALLS_DELAY=0.0)
 
 
+#: the module whose connection class logs through the ``logging`` module's functions
+SWARM_CONNECTION_MODULE = "libp2p.network.connection.swarm_connection"
+_logged_swarm_conn: type | None = None
+
+
+def log_connections_to_module_logger(host) -> None:
+    """``host``'s swarm wraps its connections in a ``SwarmConn`` subclass that logs to the
+    ``libp2p.network.connection.swarm_connection`` logger instead of the root logger.
+
+    py-libp2p 0.8.1's ``SwarmConn`` logs with ``logging.debug/warning(...)``: the root logger,
+    and when the root logger has no handler yet each such call runs ``logging.basicConfig()``.
+    That happened as soon as two peers connected, and the application's own
+    ``logging.basicConfig(level=...)`` afterwards was silently ignored. ``Swarm.add_conn``
+    builds the connection after a function-local import; our swarm gets a copy of it whose
+    import yields the subclass (``_scoped_globals``), whose methods read ``logging`` as that
+    logger (a logger has the same ``debug/warning`` methods). Other hosts keep stock behaviour.
+    """
+    from libp2p.network.connection.swarm_connection import SwarmConn
+
+    from swarmtrain.p2p._scoped_globals import override_method_imports, subclass_with_globals
+
+    global _logged_swarm_conn
+    if _logged_swarm_conn is None:
+        logger = logging.getLogger(SWARM_CONNECTION_MODULE)
+        _logged_swarm_conn = subclass_with_globals(SwarmConn, logging=logger)
+    override_method_imports(
+        host.get_network(), "add_conn", SWARM_CONNECTION_MODULE, SwarmConn=_logged_swarm_conn
+    )
+
+
 def tune_host(host) -> None:
     """Give a new py-libp2p host (not yet running) swarmtrain's per-host behaviour."""
     from swarmtrain.p2p._libp2p_fixes import use_hole_punch_tcp
@@ -68,6 +101,7 @@ def tune_host(host) -> None:
 
     use_tuned_yamux(host)
     remove_dial_delay(host)
+    log_connections_to_module_logger(host)
     use_hole_punch_tcp(host)
     use_pipelined_multistream(host)
     if os.environ.get("SWARMTRAIN_IDENTIFY_INBOUND") != "1":
@@ -75,16 +109,15 @@ def tune_host(host) -> None:
 
 
 def configure_process(*, quiet_logging: bool = True) -> None:
-    """Once per process: the process-wide change left (root-logger calls) and log levels."""
+    """Once per process: the log levels of py-libp2p's loggers."""
     configure_logging(quiet_logging=quiet_logging)
 
 
 def configure_logging(*, quiet_logging: bool = True) -> None:
-    """Once per process: route py-libp2p's root-logger calls, quieten its loggers."""
+    """Once per process: quieten py-libp2p's loggers (a level, no handler)."""
     global _logging_configured
     if _logging_configured:
         return
-    route_root_logging_calls()  # a correctness fix for the application's logging: always on
     if quiet_logging:
         # py-libp2p logs expected events (a peer closing during identify) at ERROR level.
         # (py-libp2p itself sets WARNING with no handler, so Python's last-resort handler prints
@@ -93,36 +126,6 @@ def configure_logging(*, quiet_logging: bool = True) -> None:
             level = os.environ.get("SWARMTRAIN_LIBP2P_LOG_LEVEL", "CRITICAL").upper()
             logging.getLogger("libp2p").setLevel(getattr(logging, level, logging.CRITICAL))
     _logging_configured = True
-
-
-#: py-libp2p modules that log through the ``logging`` module's functions (the root logger)
-ROOT_LOGGING_MODULES = ("libp2p.network.connection.swarm_connection",)
-
-
-def route_root_logging_calls() -> None:
-    """Send py-libp2p's ``logging.debug(...)``-style calls to a module logger, idempotently.
-
-    One of the two process-wide changes to py-libp2p modules (listed in docs/libp2p.md and in
-    ``tests/test_libp2p_scoped.py``). py-libp2p 0.8.1's ``swarm_connection`` logs with
-    ``logging.debug/warning(...)``: the root logger, and when the root logger has no handler
-    yet, each such call runs ``logging.basicConfig()``. That happened as soon as two peers
-    connected, and the application's own ``logging.basicConfig(level=...)`` afterwards was
-    silently ignored. The calls are made by py-libp2p's connection objects (any host's), name
-    the module's global ``logging``, and change the application's root logger: no per-host
-    object or handler can intercept them without changing the root logger instead. Here the
-    module's ``logging`` name is bound to ``logging.getLogger(<module name>)`` (a logger has the
-    same ``debug/info/warning/error/exception`` methods), under ``libp2p`` like its other logs.
-    """
-    import importlib
-
-    for name in ROOT_LOGGING_MODULES:
-        module = importlib.import_module(name)
-        current = getattr(module, "logging", None)
-        if isinstance(current, logging.Logger):
-            continue
-        if current is not logging:
-            raise RuntimeError(f"libp2p internals changed: {name}.logging is not the module")
-        module.__dict__["logging"] = logging.getLogger(name)
 
 
 def identify_dialled_peers_only(host) -> None:

@@ -33,6 +33,7 @@ class Member:
     name: str
     host: Host
     process: PeerProcess
+    shard: int = 0  #: which of the ``peers`` data shards it trains on
     state: str = "starting"
     info: dict = field(default_factory=dict)
     joined_at: float = 0.0
@@ -121,15 +122,20 @@ class ChurnSoak:
 
     def _spawn(self, host: Host) -> Member:
         bootstrap = [m.info["boot"] for m in self.members if m.info.get("boot")]
+        # a newcomer takes the shard its killed predecessor left (the lowest no member holds),
+        # so every shard keeps one trainer: ``index % peers`` trained some shards twice and
+        # left others untrained for the rest of the soak
+        held = {m.shard for m in self.members}
+        shard = min(s for s in range(self.peers) if s not in held)
         options = {
             "dht": {"host_maddrs": LISTEN_ALL, "initial_peers": bootstrap[:4]},
             "mode": self.mode,
-            "index": self._count,
+            "index": shard,
             "peers": self.peers,
         }
         self._count += 1
         process = self.lab.spawn(host, TRAIN_SCRIPT, json.dumps(options))
-        member = Member(f"p{self._count - 1}", host, process)
+        member = Member(f"p{self._count - 1}", host, process, shard=shard)
         self.members.append(member)
         return member
 

@@ -80,6 +80,21 @@ function renderRun(runId, run) {
       duration(Math.max(0, now - p.time)) + " ago"].map((c) => el("td", {}, c))));
   }
   section.append(table);
+  // Failures and warnings are text from other peers: el() appends them as text nodes, never
+  // as markup.
+  const failures = run.failures || [];
+  if (failures.length) {
+    const list = el("table", { class: "failures" }, el("tr", {}, ...["when", "peer", "kind",
+      "message"].map((h) => el("th", {}, h))));
+    for (const f of failures) {
+      list.append(el("tr", { class: "failure" },
+        el("td", {}, duration(Math.max(0, now - f.time)) + " ago"),
+        el("td", {}, String(f.peer_id).slice(0, 16) + "…"),
+        el("td", { class: "kind" }, String(f.kind)),
+        el("td", { class: "message" }, String(f.message))));
+    }
+    section.append(el("h3", {}, "Recent failures and warnings"), list);
+  }
   if (ann) {
     const join = [];
     if (ann.command) join.push("join with: " + ann.command);
@@ -87,8 +102,29 @@ function renderRun(runId, run) {
     if (ann.requirements) join.push("requirements: " + ann.requirements);
     if (ann.model) join.push("model: " + ann.model);
     if (ann.private) join.push("private run: ask the organisers for the swarm key");
-    if (ann.announcer) join.push("announced by peer " + ann.announcer);
+    if (ann.announcer) join.push("announced by peer " + ann.announcer +
+      (ann.announced_by_initial_peer ? " (one of its initial peers)" : " (not an initial peer)"));
     if (join.length) section.append(el("h3", {}, "How to join"), el("div", { class: "join" }, join.join("\n")));
+  }
+  const trustText = {
+    owner: "signed by the run's owner key ",
+    unsigned: "unsigned announcement: anyone can announce this run_id; check the bootstrap address with the organisers",
+    conflict: "UNTRUSTED: several owner keys claim this run_id; ask the organisers for theirs",
+    impostor: "UNTRUSTED: not signed by this run_id's owner key",
+  };
+  if (ann) {
+    const text = (trustText[ann.trust] || "") + (ann.trust === "owner" ? ann.owner_key : "");
+    section.append(el("p", { class: "trust trust-" + ann.trust }, text));
+  }
+  const others = run.other_announcers || [];
+  if (others.length) {
+    const list = el("ul", { class: "others" });
+    for (const o of others) {
+      list.append(el("li", { class: "announcer trust-" + o.trust }, "peer " + o.announcer + ": " +
+        (trustText[o.trust] || o.trust) + (o.trust === "owner" ? o.owner_key : "") +
+        (o.initial_peers && o.initial_peers.length ? " — points to " + o.initial_peers.join(" ") : "")));
+    }
+    section.append(el("h3", {}, "Other announcers of this run_id"), list);
   }
   return section;
 }
