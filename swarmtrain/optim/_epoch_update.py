@@ -298,7 +298,7 @@ class EpochUpdates:
         that sent their parts and returned our deltas (``gathered.failed`` did not). Only such
         partners vote for epochs ahead of ours (``swarmtrain.optim.progress_core``). Runs in
         the trainer's thread or the state averager's worker."""
-        failed = getattr(gathered, "failed", frozenset())
+        failed: Collection[Any] = getattr(gathered, "failed", frozenset())
         partners = [peer for peer in gathered if peer not in failed]
         try:
             self._tracker.on_round_partners(partners, epoch)
