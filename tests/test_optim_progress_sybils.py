@@ -84,11 +84,12 @@ def test_sybil_records_one_epoch_ahead_do_not_move_peers_that_averaged(dhts, cap
         assert {p.opt.local_epoch for p in honest} == {goal}
         assert seen["unvouched"] >= SYBILS  # they were there, ahead, and did not count
         assert seen["observer_ahead"]  # the same records are a quorum for a peer without partners
-        # each epoch under attack ended on the honest peers' own samples (under the old rule a
-        # step or two each: the swarm was always an epoch ahead)
+        # each epoch under attack ended on the honest peers' own samples: the target, or an
+        # ETA that passed (at least half of it in the stalling swarms of test_optim_epoch_core);
+        # under the old rule 4-8 samples, a step or two (the swarm was always an epoch ahead)
         for epoch in range(attacked_from + 2, goal + 1):
             gathered = sum(p.samples.get(epoch, 0) for p in honest)
-            assert gathered >= TARGET // 2, (epoch, [p.samples for p in honest])
+            assert gathered >= TARGET // 4, (epoch, [p.samples for p in honest])
         messages = [r.getMessage() for r in caplog.records]
         assert not [m for m in messages if "behind the swarm" in m], messages
         assert all(p.opt.is_synchronized_with_peers() for p in honest)
