@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -133,6 +133,11 @@ class ProgressTracker(BackgroundService):
 
     def update_epoch(self, new_epoch: int | None = None) -> int:
         return self._tracker().update_epoch(new_epoch)
+
+    def on_round_partners(self, peer_ids: Iterable[Any], epoch: int) -> None:
+        """This peer averaged with ``peer_ids`` (``PeerID`` or bytes) in a round of ``epoch``
+        (see :meth:`AsyncProgressTracker.on_round_partners`)."""
+        self._tracker().on_round_partners(peer_ids, epoch)
 
     @contextmanager
     def pause_updates(self) -> Iterator[None]:
