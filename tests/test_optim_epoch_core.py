@@ -539,9 +539,12 @@ class SwarmSim:
         core.begin_epoch_end(peer.epoch, progress.global_progress, has_scaler=False)
         progress.pause(self.now)
         peer.in_round = True
-        members = self.joined.setdefault(peer.epoch, set())
-        members.add(peer.key)
-        if len(members) == len(self.peers):  # the group is complete: the round runs
+        self.joined.setdefault(peer.epoch, set()).add(peer.key)
+        self._join_round(peer)
+
+    def _join_round(self, peer: SimPeer) -> None:
+        """``peer`` joined the round of its epoch (in ``self.joined``): one group of all."""
+        if len(self.joined[peer.epoch]) == len(self.peers):  # the group is complete: it runs
             duration = self.first_round_time if peer.epoch == 0 else self.round_time
             for member in self.peers:
                 delay = duration + self.jitter * self.rng.random()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Protocol
 
@@ -45,7 +45,21 @@ from swarmtrain.p2p import PeerID
 __all__ = ["AsyncDecentralizedAverager", "GatheredData"]
 
 logger = logging.getLogger(__name__)
-GatheredData = dict  # {PeerID: what that peer passed as ``gather``}
+
+
+class GatheredData(dict):
+    """``{PeerID: what that peer passed as gather}`` for every member of a round's group;
+    ``failed``: the members whose part or averaged delta this peer did without (the banned
+    senders and failed reducers of a partial round; empty where not known)."""
+
+    failed: frozenset[PeerID] = frozenset()
+
+    def __init__(self, *args: Any, failed: Iterable[PeerID] = (), **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if failed:
+            self.failed = frozenset(failed)
+
+
 # CPU tensors of up to this many bytes in all are snapshotted before a round, and get their
 # deltas added after it, on the loop (a single-threaded memcpy / add of a few ms); larger ones
 # in a worker thread. Under load each thread hop cost 2-46 ms of a 8 x 4M round's ~250 ms
@@ -601,4 +615,6 @@ class AsyncDecentralizedAverager:
                 else:
                     await trio.to_thread.run_sync(_add_deltas, tensors, result.deltas)
         self._spare_round_buffers = (snapshot, runner.delta_buffers)
-        return {PeerID(m.peer_id): _load_gathered(m.gather) for m in group.members}
+        return GatheredData(
+            {PeerID(m.peer_id): _load_gathered(m.gather) for m in group.members}, failed=failed
+        )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -165,7 +165,8 @@ class EpochUpdates:
                 self._auxiliary_catch_up(decision.load_state)
                 return
             gathered = self._finish_epoch(decision, wait_for_trigger)
-            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered))
+            swarm_epoch = tracker.global_epoch
+            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered, swarm_epoch))
         if grad_scaler is not None:
             grad_scaler.on_swarm_epoch_end_()
         logger.log(
@@ -289,7 +290,21 @@ class EpochUpdates:
         )
         if gathered is not None and not averaged:
             logger.log(self.status_loglevel, "%s: the group was in another epoch", self.run_id)
+        if averaged and gathered is not None:
+            self._note_round_partners(gathered, epoch)
         return averaged
+
+    def _note_round_partners(self, gathered: Mapping[Any, Any], epoch: int) -> None:
+        """Tell the tracker who averaged with this peer in a round of ``epoch``: the members
+        that sent their parts and returned our deltas (``gathered.failed`` did not). Only such
+        partners vote for epochs ahead of ours (``swarmtrain.optim.progress_core``). Runs in
+        the trainer's thread or the state averager's worker."""
+        failed: Collection[Any] = getattr(gathered, "failed", frozenset())
+        partners = [peer for peer in gathered if peer not in failed]
+        try:
+            self._tracker.on_round_partners(partners, epoch)
+        except Exception as e:  # shut down meanwhile: nobody needs the partners any more
+            logger.debug("%s: round partners not recorded: %r", self.run_id, e)
 
     def _consume_gradients(self) -> None:
         """With ``offload_optimizer``, put the averaged buffers into the optimizer's ``.grad``;

@@ -428,15 +428,22 @@ class EpochCore:
         )
 
     def on_epoch_finished(
-        self, local_epoch: int, group_epochs: Collection[int] | None = None
+        self,
+        local_epoch: int,
+        group_epochs: Collection[int] | None = None,
+        swarm_epoch: int | None = None,
     ) -> EpochAdvanced:
         """The optimizer and state steps ran; ``local_epoch``: the state averager's epoch now;
         ``group_epochs``: the epochs of a state round's group that averaged here. A group in a
         later epoch (this peer's gradient round failed because the swarm moved on) takes us
-        there: else a peer whose epoch ends with the swarm's state round stays behind."""
+        there: else a peer whose epoch ends with the swarm's state round stays behind. With
+        ``swarm_epoch`` (the epoch the tracker's quorum vouches for), a member's epoch counts
+        only up to ``max(local_epoch + 1, swarm_epoch)``: one member is not a quorum."""
         self._counts["epochs_ended"] += 1
         self._backoff.reset()  # a later catch-up (if any) tries at once
         epochs = [e for e in group_epochs or () if isinstance(e, int) and not isinstance(e, bool)]
+        if swarm_epoch is not None:
+            epochs = [e for e in epochs if e <= max(local_epoch + 1, swarm_epoch)]
         adopted_from = None
         if epochs and max(epochs) > local_epoch:
             adopted_from, local_epoch = local_epoch, max(epochs)

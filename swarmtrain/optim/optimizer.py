@@ -335,8 +335,9 @@ class Optimizer(EpochUpdates):
                 target_batch_size,
                 client_mode=client_mode,
                 status_loglevel=self.status_loglevel,
-                **(tracker_opts or {}),
+                **{"partner_window": max(4, 2 * self.average_state_every), **(tracker_opts or {})},
             )
+            self.state_averager.round_observer = self._note_round_partners
         except BaseException:
             self.shutdown()
             raise

@@ -257,6 +257,9 @@ class TrainingStateAverager(DecentralizedAverager):
         self.reuse_tensors = bool(reuse_tensors)
         self.delta_rule_averaging = bool(delta_rule_averaging)
         self.sync_epoch_when_averaging = bool(sync_epoch_when_averaging)
+        #: called with each successful round's gathered data and this peer's epoch then (in the
+        #: thread that ran the round; the Optimizer tells its tracker who averaged with it)
+        self.round_observer: Callable[[dict, int], None] | None = None
         self.main_parameters, self.parameter_names = main_parameters, names
         self.opt_keys_for_averaging = average_opt_statistics
         self.extra_tensors = tuple(extra_tensors)
@@ -620,6 +623,8 @@ class TrainingStateAverager(DecentralizedAverager):
             control.cancel()
             raise
         logger.log(self.status_loglevel, "averaged the training state with %d peers", len(gathered))
+        if self.round_observer is not None:
+            self.round_observer(gathered, self.local_epoch)
         if self.sync_epoch_when_averaging:
             epochs = [
                 e for e in gathered.values() if isinstance(e, int) and not isinstance(e, bool)
