@@ -86,6 +86,7 @@ class Trainer:
         self.shard = torch.arange(index, len(X), peers)
         self.position = 0
         self.snapshots: dict[int, list[torch.Tensor]] = {}
+        self.partners = 0  #: round partners the tracker knew at the end of training
 
     def backward(self) -> None:
         rows = self.shard[self.position : self.position + BATCH]
@@ -115,6 +116,7 @@ async def train_together(
             await opt.wait_for_peers(len(trainers), timeout=10)
             await trainers[i].train_until(opt, epochs, pause)
             await opt.wait_for_delayed_updates()
+            trainers[i].partners = opt.tracker.statistics().live_partners
             ready[i].set()
             for event in ready:  # stay in the swarm until everyone is done
                 await event.wait()
@@ -138,6 +140,7 @@ async def test_three_trio_peers_average_gradients_and_agree():
     assert all(opt.local_epoch == 4 for opt in opts)
     assert all(opt.epochs_averaged >= 2 for opt in opts), [o.epochs_averaged for o in opts]
     assert all(opt.offload_optimizer for opt in opts)  # the default with a factory
+    assert all(t.partners >= 1 for t in trainers)  # rounds told the trackers who averaged
     common = set.intersection(*(set(t.snapshots) for t in trainers))
     assert common
     if all(opt.epochs_alone == 0 for opt in opts):  # a round that failed under load logged why

@@ -12,7 +12,7 @@ a ``threading`` lock runs in ``trio.to_thread``. The attributes used here are se
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -109,7 +109,8 @@ class AsyncEpochUpdates:
                 await self._auxiliary_catch_up(decision.load_state)
                 return
             gathered = await self._finish_epoch(decision, pending)
-            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered))
+            swarm_epoch = tracker.global_epoch
+            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered, swarm_epoch))
         if grad_scaler is not None:
             grad_scaler.on_swarm_epoch_end_()
         logger.log(
@@ -160,7 +161,20 @@ class AsyncEpochUpdates:
         )
         if gathered is not None and not averaged:
             logger.log(self.status_loglevel, "%s: the group was in another epoch", self.run_id)
+        if averaged and gathered is not None:
+            self._note_round_partners(gathered, epoch)
         return averaged
+
+    def _note_round_partners(self, gathered: Mapping[Any, Any], epoch: int) -> None:
+        """Tell the tracker who averaged with this peer in a round of ``epoch`` (the members
+        that did their part: not in ``gathered.failed``); only such partners vote for epochs
+        ahead of ours (``EpochUpdates._note_round_partners``'s rule)."""
+        failed: Collection[Any] = getattr(gathered, "failed", frozenset())
+        partners = [peer for peer in gathered if peer not in failed]
+        try:
+            self._tracker.on_round_partners(partners, epoch)
+        except Exception as e:  # closed meanwhile: nobody needs the partners any more
+            logger.debug("%s: round partners not recorded: %r", self.run_id, e)
 
     async def _finish_epoch(
         self, decision: FinishEpoch, pending: _PendingGradients | None
@@ -293,6 +307,7 @@ class AsyncEpochUpdates:
             control.cancel()
             raise
         self.state_rounds_averaged += 1
+        self._note_round_partners(gathered, self._state.local_epoch)
         logger.log(
             self.status_loglevel,
             "%s: averaged the training state with %d peers",

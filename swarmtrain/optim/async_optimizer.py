@@ -328,7 +328,10 @@ class AsyncOptimizer(AsyncEpochUpdates):
                     self.target_batch_size,
                     client_mode=self.client_mode,
                     status_loglevel=self.status_loglevel,
-                    **self._tracker_opts,
+                    **{
+                        "partner_window": max(4, 2 * self.average_state_every),
+                        **self._tracker_opts,
+                    },
                 )
             )
             self._nursery = await stack.enter_async_context(trio.open_nursery())
