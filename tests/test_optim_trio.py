@@ -18,6 +18,7 @@ import pytest
 import torch
 import trio
 from swarm_util import open_dhts
+from test_optim_optimizer import BATCH, FAST, FEATURES, X, Y, full_loss, make_model, params_of
 
 from swarmtrain.averaging.state_checks import RejectReason
 from swarmtrain.optim import (
@@ -29,32 +30,7 @@ from swarmtrain.optim import (
 )
 from swarmtrain.utils.background import BackgroundRuntime
 
-FEATURES, BATCH, TARGET = 8, 4, 48
-FAST = {
-    "matchmaking_time": 1.0,
-    "averaging_timeout": 15.0,
-    "load_state_timeout": 15.0,
-    "tracker_opts": {"gossip_period": 0.1, "min_refresh_period": 0.2},
-}
-
-_generator = torch.Generator().manual_seed(0)
-TRUE_W = torch.randn(FEATURES, 1, generator=_generator)
-X = torch.randn(600, FEATURES, generator=_generator)
-Y = X @ TRUE_W + 0.01 * torch.randn(600, 1, generator=_generator)
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(FEATURES, 1)
-
-
-def full_loss(model: torch.nn.Module) -> float:
-    with torch.no_grad():
-        return torch.nn.functional.mse_loss(model(X), Y).item()
-
-
-def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
+TARGET = 48
 
 
 def max_gap(states: list[list[torch.Tensor]]) -> float:
