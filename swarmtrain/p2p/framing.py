@@ -17,7 +17,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from swarmtrain.p2p.errors import MessageTooLargeError, RPCProtocolError
-from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
+from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget, PeerBytes
 from swarmtrain.proto import p2p_pb2
 
 FrameKind = p2p_pb2.RPCFrameHeader.Kind
@@ -170,8 +170,9 @@ class FrameDecoder:
     received into a buffer of the decoder's own) that did not arrive whole goes into a
     ``GrowingBuffer`` (at first ``INITIAL_ALLOCATION`` bytes or what arrived, or the whole
     payload when that is at most twice as much; then at most twice what arrived). Those
-    buffers are charged to ``budget`` (a host's ``ByteBudget``: ``ResourceLimitError`` when
-    it is used up) until the frame is handed out or ``close()``.
+    buffers are charged to ``budget`` (a host's ``ByteBudget``, or ``budget.for_peer(peer)``
+    to charge that peer's share too: ``ResourceLimitError`` when it is used up) until the
+    frame is handed out or ``close()``.
     With ``awaiting_open`` set (a callee before each call), any frame but OPEN is a protocol
     error as soon as its header is read.
 
@@ -185,7 +186,7 @@ class FrameDecoder:
     def __init__(
         self,
         max_payload_size: int,
-        budget: ByteBudget | None = None,
+        budget: ByteBudget | PeerBytes | None = None,
         first_allocation: int = INITIAL_ALLOCATION,
     ):
         """``first_allocation``: the first buffer of a payload that did not arrive whole (a
