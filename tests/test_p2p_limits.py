@@ -16,7 +16,7 @@ import trio
 from google.protobuf.wrappers_pb2 import BytesValue, Int64Value
 from polling import wait_until
 
-from swarmtrain.p2p import P2P, ResourceLimitError, ResourceLimits, RPCProtocolError
+from swarmtrain.p2p import P2P, P2PConfig, ResourceLimitError, ResourceLimits, RPCProtocolError
 from swarmtrain.p2p.framing import (
     FrameDecoder,
     FrameKind,
@@ -25,9 +25,9 @@ from swarmtrain.p2p.framing import (
     message_header,
 )
 from swarmtrain.p2p.lane import TICKET_METHOD
-from swarmtrain.p2p.lane_books import PendingHandshakes, TicketBook, retry_delay
+from swarmtrain.p2p.lane_books import LaneBook, PendingHandshakes, TicketBook, retry_delay
 from swarmtrain.p2p.lane_records import RecordOpener
-from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
+from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget, lanes_within_fd_limit
 from swarmtrain.p2p.rpc import RPC_PROTOCOL_ID
 from swarmtrain.proto import p2p_pb2
 
@@ -121,6 +121,107 @@ def test_the_byte_budget_bounds_receive_buffers_and_comes_back_on_close():
     assert third.next_frame() is None
     third.feed(bytes(2 * MiB))
     assert len(third.next_frame().payload) == 2 * MiB and budget.used == 0
+
+
+def _receiving(decoder: FrameDecoder, declared: int, arrived: int) -> FrameDecoder:
+    """``decoder`` in the middle of a message of ``declared`` bytes of which ``arrived`` came."""
+    decoder.feed(message_header(declared))
+    assert decoder.next_frame() is None
+    decoder.feed(bytes(arrived))
+    return decoder
+
+
+def test_one_peer_holds_at_most_its_share_of_the_byte_budget():
+    budget = ByteBudget(8 * MiB, per_peer_limit=2 * MiB)
+    hog = [_receiving(FrameDecoder(8 * MiB, budget.for_peer("hog")), 4 * MiB, MiB) for _ in "ab"]
+    assert budget.used_by("hog") == 2 * MiB and budget.used == 2 * MiB  # its share is used up
+    third = FrameDecoder(8 * MiB, budget.for_peer("hog"))
+    third.feed(message_header(4 * MiB))
+    with pytest.raises(ResourceLimitError, match="this peer's share of the callee's bytes"):
+        third.next_frame()  # its third call's first buffer: refused, taking nothing
+    assert budget.used_by("hog") == 2 * MiB and budget.refused_per_peer == 1
+    # every other peer still has its own share, up to the host's limit
+    others = [
+        _receiving(FrameDecoder(8 * MiB, budget.for_peer(f"peer{i}")), 2 * MiB, 2 * MiB - 1)
+        for i in range(3)
+    ]
+    assert budget.used == 8 * MiB and budget.used_by("peer0") == 2 * MiB
+    late = FrameDecoder(8 * MiB, budget.for_peer("late"))
+    late.feed(message_header(MiB))
+    with pytest.raises(ResourceLimitError, match="the callee's budget of bytes in flight"):
+        late.next_frame()  # the host's total is the second limit
+    assert budget.refused == 2 and budget.refused_per_peer == 1
+    for decoder in [*hog, third, *others, late]:
+        decoder.close()
+    assert budget.used == 0 and budget.used_by("hog") == 0 and not budget._per_peer
+    # a message of the whole share completes (in 64 KiB pieces: the buffer grows, then is
+    # copied into one array, charged its size only) and gives its bytes back when handed out
+    done = _receiving(FrameDecoder(8 * MiB, budget.for_peer("hog")), 2 * MiB, 0)
+    for _ in range(32):
+        assert done.next_frame() is None and budget.used_by("hog") <= 2 * MiB
+        done.feed(bytes(64 * 1024))
+    assert len(done.next_frame().payload) == 2 * MiB and budget.used_by("hog") == 0
+
+
+def test_the_per_peer_share_defaults_to_a_quarter_and_fits_one_message():
+    assert ResourceLimits().bytes_in_flight_per_peer(256 * MiB) == 256 * MiB  # 1 GiB / 4
+    limits = ResourceLimits(max_bytes_in_flight=64 * MiB)
+    assert limits.bytes_in_flight_per_peer(8 * MiB) == 16 * MiB
+    assert limits.bytes_in_flight_per_peer(32 * MiB) == 32 * MiB  # one whole message
+    assert limits.bytes_in_flight_per_peer(64 * MiB) == 64 * MiB  # never above the total
+    explicit = ResourceLimits(max_bytes_in_flight=64 * MiB, max_bytes_in_flight_per_peer=5 * MiB)
+    assert explicit.bytes_in_flight_per_peer(4 * MiB) == 5 * MiB
+    with pytest.raises(ValueError, match="at most max_bytes_in_flight"):
+        ResourceLimits(max_bytes_in_flight=MiB, max_bytes_in_flight_per_peer=2 * MiB)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_bytes_in_flight_per_peer"):
+            ResourceLimits(max_bytes_in_flight_per_peer=bad)
+    with pytest.raises(ValueError, match="max_lanes_total"):
+        ResourceLimits(max_lanes_total=0)
+    with pytest.raises(ValueError, match="one whole message"):
+        P2PConfig(max_message_size=8 * MiB, limits=ResourceLimits(max_bytes_in_flight_per_peer=MiB))
+
+
+def test_the_lane_cap_leaves_half_the_open_file_limit_to_the_rest():
+    assert lanes_within_fd_limit(512, None) == 512  # unlimited or unknown (Windows)
+    assert lanes_within_fd_limit(512, -1) == 512
+    assert lanes_within_fd_limit(512, 20000) == 512
+    assert lanes_within_fd_limit(512, 1024) == 512  # Linux's usual soft limit
+    assert lanes_within_fd_limit(512, 256) == 128  # macOS's usual soft limit
+    assert lanes_within_fd_limit(512, 1) == 1
+
+
+def test_a_full_lane_book_takes_a_stale_idle_lane_of_the_biggest_holder():
+    book = LaneBook(total=6, per_peer=4, stale_after=16.0)
+    for i in range(4):
+        assert book.admit(f"a{i}", "a", now=float(i)) == []
+    with pytest.raises(ResourceLimitError, match="too many data lanes from one peer"):
+        book.admit("a4", "a", now=4.0)  # per peer first
+    with pytest.raises(ResourceLimitError, match="4 open or ticketed"):
+        book.check("b", now=4.0, tickets=4)  # unredeemed tickets count for the peer
+    assert book.admit("b0", "b", now=4.0) == [] and book.admit("b1", "b", now=5.0) == []
+    for token in ("a0", "a1", "a2", "a3", "b0", "b1"):
+        book.busy(token)  # all serving calls: nothing can be taken
+    with pytest.raises(ResourceLimitError, match=r"in use \(6 of 6 in all, none idle for 16 s\)"):
+        book.admit("c0", "c", now=100.0)
+    assert len(book) == 6 and book.refused == 3 and book.evicted == 0
+    book.idle("b0", now=5.0)  # b's lane went idle first, but b holds fewer lanes than a
+    book.idle("a3", now=20.0)
+    book.idle("a1", now=30.0)
+    with pytest.raises(ResourceLimitError, match="all in use"):
+        book.check("c", now=20.0)  # nothing idle for 16 s yet
+    assert book.admit("c0", "c", now=25.0) == ["b0"]  # b0 is stale, a3 not yet
+    # at 60 s: a3 and a1 are stale; a holds the most lanes: its lane idle the longest goes
+    assert book.admit("c1", "c", now=60.0) == ["a3"]
+    assert book.admit("d0", "d", now=60.0) == ["a1"]
+    assert book.count("a") == 2 and book.count("b") == 1 and book.count("c") == 2
+    book.busy("c0")
+    with pytest.raises(ResourceLimitError):  # fresh idle lanes (c1, d0) are not taken
+        book.admit("e0", "e", now=61.0)
+    book.done("a0")  # a closed lane frees its place
+    assert book.admit("e0", "e", now=61.0) == [] and len(book) == 6 and book.evicted == 3
+    book.done("b0")  # (a taken lane's own done() later changes nothing)
+    assert len(book) == 6 and book.count("b") == 1
 
 
 def test_ticket_floods_and_silent_sockets_cannot_crowd_out_others():

@@ -105,7 +105,9 @@ class GrowingBuffer:
     """Room for ``size`` declared bytes that is never much more than what was written into
     it: uninitialized pieces, each as large as all before it, until half of it arrived; then
     one array of the whole size, the pieces copied in (growing copies at most half of it).
-    ``charge(n)`` and ``release(n)`` hear of every allocation and of its end."""
+    ``charge(n)`` and ``release(n)`` hear of every allocation and of its end; the budget is
+    charged at most ``size`` in all (the copy's transient pieces are not charged: see
+    ``_grow``)."""
 
     __slots__ = ("_charge", "_piece_filled", "_pieces", "_release", "allocated", "filled", "size")
 
@@ -138,13 +140,15 @@ class GrowingBuffer:
             self.allocated += self.filled
             self._piece_filled = 0
             return
-        self._charge(self.size)
+        # The pieces are freed right after the copy, with no await in between: at most one
+        # such copy exists in a process at a time, so the budget is charged the growth only
+        # (a message of the budget's whole size can complete).
+        self._charge(self.size - self.allocated)
         whole = np.empty(self.size, dtype=np.uint8)
         start = 0
         for piece in self._pieces:
             whole[start : start + len(piece)] = piece
             start += len(piece)
-        self._release(self.allocated)
         self._pieces, self.allocated, self._piece_filled = [whole], self.size, self.filled
 
     def take(self) -> np.ndarray:
