@@ -427,6 +427,56 @@ async def test_a_partly_sent_message_past_the_byte_budget_is_refused():
         await _wait_for(lambda: victim.statistics()["bytes_in_flight"] == 0)
 
 
+@pytest.mark.trio
+async def test_one_peer_cannot_take_the_whole_byte_budget_from_the_others():
+    """One peer's half-sent messages used to be able to hold the host's whole budget of bytes
+    in flight, so every other caller's large message failed. Now its share is used up first:
+    its own calls get a ResourceLimitError, the other peers' calls go on."""
+    limits = ResourceLimits(max_bytes_in_flight=8 * MiB, max_bytes_in_flight_per_peer=MiB)
+    async with (
+        P2P.create(use_autonat=False, limits=limits, max_message_size=MiB) as victim,
+        P2P.create(initial_peers=victim.get_visible_maddrs(), use_autonat=False) as attacker,
+        P2P.create(initial_peers=victim.get_visible_maddrs(), use_autonat=False) as honest,
+    ):
+        _serve(victim)
+        budget = victim._rpc_server.budget
+        streams = []
+        # 12 messages declared ~1 MiB, 192 KiB of each sent (within yamux's first window, so
+        # no write waits), then held: 2-5 of them use up its share, the others are refused
+        for _ in range(12):
+            stream = await attacker.new_stream(victim.peer_id, RPC_PROTOCOL_ID)
+            streams.append(stream)
+            await stream.write(_OPEN_ECHO + message_header(MiB - 64) + bytes(192 * 1024))
+        await _wait_for(lambda: budget.refused_per_peer >= 7)
+        assert 0 < budget.used_by(attacker.peer_id) == budget.used <= MiB
+        with trio.fail_after(10), pytest.raises(ResourceLimitError, match="this peer's share"):
+            await attacker.call_protobuf_handler(
+                victim.peer_id, "t::L.echo", BytesValue(value=b"a" * (MiB // 2)), BytesValue
+            )
+        for _ in range(3):  # the honest peer's large calls still fit, plain and bulk
+            reply = await honest.call_protobuf_handler(
+                victim.peer_id, "t::L.echo", BytesValue(value=b"h" * (MiB - 64)), BytesValue
+            )
+            assert len(reply.value) == MiB - 64
+            total = await honest.call_protobuf_handler(
+                victim.peer_id,
+                "t::L.total_size",
+                [BytesValue(value=b"z" * (MiB - 64))] * 3,
+                Int64Value,
+                stream_input=True,
+                bulk=True,
+            )
+            assert total.value == 3 * (MiB - 64)
+        assert honest.statistics()["lanes_opened"] == 1
+        for stream in streams:
+            await stream.close()
+        await _wait_for(lambda: budget.used == 0)
+        reply = await attacker.call_protobuf_handler(  # its calls ended: its share is back
+            victim.peer_id, "t::L.echo", BytesValue(value=b"a" * (MiB // 2)), BytesValue
+        )
+        assert len(reply.value) == MiB // 2
+
+
 async def _raw_lane(port: int, ticket_id: bytes) -> trio.SocketStream:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     await stream.send_all(ticket_id)
