@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue, Int64Value
+from libp2p.stream_muxer.yamux.yamux import TYPE_DATA, YAMUX_HEADER_FORMAT
 from polling import wait_until
 
 from swarmtrain.p2p import P2P, P2PConfig, ResourceLimitError, ResourceLimits, RPCProtocolError
@@ -343,6 +345,59 @@ async def test_declared_sizes_do_not_pin_a_victims_memory():
             assert reply.value == b"ok"  # and it still answers
             for stream in streams:
                 await stream.close()
+    finally:
+        victim.stdin.close()
+        try:
+            victim.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            victim.kill()
+            victim.wait()
+        victim.stdout.close()
+
+
+@pytest.mark.trio
+async def test_a_peer_ignoring_yamux_flow_control_loses_its_connection_not_our_memory():
+    """py-libp2p buffers whatever a peer sends past a stream's receive window. A stream the
+    victim refused and half-closed is read by nobody: an attacker writing raw yamux frames
+    there, ignoring the window, made the victim hold every byte. Now the stream never holds
+    more than its window and the attacker's connection is closed. The victim runs in a
+    process of its own and its RSS is measured."""
+    victim = _start_victim()
+    try:
+        with trio.fail_after(60):
+            line = await trio.to_thread.run_sync(victim.stdout.readline)
+        maddrs = json.loads(line)["maddrs"]
+        victim_id = maddrs[0].split("/p2p/")[-1]
+        async with (
+            P2P.create(initial_peers=maddrs, use_autonat=False) as attacker,
+            P2P.create(initial_peers=maddrs, use_autonat=False) as honest,
+        ):
+            for p2p in (attacker, honest):
+                reply = await p2p.call_protobuf_handler(
+                    victim_id, "t::L.echo", BytesValue(value=b"x" * MiB), BytesValue
+                )
+                assert len(reply.value) == MiB  # warm: buffers of one honest call
+            before = _rss(victim.pid)
+            stream = await attacker.new_stream(victim_id, RPC_PROTOCOL_ID)
+            await stream.write(message_header(10))  # not an OPEN: refused, half-closed
+            frame = await _read_frame(stream)
+            assert frame is not None and frame.header.error_code == p2p_pb2.PROTOCOL_ERROR
+            muxed = stream.muxed_stream
+            header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, muxed.stream_id, MiB)
+            with trio.move_on_after(30):
+                try:
+                    for _ in range(64):  # 64 MiB past the 256 KiB window, in raw frames
+                        await muxed.conn._write_frame(header + bytes(MiB))
+                except Exception:
+                    pass  # (the victim closed the connection; writes may still succeed
+                    # for a while, into the socket's buffers)
+            await _wait_for(lambda: victim_id not in map(str, attacker.get_connected_peers()))
+            grown = _rss(victim.pid) - before
+            assert grown < 32 * MiB, f"the victim's RSS grew by {grown / MiB:.0f} MiB"
+            reply = await honest.call_protobuf_handler(
+                victim_id, "t::L.echo", BytesValue(value=b"ok"), BytesValue
+            )
+            assert reply.value == b"ok"  # and it still serves the others
     finally:
         victim.stdin.close()
         try:
