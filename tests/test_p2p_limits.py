@@ -564,6 +564,7 @@ async def test_lanes_past_the_per_peer_limit_are_refused_others_still_get_lanes(
             lanes.append(await _raw_lane(ticket.port, ticket.ticket_id))
         assert len(lanes) == 2 and refused == 18
         assert victim.lanes.open_lanes.count(attacker.peer_id) == 2
+        assert victim.statistics()["lanes_open"] == 2
         reply = await honest.call_protobuf_handler(
             victim.peer_id,
             "t::L.total_size",

@@ -568,6 +568,8 @@ class P2P(Dialling):
             "lanes_opened": self.lanes.lanes_opened if self.lanes else 0,
             "lanes_accepted": self.lanes.lanes_accepted if self.lanes else 0,
             "lane_fallbacks": self.lanes.fallbacks if self.lanes else 0,
+            "lanes_open": len(self.lanes.open_lanes) if self.lanes else 0,  # served by us
+            "lanes_evicted": self.lanes.open_lanes.evicted if self.lanes else 0,
             "bytes_in_flight": self._rpc_server.budget.used,
             "calls_refused": self._rpc_server.calls_per_peer.refused
             + self._rpc_server.budget.refused,
