@@ -255,8 +255,9 @@ class TunedYamux(Yamux):
         if type(buffers) is not dict or buffers or not hasattr(conn, "_nursery"):
             raise RuntimeError("libp2p internals changed: Yamux.stream_buffers or _nursery")
         conn.__class__ = cls
+        assert isinstance(conn, cls)
         conn.streams = _AdoptingStreams()
-        conn.stream_buffers = _WindowedBuffers(conn)  # type: ignore[assignment]
+        conn.stream_buffers = _WindowedBuffers(conn)
 
     def window_exceeded(self, stream_id: int, excess: int) -> None:
         """The peer sent ``excess`` bytes past the receive window of ``stream_id``: drop its
