@@ -79,6 +79,8 @@ async def test_a_peer_claiming_an_implausible_weight_is_banned_across_rounds():
                 functools.partial(run, 4, weight=1e10, timeout=20, allow_retries=False)
             )
         assert all(isinstance(r, dict) and len(r) == 5 for r in results[:4]), results
+        # ... with the liar marked as a member they did without (it is no round partner)
+        assert all(r.failed == {liar.peer_id} for r in results[:4]), results
         assert isinstance(results[4], AllReduceError), results[4]
         for averager in honest:
             assert averager.bans.banned(get_dht_time()) == {liar.peer_id}
@@ -89,6 +91,7 @@ async def test_a_peer_claiming_an_implausible_weight_is_banned_across_rounds():
             steps.start_soon(functools.partial(run, 4, timeout=5))
         for result in results[:4]:
             assert isinstance(result, dict) and set(result) == {a.peer_id for a in honest}
+            assert not result.failed
         assert isinstance(results[4], MatchmakingError), results[4]  # found nobody
         swarm.stop_all()
 

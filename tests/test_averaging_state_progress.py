@@ -83,12 +83,32 @@ def test_without_specs_the_total_is_unknown_and_nothing_opens_before_a_header():
     assert opened[0].total is None
 
 
+def test_without_specs_the_total_is_the_size_the_donor_announces():
+    opened: list = []
+    _counting(opened).on_header(None, 4040)
+    _counting(opened).on_header(None, 0)  # an older donor announces nothing: unknown
+    _counting(opened).on_header([TensorSpec((10,), torch.float32)], 10**12)  # checked specs win
+    assert [p.total for p in opened] == [4040, None, 40]
+
+
 def _state():
     generator = torch.Generator().manual_seed(7)
     return [torch.randn(s, generator=generator) for s in SHAPES]
 
 
-async def _download_between_two_peers() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+class OlderDonor(StateSharing):
+    """A donor of a version before ``StateHeader.state_bytes``: its header announces no size."""
+
+    async def _rpc_download_state(self, request, context):
+        async for response in super()._rpc_download_state(request, context):
+            if response.HasField("header"):
+                response.header.ClearField("state_bytes")
+            yield response
+
+
+async def _download_between_two_peers(
+    checked: bool = True, donor_class: type[StateSharing] = StateSharing
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     donor_state = _state()
 
     async def get_state():
@@ -100,7 +120,7 @@ async def _download_between_two_peers() -> tuple[list[torch.Tensor], list[torch.
     common = {"state_compression": NoCompression(), "declare_state_period": 5.0}
     async with open_dhts(2) as (first, second):
         async with (
-            StateSharing.create(
+            donor_class.create(
                 first,
                 "progress",
                 get_state=get_state,
@@ -118,7 +138,7 @@ async def _download_between_two_peers() -> tuple[list[torch.Tensor], list[torch.
             ) as newcomer,
         ):
             with trio.fail_after(20):  # the donor declared its state before create returned
-                loaded = await newcomer.load_state_from_peers(check=check)
+                loaded = await newcomer.load_state_from_peers(check=check if checked else None)
     assert loaded is not None
     return donor_state, loaded[1]
 
@@ -153,3 +173,25 @@ async def test_without_a_bar_two_log_lines_and_nothing_per_chunk(bars, capsys, c
     assert lines[0] == f"loading the state of progress: started ({size})"
     assert lines[1].startswith(f"loading the state of progress: done {size} in ")
     assert "4 tensors" in lines[1]
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("donor", ["current", "older"])
+async def test_without_a_check_the_size_comes_from_the_donors_header(bars, caplog, donor):
+    bars(False)
+    older = donor == "older"
+    with caplog.at_level(logging.INFO, logger="swarmtrain.averaging.state_sharing"):
+        expected, got = await _download_between_two_peers(
+            checked=False, donor_class=OlderDonor if older else StateSharing
+        )
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "swarmtrain.averaging.state_sharing" and "loading the state" in r.getMessage()
+    ]
+    size = f"{STATE_BYTES / 1024:.1f} KiB"
+    started = "loading the state of progress: started"
+    assert lines[0] == (started if older else f"{started} ({size})"), lines
+    assert lines[1].startswith(f"loading the state of progress: done {size} in "), lines

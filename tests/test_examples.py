@@ -30,6 +30,15 @@ def test_quickstart_peers_train_in_lockstep():
     assert first[-1][1] < first[0][1]  # eval loss falls
 
 
+def test_trio_quickstart_peers_train_in_lockstep():
+    quickstart = load(ROOT / "examples" / "quickstart" / "train_trio.py")
+    results = quickstart.main(["--peers", "2", "--epochs", "3", "--target_batch_size", "128"])
+    first, second = results[0], results[1]
+    assert [epoch for epoch, _, _ in first] == [1, 2, 3]
+    assert abs(first[-1][1] - second[-1][1]) < 1e-3  # same weights on both peers
+    assert first[-1][1] < first[0][1]  # eval loss falls
+
+
 def quickstart_process(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "quickstart" / "train.py"), *args],

@@ -1,7 +1,8 @@
 """ProgressCore under random event orders: local reports, DHT fetches and gossip carrying any
 valid records (honest, stale, from the future, lying about epochs and samples, departures), and
-a clock that jumps forward (and a little back). Whatever happens, the global progress stays
-sane: never behind our own epoch, moved only by a quorum, finite numbers, each warning once."""
+a clock that jumps forward (and a little back), rounds with partners. Whatever happens, the
+global progress stays sane: never behind our own epoch, moved only by a quorum (of the partners
+while we have any), finite numbers, each warning once."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class ProgressSwarm(RuleBasedStateMachine):
         self.at = self.now  # the time of the core's last recompute (its snapshot's time)
         self.implausible: set[bytes] = set()
         self.skewed: set[bytes] = set()
+        self.partners: dict[bytes, int] = {}  # what the core was told: key -> round epoch
 
     @st.composite
     def records(draw):
@@ -116,6 +118,15 @@ class ProgressSwarm(RuleBasedStateMachine):
         else:
             self.core.announce(self.now)
 
+    @rule(keys=st.sets(st.sampled_from([*KEYS, LOCAL_KEY]), max_size=3), back=st.integers(-1, 6))
+    def round_partners(self, keys, back):
+        """A round with ``keys`` ended, in our epoch or ``back`` epochs before it."""
+        epoch = max(0, self.core.local_progress.epoch - back)
+        self.core.on_round_partners(keys, epoch, self.now)
+        for key in keys - {LOCAL_KEY}:
+            self.partners[key] = max(epoch, self.partners.get(key, -1))
+        self.at = self.now
+
     @rule(pause=st.booleans())
     def pause_or_resume(self, pause):
         (self.core.pause if pause else self.core.resume)(self.now)
@@ -133,13 +144,18 @@ class ProgressSwarm(RuleBasedStateMachine):
         core, now = self.core, self.at
         local, progress = core.local_progress, core.global_progress
         assert progress.epoch >= local.epoch
-        # moved only by a quorum: with two or more voters besides us, the global epoch is
-        # at most the second highest of their epochs and ours
-        voters = sorted(
-            (p.epoch for p in core.peers(now).values() if not p.client_mode), reverse=True
-        )
+        # moved only by a quorum of the voters: our live partners if we have any, else every
+        # live non-client peer; with two or more voters besides us, the global epoch is at most
+        # the second highest of their epochs and ours
+        oldest = local.epoch - self.config.partner_window
+        live = {k: p for k, p in core.peers(now).items() if not p.client_mode}
+        partners = [p.epoch for k, p in live.items() if self.partners.get(k, -math.inf) >= oldest]
+        assert core.num_live_partners == len(partners)
+        voters = partners or [p.epoch for p in live.values()]
         if len(voters) >= 2:
             assert progress.epoch <= max(local.epoch, sorted([*voters, local.epoch])[-2])
+        if voters:  # nobody else moves us
+            assert progress.epoch <= max(local.epoch, *voters)
         assert isinstance(progress.samples_accumulated, int) and progress.samples_accumulated >= 0
         assert math.isfinite(progress.samples_per_second) and progress.samples_per_second >= 0
         assert not math.isnan(progress.eta_next_epoch)

@@ -210,3 +210,50 @@ def test_the_monitor_command_follows_metrics_gossip():
             rest, _ = proc.communicate(timeout=30)
             assert proc.returncode == 0, rest
         trainer.shutdown()
+
+
+def test_a_blocking_trainer_gossips_metrics_on_its_trackers_pubsub():
+    """Plain (blocking) code: ``MetricsPublisher(dht, run_id, pubsub=tracker.pubsub)`` shares
+    the progress tracker's ``PubSub`` (both live on swarmtrain's background loop); a real
+    ``swarmtrain monitor`` subprocess counts the gossiped records."""
+    from swarmtrain.monitor import MetricsPublisher
+    from swarmtrain.optim import ProgressTracker
+
+    trainer = DHT(**FAST_DHT)
+    proc = tracker = publisher = None
+    try:
+        tracker = ProgressTracker(trainer, "blocking_run", target_batch_size=1000)
+        assert tracker.pubsub is not None
+        publisher = MetricsPublisher(
+            trainer, "blocking_run", min_interval=0.2, pubsub=tracker.pubsub
+        )
+        proc, base = start_monitor(trainer.get_visible_maddrs()[0], "--run_id", "blocking_run")
+        stop = threading.Event()
+
+        def report_until_stopped() -> None:
+            step = 0
+            while not stop.wait(0.2):
+                publisher.report(loss=1.0, step=step)
+                step += 1
+
+        reporter = threading.Thread(target=report_until_stopped, daemon=True)
+        reporter.start()
+        try:
+            state = first_event(
+                base + "/events", lambda s: s.get("gossip", {}).get("received", 0) >= 2, 40
+            )
+        finally:
+            stop.set()
+            reporter.join(10)
+        assert publisher.statistics().gossip_sent >= 2
+        (peer,) = state["runs"]["blocking_run"]["peers"]
+        assert peer["peer_id"] == trainer.peer_id.to_base58()
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            rest, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 0, rest
+        for service in (publisher, tracker):
+            if service is not None:
+                service.shutdown()
+        trainer.shutdown()

@@ -202,7 +202,9 @@ def test_behind_by_one_is_the_normal_race_unless_the_epoch_was_entered_late():
     _, decision = end_epoch(core, 3, swarm(4, peers=3), averaged=False)  # the round failed
     assert isinstance(decision, FinishEpoch) and decision.optimizer_step  # local gradients
     assert core.is_behind(4, 5)  # entered 4 after the swarm left it
-    assert core.after_failed_catch_up(4, 5, no_donor=False) == EnterEpoch(5, own_state=True)
+    assert core.after_failed_catch_up(4, 5, no_donor=False, now=0.0) == EnterEpoch(
+        5, own_state=True
+    )
     assert not core.is_behind(5, 5) and not core.is_behind(5, 6)
 
 
@@ -216,9 +218,9 @@ def test_behind_by_several_epochs_loads_the_state(behind):
     assert core.after_load(5 + behind, 5 + behind).epoch == 5 + behind
     assert core.after_load(5, 5 + behind).epoch == 5  # an old donor: still behind next step
     # no donor could serve: wait for one (the swarm is far ahead) unless nobody shares a state
-    assert core.after_failed_catch_up(5, 5 + behind, no_donor=False) is None
-    assert core.after_failed_catch_up(5, 5 + behind, no_donor=True).epoch == 5 + behind
-    assert core.after_failed_catch_up(5, 5, no_donor=True) is None
+    assert core.after_failed_catch_up(5, 5 + behind, no_donor=False, now=0.0) is None
+    assert core.after_failed_catch_up(5, 5 + behind, no_donor=True, now=0.0).epoch == 5 + behind
+    assert core.after_failed_catch_up(5, 5, no_donor=True, now=0.0) is None
     stats = core.statistics()
     assert (stats.epochs_entered, stats.epochs_entered_without_state) == (4, 1)
 
@@ -227,7 +229,65 @@ def test_an_auxiliary_peer_catches_up_only_when_two_epochs_behind():
     core = EpochCore(MODES["auxiliary"])
     assert not core.is_behind(0, 1)  # a newcomer one behind: it catches up by itself
     assert core.is_behind(0, 2)
-    assert core.after_failed_catch_up(0, 1, no_donor=True) is None  # it never takes an epoch
+    assert (
+        core.after_failed_catch_up(0, 1, no_donor=True, now=0.0) is None
+    )  # it never takes an epoch
+
+
+def _catch_up_attempts(core: EpochCore, swarm_epoch: int, seconds: float, no_donor: bool):
+    """A peer at epoch 0 steps every 25 ms; every catch-up fails: the times it tries."""
+    attempts, now = [], 0.0
+    while now < seconds:
+        if core.is_behind(0, swarm_epoch) and core.catch_up_due(now):
+            attempts.append(now)  # (it warns "behind the swarm" and tries to load)
+            assert core.after_failed_catch_up(0, swarm_epoch, no_donor, now=now) is None
+        now = round(now + 0.025, 3)
+    return attempts
+
+
+@pytest.mark.parametrize("mode", ["offload", "auxiliary"])
+def test_a_peer_whose_catch_ups_fail_backs_off_instead_of_retrying_every_step(mode):
+    core = EpochCore(MODES[mode])
+    # every donor fails (or, auxiliary, there is none): 2000 steps in 50 s, 6 tries (not 2000)
+    attempts = _catch_up_attempts(core, 3, 50.0, no_donor=mode == "auxiliary")
+    assert attempts == [0.0, 1.0, 3.0, 7.0, 15.0, 31.0]
+    stats = core.statistics()
+    assert stats.catch_ups_failed == 6 and stats.catch_ups_backed_off == 2000 - 6
+    assert core.retry_in == 32.0
+    # the waits stop doubling at CATCH_UP_MAX_DELAY (60 s)
+    assert _catch_up_attempts(core, 3, 300.0, no_donor=False)[:3] == [63.0, 123.0, 183.0]
+
+
+def test_a_load_or_an_epoch_end_ends_the_back_off():
+    core = EpochCore(MODES["offload"])
+    assert core.is_behind(0, 3) and core.catch_up_due(0.0)
+    assert core.after_failed_catch_up(0, 3, no_donor=False, now=0.0) is None
+    assert not core.catch_up_due(0.5)
+    core.after_load(3, 3)  # a later attempt loaded the state: the next one (if any) at once
+    assert core.catch_up_due(0.5)
+    assert core.after_failed_catch_up(3, 6, no_donor=False, now=1.0) is None
+    assert not core.catch_up_due(1.5)
+    core.on_epoch_finished(3, [6])  # it got there another way (a state round's epoch)
+    assert core.catch_up_due(1.5)
+
+
+def test_an_auxiliary_peer_whose_catch_up_fails_stays_in_its_epoch_while_donors_exist():
+    core = EpochCore(MODES["auxiliary"])
+    # a donor exists but its state could not be loaded: stay, try again after the back-off
+    assert core.after_failed_auxiliary_catch_up(4, no_donor=False, now=10.0) is None
+    assert core.retry_in == 1.0 and not core.catch_up_due(10.5) and core.catch_up_due(11.0)
+    assert core.after_failed_auxiliary_catch_up(4, no_donor=False, now=11.0) is None
+    assert core.retry_in == 2.0
+    # nobody can serve a state: move on with its own
+    assert core.after_failed_auxiliary_catch_up(4, no_donor=True, now=12.0) == EnterEpoch(
+        5, own_state=True
+    )
+    assert core.catch_up_due(12.0)
+    stats = core.statistics()
+    assert (stats.catch_ups_failed, stats.epochs_entered_without_state) == (2, 1)
+    # once the swarm left its epoch, only a state after that epoch's step will do
+    assert core.auxiliary_catch_up_epoch(4, 5) == 5
+    assert core.auxiliary_catch_up_epoch(4, 4) == 4
 
 
 def test_a_state_group_in_a_later_epoch_takes_us_there():
@@ -479,9 +539,12 @@ class SwarmSim:
         core.begin_epoch_end(peer.epoch, progress.global_progress, has_scaler=False)
         progress.pause(self.now)
         peer.in_round = True
-        members = self.joined.setdefault(peer.epoch, set())
-        members.add(peer.key)
-        if len(members) == len(self.peers):  # the group is complete: the round runs
+        self.joined.setdefault(peer.epoch, set()).add(peer.key)
+        self._join_round(peer)
+
+    def _join_round(self, peer: SimPeer) -> None:
+        """``peer`` joined the round of its epoch (in ``self.joined``): one group of all."""
+        if len(self.joined[peer.epoch]) == len(self.peers):  # the group is complete: it runs
             duration = self.first_round_time if peer.epoch == 0 else self.round_time
             for member in self.peers:
                 delay = duration + self.jitter * self.rng.random()

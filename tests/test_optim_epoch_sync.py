@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmtrain.optim._epoch_sync import EpochSync
+from swarmtrain.optim._epoch_sync import CatchUpBackoff, EpochSync
 
 
 def test_a_peer_in_step_or_ahead_never_catches_up():
@@ -55,3 +55,14 @@ def test_the_first_look_decides_for_the_whole_epoch():
     # the epoch went back (load_state_dict of an older checkpoint): a new first look
     assert sync.must_catch_up(3, 5)
     assert sync.must_catch_up(4, 5)  # entered 4 again, after the swarm left it
+
+
+def test_the_catch_up_back_off_doubles_up_to_its_cap_and_resets():
+    backoff = CatchUpBackoff(first=1.0, cap=5.0)
+    assert backoff.due(0.0)
+    assert [backoff.failed(t) for t in (0.0, 1.0, 3.0, 7.0, 12.0)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert not backoff.due(16.9) and backoff.due(17.0)
+    backoff.reset()
+    assert backoff.due(0.0) and backoff.failed(20.0) == 1.0
+    with pytest.raises(ValueError):
+        CatchUpBackoff(first=2.0, cap=1.0)

@@ -211,10 +211,10 @@ def test_error_feedback_tracks_the_running_sum_of_true_means():
 class _SkipsRoundQ(_AsyncPowerSGDAverager):
     """Fault injection: this peer leaves after round P (as if it crashed in between)."""
 
-    async def _round(self, group, suffix, tensors, infos, weight):
+    async def _round(self, group, suffix, tensors, infos, weight, failed_members=None):
         if suffix == b".Q":
             raise AllReduceError("injected: left before round Q")
-        return await super()._round(group, suffix, tensors, infos, weight)
+        return await super()._round(group, suffix, tensors, infos, weight, failed_members)
 
 
 class _FailingPowerSGD(PowerSGDGradientAverager):
@@ -238,6 +238,8 @@ def test_a_peer_failing_mid_step_leaves_a_finite_partial_average():
         )
         assert isinstance(results[2], AllReduceError), results[2]
         assert all(isinstance(r, dict) for r in results[:2]), results
+        # the survivors did without its round-Q parts: it is no round partner of theirs
+        assert all(r.failed == {averagers[2].peer_id} for r in results[:2]), results
         mean = [sum(g[k] for g in grads) / 3 for k in range(len(SHAPES))]
         for i in range(2):
             values = averaged(averagers[i])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Protocol
 
@@ -37,7 +37,7 @@ from swarmtrain.averaging.matchmaking_types import (
     MatchmakingGroup,
 )
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, PART_LAYOUT, as_numpy
-from swarmtrain.averaging.state_checks import StateCheck
+from swarmtrain.averaging.state_checks import StateCheck, TensorsLike
 from swarmtrain.averaging.state_sharing import State, StateDownloadFailure, StateSharing
 from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
 from swarmtrain.p2p import PeerID
@@ -45,7 +45,21 @@ from swarmtrain.p2p import PeerID
 __all__ = ["AsyncDecentralizedAverager", "GatheredData"]
 
 logger = logging.getLogger(__name__)
-GatheredData = dict  # {PeerID: what that peer passed as ``gather``}
+
+
+class GatheredData(dict):
+    """``{PeerID: what that peer passed as gather}`` for every member of a round's group;
+    ``failed``: the members whose part or averaged delta this peer did without (the banned
+    senders and failed reducers of a partial round; empty where not known)."""
+
+    failed: frozenset[PeerID] = frozenset()
+
+    def __init__(self, *args: Any, failed: Iterable[PeerID] = (), **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if failed:
+            self.failed = frozenset(failed)
+
+
 # CPU tensors of up to this many bytes in all are snapshotted before a round, and get their
 # deltas added after it, on the loop (a single-threaded memcpy / add of a few ms); larger ones
 # in a worker thread. Under load each thread hop cost 2-46 ms of a 8 x 4M round's ~250 ms
@@ -120,6 +134,11 @@ def _snapshot(
     return copies, False
 
 
+def _serves_averaged_tensors(averager: AsyncDecentralizedAverager) -> bool:
+    """Whether ``averager`` shares the default state: its averaged tensors."""
+    return type(averager).get_current_state is AsyncDecentralizedAverager.get_current_state
+
+
 def _normalize_state(state: Any) -> State:
     if not isinstance(state, (tuple, list)) or len(state) not in (2, 3):
         raise TypeError("get_current_state() must return (metadata, tensors[, infos])")
@@ -156,6 +175,7 @@ class AsyncDecentralizedAverager:
         *,
         tensor_lock: TensorLock | None = None,
         state_provider: Callable[[], Any] | None = None,
+        state_check: StateCheck | None = None,
     ):
         self._averaged_tensors = check_averaged_tensors(averaged_tensors)
         self.dht = dht
@@ -169,6 +189,11 @@ class AsyncDecentralizedAverager:
         self.schema_hash = compute_schema_hash(self._averaged_tensors, config.part_size_bytes)
         self._group_bits = config.initial_group_bits
         self._state_provider = state_provider
+        if state_check is None and state_provider is None and _serves_averaged_tensors(self):
+            state_check = TensorsLike.of(self._averaged_tensors)
+        #: what ``load_state_from_peers`` checks a donor's state with when given no ``check``
+        #: (default: tensors like our averaged tensors when we serve those, else any tensors)
+        self.state_check: StateCheck | None = state_check
         self._nursery: trio.Nursery | None = None
         self._allreduce: AllReduceService | None = None
         self._matchmaking: Matchmaking | None = None
@@ -193,10 +218,12 @@ class AsyncDecentralizedAverager:
         client_mode: bool | None = None,
         tensor_lock: TensorLock | None = None,
         state_provider: Callable[[], Any] | None = None,
+        state_check: StateCheck | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[AsyncDecentralizedAverager]:
         """Start an averager on a running ``AsyncDHT``; keywords are :class:`AveragerConfig`
-        fields (``client_mode`` defaults to the DHT's)."""
+        fields (``client_mode`` defaults to the DHT's). ``state_check``: the default ``check``
+        of :meth:`load_state_from_peers` (see :attr:`state_check`)."""
         if client_mode is None:
             client_mode = dht.client_mode
         config = AveragerConfig(prefix=prefix, client_mode=client_mode, **kwargs)
@@ -206,6 +233,7 @@ class AsyncDecentralizedAverager:
             config,
             tensor_lock=tensor_lock,
             state_provider=state_provider,
+            state_check=state_check,
         )
         allreduce = config.allreduce_config()
         max_message_size = max(4 * DEFAULT_PART_SIZE_BYTES, 2 * config.part_size_bytes) + (1 << 17)
@@ -287,8 +315,11 @@ class AsyncDecentralizedAverager:
     ) -> tuple[Any, list[torch.Tensor]] | None:
         """Download ``(metadata, tensors)`` from the best state donors (None if none could
         provide it within ``timeout``); see ``swarmtrain.averaging.state_sharing``.
-        ``donors``: only from these peers; ``check``: what their state must look like."""
+        ``donors``: only from these peers; ``check``: what their state must look like
+        (default :attr:`state_check`; ``state_checks.any_tensors``: any shapes and dtypes).
+        A donor whose state fails is banned for a while and the next one is tried."""
         assert self._state_sharing is not None
+        check = self.state_check if check is None else check
         with trio.move_on_after(math.inf if timeout is None else timeout):
             return await self._state_sharing.load_state_from_peers(donors, check)
         logger.warning("load_state_from_peers timed out after %s s", timeout)
@@ -584,4 +615,6 @@ class AsyncDecentralizedAverager:
                 else:
                     await trio.to_thread.run_sync(_add_deltas, tensors, result.deltas)
         self._spare_round_buffers = (snapshot, runner.delta_buffers)
-        return {PeerID(m.peer_id): _load_gathered(m.gather) for m in group.members}
+        return GatheredData(
+            {PeerID(m.peer_id): _load_gathered(m.gather) for m in group.members}, failed=failed
+        )

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any, Literal, overload
 
 import torch
@@ -57,6 +57,7 @@ from swarmtrain.averaging.averager_config import (
     compute_schema_hash,
 )
 from swarmtrain.averaging.control import StepControl
+from swarmtrain.averaging.state_checks import StateCheck, TensorsLike
 from swarmtrain.averaging.state_sharing import StateDownloadFailure
 from swarmtrain.dht import get_dht_time
 from swarmtrain.p2p import PeerID
@@ -114,17 +115,26 @@ class DecentralizedAverager(BackgroundService):
         dht_runtime, async_dht = self.dht._running()
         if BackgroundRuntime._instance is not dht_runtime:
             raise RuntimeError("the DHT runs on another background loop (made before a fork?)")
+        self._start_in_background(lambda: self.open_async(async_dht))
+
+    def open_async(
+        self, async_dht: Any, state_provider: Callable[[], Any] | None = None
+    ) -> AbstractAsyncContextManager[AsyncDecentralizedAverager]:
+        """The trio averager over this object's tensors, lock and config, on ``async_dht`` (an
+        ``AsyncDHT``), to enter on the caller's trio loop: how an object made with
+        ``start=False`` (e.g. a ``GradientAverager`` whose buffer methods a trio optimizer
+        uses) averages without the background loop. ``state_provider``: what newcomers
+        download (default :meth:`get_current_state`)."""
         fields = {k: v for k, v in vars(self.config).items() if k not in ("prefix", "client_mode")}
-        self._start_in_background(
-            lambda: AsyncDecentralizedAverager.create(
-                self._averaged_tensors,
-                async_dht,
-                prefix=self.prefix,
-                client_mode=self.client_mode,
-                tensor_lock=self.lock_averaged_tensors,
-                state_provider=self.get_current_state,
-                **fields,
-            )
+        return AsyncDecentralizedAverager.create(
+            self._averaged_tensors,
+            async_dht,
+            prefix=self.prefix,
+            client_mode=self.client_mode,
+            tensor_lock=self.lock_averaged_tensors,
+            state_provider=state_provider or self.get_current_state,
+            state_check=self._default_state_check(),
+            **fields,
         )
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -237,6 +247,13 @@ class DecentralizedAverager(BackgroundService):
         with self.get_tensors() as tensors:
             return {"group_bits": bits}, [t.detach().cpu().clone() for t in tensors]
 
+    def _default_state_check(self) -> StateCheck | None:
+        """Tensors like our averaged tensors, if donors serve those (``get_current_state`` is
+        not overridden); else None (any tensors)."""
+        if type(self).get_current_state is DecentralizedAverager.get_current_state:
+            return TensorsLike.of(self._averaged_tensors)
+        return None
+
     @overload
     def load_state_from_peers(
         self, wait: Literal[True] = ..., timeout: float | None = ..., donors=..., check=...
@@ -257,7 +274,11 @@ class DecentralizedAverager(BackgroundService):
     ) -> tuple[Any, list[torch.Tensor]] | Future | None:
         """Download ``(metadata, tensors)`` from the best donors (None if nobody could);
         ``donors``: only from these peers (``PeerID`` or bytes); ``check``: a
-        ``state_checks.StateCheck`` a donor's state must pass (NaN / inf never pass)."""
+        ``state_checks.StateCheck`` a donor's state must pass (NaN / inf never pass). Without
+        one, an averager that shares the default state (its averaged tensors) takes only
+        tensors of their shapes and dtypes (``state_checks.TensorsLike``); a subclass that
+        overrides ``get_current_state`` should pass its own check (default: any tensors). A
+        donor whose state fails is banned for 10 minutes and the next donor is tried."""
         runtime, core = self._running()
         fn = functools.partial(core.load_state_from_peers, timeout, donors, check)
         if not wait:

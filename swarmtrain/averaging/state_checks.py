@@ -4,7 +4,11 @@ A :class:`StateCheck` looks at the donor's decoded metadata as soon as the heade
 returns the :class:`TensorSpec` (shape and dtype) every state tensor must have; state sharing
 then compares each tensor's wire header with its spec before allocating anything, and the
 decoded tensor again (shape, dtype, NaN / inf). Nothing is cast: a float64 tensor where float32
-is expected is rejected. A check raises :class:`StateRejected` with a :class:`RejectReason`.
+is expected is rejected. A check raises :class:`StateRejected` with a :class:`RejectReason`; it
+may return None to take any shapes and dtypes (:func:`any_tensors`; NaN / inf never pass).
+:class:`TensorsLike` is the check of a state made of tensors like ours: a plain
+``DecentralizedAverager`` whose donors serve their averaged tensors (the default
+``get_current_state``) checks them against its own.
 
 :class:`DonorBans` is the small per-process list of donors whose state was rejected: each is
 skipped for ``BAN_DURATION`` seconds (default 10 minutes), then tried again. Pure: the caller
@@ -27,6 +31,8 @@ __all__ = [
     "StateCheck",
     "StateRejected",
     "TensorSpec",
+    "TensorsLike",
+    "any_tensors",
 ]
 
 #: seconds a donor whose state was rejected is skipped by this process's downloads
@@ -84,9 +90,29 @@ class TensorSpec:
 
 
 class StateCheck(Protocol):
-    """Checks a donor's metadata; returns the spec of each state tensor, in order."""
+    """Checks a donor's metadata; returns the spec of each state tensor, in order (None: any)."""
 
-    def __call__(self, metadata: Any) -> Sequence[TensorSpec]: ...
+    def __call__(self, metadata: Any) -> Sequence[TensorSpec] | None: ...
+
+
+@dataclass(frozen=True)
+class TensorsLike:
+    """A :class:`StateCheck`: the donor's tensors have exactly these shapes and dtypes (its
+    metadata is not looked at). ``TensorsLike.of(tensors)``: like ``tensors``."""
+
+    specs: tuple[TensorSpec, ...]
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> TensorsLike:
+        return cls(tuple(TensorSpec.of(t) for t in tensors))
+
+    def __call__(self, metadata: Any) -> Sequence[TensorSpec]:
+        return self.specs
+
+
+def any_tensors(metadata: Any) -> None:
+    """A :class:`StateCheck` that takes any number, shapes and dtypes of tensors (finite ones)."""
+    return None
 
 
 class DonorBans:

@@ -4,7 +4,9 @@ A download counts the decoded size of each tensor received in full plus the rece
 the tensor in flight (its wire bytes so far over the wire bytes its first chunk announced, times
 its decoded size), so a compressed transfer moves the bar smoothly and ends at the state's size.
 The total is the sum of the checked tensor specs (known once the first donor's metadata passed
-the caller's check); without a check it is unknown (the bar shows bytes and rate, no ETA). When
+the caller's check); without a check it is the size the donor's header announces
+(``StateHeader.state_bytes``: for display only, nothing is allocated by it); a donor of an older
+version announces none, and the bar shows bytes and rate without a total (no ETA). When
 a donor fails, the tensor in flight is dropped (and with a rejected donor, its tensors): the
 count goes back to what is kept, and the next donor's bytes count from there.
 """
@@ -50,11 +52,15 @@ class StateDownloadProgress:
             done += size * min(received, wire_size) // wire_size if wire_size else 0
         return done
 
-    def on_header(self, specs: Sequence[TensorSpec] | None) -> None:
+    def on_header(self, specs: Sequence[TensorSpec] | None, announced: int | None = None) -> None:
         """The download's metadata is in use (``specs``: the checked shape and dtype of each
-        tensor, None without a check)."""
+        tensor, None without a check; ``announced``: the state's size in bytes as the donor's
+        header gives it, None or 0 when it gives none)."""
         if self.progress is None:
-            total = None if specs is None else sum(_nbytes(s.shape, s.dtype) for s in specs)
+            if specs is not None:
+                total: int | None = sum(_nbytes(s.shape, s.dtype) for s in specs)
+            else:
+                total = announced or None
             self.progress = self._open(total)
 
     def on_chunk(self, chunk: tensor_pb2.Tensor) -> None:

@@ -29,7 +29,8 @@ no state came, ``last_failure`` says why (no donor declared one, or what went wr
 donor, typed: :class:`DonorFailure`); the warning is logged once per distinct reason (a caller
 retrying for a minute would repeat it dozens of times).
 
-Progress (``swarmtrain.averaging.state_progress``): bytes of the state received of the total, on
+Progress (``swarmtrain.averaging.state_progress``): bytes of the state received of the total (from
+the tensor specs of the caller's check, else the size the donor's header announces), on
 a bar when stderr is a terminal or bars are asked for (``swarmtrain.utils.progress``), else
 one log line when the first header arrives and one at the end (size, duration, rate).
 
@@ -311,8 +312,11 @@ class StateSharing:
             metadata, max_size=MAX_METADATA_SIZE, max_elements=MAX_METADATA_ELEMENTS
         )
         self.downloads_served += 1
+        state_bytes = sum(t.numel() * t.element_size() for t in tensors)
         yield pb.StateDownloadResponse(
-            header=pb.StateHeader(metadata=metadata_bytes, num_tensors=len(tensors))
+            header=pb.StateHeader(
+                metadata=metadata_bytes, num_tensors=len(tensors), state_bytes=state_bytes
+            )
         )
         for index in range(request.first_tensor, len(tensors)):
             tensor = tensors[index]
@@ -351,7 +355,8 @@ class StateSharing:
 
         :param donors: only these peers (of those that declared they share their state)
         :param check: validates the metadata and returns every tensor's spec (raising
-          ``StateRejected``); without it any shapes and dtypes are taken (NaN / inf never)
+          ``StateRejected``); without it, or if it returns None, any shapes and dtypes are
+          taken (NaN / inf never)
         """
         self.last_failure = None
         found = await self.find_donors()
@@ -485,7 +490,7 @@ class StateSharing:
                     f"the first donor had {state.header.num_tensors}"
                 )
             header, specs = state.header, state.specs
-            progress.on_header(specs)
+            progress.on_header(specs, header.state_bytes)
             try:
                 await self._receive_tensors(responses, header, specs, tensors, progress)
             except StateRejected:
@@ -535,7 +540,8 @@ class StateSharing:
 def _decode_and_check(data: bytes, check: StateCheck | None) -> tuple[Any, Any]:
     """(metadata, tensor specs or None); runs in a worker thread (both are bounded work)."""
     metadata = _decode_metadata(data)
-    return metadata, (None if check is None else list(check(metadata)))
+    specs = None if check is None else check(metadata)
+    return metadata, (None if specs is None else list(specs))
 
 
 async def _next_or_none(iterator):

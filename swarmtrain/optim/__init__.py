@@ -1,5 +1,6 @@
 """swarmtrain.optim: decentralized optimizers and the training-progress tracker they share."""
 
+from swarmtrain.optim.async_optimizer import AsyncOptimizer as AsyncOptimizer
 from swarmtrain.optim.diloco import DiLoCoOptimizer as DiLoCoOptimizer
 from swarmtrain.optim.diloco import DiLoCoStatistics as DiLoCoStatistics
 from swarmtrain.optim.diloco_core import ApplyOuter as ApplyOuter

@@ -14,11 +14,22 @@ A peer that is behind catches up (``Optimizer``: it loads the state from peers, 
 swarm's epoch when no peer can serve one). The first look at an epoch is the first
 :meth:`EpochSync.must_catch_up` call with that local epoch, usually the first step after the
 epoch began; epoch changes reach the tracker by gossip at once, so that view is current.
+
+A catch-up that fails and leaves the peer behind (every donor failed, or an auxiliary peer that
+found none) is not retried at the next step: :class:`CatchUpBackoff` waits
+``CATCH_UP_FIRST_DELAY`` seconds, doubling after each failure up to ``CATCH_UP_MAX_DELAY``, so a
+peer whose donors all fail neither retries in a busy loop nor warns at every step (it warns once
+per attempt). A success, or no longer being behind, ends the back-off.
 """
 
 from __future__ import annotations
 
-__all__ = ["EpochSync"]
+__all__ = ["CATCH_UP_FIRST_DELAY", "CATCH_UP_MAX_DELAY", "CatchUpBackoff", "EpochSync"]
+
+#: seconds before the first retry of a failed catch-up
+CATCH_UP_FIRST_DELAY = 1.0
+#: the longest wait between two catch-up attempts
+CATCH_UP_MAX_DELAY = 60.0
 
 
 class EpochSync:
@@ -36,3 +47,30 @@ class EpochSync:
             self._entered_late = swarm_epoch > local_epoch
         behind = swarm_epoch - local_epoch
         return behind >= 2 or (behind == 1 and self._entered_late)
+
+
+class CatchUpBackoff:
+    """When a peer behind may try to catch up again (see the module docstring); pure: the caller
+    passes ``now`` (any monotonic clock, in seconds)."""
+
+    def __init__(self, first: float = CATCH_UP_FIRST_DELAY, cap: float = CATCH_UP_MAX_DELAY):
+        if not 0 < first <= cap:
+            raise ValueError(f"need 0 < first <= cap, got first={first}, cap={cap}")
+        self.first, self.cap = float(first), float(cap)
+        self._delay = self.first  # the wait after the next failure
+        self._next: float | None = None  # no attempt before this time (None: any time)
+
+    def due(self, now: float) -> bool:
+        """Whether an attempt may start now."""
+        return self._next is None or now >= self._next
+
+    def failed(self, now: float) -> float:
+        """An attempt failed at ``now``: returns the seconds until the next one may start."""
+        delay = self._delay
+        self._next = now + delay
+        self._delay = min(2 * delay, self.cap)
+        return delay
+
+    def reset(self) -> None:
+        """Caught up (or no longer behind): the next attempt may start at once."""
+        self._delay, self._next = self.first, None

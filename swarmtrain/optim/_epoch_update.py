@@ -13,7 +13,8 @@ attributes used here are set by ``Optimizer.__init__``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +93,7 @@ class EpochUpdates:
         @property
         def _tracker(self) -> ProgressTracker: ...
 
-        def load_state_from_peers(self, timeout: float | None = None) -> bool: ...
+        def _load_state(self, timeout: float | None, min_epoch: int | None = None) -> bool: ...
 
     @property
     def skipped_batches(self) -> int:
@@ -164,7 +165,8 @@ class EpochUpdates:
                 self._auxiliary_catch_up(decision.load_state)
                 return
             gathered = self._finish_epoch(decision, wait_for_trigger)
-            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered))
+            swarm_epoch = tracker.global_epoch
+            self._advance_epoch(core.on_epoch_finished(self.local_epoch, gathered, swarm_epoch))
         if grad_scaler is not None:
             grad_scaler.on_swarm_epoch_end_()
         logger.log(
@@ -288,7 +290,21 @@ class EpochUpdates:
         )
         if gathered is not None and not averaged:
             logger.log(self.status_loglevel, "%s: the group was in another epoch", self.run_id)
+        if averaged and gathered is not None:
+            self._note_round_partners(gathered, epoch)
         return averaged
+
+    def _note_round_partners(self, gathered: Mapping[Any, Any], epoch: int) -> None:
+        """Tell the tracker who averaged with this peer in a round of ``epoch``: the members
+        that sent their parts and returned our deltas (``gathered.failed`` did not). Only such
+        partners vote for epochs ahead of ours (``swarmtrain.optim.progress_core``). Runs in
+        the trainer's thread or the state averager's worker."""
+        failed: Collection[Any] = getattr(gathered, "failed", frozenset())
+        partners = [peer for peer in gathered if peer not in failed]
+        try:
+            self._tracker.on_round_partners(partners, epoch)
+        except Exception as e:  # shut down meanwhile: nobody needs the partners any more
+            logger.debug("%s: round partners not recorded: %r", self.run_id, e)
 
     def _consume_gradients(self) -> None:
         """With ``offload_optimizer``, put the averaged buffers into the optimizer's ``.grad``;
@@ -308,10 +324,34 @@ class EpochUpdates:
 
     def _auxiliary_catch_up(self, load_state: bool) -> None:
         """An auxiliary peer that missed this epoch's gradients loads the state instead (if
-        ``load_state``: others are seen), else moves to the next epoch on its own."""
+        ``load_state``: others are seen; once the swarm left this epoch, the state after its
+        step: ``EpochCore.auxiliary_catch_up_epoch``), else moves to the next epoch on its own.
+        If the load fails while donors exist it stays in this epoch
+        (``EpochCore.after_failed_auxiliary_catch_up``): its next step tries again once the
+        back-off allows."""
         assert self.grad_averager is not None
         self.grad_averager.notify_used_averaged_gradients()
-        if load_state and self.load_state_from_peers(timeout=self.averaging_timeout):
+        core, no_donor = self._epoch_core, True
+        if load_state:
+            if not core.catch_up_due(time.monotonic()):
+                return  # the last try failed: wait for the back-off, in this epoch
+            least = core.auxiliary_catch_up_epoch(self.local_epoch, self._tracker.global_epoch)
+            if self._load_state(self.averaging_timeout, min_epoch=least):
+                return
+            failure = self._state_averager.state_download_failure
+            no_donor = failure is not None and not failure.donors
+        enter = core.after_failed_auxiliary_catch_up(
+            self.local_epoch, no_donor, now=time.monotonic()
+        )
+        if enter is None:
+            logger.warning(
+                "%s: this auxiliary peer missed epoch %d's gradients and could not load the "
+                "state after it: staying in epoch %d, next try in %.0f s",
+                self.run_id,
+                self.local_epoch,
+                self.local_epoch,
+                core.retry_in,
+            )
             return
         self._state_averager.step(increment_epoch=True)
         self._tracker.update_epoch(self.local_epoch)

@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_positive", "resolve_modes"]
+__all__ = [
+    "averager_options",
+    "check_keywords",
+    "check_positive",
+    "grad_averager_options",
+    "resolve_modes",
+    "state_averager_options",
+]
 
 _FACTORY_EXAMPLE = (
     "Optimizer(..., optimizer=lambda params: torch.optim.Adam(params), params=model.parameters())"
@@ -92,3 +99,105 @@ def resolve_modes(
             "background after the delayed step"
         )
     return bool(offload_optimizer), bool(delay_optimizer_step)
+
+
+def check_keywords(
+    *,
+    run_id: Any,
+    target_batch_size: Any,
+    batch_size_per_step: Any,
+    matchmaking_time: Any,
+    averaging_timeout: Any,
+    allreduce_timeout: Any,
+    next_chunk_timeout: Any,
+    load_state_timeout: Any,
+    average_state_every: Any,
+    averager_opts: Any,
+    tracker_opts: Any,
+) -> None:
+    """The checks of ``Optimizer``'s (and ``AsyncOptimizer``'s) keywords that stand alone."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError("run_id must be a non-empty string")
+    if "." in run_id or "::" in run_id:
+        raise ValueError(
+            f"run_id must not contain '.' or '::' (they separate the parts of the run's DHT "
+            f"keys and RPC names), got {run_id!r}"
+        )
+    if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int):
+        raise TypeError(f"target_batch_size must be an int, got {target_batch_size!r}")
+    check_positive("target_batch_size", target_batch_size)
+    check_positive("batch_size_per_step", batch_size_per_step, allow_none=True)
+    check_positive("matchmaking_time", matchmaking_time)
+    check_positive("averaging_timeout", averaging_timeout)
+    check_positive("allreduce_timeout", allreduce_timeout, allow_none=True)
+    check_positive("next_chunk_timeout", next_chunk_timeout, allow_none=True)
+    check_positive("load_state_timeout", load_state_timeout)
+    if (
+        isinstance(average_state_every, bool)
+        or not isinstance(average_state_every, int)
+        or average_state_every < 1
+    ):
+        raise ValueError(f"average_state_every must be an int >= 1, got {average_state_every}")
+    for name, opts in (("averager_opts", averager_opts), ("tracker_opts", tracker_opts)):
+        if opts is not None and not isinstance(opts, dict):
+            raise TypeError(f"{name} must be a dict of keywords")
+    if tracker_opts and "client_mode" in tracker_opts:
+        raise ValueError("pass client_mode to the Optimizer, not in tracker_opts")
+
+
+def averager_options(
+    *,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    allreduce_timeout: float | None,
+    next_chunk_timeout: float | None,
+    averager_opts: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """``AveragerConfig`` keywords shared by the gradient and the state averager."""
+    common: dict[str, Any] = {
+        "min_matchmaking_time": matchmaking_time,
+        "matchmaking_time_keyword": "matchmaking_time",  # messages name our keyword
+        "request_timeout": min(3.0, matchmaking_time / 2),
+        "allreduce_timeout": averaging_timeout
+        if allreduce_timeout is None
+        else float(allreduce_timeout),
+    }
+    if next_chunk_timeout is not None:
+        common["next_chunk_timeout"] = float(next_chunk_timeout)
+    common.update(averager_opts or {})
+    return common
+
+
+def state_averager_options(
+    common: dict[str, Any],
+    *,
+    state_averaging_compression: Any,
+    load_state_compression: Any,
+    use_local_updates: bool,
+    aggregation: str,
+) -> dict[str, Any]:
+    """The state averager's ``AveragerConfig`` keywords: ``common`` plus its codecs (state
+    downloads default to ``state_averaging_compression``) and, with ``use_local_updates``
+    (the state round is the only one), ``aggregation``."""
+    state_opts = dict(common)
+    if state_averaging_compression is not None:
+        state_opts.setdefault("compression", state_averaging_compression)
+    if load_state_compression is None:
+        load_state_compression = state_averaging_compression
+    if load_state_compression is not None:
+        state_opts.setdefault("state_compression", load_state_compression)
+    if use_local_updates:
+        state_opts.setdefault("aggregation", aggregation)
+    return state_opts
+
+
+def grad_averager_options(
+    common: dict[str, Any], *, aggregation: str, grad_compression: Any
+) -> dict[str, Any]:
+    """The gradient averager's keywords: ``common``, ``aggregation`` and its codec (auxiliary
+    peers average with weight 0 to get the result, so no ``auxiliary`` mode here)."""
+    grad_opts = {"aggregation": aggregation, **common}
+    grad_opts.pop("auxiliary", None)
+    if grad_compression is not None:
+        grad_opts.setdefault("compression", grad_compression)
+    return grad_opts

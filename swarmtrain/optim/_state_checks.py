@@ -9,6 +9,11 @@ change, which must stay within :data:`HYPERPARAMETER_BOUNDS`' bounds:
   the group's ``lr``, ``initial_lr`` and ``max_lr`` when this peer built its optimizer;
 - ``momentum`` and each of ``betas``: in ``[0, 1]``.
 
+An optimizer that creates its state lazily (DiLoCo's outer optimizer: momentum buffers appear at
+its first step) may meet a donor that holds entries we do not have yet: with ``stepped`` (see
+:func:`stepped_state`), each such entry must look like the one a step creates for that
+parameter (same keys, tensors of its shape and dtype); entries we hold must look like ours.
+
 The scheduler's progress counters (``last_epoch``, ``_step_count``) must not run ahead of the
 donor's epoch by more than two steps, its ``_last_lr`` obeys the lr bound, and every other field
 (``base_lrs``, ``gamma``, ...) must equal ours. Epochs are capped by :func:`check_epoch`.
@@ -18,13 +23,14 @@ Pure functions: they raise ``StateRejected`` and never touch the optimizer.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import torch
 
 from swarmtrain.averaging.state_checks import RejectReason, StateRejected, TensorSpec
-from swarmtrain.optim._optimizer_state import TENSOR_KEY
+from swarmtrain.optim._optimizer_state import TENSOR_KEY, encode_tensors
 
 __all__ = [
     "EPOCH_LIMIT",
@@ -34,6 +40,7 @@ __all__ = [
     "check_scheduler_state",
     "initial_lrs",
     "optimizer_state_specs",
+    "stepped_state",
 ]
 
 #: no donor's epoch (or DiLoCo step) is taken beyond this, vouched for or not
@@ -73,20 +80,58 @@ def check_epoch(epoch: Any, local_epoch: int, vouched: int | None, what: str = "
     return epoch
 
 
+def stepped_state(
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], params: Sequence[torch.Tensor]
+) -> tuple[Any, list[TensorSpec]] | None:
+    """The encoded state dict (and its tensors' specs) of an optimizer that ``factory`` builds
+    over tensors like ``params``, after one step on zero gradients: what a donor's lazily
+    created state must look like. Made on meta tensors (no memory), else on zero CPU tensors
+    (a copy of ``params``, once); None if the optimizer cannot step on either."""
+    for device in ("meta", "cpu"):
+        scratch = [
+            torch.zeros(p.shape, dtype=p.dtype, device=device).requires_grad_() for p in params
+        ]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                optimizer = factory(scratch)
+                for p in scratch:
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+                tensors: list[torch.Tensor] = []
+                encoded = encode_tensors(optimizer.state_dict(), tensors, copy=False)
+        except Exception:  # e.g. .item() on a meta tensor: try real ones
+            continue
+        return encoded, [TensorSpec.of(t) for t in tensors]
+    return None
+
+
 def optimizer_state_specs(
-    local: Any, local_specs: Sequence[TensorSpec], donor: Any, lr_limits: Sequence[float]
+    local: Any,
+    local_specs: Sequence[TensorSpec],
+    donor: Any,
+    lr_limits: Sequence[float],
+    *,
+    first: int = 0,
+    stepped: tuple[Any, Sequence[TensorSpec]] | None = None,
 ) -> list[TensorSpec]:
     """The spec of each of the donor's optimizer tensors (in the donor's order), after checking
     its encoded state dict ``donor`` against ours (``local``, whose references point into
     ``local_specs``); see the module docstring.
 
     :param lr_limits: the largest lr accepted, per param group
+    :param first: the donor's references are ``first, first + 1, ...`` (its tensors before
+      them are not the optimizer's)
+    :param stepped: for a lazily created state, :func:`stepped_state`: the donor may hold
+      per-parameter entries we do not have, shaped like those (None: exactly our entries)
     """
     if not isinstance(donor, dict) or set(donor) != set(local):
         raise StateRejected(RejectReason.METADATA, "the optimizer state has other fields")
     refs: dict[int, TensorSpec] = {}
     for key in local:  # "state": statistics and counters (numbers may differ, types not)
-        if key != "param_groups":
+        if key == "state" and stepped is not None:
+            _match_lazy_state(local[key], donor[key], local_specs, stepped, refs)
+        elif key != "param_groups":
             _match(local[key], donor[key], f"optimizer {key}", local_specs, refs, _ANY)
     groups, theirs = local["param_groups"], donor["param_groups"]
     if not isinstance(theirs, list) or len(theirs) != len(groups):
@@ -103,9 +148,35 @@ def optimizer_state_specs(
             path = f"param group {index} {key!r}"
             hyper = RejectReason.HYPERPARAMETERS
             _match(mine[key], other[key], path, local_specs, refs, bounds, hyper)
-    if set(refs) != set(range(len(refs))):
+    if set(refs) != set(range(first, first + len(refs))):
         raise StateRejected(RejectReason.METADATA, "optimizer tensor references have gaps")
-    return [refs[i] for i in range(len(refs))]
+    return [refs[i] for i in range(first, first + len(refs))]
+
+
+def _match_lazy_state(
+    mine: Any,
+    other: Any,
+    local_specs: Sequence[TensorSpec],
+    stepped: tuple[Any, Sequence[TensorSpec]],
+    refs: dict[int, TensorSpec],
+) -> None:
+    """The donor's per-parameter entries: like ours where we have one, else like a step's."""
+    template, template_specs = stepped
+    created = template.get("state") if isinstance(template, dict) else None
+    if not isinstance(mine, dict) or not isinstance(other, dict):
+        raise StateRejected(RejectReason.METADATA, "the optimizer state is not a dict")
+    for index, entry in other.items():
+        path = f"optimizer state of parameter {index!r:.20}"
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise StateRejected(RejectReason.METADATA, f"{path}: not a parameter index")
+        if index in mine:
+            _match(mine[index], entry, path, local_specs, refs, _ANY)
+        elif isinstance(created, dict) and index in created:
+            _match(created[index], entry, path, template_specs, refs, _ANY)
+        else:
+            raise StateRejected(
+                RejectReason.METADATA, f"{path}: our optimizer keeps no state for it"
+            )
 
 
 def check_scheduler_state(local: Any, donor: Any, epoch: int, lr_limit: float) -> None:

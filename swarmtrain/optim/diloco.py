@@ -23,7 +23,11 @@ Behaviour worth knowing:
 - **Same start.** Every peer should start from the same parameters (build the model under the
   same seed) or call :meth:`~DiLoCoOptimizer.load_state_from_peers`, which downloads the shared
   parameters, the outer optimizer's state and the step counters from a peer of the run (it
-  returns False at once when no other peer of the run serves its state). Each round's gather
+  returns False at once when no other peer of the run serves its state). The joiner checks
+  a donor's state before it uses any of it (``diloco_state.check_state``: our shapes, fp32
+  without casts, finite values, the outer optimizer's structure and hyperparameters; ``lr`` up
+  to ``max_donor_lrs``): a donor that fails is banned for 10 minutes and the next one is
+  tried. Each round's gather
   data carries a fingerprint of the shared parameters (a few values at fixed positions,
   ``diloco_state.shared_fingerprint``): a peer whose fingerprint is not the one the group
   follows (the largest matching class; ties: the furthest outer step, then the smallest peer
@@ -82,10 +86,11 @@ from one training thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -93,7 +98,10 @@ import torch
 
 from swarmtrain.averaging import DecentralizedAverager, StepControl
 from swarmtrain.averaging.finite import first_non_finite
+from swarmtrain.averaging.state_checks import StateCheck, TensorSpec
 from swarmtrain.compression import CompressionBase, Float16Compression
+from swarmtrain.optim._optimizer_state import encode_tensors
+from swarmtrain.optim._state_checks import LR_TOLERANCE, initial_lrs, stepped_state
 from swarmtrain.optim.diloco_core import (
     ApplyOuter,
     Fragments,
@@ -101,6 +109,7 @@ from swarmtrain.optim.diloco_core import (
     OuterState,
     StartSync,
     StreamingSchedule,
+    default_outer_optimizer,
 )
 from swarmtrain.optim.diloco_peers import RunPresence
 from swarmtrain.optim.diloco_simulation import default_inner_optimizer
@@ -109,6 +118,7 @@ from swarmtrain.optim.diloco_state import (
     _peer_order,
     check_positive,
     check_positive_int,
+    check_state,
     flatten_params,
     pack_state,
     reference_peers,
@@ -307,6 +317,10 @@ class DiLoCoOptimizer:
         if verbose:
             show_logs()
         self._outer = OuterState(self._params, outer_optimizer)
+        self._outer_factory = outer_optimizer or default_outer_optimizer
+        #: the largest outer lr a donor's state may carry, per param group (see ``check_state``)
+        self.max_donor_lrs = tuple(LR_TOLERANCE * lr for lr in initial_lrs(self._outer.optimizer))
+        self._stepped_outer_state: tuple[Any, Sequence[TensorSpec]] | None = None
         # Guards the outer state, the step counters and the rounds in flight: the training
         # thread changes them, the averager's worker thread reads them for newcomers.
         self._lock = threading.Condition()
@@ -515,15 +529,20 @@ class DiLoCoOptimizer:
             if remaining <= 0:
                 logger.warning("could not load the DiLoCo state of %r from peers", self.run_id)
                 return False
-            loaded = self.averager.load_state_from_peers(timeout=remaining, donors=donors)
+            loaded = self.averager.load_state_from_peers(
+                timeout=remaining, donors=donors, check=self._state_check()
+            )
+            failure = self.averager.state_download_failure
+            if loaded is None and failure is not None and failure.banned and not failure.donors:
+                logger.warning(
+                    "every donor of run %r served a state that failed our checks: they are "
+                    "banned for a while, keeping this peer's own state",
+                    self.run_id,
+                )
+                return False
             if loaded is not None:
                 try:
                     metadata, tensors = loaded
-                    donor_fragments = metadata.get("num_fragments", 1)
-                    if donor_fragments != self.num_fragments:
-                        raise ValueError(
-                            f"the donor syncs {donor_fragments} fragments, we {self.num_fragments}"
-                        )
                     outer_state, inner_step = unpack_state(metadata, tensors)
                     with self._lock:
                         self._cancel_pending_locked()
@@ -842,6 +861,26 @@ class DiLoCoOptimizer:
             if round_.control is not None:
                 round_.control.cancel()
         self._lock.notify_all()
+
+    def _state_check(self) -> StateCheck:
+        """What a donor's state must look like (ours, now), as a check (``check_state``)."""
+        if self._stepped_outer_state is None:
+            stepped = stepped_state(self._outer_factory, self._outer.params)
+            self._stepped_outer_state = stepped if stepped is not None else ({}, [])
+        with self._lock:
+            tensors: list[torch.Tensor] = []
+            optimizer_metadata = encode_tensors(
+                self._outer.optimizer.state_dict(), tensors, copy=False
+            )
+            return functools.partial(
+                check_state,
+                params=[TensorSpec.of(p) for p in self._outer.params],
+                optimizer_metadata=optimizer_metadata,
+                optimizer_specs=[TensorSpec.of(t) for t in tensors],
+                stepped=self._stepped_outer_state,
+                num_fragments=self.num_fragments,
+                lr_limits=self.max_donor_lrs,
+            )
 
     def _current_state(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """For newcomers (runs in the averager's worker thread): the state once no round is in

@@ -3,7 +3,13 @@ argument checks of ``DiLoCoOptimizer``.
 
 :func:`pack_state` turns an :class:`~swarmtrain.optim.diloco_core.OuterState` and the inner
 step count into the ``(metadata, tensors)`` pair that the averager's state sharing sends;
-:func:`unpack_state` checks and inverts it.
+:func:`unpack_state` inverts it. :func:`check_state` is what a joiner checks before it uses a
+donor's state (a ``StateCheck``, see ``swarmtrain.averaging.state_checks``): the format and
+number of fragments, step counters within ``EPOCH_LIMIT``, shared parameters of our shapes and
+dtype (fp32: nothing is cast), the outer optimizer's state shaped like ours or like the state one
+step creates (its momentum buffers appear lazily, so a joiner usually has none yet), and its
+hyperparameters equal to ours but for ``lr`` (up to ``LR_TOLERANCE`` x ours) and momenta (in
+``[0, 1]``); state sharing adds finiteness, bans a donor that fails and tries the next.
 
 :func:`shared_fingerprint` samples a few values of the shared parameters at fixed positions
 (each round's gather data carries it); :func:`reference_peers` groups a round's fingerprints
@@ -22,11 +28,14 @@ from typing import Any
 
 import torch
 
+from swarmtrain.averaging.state_checks import RejectReason, StateRejected, TensorSpec
 from swarmtrain.optim._optimizer_state import decode_tensors, encode_tensors
+from swarmtrain.optim._state_checks import check_epoch, optimizer_state_specs
 from swarmtrain.optim.diloco_core import OuterState
 
 __all__ = [
     "STATE_FORMAT",
+    "check_state",
     "fingerprints_match",
     "pack_state",
     "reference_peers",
@@ -90,6 +99,50 @@ def _non_negative_int(metadata: dict, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return value
+
+
+def check_state(
+    metadata: Any,
+    *,
+    params: Sequence[TensorSpec],
+    optimizer_metadata: Any,
+    optimizer_specs: Sequence[TensorSpec],
+    stepped: tuple[Any, Sequence[TensorSpec]] | None,
+    num_fragments: int,
+    lr_limits: Sequence[float],
+) -> list[TensorSpec]:
+    """The specs of a donor's state tensors (parameters, then the outer optimizer's), after
+    checking its metadata against ours (see the module docstring; a ``StateCheck`` once the
+    keywords are bound).
+
+    :param params: our shared parameters' specs
+    :param optimizer_metadata: our outer optimizer's encoded state dict (its references point
+      into ``optimizer_specs``)
+    :param stepped: ``_state_checks.stepped_state`` of our outer optimizer (None: unknown)
+    :param lr_limits: the largest outer lr accepted, per param group
+    """
+    if not isinstance(metadata, dict) or metadata.get("format") != STATE_FORMAT:
+        raise StateRejected(RejectReason.METADATA, f"not a {STATE_FORMAT} state")
+    fragments = metadata.get("num_fragments", 1)
+    if fragments != num_fragments:
+        detail = f"the donor syncs {fragments!r:.20} fragments, we {num_fragments}"
+        raise StateRejected(RejectReason.METADATA, detail)
+    if metadata.get("num_params") != len(params):
+        raise StateRejected(
+            RejectReason.TENSOR_COUNT,
+            f"{metadata.get('num_params')!r:.20} shared parameters, expected {len(params)}",
+        )
+    for name in ("inner_step", "outer_step"):
+        check_epoch(metadata.get(name), 0, None, what=name.replace("_", " "))
+    optimizer = optimizer_state_specs(
+        optimizer_metadata,
+        optimizer_specs,
+        metadata.get("optimizer"),
+        lr_limits,
+        first=len(params),
+        stepped=stepped,
+    )
+    return [*params, *optimizer]
 
 
 def check_positive(name: str, value: object, *, allow_none: bool = False) -> None:

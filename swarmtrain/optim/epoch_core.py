@@ -10,13 +10,14 @@ step the optimizer, average the state, load the state, move to an epoch, warn).
 One step of a peer, in the order the shell asks::
 
     is_behind(local, swarm)      -> bool          a peer behind loads the state instead (1)
+    catch_up_due(now)            -> bool          ... unless a failed catch-up backs off
     batch_check(has_scaler)      -> BatchCheck    how to check this batch's gradients
     on_batch(check, finite)      -> SkipBatch | AccumulateBatch
     on_progress(local, p, now)   -> StepPlan      schedule the round? end the epoch?
     begin_epoch_end(...)         -> RoundPlan     (the epoch ends) how to run the gradient round
     on_round_result(...)         -> AuxiliaryCatchUp | FinishEpoch
     on_epoch_finished(...)       -> EpochAdvanced publish the new epoch (maybe the group's)
-    after_load / after_failed_catch_up -> EnterEpoch | None
+    after_load / after_failed_catch_up / after_failed_auxiliary_catch_up -> EnterEpoch | None
 
 Decisions per mode at an epoch's end (``begin_epoch_end`` then ``on_round_result``; "others":
 the tracker sees another peer, an auxiliary peer not counting itself):
@@ -44,7 +45,9 @@ auxiliary                   weight 0 in gradient and state rounds; never delays;
                             already left its epoch it tags along with the next round
                             (``tag_along``) and catches up; a failed round, or one whose group
                             was in another epoch, makes it catch up (``AuxiliaryCatchUp``: load
-                            the state if others are seen, else move on alone)
+                            the state after that epoch's step if others are seen, else move on
+                            alone; if the load fails while donors exist it stays in its epoch
+                            and tries again after the back-off)
 client_mode                 as its mode, but never serves state (``serve_state`` False)
 alone (no others)           no round (local mean gradient), no state round
 GradScaler                  per batch: unscale, skip a non-finite batch; with
@@ -56,7 +59,10 @@ no GradScaler               per batch: a non-finite batch is skipped with a warn
 
 (1) Behind (``swarmtrain.optim._epoch_sync``): two or more epochs behind, or one epoch behind in
 an epoch the swarm had already left when this peer entered it; an auxiliary peer only when two
-or more epochs behind (it catches up by itself when it misses a round).
+or more epochs behind (it catches up by itself when it misses a round). A catch-up that leaves
+the peer behind (or an auxiliary peer's that fails while donors exist) is retried after a
+back-off (1 s, doubling up to 60 s: ``CatchUpBackoff``); the steps in between skip their batch
+(``catch_ups_backed_off``).
 
 The epoch ends when the swarm is ahead of us, reached ``target_batch_size``, or its ETA passed;
 the gradient round's matchmaking is scheduled once the ETA is within ``matchmaking_time`` and
@@ -71,7 +77,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Union
 
-from swarmtrain.optim._epoch_sync import EpochSync
+from swarmtrain.optim._epoch_sync import CatchUpBackoff, EpochSync
 from swarmtrain.optim.progress_core import GlobalProgress
 
 __all__ = [
@@ -271,6 +277,8 @@ class EpochCoreStatistics:
     epochs_adopted: int
     epochs_entered: int
     epochs_entered_without_state: int
+    catch_ups_failed: int = 0  #: catch-ups that left this peer behind
+    catch_ups_backed_off: int = 0  #: steps behind that waited for the back-off, no attempt
 
 
 EpochEndDecision = Union[AuxiliaryCatchUp, FinishEpoch]
@@ -282,6 +290,8 @@ class EpochCore:
     def __init__(self, modes: EpochModes):
         self.modes = modes
         self._sync = EpochSync()
+        self._backoff = CatchUpBackoff()
+        self._retry_in = 0.0
         self._plan: RoundPlan | None = None  # the epoch end in progress
         self._counts = dict.fromkeys(EpochCoreStatistics.__dataclass_fields__, 0)
 
@@ -304,6 +314,14 @@ class EpochCore:
         if self.modes.auxiliary:
             return local_epoch < swarm_epoch - 1
         return self._sync.must_catch_up(local_epoch, swarm_epoch)
+
+    def catch_up_due(self, now: float) -> bool:
+        """Whether a peer behind tries to catch up now (False: a failed catch-up backs off;
+        skip this step's batch without trying or warning). ``now``: a monotonic clock."""
+        if self._backoff.due(now):
+            return True
+        self._counts["catch_ups_backed_off"] += 1
+        return False
 
     def batch_check(self, has_scaler: bool) -> BatchCheck:
         if not has_scaler:
@@ -410,14 +428,22 @@ class EpochCore:
         )
 
     def on_epoch_finished(
-        self, local_epoch: int, group_epochs: Collection[int] | None = None
+        self,
+        local_epoch: int,
+        group_epochs: Collection[int] | None = None,
+        swarm_epoch: int | None = None,
     ) -> EpochAdvanced:
         """The optimizer and state steps ran; ``local_epoch``: the state averager's epoch now;
         ``group_epochs``: the epochs of a state round's group that averaged here. A group in a
         later epoch (this peer's gradient round failed because the swarm moved on) takes us
-        there: else a peer whose epoch ends with the swarm's state round stays behind."""
+        there: else a peer whose epoch ends with the swarm's state round stays behind. With
+        ``swarm_epoch`` (the epoch the tracker's quorum vouches for), a member's epoch counts
+        only up to ``max(local_epoch + 1, swarm_epoch)``: one member is not a quorum."""
         self._counts["epochs_ended"] += 1
+        self._backoff.reset()  # a later catch-up (if any) tries at once
         epochs = [e for e in group_epochs or () if isinstance(e, int) and not isinstance(e, bool)]
+        if swarm_epoch is not None:
+            epochs = [e for e in epochs if e <= max(local_epoch + 1, swarm_epoch)]
         adopted_from = None
         if epochs and max(epochs) > local_epoch:
             adopted_from, local_epoch = local_epoch, max(epochs)
@@ -429,20 +455,57 @@ class EpochCore:
     def after_load(self, loaded_epoch: int, swarm_epoch: int) -> EnterEpoch:
         """A state was loaded at ``loaded_epoch``: the epoch to enter (the swarm's, if the
         donor was one epoch behind it: it was about to move on)."""
+        self._backoff.reset()
         self._counts["epochs_entered"] += 1
         epoch = swarm_epoch if swarm_epoch - 1 <= loaded_epoch < swarm_epoch else loaded_epoch
         return EnterEpoch(epoch, own_state=False)
 
+    @property
+    def retry_in(self) -> float:
+        """Seconds the last failed catch-up backs off before the next attempt."""
+        return self._retry_in
+
     def after_failed_catch_up(
-        self, local_epoch: int, swarm_epoch: int, no_donor: bool
+        self, local_epoch: int, swarm_epoch: int, no_donor: bool, *, now: float
     ) -> EnterEpoch | None:
         """A peer behind could not load the state (``no_donor``: no peer shares one at all):
         take the swarm's epoch with our own state when the swarm is one epoch ahead or nobody
-        can serve, rather than stay behind and never average gradients again."""
-        if self.modes.auxiliary or not (swarm_epoch == local_epoch + 1 or no_donor):
+        can serve, rather than stay behind and never average gradients again. None: it stays
+        behind, and its next attempt waits for the back-off (:meth:`retry_in` says how long;
+        ``now``: the monotonic clock of :meth:`catch_up_due`)."""
+        if (
+            self.modes.auxiliary
+            or not (swarm_epoch == local_epoch + 1 or no_donor)
+            or swarm_epoch <= local_epoch
+        ):
+            self._counts["catch_ups_failed"] += 1
+            self._retry_in = self._backoff.failed(now)
             return None
-        if swarm_epoch <= local_epoch:
-            return None
+        self._backoff.reset()
         self._counts["epochs_entered"] += 1
         self._counts["epochs_entered_without_state"] += 1
         return EnterEpoch(swarm_epoch, own_state=True)
+
+    def auxiliary_catch_up_epoch(self, local_epoch: int, swarm_epoch: int) -> int:
+        """The oldest state an auxiliary peer's catch-up (``AuxiliaryCatchUp``) may load: once
+        the swarm is past ``local_epoch``, the state after that epoch's step (a donor's state of
+        ``local_epoch`` predates its step, and entering the next epoch with it would leave this
+        peer a step behind for good); else any state from ``local_epoch`` on."""
+        return local_epoch + 1 if swarm_epoch > local_epoch else local_epoch
+
+    def after_failed_auxiliary_catch_up(
+        self, local_epoch: int, no_donor: bool, *, now: float
+    ) -> EnterEpoch | None:
+        """An auxiliary peer missed its epoch's gradients (``AuxiliaryCatchUp``) and loaded no
+        state: move to the next epoch with its own state only when no peer can serve one
+        (``no_donor``: nobody else is seen, or nobody shares a state); else stay in this epoch,
+        whose next step catches up again after the back-off, rather than advance with a state
+        that missed the epoch's optimizer step (it would stay out of sync with the swarm)."""
+        if not no_donor:
+            self._counts["catch_ups_failed"] += 1
+            self._retry_in = self._backoff.failed(now)
+            return None
+        self._backoff.reset()
+        self._counts["epochs_entered"] += 1
+        self._counts["epochs_entered_without_state"] += 1
+        return EnterEpoch(local_epoch + 1, own_state=True)

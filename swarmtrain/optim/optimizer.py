@@ -82,9 +82,18 @@ import torch
 
 from swarmtrain.averaging import StepControl
 from swarmtrain.dht import DHT, get_dht_time
+from swarmtrain.optim._checkpoint import load_checkpoint, make_checkpoint
 from swarmtrain.optim._epoch_gradients import GradientRounds
 from swarmtrain.optim._epoch_update import EpochUpdates, scaler_method
-from swarmtrain.optim._optimizer_options import check_positive, resolve_modes
+from swarmtrain.optim._optimizer_options import (
+    averager_options,
+    check_keywords,
+    check_positive,
+    grad_averager_options,
+    resolve_modes,
+    state_averager_options,
+)
+from swarmtrain.optim.async_optimizer import AsyncOptimizer
 from swarmtrain.optim.epoch_core import EpochCore, EpochModes
 from swarmtrain.optim.grad_averager import GradientAverager
 from swarmtrain.optim.progress_core import GlobalProgress
@@ -103,8 +112,6 @@ __all__ = ["Optimizer"]
 
 logger = logging.getLogger(__name__)
 
-_EPOCH_KEY = "swarmtrain_local_epoch"
-_SCHEDULER_KEY = "swarmtrain_scheduler"
 GradientAveragerFactory = Callable[..., GradientAverager]
 
 
@@ -209,28 +216,19 @@ class Optimizer(EpochUpdates):
         tracker_opts: dict[str, Any] | None = None,
         verbose: bool = False,
     ):
-        if not isinstance(run_id, str) or not run_id:
-            raise ValueError("run_id must be a non-empty string")
-        if "." in run_id or "::" in run_id:
-            raise ValueError(
-                f"run_id must not contain '.' or '::' (they separate the parts of the run's DHT "
-                f"keys and RPC names), got {run_id!r}"
-            )
-        if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int):
-            raise TypeError(f"target_batch_size must be an int, got {target_batch_size!r}")
-        check_positive("target_batch_size", target_batch_size)
-        check_positive("batch_size_per_step", batch_size_per_step, allow_none=True)
-        check_positive("matchmaking_time", matchmaking_time)
-        check_positive("averaging_timeout", averaging_timeout)
-        check_positive("allreduce_timeout", allreduce_timeout, allow_none=True)
-        check_positive("next_chunk_timeout", next_chunk_timeout, allow_none=True)
-        check_positive("load_state_timeout", load_state_timeout)
-        if (
-            isinstance(average_state_every, bool)
-            or not isinstance(average_state_every, int)
-            or average_state_every < 1
-        ):
-            raise ValueError(f"average_state_every must be an int >= 1, got {average_state_every}")
+        check_keywords(
+            run_id=run_id,
+            target_batch_size=target_batch_size,
+            batch_size_per_step=batch_size_per_step,
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            load_state_timeout=load_state_timeout,
+            average_state_every=average_state_every,
+            averager_opts=averager_opts,
+            tracker_opts=tracker_opts,
+        )
         if client_mode is None:
             _check_dht(dht)
             client_mode = bool(dht.client_mode)
@@ -247,11 +245,6 @@ class Optimizer(EpochUpdates):
             delay_state_averaging=delay_state_averaging,
             grad_averager_factory=grad_averager_factory,
         )
-        for name, opts in (("averager_opts", averager_opts), ("tracker_opts", tracker_opts)):
-            if opts is not None and not isinstance(opts, dict):
-                raise TypeError(f"{name} must be a dict of keywords")
-        if tracker_opts and "client_mode" in tracker_opts:
-            raise ValueError("pass client_mode to the Optimizer, not in tracker_opts")
         _check_dht(dht)
 
         self.dht, self.run_id = dht, run_id
@@ -288,17 +281,13 @@ class Optimizer(EpochUpdates):
             )
         )
 
-        common: dict[str, Any] = {
-            "min_matchmaking_time": self.matchmaking_time,
-            "matchmaking_time_keyword": "matchmaking_time",  # messages name our keyword
-            "request_timeout": min(3.0, self.matchmaking_time / 2),
-            "allreduce_timeout": self.averaging_timeout
-            if allreduce_timeout is None
-            else float(allreduce_timeout),
-        }
-        if next_chunk_timeout is not None:
-            common["next_chunk_timeout"] = float(next_chunk_timeout)
-        common.update(averager_opts or {})
+        common = averager_options(
+            matchmaking_time=self.matchmaking_time,
+            averaging_timeout=self.averaging_timeout,
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=next_chunk_timeout,
+            averager_opts=averager_opts,
+        )
         self.state_averager: TrainingStateAverager | None = None
         self.grad_averager: GradientAverager | None = None
         self.tracker: ProgressTracker | None = None
@@ -310,15 +299,13 @@ class Optimizer(EpochUpdates):
         self._gradients_consumed = threading.Event()  # the optimizer took the last round's result
         self._gradients_consumed.set()
         try:
-            state_opts = dict(common)
-            if state_averaging_compression is not None:
-                state_opts.setdefault("compression", state_averaging_compression)
-            if load_state_compression is None:
-                load_state_compression = state_averaging_compression
-            if load_state_compression is not None:
-                state_opts.setdefault("state_compression", load_state_compression)
-            if self.use_local_updates:  # the state round is the only one
-                state_opts.setdefault("aggregation", aggregation)
+            state_opts = state_averager_options(
+                common,
+                state_averaging_compression=state_averaging_compression,
+                load_state_compression=load_state_compression,
+                use_local_updates=self.use_local_updates,
+                aggregation=aggregation,
+            )
             self.state_averager = TrainingStateAverager(
                 dht=dht,
                 optimizer=optimizer,
@@ -338,16 +325,19 @@ class Optimizer(EpochUpdates):
                 **state_opts,
             )
             if not self.use_local_updates:
-                grad_common = {"aggregation": aggregation, **common}
-                self._make_grad_averager(grad_averager_factory, grad_compression, grad_common)
+                grad_opts = grad_averager_options(
+                    common, aggregation=aggregation, grad_compression=grad_compression
+                )
+                self._make_grad_averager(grad_averager_factory, grad_opts)
             self.tracker = ProgressTracker(
                 dht,
                 run_id,
                 target_batch_size,
                 client_mode=client_mode,
                 status_loglevel=self.status_loglevel,
-                **(tracker_opts or {}),
+                **{"partner_window": max(4, 2 * self.average_state_every), **(tracker_opts or {})},
             )
+            self.state_averager.round_observer = self._note_round_partners
         except BaseException:
             self.shutdown()
             raise
@@ -355,13 +345,8 @@ class Optimizer(EpochUpdates):
     def _make_grad_averager(
         self,
         factory: GradientAveragerFactory | None,
-        compression: Any,
-        common: dict[str, Any],
+        grad_opts: dict[str, Any],
     ) -> None:
-        grad_opts = dict(common)
-        grad_opts.pop("auxiliary", None)  # aux peers average with weight 0 to get the result
-        if compression is not None:
-            grad_opts.setdefault("compression", compression)
         self.grad_averager = (factory or GradientAverager)(
             self._state_averager.main_parameters,
             dht=self.dht,
@@ -572,7 +557,10 @@ class Optimizer(EpochUpdates):
         """Load the state from peers; if none could serve it and the swarm is one epoch ahead
         (or no peer shares a state at all), take the swarm's epoch with this peer's own state
         (its next state round pulls it in), rather than stay behind and average no gradients
-        ever again."""
+        ever again. After a catch-up that left us behind, the next waits for a back-off
+        (``EpochCore.catch_up_due``): until then a step only skips its batch."""
+        if not self._epoch_core.catch_up_due(time.monotonic()):
+            return
         logger.warning(
             "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
             self.run_id,
@@ -585,9 +573,15 @@ class Optimizer(EpochUpdates):
         failure = self._state_averager.state_download_failure
         no_donor = failure is not None and not failure.donors
         enter = self._epoch_core.after_failed_catch_up(
-            self.local_epoch, self._tracker.global_epoch, no_donor
+            self.local_epoch, self._tracker.global_epoch, no_donor, now=time.monotonic()
         )
-        if enter is not None:
+        if enter is None:
+            logger.warning(
+                "%s: still behind the swarm; the next try to catch up is in %.0f s",
+                self.run_id,
+                self._epoch_core.retry_in,
+            )
+        else:
             logger.warning(
                 "%s: no peer served its state: moving to the swarm's epoch %d with this peer's "
                 "own parameters",
@@ -619,6 +613,11 @@ class Optimizer(EpochUpdates):
         a peer, retrying until ``timeout`` (default ``load_state_timeout``) while some peer
         declares a state to share; returns False at once when none does (a lone first peer).
         The accumulated gradients are dropped. Returns whether a state was loaded."""
+        return self._load_state(timeout)
+
+    def _load_state(self, timeout: float | None, min_epoch: int | None = None) -> bool:
+        """:meth:`load_state_from_peers`; ``min_epoch``: skip donors whose state is older
+        (they are retried until ``timeout``)."""
         timeout = self.load_state_timeout if timeout is None else timeout
         check_positive("timeout", timeout)
         state_averager, tracker = self._state_averager, self._tracker
@@ -635,7 +634,7 @@ class Optimizer(EpochUpdates):
                 break
             try:
                 loaded = state_averager.load_state_from_peers(
-                    timeout=remaining, swarm_epoch=self._vouched_epoch()
+                    timeout=remaining, swarm_epoch=self._vouched_epoch(), min_epoch=min_epoch
                 )
             except Exception as e:
                 detail = repr(e)
@@ -674,27 +673,13 @@ class Optimizer(EpochUpdates):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, plus the epoch and the scheduler's state."""
-        state = dict(self.optimizer.state_dict())
-        state[_EPOCH_KEY] = self.local_epoch
-        if self.scheduler is not None:
-            state[_SCHEDULER_KEY] = self.scheduler.state_dict()
-        return state
+        return make_checkpoint(self._state_averager)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (a plain torch optimizer state works too)."""
-        state = dict(state_dict)
-        epoch = state.pop(_EPOCH_KEY, None)
-        scheduler_state = state.pop(_SCHEDULER_KEY, None)
         state_averager = self._state_averager
         state_averager.step(wait_for_delayed_updates=True)
-        with state_averager.lock_optimizer:
-            self.optimizer.load_state_dict(state)
-            if scheduler_state is not None and self.scheduler is not None:
-                self.scheduler.load_state_dict(scheduler_state)
-            if epoch is not None:
-                if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-                    raise ValueError(f"invalid epoch in the state dict: {epoch!r}")
-                state_averager.local_epoch = epoch
+        epoch = load_checkpoint(state_averager, state_dict)
         if epoch is not None:
             self._tracker.update_epoch(epoch)
             self.local_samples_accumulated = 0.0
@@ -730,6 +715,10 @@ class Optimizer(EpochUpdates):
             self._shut_down = True  # the stopped components stay readable
         if errors:
             raise errors[0]
+
+    #: the trio way in: ``async with Optimizer.create(dht=async_dht, ...) as opt:`` and
+    #: ``await opt.step()`` in the trainer's own trio loop (``swarmtrain.optim.async_optimizer``)
+    create = AsyncOptimizer.create
 
     #: asyncio awaitables, e.g. ``await opt.aio.step()``: each runs the blocking method in
     #: this optimizer's worker thread, never blocking the asyncio loop

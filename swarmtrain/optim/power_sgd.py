@@ -34,7 +34,8 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import torch
@@ -55,7 +56,6 @@ from swarmtrain.compression import CompressionInfo, TensorRole
 from swarmtrain.optim._tensor_infos import TaggedCompression, tag_compression
 from swarmtrain.optim.grad_averager import GradientAverager
 from swarmtrain.p2p import PeerID
-from swarmtrain.utils.background import BackgroundRuntime
 
 __all__ = ["PowerSGDGradientAverager", "PowerSGDPlan", "matrix_shape", "orthogonalize_"]
 
@@ -223,8 +223,10 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
         tensors: Sequence[torch.Tensor],
         infos: Sequence[CompressionInfo],
         weight: float,
+        failed_members: set[PeerID] | None = None,
     ) -> tuple[torch.Tensor, ...] | None:
-        """One all-reduce round over ``tensors``; their deltas (None for an AUX peer)."""
+        """One all-reduce round over ``tensors``; their deltas (None for an AUX peer). The
+        members whose part or delta we did without are added to ``failed_members``."""
         assert self._allreduce is not None
         round_group = self._allreduce_group(group, sum(t.numel() for t in tensors), suffix)
         config = self.config.allreduce_config()
@@ -237,6 +239,8 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
         )
         result = await runner.run()
         failed = {*result.banned_senders, *result.failed_reducers}
+        if failed_members is not None:
+            failed_members.update(failed)
         others = {p for p in round_group.peer_ids if p != self.peer_id}
         if others and others <= failed:
             raise AllReduceError(
@@ -279,17 +283,18 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
             CompressionInfo.from_tensor(snapshot[i], key=i, role=TensorRole.GRADIENT)
             for i in plan.uncompressed
         ]
-        deltas = await self._round(group, b".P", [*ps, *plain], infos, weight)
+        failed: set[PeerID] = set()  # members we did without in either phase
+        deltas = await self._round(group, b".P", [*ps, *plain], infos, weight, failed)
         if deltas is None:  # an AUX peer: it reduces round Q as well, with zeros
             qs = [torch.zeros(n, plan.rank) for _, n in plan.matrix_shapes]
             if qs:
-                await self._round(group, b".Q", qs, _q_infos(qs), weight)
-            return _gathered(group)
+                await self._round(group, b".Q", qs, _q_infos(qs), weight, failed)
+            return _gathered(group, failed)
         averaged = [t.float() + d.float() for t, d in zip([*ps, *plain], deltas, strict=True)]
         ps, plain = averaged[: len(ps)], averaged[len(ps) :]
         if ps:
             qs = await trio.to_thread.run_sync(plan.q_matrices, ms, ps)
-            q_deltas = await self._round(group, b".Q", qs, _q_infos(qs), weight)
+            q_deltas = await self._round(group, b".Q", qs, _q_infos(qs), weight, failed)
             assert q_deltas is not None
             qs = [q + d.float() for q, d in zip(qs, q_deltas, strict=True)]
         else:
@@ -311,7 +316,7 @@ class _AsyncPowerSGDAverager(AsyncDecentralizedAverager):
 
         async with self._locked_tensors() as tensors:
             await trio.to_thread.run_sync(commit, tensors)
-        return _gathered(group)
+        return _gathered(group, failed)
 
 
 def _q_infos(qs: Sequence[torch.Tensor]) -> list[CompressionInfo]:
@@ -321,8 +326,9 @@ def _q_infos(qs: Sequence[torch.Tensor]) -> list[CompressionInfo]:
     ]
 
 
-def _gathered(group: MatchmakingGroup) -> GatheredData:
-    return {PeerID(m.peer_id): _load_gathered(m.gather) for m in group.members}
+def _gathered(group: MatchmakingGroup, failed: set[PeerID]) -> GatheredData:
+    members = {PeerID(m.peer_id): _load_gathered(m.gather) for m in group.members}
+    return GatheredData(members, failed=failed)
 
 
 def _schema_hash(tensors: Sequence[torch.Tensor], plan: PowerSGDPlan, part_size: int) -> bytes:
@@ -384,23 +390,21 @@ class PowerSGDGradientAverager(GradientAverager):
     def schema_hash(self) -> bytes:
         return _schema_hash(self._averaged_tensors, self._plan, self.config.part_size_bytes)
 
-    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
-        """Start the averager (the constructor does this unless ``start=False``)."""
-        dht_runtime, async_dht = self.dht._running()
-        if BackgroundRuntime._instance is not dht_runtime:
-            raise RuntimeError("the DHT runs on another background loop (made before a fork?)")
+    def open_async(
+        self, async_dht: Any, state_provider: Callable[[], Any] | None = None
+    ) -> AbstractAsyncContextManager[AsyncDecentralizedAverager]:
+        """The trio PowerSGD averager over this object's tensors and plan (what
+        ``run_in_background`` runs on the background loop; see ``DecentralizedAverager``)."""
         fields = {k: v for k, v in vars(self.config).items() if k not in ("prefix", "client_mode")}
-        self._start_in_background(
-            lambda: self._async_class.create_with_plan(
-                self._averaged_tensors,
-                async_dht,
-                plan=self._plan,
-                prefix=self.prefix,
-                client_mode=self.client_mode,
-                tensor_lock=self.lock_averaged_tensors,
-                state_provider=self.get_current_state,
-                **fields,
-            )
+        return self._async_class.create_with_plan(
+            self._averaged_tensors,
+            async_dht,
+            plan=self._plan,
+            prefix=self.prefix,
+            client_mode=self.client_mode,
+            tensor_lock=self.lock_averaged_tensors,
+            state_provider=state_provider or self.get_current_state,
+            **fields,
         )
 
     def get_current_state(self) -> Any:

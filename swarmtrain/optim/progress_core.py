@@ -25,15 +25,32 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   established peer); the global epoch is the quorum-th highest voter's epoch, never below our
   own. hivemind takes the largest epoch of any record, so one record claiming epoch 1e9 sent
   every peer into state downloads;
+- identities are free, so a vote must cost work: once this peer has *partners* -- peers that
+  averaged with it (a gradient or state round; the Optimizer reports each round's members
+  that sent their parts and returned our deltas, :meth:`ProgressCore.on_round_partners`) in
+  a round of epoch ``e`` with our epoch now at most ``e + partner_window`` -- and one of
+  them has a live non-client record, only those partners (and this peer) vote. Everyone else,
+  however many, cannot move our epoch (their records still count as peers and samples; those
+  ahead of us are counted in :attr:`ProgressCore.num_unvouched_ahead`). With no live partner
+  (a newcomer, a peer whose partners all left or whose rounds failed for ``partner_window``
+  epochs) every live non-client peer votes, as above. Why partners: a round costs what an
+  honest peer pays (matchmaking, then a correctly shaped part of every averaged tensor to each
+  reducer and the averaged part back to each sender; a member that failed either is not a
+  partner), and robust aggregation bounds what its data can do; a signed record costs one key
+  generation. A peer that fell behind still follows a quorum of its partners ahead (they keep
+  their place: the window counts our epochs, not theirs); peers of a swarm larger than its
+  groups all have partners and step by reaching the target (the samples of every peer count),
+  so they advance together without voting across groups;
 - a record claiming an epoch more than one ahead of the global epoch is ignored (not counted
   at all) and reported once by :class:`ImplausibleProgress`; a peer one epoch ahead just
   stepped: it counts as a peer, its samples toward the next epoch, and the samples it
   accumulated in the global epoch before it stepped still count toward it (so that in a swarm
   of two, the peer that did not step yet sees the target reached as the other one did);
 - a peer's samples count at most what ``max_rate_factor`` times the swarm's reference speed
-  allows since it entered the epoch (the reference: the lower median of the reported samples/s,
-  or this peer's own measured speed in the epoch if faster); its reported samples/s is capped
-  the same way for the ETA. A record whose samples exceed twice that bound is reported once;
+  allows since it entered the epoch (the reference: the lower median of the reported samples/s
+  -- of our live partners and us while we have partners, so that free identities cannot set
+  it -- or this peer's own measured speed in the epoch if faster); its reported samples/s is
+  capped the same way for the ETA. A record whose samples exceed twice that bound is reported once;
 - ``samples_accumulated`` sums those samples of the peers at the global epoch;
 - the ETA extrapolates each such peer's samples from its report time at its samples/s, and
   divides what remains of ``target_batch_size`` by the samples/s of those peers. (hivemind
@@ -139,6 +156,9 @@ class ProgressConfig:
       long is taken for gone: its record is ignored until it stores a newer one (s; see
       :mod:`swarmtrain.optim.progress_liveness`)
     :param probe_retry_period: dial such an owner again no sooner than this (s)
+    :param partner_window: a peer that averaged with this one in a round of epoch ``e`` is a
+      partner (its votes for epochs ahead of ours count) while our epoch is at most
+      ``e + partner_window`` (see the module docstring)
     """
 
     target_batch_size: int
@@ -158,6 +178,7 @@ class ProgressConfig:
     max_rate_factor: float = 8.0
     probe_timeout: float = 3.0
     probe_retry_period: float = 10.0
+    partner_window: int = 4
 
     def __post_init__(self) -> None:
         if (
@@ -203,6 +224,9 @@ class ProgressConfig:
         _check_positive("max_rate_factor", self.max_rate_factor)
         if self.max_rate_factor < 1:
             raise ValueError("max_rate_factor must be at least 1")
+        window = self.partner_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"partner_window must be a non-negative integer, got {window!r}")
 
 
 class PerformanceEMA:
@@ -470,6 +494,9 @@ class ProgressCore:
         self._epoch_witnessed = False  # we saw the global epoch begin (not joined it midway)
         self._local_epoch_started_at = now
         self._ignored: set[bytes] = set()  # keys whose records the last recompute ignored
+        self._live_partners: set[bytes] = set()  # partners with a live non-client record
+        self._partners: dict[bytes, int] = {}  # peer id -> epoch of our last round with it
+        self._unvouched: set[bytes] = set()  # keys ahead of us whose votes did not count
         self._implausible_warned: set[bytes] = set()
         self._last_active_epoch = -math.inf
         self._last_fetch_time: float | None = None
@@ -534,6 +561,18 @@ class ProgressCore:
         """Records refused because their ``peer_id`` field was not the id they were stored
         under (a peer claiming to be another, or many peers)."""
         return self._num_unbound
+
+    @property
+    def num_live_partners(self) -> int:
+        """Partners (see :meth:`on_round_partners`) with a live non-client record: while there
+        is one, only partners vote on the epoch."""
+        return len(self._live_partners)
+
+    @property
+    def num_unvouched_ahead(self) -> int:
+        """Live records ahead of this peer whose votes did not count at the last recompute:
+        their owners are not partners of this peer, and it has partners."""
+        return len(self._unvouched)
 
     def peers(self, now: float) -> dict[bytes, LocalProgress]:
         """Live records of the other peers, by peer id."""
@@ -649,6 +688,20 @@ class ProgressCore:
             self._alone_since, self._lone_warned = None, False
         return True
 
+    def on_round_partners(self, peer_ids: Iterable[bytes], epoch: int, now: float) -> None:
+        """This peer averaged with ``peer_ids`` in a round of ``epoch`` (gradients or state;
+        the members that sent their parts and returned our deltas, by peer id): they become
+        partners, whose votes for epochs ahead of ours count while our epoch is at most
+        ``epoch + partner_window`` (see the module docstring)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        for peer_id in peer_ids:
+            if not isinstance(peer_id, bytes) or not peer_id:
+                raise TypeError(f"peer ids must be non-empty bytes, got {peer_id!r}")
+            if peer_id != self.local_key and self._partners.get(peer_id, -1) < epoch:
+                self._partners[peer_id] = epoch
+        self._recompute(now)
+
     def probes_due(self, now: float) -> list[Probe]:
         """Owners of records ahead of us to dial now (see ``progress_liveness``); report each
         outcome with :meth:`on_probe_result`."""
@@ -731,8 +784,20 @@ class ProgressCore:
             self._credits[key] = _Credit(new.epoch, 0, now)
 
     def _vouched_epoch(self, live: Mapping[bytes, LocalProgress]) -> int:
-        """The highest epoch that a quorum of the voters is at or beyond, never below ours."""
-        votes = sorted((peer.epoch for peer in live.values() if not peer.client_mode), reverse=True)
+        """The highest epoch that a quorum of the voters is at or beyond, never below ours.
+        The voters: our live partners if there is any, else every live non-client peer."""
+        voters = {key: peer for key, peer in live.items() if not peer.client_mode}
+        partners = {key: voters[key] for key in self._partners if key in voters}
+        self._live_partners = set(partners)
+        self._unvouched = set()
+        if partners:
+            self._unvouched = {
+                key
+                for key, peer in voters.items()
+                if key not in partners and peer.epoch > self._local.epoch
+            }
+            voters = partners
+        votes = sorted((peer.epoch for peer in voters.values()), reverse=True)
         if self._trained:
             votes = sorted([*votes, self._local.epoch], reverse=True)
         if not votes:
@@ -856,6 +921,9 @@ class ProgressCore:
         self._liveness.prune(
             {k: r.expiration_time for k, r in self._records.items() if r.progress is not None}
         )
+        oldest_round = self._local.epoch - config.partner_window
+        if any(epoch < oldest_round for epoch in self._partners.values()):
+            self._partners = {k: e for k, e in self._partners.items() if e >= oldest_round}
         live = {
             key: record.progress
             for key, record in self._records.items()
@@ -879,7 +947,12 @@ class ProgressCore:
             self._epoch_witnessed = True  # from now on, no peer's samples are taken on trust
             for held in self._credits.values():
                 held.base = 0
-        max_rate = config.max_rate_factor * self._reference_rate(others.values(), now)
+        # with partners, they set the reference speed: a majority of free identities would
+        # otherwise set the median, and with it the cap on their own claims
+        reference = [p for k, p in others.items() if k in self._live_partners]
+        max_rate = config.max_rate_factor * self._reference_rate(
+            reference or list(others.values()), now
+        )
 
         samples, estimated, rate = 0.0, 0.0, 0.0
         if active_self and self._local.epoch == epoch:  # our own samples are not in doubt

@@ -84,6 +84,8 @@ class ProgressTrackerStatistics:
     gossip_rejected: int  #: invalid gossip (bad signature or schema, stale, undecodable)
     unreachable_ignored: int = 0  #: records ignored: their owner could not be dialled
     unbound_refused: int = 0  #: records whose ``peer_id`` field is not their signed subkey
+    live_partners: int = 0  #: peers that averaged with us lately, with a live record
+    unvouched_ahead: int = 0  #: records ahead of us whose votes did not count (no partners)
 
 
 def _parse_progress(value: Any) -> LocalProgress | object | None:

@@ -50,7 +50,9 @@ and closes the ``PubSub`` it opened. The DHT, and a ``PubSub`` passed in, stay o
 Error handling: a failed DHT store or fetch is logged and retried on schedule; invalid gossip is
 dropped and counted (``statistics().gossip_rejected``); warnings (clock skew, a lone peer, an
 epoch that never reaches its target, a peer whose implausible progress is ignored) are logged
-once each. The global epoch is what a quorum of peers vouches for (see the core).
+once each. The global epoch is what a quorum of peers vouches for (see the core); once this peer
+has averaged with others (:meth:`AsyncProgressTracker.on_round_partners`, which the
+``Optimizer`` calls after each round), only those partners vote for an epoch ahead of ours.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ import logging
 import math
 import threading
 import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -201,6 +203,7 @@ class AsyncProgressTracker:
         max_rate_factor: float = 8.0,
         probe_timeout: float = 3.0,
         probe_retry_period: float = 10.0,
+        partner_window: int = 4,
         status_loglevel: int = logging.DEBUG,
         private_key: Ed25519PrivateKey | None = None,
         pubsub: PubSub | None = None,
@@ -238,6 +241,7 @@ class AsyncProgressTracker:
             max_rate_factor=max_rate_factor,
             probe_timeout=probe_timeout,
             probe_retry_period=probe_retry_period,
+            partner_window=partner_window,
         )
         if private_key is not None:
             warnings.warn(
@@ -379,6 +383,7 @@ class AsyncProgressTracker:
             num_peers_seen, fetches = len(core.peers(get_dht_time())), core.num_fetches
             unreachable_ignored = core.num_unreachable_ignored
             unbound_refused = core.num_unbound_refused
+            live_partners, unvouched_ahead = core.num_live_partners, core.num_unvouched_ahead
         return ProgressTrackerStatistics(
             global_progress=global_progress,
             local_progress=local_progress,
@@ -392,6 +397,8 @@ class AsyncProgressTracker:
             gossip_rejected=self._gossip_rejected,
             unreachable_ignored=unreachable_ignored,
             unbound_refused=unbound_refused,
+            live_partners=live_partners,
+            unvouched_ahead=unvouched_ahead,
         )
 
     # --------------------------------------------------------- local events
@@ -417,6 +424,14 @@ class AsyncProgressTracker:
             epoch = self._core.update_epoch(new_epoch, get_dht_time())
         self._changed.notify_threadsafe()
         return epoch
+
+    def on_round_partners(self, peer_ids: Iterable[PeerID | bytes], epoch: int) -> None:
+        """This peer averaged with ``peer_ids`` in a round of ``epoch``: only such partners
+        vote for epochs ahead of ours (see :meth:`ProgressCore.on_round_partners`)."""
+        ids = [p.to_bytes() if isinstance(p, PeerID) else p for p in peer_ids]
+        with self._lock:
+            self._core.on_round_partners(ids, epoch, get_dht_time())
+        self._changed.notify_threadsafe()
 
     @contextmanager
     def pause_updates(self) -> Iterator[None]:

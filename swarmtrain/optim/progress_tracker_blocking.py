@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -82,6 +82,13 @@ class ProgressTracker(BackgroundService):
             return self._service
         return self._tracker()
 
+    @property
+    def pubsub(self) -> Any:
+        """The ``PubSub`` progress is gossiped on (None with ``use_pubsub=False``). It lives on
+        swarmtrain's background loop, like a blocking ``MetricsPublisher``: pass it there as
+        ``MetricsPublisher(dht, run_id, pubsub=opt.tracker.pubsub)`` to gossip metrics too."""
+        return self._tracker().pubsub
+
     # Reads take the core's current snapshots directly (frozen objects, replaced whole), and
     # reports run in this thread under the tracker's lock, waking the loop without waiting for
     # it: a training step never waits for a loop busy with averaging or the DHT.
@@ -126,6 +133,11 @@ class ProgressTracker(BackgroundService):
 
     def update_epoch(self, new_epoch: int | None = None) -> int:
         return self._tracker().update_epoch(new_epoch)
+
+    def on_round_partners(self, peer_ids: Iterable[Any], epoch: int) -> None:
+        """This peer averaged with ``peer_ids`` (``PeerID`` or bytes) in a round of ``epoch``
+        (see :meth:`AsyncProgressTracker.on_round_partners`)."""
+        self._tracker().on_round_partners(peer_ids, epoch)
 
     @contextmanager
     def pause_updates(self) -> Iterator[None]:

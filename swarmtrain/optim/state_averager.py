@@ -54,7 +54,12 @@ from typing import Any, Union
 import torch
 
 from swarmtrain.averaging import DecentralizedAverager, StepControl
-from swarmtrain.averaging.state_checks import RejectReason, StateRejected, TensorSpec
+from swarmtrain.averaging.state_checks import (
+    RejectReason,
+    StateCheck,
+    StateRejected,
+    TensorSpec,
+)
 from swarmtrain.compression import CompressionInfo, NoCompression, TensorRole
 from swarmtrain.dht import serialize
 from swarmtrain.optim._optimizer_state import (
@@ -252,6 +257,9 @@ class TrainingStateAverager(DecentralizedAverager):
         self.reuse_tensors = bool(reuse_tensors)
         self.delta_rule_averaging = bool(delta_rule_averaging)
         self.sync_epoch_when_averaging = bool(sync_epoch_when_averaging)
+        #: called with each successful round's gathered data and this peer's epoch then (in the
+        #: thread that ran the round; the Optimizer tells its tracker who averaged with it)
+        self.round_observer: Callable[[dict, int], None] | None = None
         self.main_parameters, self.parameter_names = main_parameters, names
         self.opt_keys_for_averaging = average_opt_statistics
         self.extra_tensors = tuple(extra_tensors)
@@ -615,6 +623,8 @@ class TrainingStateAverager(DecentralizedAverager):
             control.cancel()
             raise
         logger.log(self.status_loglevel, "averaged the training state with %d peers", len(gathered))
+        if self.round_observer is not None:
+            self.round_observer(gathered, self.local_epoch)
         if self.sync_epoch_when_averaging:
             epochs = [
                 e for e in gathered.values() if isinstance(e, int) and not isinstance(e, bool)
@@ -757,7 +767,11 @@ class TrainingStateAverager(DecentralizedAverager):
         return state
 
     def load_state_from_peers(  # type: ignore[override]
-        self, wait: bool = True, timeout: float | None = None, swarm_epoch: int | None = None
+        self,
+        wait: bool = True,
+        timeout: float | None = None,
+        swarm_epoch: int | None = None,
+        min_epoch: int | None = None,
     ) -> bool:
         """Download the training state from the best donor and load it: parameters, extra
         tensors, optimizer state, scheduler state, epoch. False (with a log message) if nobody
@@ -768,19 +782,25 @@ class TrainingStateAverager(DecentralizedAverager):
         structure and hyperparameters (``lr`` up to ``max_donor_lrs``), an epoch from ours to
         ``swarm_epoch + EPOCH_MARGIN`` (``swarm_epoch``: what the swarm's progress vouches for;
         None: unknown, capped at ``EPOCH_LIMIT``). A donor that fails is banned for a while and
-        the next one is tried; a donor behind us is skipped."""
+        the next one is tried; a donor behind us (or behind ``min_epoch``: e.g. the state after
+        this epoch's step) is skipped."""
         if not wait:
             raise ValueError("TrainingStateAverager.load_state_from_peers blocks: use wait=True")
-        check = self._state_check(swarm_epoch)
+        check = self._state_check(swarm_epoch, min_epoch)
         loaded = super().load_state_from_peers(wait=True, timeout=timeout, check=check)
         if loaded is None:
             return False
+        return self._load_downloaded_state(loaded, min_epoch)
+
+    def _load_downloaded_state(
+        self, loaded: tuple[Any, list[torch.Tensor]], min_epoch: int | None = None
+    ) -> bool:
+        """Load a donor's ``(metadata, tensors)`` that passed :meth:`_state_check` (takes the
+        locks: call it off the trio loop); False if it no longer fits."""
         metadata, tensors = loaded
-        epoch = metadata["epoch"]
-        if epoch < self.local_epoch:  # we moved on during the download
-            logger.warning(
-                "not loading the state of a donor behind us (%d < %d)", epoch, self.local_epoch
-            )
+        epoch, least = metadata["epoch"], max(self.local_epoch, min_epoch or 0)
+        if epoch < least:  # we moved on during the download
+            logger.warning("not loading the state of a donor behind us (%d < %d)", epoch, least)
             return False
         local = [*self._opt_params(), *self.extra_tensors]
         with torch.no_grad(), self.lock_optimizer, self.lock_averaged_tensors:
@@ -805,7 +825,7 @@ class TrainingStateAverager(DecentralizedAverager):
         logger.log(self.status_loglevel, "loaded the training state of epoch %d", epoch)
         return True
 
-    def _state_check(self, swarm_epoch: int | None) -> Callable[[Any], list[TensorSpec]]:
+    def _state_check(self, swarm_epoch: int | None, min_epoch: int | None = None) -> StateCheck:
         """A snapshot of what a donor's state must look like (ours, now), as a check."""
         with self.lock_optimizer:
             local = [TensorSpec.of(t) for t in (*self._opt_params(), *self.extra_tensors)]
@@ -817,7 +837,7 @@ class TrainingStateAverager(DecentralizedAverager):
                 optimizer_metadata=optimizer_metadata,
                 optimizer_specs=[TensorSpec.of(t) for t in tensors],
                 scheduler_state=self._scheduler_state(),
-                local_epoch=self.local_epoch,
+                local_epoch=max(self.local_epoch, min_epoch or 0),
                 swarm_epoch=swarm_epoch,
                 max_lrs=self.max_donor_lrs,
             )

@@ -1,0 +1,210 @@
+"""trio event-loop lag of a trainer using the trio Optimizer (``Optimizer.create``, issue 19.2).
+
+Three peers (processes) train a small model in epochs of about ``--epoch-seconds``. Peer 0 is
+a trio trainer (``async with DHT.create(...)``, ``async with Optimizer.create(...)``,
+``await opt.step()``); a ticker task on its loop sleeps ``--tick`` s and records how late it
+wakes up. Its loop also runs peer 0's host, DHT, averagers and tracker. The two helper peers
+are blocking trainers (``benchmark_asyncio_lag.helper_peer``). ``idle`` is the ticker alone in
+the same run (the lag the machine's load gives any loop): the baseline of the ratios.
+``--step-time`` also times a lone peer's steps that only accumulate, blocking ``Optimizer``
+(baseline) vs trio, in the same run. Usage::
+
+    PYTHONPATH=. nice -n 5 python benchmarks/benchmark_trio_lag.py --epochs 6 --step-time
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import torch
+import trio
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_asyncio_lag import (
+    BATCH,
+    HOST,
+    STEP_PAUSE,
+    batch_loss,
+    helper_peer,
+    make_model,
+    optimizer_options,
+    summary,
+)
+
+from swarmtrain import DHT, Optimizer
+
+
+class SlowSteps(trio.abc.Instrument):
+    """Records task steps (the code between two awaits) that held the loop > ``limit`` s."""
+
+    def __init__(self, limit: float = 0.02) -> None:
+        self.limit, self.started, self.slow = limit, {}, []
+
+    def before_task_step(self, task) -> None:
+        self.started[task] = time.perf_counter()
+
+    def after_task_step(self, task) -> None:
+        took = time.perf_counter() - self.started.pop(task, time.perf_counter())
+        if took > self.limit:
+            frame = task.coro.cr_frame
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame else "?"
+            self.slow.append((took, task.name, where))
+
+
+class Ticker:
+    def __init__(self, tick: float) -> None:
+        self.tick, self.lags = tick, []
+
+    async def run(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await trio.sleep(self.tick)
+            self.lags.append(time.perf_counter() - start - self.tick)
+
+
+async def idle(args) -> dict:
+    ticker = Ticker(args.tick)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker.run)
+        await trio.sleep(5.0)
+        nursery.cancel_scope.cancel()
+    return {"mode": "idle", "epochs": 0, "s_per_epoch": 0.0, **summary(ticker.lags)}
+
+
+async def trainer(args) -> dict:
+    ctx = mp.get_context("spawn")
+    run_id = f"trio_lag_{os.getpid()}"
+    target = round(3 * BATCH / (STEP_PAUSE + 0.005) * args.epoch_seconds)
+    ticker = Ticker(args.tick)
+    model = make_model()
+    slow = SlowSteps()
+    if args.slow_steps:
+        trio.lowlevel.add_instrument(slow)
+    stop, helpers, ready = ctx.Event(), [], []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker.run)
+        async with DHT.create(**HOST) as dht:
+            for _ in range(2):
+                ready.append(ctx.Event())
+                helpers.append(
+                    ctx.Process(
+                        target=helper_peer,
+                        args=(dht.get_visible_maddrs(), run_id, target, stop, ready[-1]),
+                        daemon=True,
+                    )
+                )
+                helpers[-1].start()
+            options = optimizer_options(run_id, target)
+            async with Optimizer.create(dht=dht, params=model.parameters(), **options) as opt:
+                await trio.to_thread.run_sync(lambda: all(r.wait(120) for r in ready))
+                await opt.wait_for_peers(3, timeout=30)
+                ticker.lags.clear()
+                first_epoch, started = opt.local_epoch, time.perf_counter()
+                while opt.local_epoch < first_epoch + args.epochs:
+                    opt.zero_grad()
+                    batch_loss(model).backward()
+                    await opt.step()
+                    await trio.sleep(STEP_PAUSE)
+                elapsed = time.perf_counter() - started
+                training = summary(ticker.lags)
+                epochs = opt.local_epoch - first_epoch
+                stop.set()
+        for helper in helpers:
+            await trio.to_thread.run_sync(helper.join, 30)
+        nursery.cancel_scope.cancel()
+    for took, name, where in sorted(slow.slow, reverse=True)[:10]:
+        print(f"  slow step {1000 * took:.0f} ms: {name} ({where})")
+    return {"mode": "trio", "epochs": epochs, "s_per_epoch": elapsed / max(1, epochs), **training}
+
+
+STEP_OPTIONS = {
+    "run_id": "step_time",
+    "target_batch_size": 10**9,  # no epoch ends: the cost of a step that accumulates
+    "batch_size_per_step": BATCH,
+    "optimizer": lambda params: torch.optim.SGD(params, lr=0.01),
+}
+
+
+def blocking_step_times(n: int) -> list[float]:
+    dht = DHT(**HOST)
+    model = make_model()
+    opt = Optimizer(dht=dht, params=model.parameters(), **STEP_OPTIONS)
+    times = []
+    try:
+        for _ in range(n):
+            batch_loss(model).backward()
+            started = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - started)
+            opt.zero_grad()
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+    return times
+
+
+async def trio_step_times(n: int) -> list[float]:
+    model = make_model()
+    times = []
+    async with DHT.create(**HOST) as dht:
+        async with Optimizer.create(dht=dht, params=model.parameters(), **STEP_OPTIONS) as opt:
+            for _ in range(n):
+                batch_loss(model).backward()
+                started = time.perf_counter()
+                await opt.step()
+                times.append(time.perf_counter() - started)
+                opt.zero_grad()
+    return times
+
+
+def step_times(n: int = 400) -> None:
+    """A lone peer's ``step`` that only accumulates: blocking (baseline) vs trio, same run."""
+    results = {}
+    for name, run in (
+        ("blocking", lambda: blocking_step_times(n)),
+        ("trio", lambda: trio.run(trio_step_times, n)),
+    ):
+        times = sorted(run()[50:])  # after warm-up
+        results[name] = statistics.median(times)
+        p90 = times[int(0.9 * len(times))]
+        print(f"{name:8s} step median {1e3 * results[name]:.3f} ms, p90 {1e3 * p90:.3f} ms")
+    print(f"trio/blocking step median: {results['trio'] / results['blocking']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epoch-seconds", type=float, default=1.0)
+    parser.add_argument("--tick", type=float, default=0.005)
+    parser.add_argument("--step-time", action="store_true", help="also time accumulating steps")
+    parser.add_argument(
+        "--slow-steps", action="store_true", help="list task steps that held the loop > 20 ms"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"load: {os.getloadavg()}")
+    results = {}
+    for mode, fn in (("idle", idle), ("trio", trainer)):
+        results[mode] = r = trio.run(fn, args)
+        print(
+            f"{mode:5s} epochs={r['epochs']} {r['s_per_epoch']:.2f} s/epoch ticks={r['n']} "
+            f"lag p50={r['p50_ms']:.1f} ms p99={r['p99_ms']:.1f} ms max={r['max_ms']:.1f} ms",
+            flush=True,
+        )
+    if args.step_time:
+        step_times()
+    base, new = results["idle"], results["trio"]
+    print(
+        f"trio/idle: p99 {new['p99_ms'] / max(base['p99_ms'], 1e-3):.1f}x, "
+        f"max {new['max_ms'] / max(base['max_ms'], 1e-3):.1f}x"
+    )
+    print(f"load: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

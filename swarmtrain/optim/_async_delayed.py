@@ -1,0 +1,192 @@
+"""The delayed work of ``AsyncOptimizer``'s epoch ends: tasks of its nursery, one at a time.
+
+What the blocking ``Optimizer`` runs in the state averager's worker thread (``_submit``), the
+trio optimizer runs as a *job* in its own task group; a job waits for the previous one, so
+jobs run in order, as in that single worker thread. A job does, each part optionally:
+
+1. wait for the epoch's gradient round (``delay_grad_averaging``), then put the averaged
+   gradients into the optimizer's copies (``delay_optimizer_step``); the trainer's next round
+   waits for that (:meth:`DelayedUpdates.wait_gradients_consumed`), since it reloads the
+   averaged buffers;
+2. the optimizer step (in a worker thread, under the state averager's locks);
+3. a state round: its inputs are loaded (after the step), all-reduce runs, it is waited for.
+
+Nothing a job computes reaches the model until the trainer's next ``step`` calls
+:meth:`DelayedUpdates.apply_finished` (hivemind's "apply delayed updates"): a finished state
+round is applied (``TrainingStateAverager._apply_round``), or the finished optimizer step's
+parameters are copied into the model. Torch work runs in ``trio.to_thread``, never on the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from swarmtrain.averaging import StepControl
+from swarmtrain.optim.state_averager import TrainingStateAverager
+
+__all__ = ["DelayedUpdates"]
+
+logger = logging.getLogger("swarmtrain.optim.optimizer")
+
+
+class DelayedUpdates:
+    """The job chain of one ``AsyncOptimizer`` (see the module docstring).
+
+    :param nursery: the optimizer's task group (leaving it cancels running jobs; a cancelled
+      round's control is cancelled, so its group is not left waiting)
+    :param state: the torch side of the state averager (optimizer, locks, copies)
+    :param wait_state_round: waits for a state round's control: the gathered data, or None
+      if it failed (logged)
+    """
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        state: TrainingStateAverager,
+        *,
+        run_id: str,
+        status_loglevel: int,
+        wait_state_round: Callable[[StepControl], Awaitable[dict | None]],
+    ):
+        self._nursery, self._state = nursery, state
+        self.run_id, self.status_loglevel = run_id, status_loglevel
+        self._wait_state_round = wait_state_round
+        self._last_done: trio.Event | None = None  # the last job's
+        self._round_done: trio.Event | None = None  # the last job with a state round's
+        self._round_averaged = False  # finished, not applied yet
+        self._step_finished = False  # finished, its parameters not copied into the model yet
+        self._gradients_consumed = trio.Event()
+        self._gradients_consumed.set()
+
+    @property
+    def round_in_progress(self) -> bool:
+        """Whether a delayed state round still runs (a delayed optimizer step alone does not
+        count: peers would skip their state rounds at random)."""
+        return self._round_done is not None and not self._round_done.is_set()
+
+    def start(
+        self,
+        *,
+        gradients: Callable[[], Awaitable[Any]] | None = None,
+        consume: Callable[[], None] | None = None,
+        optimizer_step: bool = False,
+        state_round: StepControl | None = None,
+        inputs_loaded: bool = False,
+    ) -> None:
+        """Queue a job: wait for ``gradients()``, run ``consume`` (in a worker thread), the
+        optimizer step, then the state round of ``state_round`` (its inputs loaded first,
+        unless ``inputs_loaded``: it averages the state as of the epoch's end)."""
+        previous = self._last_done
+        done = self._last_done = trio.Event()
+        if state_round is not None:
+            self._round_done = done
+        if gradients is not None or consume is not None:
+            self._gradients_consumed = trio.Event()
+        self._nursery.start_soon(
+            self._job,
+            previous,
+            done,
+            gradients,
+            consume,
+            optimizer_step,
+            state_round,
+            inputs_loaded,
+        )
+
+    async def _job(
+        self,
+        previous: trio.Event | None,
+        done: trio.Event,
+        gradients: Callable[[], Awaitable[Any]] | None,
+        consume: Callable[[], None] | None,
+        optimizer_step: bool,
+        state_round: StepControl | None,
+        inputs_loaded: bool,
+    ) -> None:
+        try:
+            if previous is not None:
+                await previous.wait()
+            await self._run(gradients, consume, optimizer_step, state_round, inputs_loaded)
+        except Exception:
+            logger.exception("%s: delayed work of an epoch failed", self.run_id)
+            if state_round is not None:
+                state_round.cancel()
+        except BaseException:
+            if state_round is not None:
+                state_round.cancel()
+            raise
+        finally:
+            done.set()
+
+    async def _run(
+        self,
+        gradients: Callable[[], Awaitable[Any]] | None,
+        consume: Callable[[], None] | None,
+        optimizer_step: bool,
+        state_round: StepControl | None,
+        inputs_loaded: bool,
+    ) -> None:
+        if gradients is not None or consume is not None:
+            try:
+                if gradients is not None:
+                    await gradients()
+                if consume is not None:
+                    await trio.to_thread.run_sync(consume)
+            finally:
+                self._gradients_consumed.set()
+        if optimizer_step:
+            try:
+                await trio.to_thread.run_sync(self._state._optimizer_phase, None, True, False)
+            except Exception:
+                logger.exception(
+                    "%s: a delayed optimizer step failed; its state round is dropped", self.run_id
+                )
+                if state_round is not None:
+                    state_round.cancel()
+                return
+            self._step_finished = True
+        if state_round is not None:
+            if not inputs_loaded:
+                await trio.to_thread.run_sync(self._state._load_round_inputs, state_round)
+                state_round.allow_allreduce()
+            if await self._wait_state_round(state_round) is not None:
+                self._round_averaged = True
+
+    async def apply_finished(self) -> None:
+        """Apply what finished jobs computed: a state round's result, or an optimizer step's
+        new parameters (copied into the model)."""
+        state = self._state
+        if self._round_averaged and not self.round_in_progress:
+            self._round_averaged = self._step_finished = False  # _apply_round copies both
+            await trio.to_thread.run_sync(state._apply_round)
+            logger.log(self.status_loglevel, "%s: applied a delayed state round", self.run_id)
+        if self._step_finished:
+            self._step_finished = False
+            if state.offload_optimizer:
+                await trio.to_thread.run_sync(self._copy_parameters)
+
+    def _copy_parameters(self) -> None:
+        state = self._state
+        with state.lock_optimizer, state.lock_averaged_tensors:
+            state._apply_optimizer_parameters_()
+
+    async def wait_all(self) -> None:
+        """Wait for every queued job, then apply what they computed."""
+        if self._last_done is not None:
+            await self._last_done.wait()
+        await self.apply_finished()
+
+    async def wait_gradients_consumed(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Wait until the last job took the averaged gradients (at most ``timeout`` s)."""
+        with trio.move_on_after(timeout):
+            await self._gradients_consumed.wait()
+            return
+        logger.warning(
+            "%s: the last gradient round did not finish in %.0f s (averaging_timeout)",
+            self.run_id,
+            timeout,
+        )

@@ -1,0 +1,242 @@
+"""The gradient rounds of ``AsyncOptimizer``: ``GradientRounds``' rules, on the trio loop.
+
+Same semantics as :mod:`swarmtrain.optim._epoch_gradients` (pre-scheduled matchmaking, the
+epoch's group bits, the expected group size after a first round, giving up a round the swarm
+left behind), but every wait is a trio await and every touch of the gradient buffers (they are
+guarded by ``threading`` locks the averager's all-reduce also takes) runs in a worker thread,
+so the trainer's loop is never blocked by a lock or a copy.
+
+``averager`` is the running :class:`~swarmtrain.averaging.AsyncDecentralizedAverager` over
+``buffers``' averaged tensors; ``buffers`` is a ``GradientAverager`` built with
+``start=False``: only its accumulator and buffer methods are used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from swarmtrain.averaging import StepControl
+from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
+from swarmtrain.averaging.control import AveragingStage
+from swarmtrain.optim._epoch_gradients import (
+    _LATE_START_GRACE,
+    _POLL_INTERVAL,
+    _load_epoch,
+    epoch_group_bits,
+)
+from swarmtrain.optim.grad_averager import GradientAverager
+
+__all__ = ["AsyncGradientRounds"]
+
+logger = logging.getLogger("swarmtrain.optim.optimizer")
+
+
+class AsyncGradientRounds:
+    """Runs the gradient rounds of one ``AsyncOptimizer`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        averager: AsyncDecentralizedAverager,
+        buffers: GradientAverager,
+        *,
+        run_id: str,
+        matchmaking_time: float,
+        averaging_timeout: float,
+        status_loglevel: int,
+        health: Any = None,
+        swarm_epoch: Callable[[], int] | None = None,
+    ):
+        self.averager, self.buffers = averager, buffers
+        self.run_id = run_id
+        self.matchmaking_time = matchmaking_time
+        self.averaging_timeout = averaging_timeout
+        self.status_loglevel = status_loglevel
+        self.health = health
+        self.swarm_epoch = swarm_epoch
+        self.scheduled: StepControl | None = None
+        self.averaged = 0  #: rounds that averaged with a group
+        self.alone = 0  #: epochs that used the local gradients
+        self.last_group_size = 0
+
+    def expected_group_size(self, num_peers: int) -> int | None:
+        """As ``GradientRounds.expected_group_size``: None until a round succeeded."""
+        if not self.last_group_size:
+            return None
+        return max(num_peers, self.last_group_size)
+
+    @staticmethod
+    def _usable(control: StepControl | None) -> bool:
+        return control is not None and not (control.triggered or control.done())
+
+    def _start(self, epoch: int, num_peers: int) -> StepControl:
+        return self.averager.start_step(
+            gather=epoch,
+            timeout=self.averaging_timeout,
+            require_trigger=True,
+            expected_group_size=self.expected_group_size(num_peers),
+            group_bits=epoch_group_bits(epoch),
+        )
+
+    def maybe_schedule(self, seconds_left: float, epoch: int, num_peers: int) -> None:
+        """Start matchmaking for the round that ends ``epoch`` unless one is scheduled."""
+        if self._usable(self.scheduled):
+            return
+        logger.log(
+            self.status_loglevel,
+            "%s: pre-scheduling gradient averaging (epoch ends in %.2f s)",
+            self.run_id,
+            max(0.0, seconds_left),
+        )
+        try:
+            self.scheduled = self._start(epoch, num_peers)
+        except Exception as e:  # e.g. the averager stopped: the epoch end starts a round
+            logger.warning("%s: could not pre-schedule gradient averaging: %r", self.run_id, e)
+            self.scheduled = None
+
+    async def _load_local(self) -> None:
+        def load() -> None:
+            self.buffers.load_accumulators_into_averager_()
+            self.buffers.reset_accumulated_grads_()
+
+        await trio.to_thread.run_sync(load)
+
+    async def begin(
+        self, weight: float | None, others_seen: bool, epoch: int, num_peers: int
+    ) -> StepControl | None:
+        """Load the accumulators into the averaged buffers (then reset them) and let the round
+        that ends ``epoch`` run; None when no round runs (the buffers hold the local mean)."""
+        control, self.scheduled = self.scheduled, None
+        if control is not None and not self._usable(control):
+            logger.log(self.status_loglevel, "%s: dropping a used or failed round", self.run_id)
+            control = None
+        if control is not None and _load_epoch(control.data_for_gather) != epoch:
+            control.cancel()
+            control = None
+        if not others_seen:
+            if control is not None:
+                control.cancel()
+            await self._load_local()
+            return None
+        try:
+            if control is None:
+                control = self._start(epoch, num_peers)
+            buffers = self.buffers
+
+            def load() -> float:
+                buffers.load_accumulators_into_averager_()
+                samples = float(buffers.local_samples_accumulated)
+                buffers.reset_accumulated_grads_()
+                return samples
+
+            samples = await trio.to_thread.run_sync(load)
+            control.weight = samples if weight is None else weight
+        except Exception as e:
+            logger.warning(
+                "%s: could not start gradient averaging (%r): using the local gradients",
+                self.run_id,
+                e,
+            )
+            if control is not None:
+                control.cancel()
+            await self._load_local()
+            return None
+        except BaseException:
+            if control is not None:
+                control.cancel()
+            raise
+        control.allow_allreduce()
+        return control
+
+    async def finish(
+        self, control: StepControl | None, others_seen: bool = True, epoch: int | None = None
+    ) -> dict | None:
+        """Wait for the round :meth:`begin` started: the group's ``{peer_id: epoch}``, or None
+        if it did not average (the buffers then hold the local mean gradient: all-reduce only
+        adds deltas when it completes)."""
+        if control is None:
+            self.alone += 1
+            return None
+        try:
+            gathered = await self._wait(control, epoch)
+        except Exception as e:
+            control.cancel()
+            self.alone += 1
+            if self.health is not None:
+                self.health.observe_averaging_failure(e)
+            logger.log(
+                logging.WARNING if others_seen else self.status_loglevel,
+                "%s: averaging gradients failed (%r): using the local gradients",
+                self.run_id,
+                e,
+            )
+            return None
+        except BaseException:
+            control.cancel()
+            raise
+        self.averaged += 1
+        self.last_group_size = len(gathered)
+        if self.health is not None:
+            self.health.observe_averaging_success()
+        logger.log(
+            self.status_loglevel, "%s: averaged gradients with %d peers", self.run_id, len(gathered)
+        )
+        return gathered
+
+    async def _wait(self, control: StepControl, epoch: int | None) -> Any:
+        """The round's result; a round still looking for a group ``matchmaking_time`` after
+        the swarm went past ``epoch`` is given up (``GradientRounds._wait``'s rule)."""
+        grace = self.matchmaking_time
+        swarm_epoch = self.swarm_epoch
+        if epoch is not None and swarm_epoch is not None and swarm_epoch() > epoch:
+            grace = min(grace, _LATE_START_GRACE)
+        moved_on_at: float | None = None
+        with trio.move_on_after(self.averaging_timeout) as waited:
+            while True:
+                with trio.move_on_after(_POLL_INTERVAL):
+                    return await control.wait_result()
+                left_behind = (
+                    epoch is not None
+                    and swarm_epoch is not None
+                    and control.stage == AveragingStage.LOOKING_FOR_GROUP
+                    and swarm_epoch() > epoch
+                )
+                if not left_behind:
+                    moved_on_at = None
+                    continue
+                now = trio.current_time()
+                moved_on_at = now if moved_on_at is None else moved_on_at
+                if now - moved_on_at >= grace:
+                    raise TimeoutError(f"the swarm moved past epoch {epoch} without this peer")
+        assert waited.cancelled_caught
+        raise TimeoutError(f"no result within averaging_timeout={self.averaging_timeout} s")
+
+    async def tag_along(self) -> None:
+        """Leave the scheduled round without disrupting its group: weight 0 if its group is
+        already assembled, else cancel it (``GradientRounds.tag_along``)."""
+        control, self.scheduled = self.scheduled, None
+        if control is None or control.done():
+            return
+        if control.triggered or control.stage != AveragingStage.AWAITING_TRIGGER:
+            control.cancel()
+            return
+        try:
+            control.weight = 0.0
+            control.allow_allreduce()
+            with trio.fail_after(self.averaging_timeout):
+                await control.wait_result()
+            logger.log(self.status_loglevel, "%s: tagged along with weight 0", self.run_id)
+        except Exception as e:
+            control.cancel()
+            logger.log(self.status_loglevel, "%s: tagging along failed: %r", self.run_id, e)
+        except BaseException:
+            control.cancel()
+            raise
+
+    def cancel(self) -> None:
+        control, self.scheduled = self.scheduled, None
+        if control is not None:
+            control.cancel()
