@@ -226,6 +226,27 @@ FACTS: list[tuple[str, str, object, str]] = [
         "p2p/_yamux.py (batched window updates)",
     ),
     (
+        "received DATA goes into stream_buffers[sid].extend(...) before recv_window drops "
+        "(3 places: SYN, ACK, data), and new buffers are assigned as bytearray()",
+        "[inspect.getsource(yamux.Yamux).count('self.stream_buffers[stream_id].extend('),"
+        " inspect.getsource(yamux.Yamux).count('.recv_window -= len('),"
+        " inspect.getsource(yamux.Yamux).count('self.stream_buffers[stream_id] = bytearray()')]",
+        [3, 3, 2],
+        "p2p/_yamux.py (_WindowedBuffer: receive windows enforced)",
+    ),
+    (
+        "a peer past a receive window is only logged (what _WindowedBuffer replaces)",
+        "'peer exceeded' in inspect.getsource(yamux.Yamux.handle_incoming)",
+        True,
+        "p2p/_yamux.py (_WindowedBuffer)",
+    ),
+    (
+        "Yamux keeps its nursery in _nursery and closes with close()",
+        "['_nursery' in Yamux.__init__.__code__.co_names, hasattr(Yamux, 'close')]",
+        [True, True],
+        "p2p/_yamux.py (TunedYamux.window_exceeded)",
+    ),
+    (
         "frames are written by Yamux._write_frame under _write_lock to secured_conn",
         "all(n in inspect.getsource(Yamux._write_frame) for n in ('_write_lock', 'secured_conn'))",
         True,

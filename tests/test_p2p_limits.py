@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,10 @@ import numpy as np
 import pytest
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue, Int64Value
+from libp2p.stream_muxer.yamux.yamux import TYPE_DATA, YAMUX_HEADER_FORMAT
 from polling import wait_until
 
-from swarmtrain.p2p import P2P, ResourceLimitError, ResourceLimits, RPCProtocolError
+from swarmtrain.p2p import P2P, P2PConfig, ResourceLimitError, ResourceLimits, RPCProtocolError
 from swarmtrain.p2p.framing import (
     FrameDecoder,
     FrameKind,
@@ -25,9 +27,9 @@ from swarmtrain.p2p.framing import (
     message_header,
 )
 from swarmtrain.p2p.lane import TICKET_METHOD
-from swarmtrain.p2p.lane_books import PendingHandshakes, TicketBook, retry_delay
+from swarmtrain.p2p.lane_books import LaneBook, PendingHandshakes, TicketBook, retry_delay
 from swarmtrain.p2p.lane_records import RecordOpener
-from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
+from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget, lanes_within_fd_limit
 from swarmtrain.p2p.rpc import RPC_PROTOCOL_ID
 from swarmtrain.proto import p2p_pb2
 
@@ -121,6 +123,107 @@ def test_the_byte_budget_bounds_receive_buffers_and_comes_back_on_close():
     assert third.next_frame() is None
     third.feed(bytes(2 * MiB))
     assert len(third.next_frame().payload) == 2 * MiB and budget.used == 0
+
+
+def _receiving(decoder: FrameDecoder, declared: int, arrived: int) -> FrameDecoder:
+    """``decoder`` in the middle of a message of ``declared`` bytes of which ``arrived`` came."""
+    decoder.feed(message_header(declared))
+    assert decoder.next_frame() is None
+    decoder.feed(bytes(arrived))
+    return decoder
+
+
+def test_one_peer_holds_at_most_its_share_of_the_byte_budget():
+    budget = ByteBudget(8 * MiB, per_peer_limit=2 * MiB)
+    hog = [_receiving(FrameDecoder(8 * MiB, budget.for_peer("hog")), 4 * MiB, MiB) for _ in "ab"]
+    assert budget.used_by("hog") == 2 * MiB and budget.used == 2 * MiB  # its share is used up
+    third = FrameDecoder(8 * MiB, budget.for_peer("hog"))
+    third.feed(message_header(4 * MiB))
+    with pytest.raises(ResourceLimitError, match="this peer's share of the callee's bytes"):
+        third.next_frame()  # its third call's first buffer: refused, taking nothing
+    assert budget.used_by("hog") == 2 * MiB and budget.refused_per_peer == 1
+    # every other peer still has its own share, up to the host's limit
+    others = [
+        _receiving(FrameDecoder(8 * MiB, budget.for_peer(f"peer{i}")), 2 * MiB, 2 * MiB - 1)
+        for i in range(3)
+    ]
+    assert budget.used == 8 * MiB and budget.used_by("peer0") == 2 * MiB
+    late = FrameDecoder(8 * MiB, budget.for_peer("late"))
+    late.feed(message_header(MiB))
+    with pytest.raises(ResourceLimitError, match="the callee's budget of bytes in flight"):
+        late.next_frame()  # the host's total is the second limit
+    assert budget.refused == 2 and budget.refused_per_peer == 1
+    for decoder in [*hog, third, *others, late]:
+        decoder.close()
+    assert budget.used == 0 and budget.used_by("hog") == 0 and not budget._per_peer
+    # a message of the whole share completes (in 64 KiB pieces: the buffer grows, then is
+    # copied into one array, charged its size only) and gives its bytes back when handed out
+    done = _receiving(FrameDecoder(8 * MiB, budget.for_peer("hog")), 2 * MiB, 0)
+    for _ in range(32):
+        assert done.next_frame() is None and budget.used_by("hog") <= 2 * MiB
+        done.feed(bytes(64 * 1024))
+    assert len(done.next_frame().payload) == 2 * MiB and budget.used_by("hog") == 0
+
+
+def test_the_per_peer_share_defaults_to_a_quarter_and_fits_one_message():
+    assert ResourceLimits().bytes_in_flight_per_peer(256 * MiB) == 256 * MiB  # 1 GiB / 4
+    limits = ResourceLimits(max_bytes_in_flight=64 * MiB)
+    assert limits.bytes_in_flight_per_peer(8 * MiB) == 16 * MiB
+    assert limits.bytes_in_flight_per_peer(32 * MiB) == 32 * MiB  # one whole message
+    assert limits.bytes_in_flight_per_peer(64 * MiB) == 64 * MiB  # never above the total
+    explicit = ResourceLimits(max_bytes_in_flight=64 * MiB, max_bytes_in_flight_per_peer=5 * MiB)
+    assert explicit.bytes_in_flight_per_peer(4 * MiB) == 5 * MiB
+    with pytest.raises(ValueError, match="at most max_bytes_in_flight"):
+        ResourceLimits(max_bytes_in_flight=MiB, max_bytes_in_flight_per_peer=2 * MiB)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_bytes_in_flight_per_peer"):
+            ResourceLimits(max_bytes_in_flight_per_peer=bad)
+    with pytest.raises(ValueError, match="max_lanes_total"):
+        ResourceLimits(max_lanes_total=0)
+    with pytest.raises(ValueError, match="one whole message"):
+        P2PConfig(max_message_size=8 * MiB, limits=ResourceLimits(max_bytes_in_flight_per_peer=MiB))
+
+
+def test_the_lane_cap_leaves_half_the_open_file_limit_to_the_rest():
+    assert lanes_within_fd_limit(512, None) == 512  # unlimited or unknown (Windows)
+    assert lanes_within_fd_limit(512, -1) == 512
+    assert lanes_within_fd_limit(512, 20000) == 512
+    assert lanes_within_fd_limit(512, 1024) == 512  # Linux's usual soft limit
+    assert lanes_within_fd_limit(512, 256) == 128  # macOS's usual soft limit
+    assert lanes_within_fd_limit(512, 1) == 1
+
+
+def test_a_full_lane_book_takes_a_stale_idle_lane_of_the_biggest_holder():
+    book = LaneBook(total=6, per_peer=4, stale_after=16.0)
+    for i in range(4):
+        assert book.admit(f"a{i}", "a", now=float(i)) == []
+    with pytest.raises(ResourceLimitError, match="too many data lanes from one peer"):
+        book.admit("a4", "a", now=4.0)  # per peer first
+    with pytest.raises(ResourceLimitError, match="4 open or ticketed"):
+        book.check("b", now=4.0, tickets=4)  # unredeemed tickets count for the peer
+    assert book.admit("b0", "b", now=4.0) == [] and book.admit("b1", "b", now=5.0) == []
+    for token in ("a0", "a1", "a2", "a3", "b0", "b1"):
+        book.busy(token)  # all serving calls: nothing can be taken
+    with pytest.raises(ResourceLimitError, match=r"in use \(6 of 6 in all, none idle for 16 s\)"):
+        book.admit("c0", "c", now=100.0)
+    assert len(book) == 6 and book.refused == 3 and book.evicted == 0
+    book.idle("b0", now=5.0)  # b's lane went idle first, but b holds fewer lanes than a
+    book.idle("a3", now=20.0)
+    book.idle("a1", now=30.0)
+    with pytest.raises(ResourceLimitError, match="all in use"):
+        book.check("c", now=20.0)  # nothing idle for 16 s yet
+    assert book.admit("c0", "c", now=25.0) == ["b0"]  # b0 is stale, a3 not yet
+    # at 60 s: a3 and a1 are stale; a holds the most lanes: its lane idle the longest goes
+    assert book.admit("c1", "c", now=60.0) == ["a3"]
+    assert book.admit("d0", "d", now=60.0) == ["a1"]
+    assert book.count("a") == 2 and book.count("b") == 1 and book.count("c") == 2
+    book.busy("c0")
+    with pytest.raises(ResourceLimitError):  # fresh idle lanes (c1, d0) are not taken
+        book.admit("e0", "e", now=61.0)
+    book.done("a0")  # a closed lane frees its place
+    assert book.admit("e0", "e", now=61.0) == [] and len(book) == 6 and book.evicted == 3
+    book.done("b0")  # (a taken lane's own done() later changes nothing)
+    assert len(book) == 6 and book.count("b") == 1
 
 
 def test_ticket_floods_and_silent_sockets_cannot_crowd_out_others():
@@ -252,6 +355,59 @@ async def test_declared_sizes_do_not_pin_a_victims_memory():
         victim.stdout.close()
 
 
+@pytest.mark.trio
+async def test_a_peer_ignoring_yamux_flow_control_loses_its_connection_not_our_memory():
+    """py-libp2p buffers whatever a peer sends past a stream's receive window. A stream the
+    victim refused and half-closed is read by nobody: an attacker writing raw yamux frames
+    there, ignoring the window, made the victim hold every byte. Now the stream never holds
+    more than its window and the attacker's connection is closed. The victim runs in a
+    process of its own and its RSS is measured."""
+    victim = _start_victim()
+    try:
+        with trio.fail_after(60):
+            line = await trio.to_thread.run_sync(victim.stdout.readline)
+        maddrs = json.loads(line)["maddrs"]
+        victim_id = maddrs[0].split("/p2p/")[-1]
+        async with (
+            P2P.create(initial_peers=maddrs, use_autonat=False) as attacker,
+            P2P.create(initial_peers=maddrs, use_autonat=False) as honest,
+        ):
+            for p2p in (attacker, honest):
+                reply = await p2p.call_protobuf_handler(
+                    victim_id, "t::L.echo", BytesValue(value=b"x" * MiB), BytesValue
+                )
+                assert len(reply.value) == MiB  # warm: buffers of one honest call
+            before = _rss(victim.pid)
+            stream = await attacker.new_stream(victim_id, RPC_PROTOCOL_ID)
+            await stream.write(message_header(10))  # not an OPEN: refused, half-closed
+            frame = await _read_frame(stream)
+            assert frame is not None and frame.header.error_code == p2p_pb2.PROTOCOL_ERROR
+            muxed = stream.muxed_stream
+            header = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, muxed.stream_id, MiB)
+            with trio.move_on_after(30):
+                try:
+                    for _ in range(64):  # 64 MiB past the 256 KiB window, in raw frames
+                        await muxed.conn._write_frame(header + bytes(MiB))
+                except Exception:
+                    pass  # (the victim closed the connection; writes may still succeed
+                    # for a while, into the socket's buffers)
+            await _wait_for(lambda: victim_id not in map(str, attacker.get_connected_peers()))
+            grown = _rss(victim.pid) - before
+            assert grown < 32 * MiB, f"the victim's RSS grew by {grown / MiB:.0f} MiB"
+            reply = await honest.call_protobuf_handler(
+                victim_id, "t::L.echo", BytesValue(value=b"ok"), BytesValue
+            )
+            assert reply.value == b"ok"  # and it still serves the others
+    finally:
+        victim.stdin.close()
+        try:
+            victim.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            victim.kill()
+            victim.wait()
+        victim.stdout.close()
+
+
 async def _wait_for(condition) -> None:
     with trio.fail_after(10.0):
         await wait_until(condition)
@@ -303,7 +459,8 @@ async def test_calls_past_the_per_peer_limit_get_a_typed_error_others_keep_worki
 
 @pytest.mark.trio
 async def test_a_partly_sent_message_past_the_byte_budget_is_refused():
-    limits = ResourceLimits(max_bytes_in_flight=3 * MiB)
+    # (one peer may take the whole budget here: the per-peer share has a test of its own)
+    limits = ResourceLimits(max_bytes_in_flight=3 * MiB, max_bytes_in_flight_per_peer=3 * MiB)
     async with (
         P2P.create(use_autonat=False, limits=limits, max_message_size=2 * MiB) as victim,
         P2P.create(initial_peers=victim.get_visible_maddrs(), use_autonat=False) as attacker,
@@ -323,6 +480,56 @@ async def test_a_partly_sent_message_past_the_byte_budget_is_refused():
         await first.close()
         await second.close()
         await _wait_for(lambda: victim.statistics()["bytes_in_flight"] == 0)
+
+
+@pytest.mark.trio
+async def test_one_peer_cannot_take_the_whole_byte_budget_from_the_others():
+    """One peer's half-sent messages used to be able to hold the host's whole budget of bytes
+    in flight, so every other caller's large message failed. Now its share is used up first:
+    its own calls get a ResourceLimitError, the other peers' calls go on."""
+    limits = ResourceLimits(max_bytes_in_flight=8 * MiB, max_bytes_in_flight_per_peer=MiB)
+    async with (
+        P2P.create(use_autonat=False, limits=limits, max_message_size=MiB) as victim,
+        P2P.create(initial_peers=victim.get_visible_maddrs(), use_autonat=False) as attacker,
+        P2P.create(initial_peers=victim.get_visible_maddrs(), use_autonat=False) as honest,
+    ):
+        _serve(victim)
+        budget = victim._rpc_server.budget
+        streams = []
+        # 12 messages declared ~1 MiB, 192 KiB of each sent (within yamux's first window, so
+        # no write waits), then held: 2-5 of them use up its share, the others are refused
+        for _ in range(12):
+            stream = await attacker.new_stream(victim.peer_id, RPC_PROTOCOL_ID)
+            streams.append(stream)
+            await stream.write(_OPEN_ECHO + message_header(MiB - 64) + bytes(192 * 1024))
+        await _wait_for(lambda: budget.refused_per_peer >= 7)
+        assert 0 < budget.used_by(attacker.peer_id) == budget.used <= MiB
+        with trio.fail_after(10), pytest.raises(ResourceLimitError, match="this peer's share"):
+            await attacker.call_protobuf_handler(
+                victim.peer_id, "t::L.echo", BytesValue(value=b"a" * (MiB // 2)), BytesValue
+            )
+        for _ in range(3):  # the honest peer's large calls still fit, plain and bulk
+            reply = await honest.call_protobuf_handler(
+                victim.peer_id, "t::L.echo", BytesValue(value=b"h" * (MiB - 64)), BytesValue
+            )
+            assert len(reply.value) == MiB - 64
+            total = await honest.call_protobuf_handler(
+                victim.peer_id,
+                "t::L.total_size",
+                [BytesValue(value=b"z" * (MiB - 64))] * 3,
+                Int64Value,
+                stream_input=True,
+                bulk=True,
+            )
+            assert total.value == 3 * (MiB - 64)
+        assert honest.statistics()["lanes_opened"] == 1
+        for stream in streams:
+            await stream.close()
+        await _wait_for(lambda: budget.used == 0)
+        reply = await attacker.call_protobuf_handler(  # its calls ended: its share is back
+            victim.peer_id, "t::L.echo", BytesValue(value=b"a" * (MiB // 2)), BytesValue
+        )
+        assert len(reply.value) == MiB // 2
 
 
 async def _raw_lane(port: int, ticket_id: bytes) -> trio.SocketStream:
@@ -357,6 +564,7 @@ async def test_lanes_past_the_per_peer_limit_are_refused_others_still_get_lanes(
             lanes.append(await _raw_lane(ticket.port, ticket.ticket_id))
         assert len(lanes) == 2 and refused == 18
         assert victim.lanes.open_lanes.count(attacker.peer_id) == 2
+        assert victim.statistics()["lanes_open"] == 2
         reply = await honest.call_protobuf_handler(
             victim.peer_id,
             "t::L.total_size",

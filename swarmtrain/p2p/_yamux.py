@@ -1,4 +1,4 @@
-"""swarmtrain's yamux: py-libp2p 0.8.1's ``Yamux`` with four changes, for our hosts only.
+"""swarmtrain's yamux: py-libp2p 0.8.1's ``Yamux`` with five changes, for our hosts only.
 
 Our hosts' upgraders adopt every new yamux connection into ``TunedYamux``
 (``use_tuned_yamux``, from ``_tuning.tune_host``), which adopts every stream it stores
@@ -15,10 +15,16 @@ as imported, so a stock host in the same process behaves as stock py-libp2p. The
   per small RPC); credit goes back once half the window was consumed, as in go-yamux, and the
   round-trip-time pings (which fed only the replaced auto-tuning) are not sent.
   ``SWARMTRAIN_YAMUX_UPDATE_PER_READ=1`` keeps py-libp2p's per-read updates and pings.
+- Receive windows are enforced: py-libp2p logs a peer that sends past a stream's receive
+  window and buffers the data anyway, so a peer ignoring flow control could pile up any
+  amount on a stream nobody reads (one the callee half-closed after refusing a call, say).
+  Here each stream's buffer (``_WindowedBuffer``) refuses data past the window (plus
+  ``WINDOW_SLACK``): the data is dropped and the connection closed, as go-yamux does.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 
@@ -34,6 +40,11 @@ MAX_FRAME_SIZE = 1024 * 1024
 FRAME_WRITE_TIMEOUT = 60.0
 #: how long a yamux write waits for the peer to open a closed send window (py-libp2p's value)
 WINDOW_WAIT_TIMEOUT = 5.0
+#: bytes a peer may send past a stream's receive window, in all (leniency), before the
+#: connection is closed; a stream never buffers more than its window plus this
+WINDOW_SLACK = 64 * 1024
+
+logger = logging.getLogger(__name__)
 
 _HEADER_SIZE = yamux_module.HEADER_SIZE
 _HEADER_FORMAT = yamux_module.YAMUX_HEADER_FORMAT
@@ -178,6 +189,43 @@ def use_tuned_yamux(host) -> None:
     upgrader.muxer_multistream.__class__ = TunedMuxerMultistream
 
 
+class _WindowedBuffer(bytearray):
+    """The receive buffer of one stream of a ``TunedYamux``: data past the stream's receive
+    window is refused (``TunedYamux.window_exceeded``) instead of buffered."""
+
+    def __init__(self, conn: TunedYamux, stream_id: int, data=b""):
+        super().__init__(data)
+        self.conn, self.stream_id = conn, stream_id
+        self.overshoot = 0  # bytes received past the window, in all
+
+    def extend(self, data) -> None:
+        conn = self.conn
+        if conn.flow_control_broken:
+            return  # the connection is closing: drop whatever still comes
+        stream = conn.streams.get(self.stream_id)
+        window = stream.recv_window if stream is not None else 0
+        over = len(data) - max(window, 0)
+        if over > 0:
+            self.overshoot += over  # (py-libp2p then sets the window to 0, not below)
+            if self.overshoot > WINDOW_SLACK:
+                conn.window_exceeded(self.stream_id, self.overshoot)
+                return
+        super().extend(data)
+
+
+class _WindowedBuffers(dict):
+    """``Yamux.stream_buffers`` of a ``TunedYamux``: every buffer stored is windowed."""
+
+    def __init__(self, conn: TunedYamux):
+        super().__init__()
+        self.conn = conn
+
+    def __setitem__(self, stream_id, buffer) -> None:
+        if not isinstance(buffer, _WindowedBuffer):
+            buffer = _WindowedBuffer(self.conn, stream_id, buffer)
+        super().__setitem__(stream_id, buffer)
+
+
 class _AdoptingStreams(dict):
     """``Yamux.streams`` of a ``TunedYamux``: adopts every stream stored into it."""
 
@@ -193,6 +241,9 @@ class TunedYamux(Yamux):
     ``muxer_opt`` for yamux), so our upgrader's muxer selection (``TunedMuxerMultistream``)
     adopts each new connection into this class before it starts."""
 
+    #: the peer sent past a receive window: the connection is being closed
+    flow_control_broken = False
+
     @classmethod
     def adopt(cls, conn: Yamux) -> None:
         """Turn a freshly built, not yet started ``Yamux`` into one of this class, in place."""
@@ -200,8 +251,30 @@ class TunedYamux(Yamux):
             raise TypeError(f"cannot adopt a {type(conn).__name__} connection")
         if conn.streams or type(conn.streams) is not dict or conn.event_started.is_set():
             raise RuntimeError("libp2p internals changed: a new Yamux has streams or started")
+        buffers = getattr(conn, "stream_buffers", None)
+        if type(buffers) is not dict or buffers or not hasattr(conn, "_nursery"):
+            raise RuntimeError("libp2p internals changed: Yamux.stream_buffers or _nursery")
         conn.__class__ = cls
+        assert isinstance(conn, cls)
         conn.streams = _AdoptingStreams()
+        conn.stream_buffers = _WindowedBuffers(conn)
+
+    def window_exceeded(self, stream_id: int, excess: int) -> None:
+        """The peer sent ``excess`` bytes past the receive window of ``stream_id``: drop its
+        data from now on and close the connection (from the connection's own nursery)."""
+        if self.flow_control_broken:
+            return
+        self.flow_control_broken = True
+        logger.warning(
+            "peer %s sent %d bytes past the receive window of yamux stream %d: closing the "
+            "connection",
+            self.peer_id,
+            excess,
+            stream_id,
+        )
+        nursery = self._nursery
+        if nursery is not None:
+            nursery.start_soon(self.close)
 
     async def _write_frame(self, data: bytes) -> None:
         """Write one frame all-or-nothing under cancellation.

@@ -17,7 +17,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from swarmtrain.p2p.errors import MessageTooLargeError, RPCProtocolError
-from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
+from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget, PeerBytes
 from swarmtrain.proto import p2p_pb2
 
 FrameKind = p2p_pb2.RPCFrameHeader.Kind
@@ -105,7 +105,9 @@ class GrowingBuffer:
     """Room for ``size`` declared bytes that is never much more than what was written into
     it: uninitialized pieces, each as large as all before it, until half of it arrived; then
     one array of the whole size, the pieces copied in (growing copies at most half of it).
-    ``charge(n)`` and ``release(n)`` hear of every allocation and of its end."""
+    ``charge(n)`` and ``release(n)`` hear of every allocation and of its end; the budget is
+    charged at most ``size`` in all (the copy's transient pieces are not charged: see
+    ``_grow``)."""
 
     __slots__ = ("_charge", "_piece_filled", "_pieces", "_release", "allocated", "filled", "size")
 
@@ -138,13 +140,15 @@ class GrowingBuffer:
             self.allocated += self.filled
             self._piece_filled = 0
             return
-        self._charge(self.size)
+        # The pieces are freed right after the copy, with no await in between: at most one
+        # such copy exists in a process at a time, so the budget is charged the growth only
+        # (a message of the budget's whole size can complete).
+        self._charge(self.size - self.allocated)
         whole = np.empty(self.size, dtype=np.uint8)
         start = 0
         for piece in self._pieces:
             whole[start : start + len(piece)] = piece
             start += len(piece)
-        self._release(self.allocated)
         self._pieces, self.allocated, self._piece_filled = [whole], self.size, self.filled
 
     def take(self) -> np.ndarray:
@@ -170,8 +174,9 @@ class FrameDecoder:
     received into a buffer of the decoder's own) that did not arrive whole goes into a
     ``GrowingBuffer`` (at first ``INITIAL_ALLOCATION`` bytes or what arrived, or the whole
     payload when that is at most twice as much; then at most twice what arrived). Those
-    buffers are charged to ``budget`` (a host's ``ByteBudget``: ``ResourceLimitError`` when
-    it is used up) until the frame is handed out or ``close()``.
+    buffers are charged to ``budget`` (a host's ``ByteBudget``, or ``budget.for_peer(peer)``
+    to charge that peer's share too: ``ResourceLimitError`` when it is used up) until the
+    frame is handed out or ``close()``.
     With ``awaiting_open`` set (a callee before each call), any frame but OPEN is a protocol
     error as soon as its header is read.
 
@@ -185,7 +190,7 @@ class FrameDecoder:
     def __init__(
         self,
         max_payload_size: int,
-        budget: ByteBudget | None = None,
+        budget: ByteBudget | PeerBytes | None = None,
         first_allocation: int = INITIAL_ALLOCATION,
     ):
         """``first_allocation``: the first buffer of a payload that did not arrive whole (a

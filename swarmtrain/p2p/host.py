@@ -106,7 +106,7 @@ class P2PConfig:
     # or a key file path, loaded here) complete the handshake with us.
     swarm_key: bytes | str | None = field(default=None, repr=False)
     # What other peers may make us hold (swarmtrain.p2p.limits): calls and lanes per peer,
-    # bytes in flight per host.
+    # lanes per host, bytes in flight per host and per peer.
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -141,6 +141,13 @@ class P2PConfig:
             raise ValueError(
                 f"limits.max_bytes_in_flight ({self.limits.max_bytes_in_flight}) must be at "
                 f"least max_message_size ({self.max_message_size})"
+            )
+        per_peer = self.limits.max_bytes_in_flight_per_peer
+        if per_peer is not None and per_peer < self.max_message_size:
+            raise ValueError(
+                f"limits.max_bytes_in_flight_per_peer ({per_peer}) must be at least "
+                f"max_message_size ({self.max_message_size}): one peer must be able to send "
+                "one whole message"
             )
         if self.use_auto_relay and not self.use_relay:
             raise ValueError("use_auto_relay needs use_relay=True")
@@ -398,8 +405,8 @@ class P2P(Dialling):
         """Whether we hand out lane tickets: listening, and not known to be behind a NAT."""
         return not self.config.client_mode and self.reachability != Reachability.PRIVATE
 
-    async def _serve_lane(self, lane, remote_id: ID) -> None:
-        await self._rpc_server.serve_stream(lane, remote_id)
+    async def _serve_lane(self, lane, remote_id: ID, on_call=None) -> None:
+        await self._rpc_server.serve_stream(lane, remote_id, on_call)
 
     # ------------------------------------------------------------------- RPC
 
@@ -561,6 +568,8 @@ class P2P(Dialling):
             "lanes_opened": self.lanes.lanes_opened if self.lanes else 0,
             "lanes_accepted": self.lanes.lanes_accepted if self.lanes else 0,
             "lane_fallbacks": self.lanes.fallbacks if self.lanes else 0,
+            "lanes_open": len(self.lanes.open_lanes) if self.lanes else 0,  # served by us
+            "lanes_evicted": self.lanes.open_lanes.evicted if self.lanes else 0,
             "bytes_in_flight": self._rpc_server.budget.used,
             "calls_refused": self._rpc_server.calls_per_peer.refused
             + self._rpc_server.budget.refused,

@@ -22,9 +22,13 @@ Limits (``ResourceLimits``): a peer holds at most ``max_lanes_per_peer`` lanes a
 at once (more: the ticket call fails with ``ResourceLimitError`` and its bulk calls use
 libp2p) and ``max_tickets_per_peer`` unredeemed tickets (its oldest is dropped); the book
 of all tickets drops from the peer holding the most when full, so nobody's flood of
-tickets stops others from getting one. Connections that have not shown a ticket are
-capped per source IP and in all (the oldest is closed for a new one), and closed after
-``HANDSHAKE_TIMEOUT``, so silent sockets cannot keep an honest caller out.
+tickets stops others from getting one. The host holds at most ``max_lanes_total`` lanes (one
+file descriptor each; at most half the soft ``ulimit -n``): when all are open, a new lane
+takes the place of a stale idle one (``lane_books.LaneBook``: idle longer than callers reuse
+streams, the oldest of the peer holding the most lanes), else it is refused and its caller
+goes over libp2p, asking again after ``RETRY_BUSY``. Connections that have not shown a
+ticket are capped per source IP and in all (the oldest is closed for a new one), and closed
+after ``HANDSHAKE_TIMEOUT``, so silent sockets cannot keep an honest caller out.
 """
 
 from __future__ import annotations
@@ -42,14 +46,22 @@ from swarmtrain.p2p.errors import AddressInUseError, LaneError, LaneResetError, 
 from swarmtrain.p2p.lane_books import (
     MAX_PENDING_HANDSHAKES,
     RETRY_AFTER,
+    RETRY_BUSY,
+    LaneBook,
     PendingHandshakes,
     TicketBook,
     retry_delay,
 )
 from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSealer
 from swarmtrain.p2p.lane_stream import LaneStream
-from swarmtrain.p2p.limits import PeerCounter, ResourceLimits
+from swarmtrain.p2p.limits import ResourceLimits, lanes_within_fd_limit
+from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME
 from swarmtrain.proto import p2p_pb2
+
+try:
+    import resource
+except ImportError:  # (Windows)
+    resource = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +70,8 @@ LANE_VERSION = 1
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 2.0
 OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
+# an idle lane may be taken for a newcomer once no caller would reuse it (plus latency)
+STALE_LANE_AFTER = CALLER_STREAM_REUSE_TIME + 1.0
 
 
 class DataLanes:
@@ -73,7 +87,15 @@ class DataLanes:
         self._port = port
         self._listener: trio.socket.SocketType | None = None
         self.tickets = TicketBook(per_peer=limits.max_tickets_per_peer)
-        self.open_lanes = PeerCounter(limits.max_lanes_per_peer, "data lanes")
+        total = lanes_within_fd_limit(limits.max_lanes_total, _fd_soft_limit())
+        if total < limits.max_lanes_total:
+            logger.info(
+                "data lanes capped at %d (half the soft limit on open files, ulimit -n; "
+                "max_lanes_total=%d)",
+                total,
+                limits.max_lanes_total,
+            )
+        self.open_lanes = LaneBook(total, limits.max_lanes_per_peer, STALE_LANE_AFTER)
         self._failed_until: dict[object, float] = {}
         self._failures: dict[object, int] = {}  # failed lanes in a row, per peer
         self._opening: set[object] = set()
@@ -112,14 +134,9 @@ class DataLanes:
         if self._listener is None or not self._p2p.lanes_offered():
             return p2p_pb2.LaneTicket(version=LANE_VERSION)
         peer = context.remote_id
-        held = self.open_lanes.count(peer) + self.tickets.outstanding(peer)
-        if held >= self.open_lanes.limit:
-            self.open_lanes.refused += 1
-            raise ResourceLimitError(
-                f"too many data lanes from one peer ({held} open or ticketed, limit "
-                f"{self.open_lanes.limit})"
-            )
-        ticket_id, ticket = self.tickets.issue(peer, trio.current_time())
+        now = trio.current_time()
+        self.open_lanes.check(peer, now, tickets=self.tickets.outstanding(peer))
+        ticket_id, ticket = self.tickets.issue(peer, now)
         return p2p_pb2.LaneTicket(
             version=LANE_VERSION,
             ticket_id=ticket_id,
@@ -156,7 +173,8 @@ class DataLanes:
     async def _serve_connection(self, raw: socket.socket, handshake: trio.CancelScope) -> None:
         sock = trio.socket.from_stdlib_socket(raw)
         lane = None
-        counted = None
+        book = self.open_lanes
+        token = trio.CancelScope()  # cancelled if the lane is taken for a newcomer
         try:
             ticket = None
             try:
@@ -168,25 +186,33 @@ class DataLanes:
             if ticket is None:
                 return
             try:
-                self.open_lanes.acquire(ticket.peer_id)
+                taken = book.admit(token, ticket.peer_id, trio.current_time())
             except ResourceLimitError as e:
                 logger.debug("refusing a lane of %s: %s", ticket.peer_id, e)
                 return
-            counted = ticket.peer_id
-            lane = LaneStream(
-                raw, sock, RecordSealer(ticket.callee_key), RecordOpener(ticket.caller_key)
-            )
-            with trio.move_on_after(HANDSHAKE_TIMEOUT) as scope:
-                await lane.send_accept()
-            if scope.cancelled_caught:
-                return
-            self.lanes_accepted += 1
-            await self._p2p._serve_lane(lane, ticket.peer_id)
+            for stale in taken:
+                stale.cancel()  # its task closes it; the book already let it go
+
+            def on_call(busy: bool) -> None:
+                if busy:
+                    book.busy(token)
+                else:
+                    book.idle(token, trio.current_time())
+
+            with token:
+                lane = LaneStream(
+                    raw, sock, RecordSealer(ticket.callee_key), RecordOpener(ticket.caller_key)
+                )
+                with trio.move_on_after(HANDSHAKE_TIMEOUT) as scope:
+                    await lane.send_accept()
+                if scope.cancelled_caught:
+                    return
+                self.lanes_accepted += 1
+                await self._p2p._serve_lane(lane, ticket.peer_id, on_call)
         except (OSError, LaneError) as e:
             logger.debug("lane connection failed: %r", e)
         finally:
-            if counted is not None:
-                self.open_lanes.release(counted)
+            book.done(token)
             if lane is not None:
                 await lane.reset()
             else:
@@ -244,17 +270,24 @@ class DataLanes:
 
     async def _open_or_remember(self, peer_id, remote_ip: str) -> LaneStream | None:
         offered = True
+        busy = False
         try:
             lane = await self._open(peer_id, remote_ip)
             offered = lane is not None
+        except ResourceLimitError as e:  # the callee is up, its lanes are taken: ask again soon
+            logger.debug("no data lane to %s (%s): %s", peer_id, remote_ip, e)
+            lane, busy = None, True
         except Exception as e:  # any failure: fall back, remember for a while
             logger.debug("no data lane to %s (%s): %r", peer_id, remote_ip, e)
             lane = None
         if lane is None:
             self.fallbacks += 1
-            failures = self._failures.get(peer_id, 0) + 1
-            self._failures[peer_id] = failures
-            wait = RETRY_AFTER if not offered else retry_delay(failures)
+            if busy:
+                wait = RETRY_BUSY
+            else:
+                failures = self._failures.get(peer_id, 0) + 1
+                self._failures[peer_id] = failures
+                wait = RETRY_AFTER if not offered else retry_delay(failures)
             self._failed_until[peer_id] = trio.current_time() + wait
             return None
         self._failures.pop(peer_id, None)
@@ -295,6 +328,14 @@ class DataLanes:
             else:
                 sock.close()
             raise
+
+
+def _fd_soft_limit() -> int | None:
+    """The process's soft limit on open files (None: unlimited or unknown)."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def lanes_disabled_by_env() -> bool:

@@ -1,6 +1,6 @@
-"""The books a data lane's callee and caller keep (sans-IO): tickets, connections that have
-not shown a ticket yet, and how long a caller parks a peer whose lane failed. How lanes use
-them is ``lane.py``'s job."""
+"""The books a data lane's callee and caller keep (sans-IO): tickets, open lanes (per peer
+and in all), connections that have not shown a ticket yet, and how long a caller parks a
+peer whose lane failed. How lanes use them is ``lane.py``'s job."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from swarmtrain.p2p.errors import ResourceLimitError
 from swarmtrain.p2p.lane_records import KEY_SIZE, TICKET_ID_SIZE
 from swarmtrain.p2p.limits import ResourceLimits
 
@@ -17,6 +18,7 @@ MAX_OUTSTANDING_TICKETS = 1024
 MAX_PENDING_HANDSHAKES = 64  # connections that have not shown a valid ticket yet
 RETRY_FIRST = 10.0  # after a first failed lane; doubles per failure in a row
 RETRY_AFTER = 300.0
+RETRY_BUSY = 10.0  # after a callee refused a lane because its lanes are all taken
 
 
 @dataclass
@@ -85,6 +87,95 @@ class TicketBook:
 
     def __len__(self) -> int:
         return len(self._tickets)
+
+
+class LaneBook:
+    """A callee's open lanes (sans-IO): at most ``per_peer`` of one peer, ``total`` in all.
+
+    Each lane is busy (serving a call) or idle since some time. When all ``total`` are open, a
+    new lane takes the place of a *stale* idle lane, one idle for at least ``stale_after``
+    seconds (longer than a caller keeps an idle stream for reuse, so no caller is about to
+    send a call on it): the oldest such lane of the peer holding the most lanes. With no stale
+    lane the new one is refused (``ResourceLimitError``; its caller goes over libp2p). So one
+    peer, or many identities, holding every lane idle cannot keep others off lanes for long,
+    and lanes that are in use are never cut."""
+
+    def __init__(self, total: int, per_peer: int, stale_after: float):
+        self.total, self.per_peer, self.stale_after = total, per_peer, stale_after
+        self._lanes: dict[object, tuple[Hashable, float | None]] = {}  # token -> (peer, idle since)
+        self._per_peer: Counter[Hashable] = Counter()
+        self.refused = 0
+        self.evicted = 0
+
+    def check(self, peer_id, now: float, tickets: int = 0) -> None:
+        """Raise ``ResourceLimitError`` if a new lane of ``peer_id`` (which also holds
+        ``tickets`` unredeemed tickets) would be refused now; changes nothing else."""
+        held = self._per_peer.get(peer_id, 0) + tickets
+        if held >= self.per_peer:
+            self.refused += 1
+            raise ResourceLimitError(
+                f"too many data lanes from one peer ({held} open or ticketed, limit "
+                f"{self.per_peer})"
+            )
+        if len(self._lanes) >= self.total and self._stale_lane(now) is None:
+            self.refused += 1
+            raise ResourceLimitError(
+                f"the callee's data lanes are all in use ({len(self._lanes)} of "
+                f"{self.total} in all, none idle for {self.stale_after:g} s)"
+            )
+
+    def admit(self, token, peer_id, now: float) -> list:
+        """Count a new lane ``token`` of ``peer_id`` (idle until its first call), or raise
+        ``ResourceLimitError``. Returns the tokens of lanes to close to make room."""
+        self.check(peer_id, now)
+        evict = []
+        if len(self._lanes) >= self.total:
+            stale = self._stale_lane(now)
+            assert stale is not None  # check() made sure
+            self.done(stale)
+            self.evicted += 1
+            evict.append(stale)
+        self._lanes[token] = (peer_id, now)
+        self._per_peer[peer_id] += 1
+        return evict
+
+    def busy(self, token) -> None:
+        """The lane ``token`` serves a call (it cannot be taken)."""
+        if token in self._lanes:
+            self._lanes[token] = (self._lanes[token][0], None)
+
+    def idle(self, token, now: float) -> None:
+        """The lane ``token`` waits for its next call since ``now``."""
+        if token in self._lanes:
+            self._lanes[token] = (self._lanes[token][0], now)
+
+    def done(self, token) -> None:
+        """The lane ``token`` is closed (or was taken: then this was already called)."""
+        entry = self._lanes.pop(token, None)
+        if entry is not None:
+            peer_id = entry[0]
+            self._per_peer[peer_id] -= 1
+            if self._per_peer[peer_id] <= 0:
+                del self._per_peer[peer_id]
+
+    def _stale_lane(self, now: float):
+        """The lane to take for a newcomer: the oldest stale idle lane of the peer holding the
+        most lanes (None: no lane is stale)."""
+        best = None
+        best_key: tuple[int, float] | None = None
+        for token, (peer_id, since) in self._lanes.items():
+            if since is None or now - since < self.stale_after:
+                continue
+            key = (self._per_peer[peer_id], -since)  # most lanes first, then idle longest
+            if best_key is None or key > best_key:
+                best, best_key = token, key
+        return best
+
+    def count(self, peer_id) -> int:
+        return self._per_peer.get(peer_id, 0)
+
+    def __len__(self) -> int:
+        return len(self._lanes)
 
 
 class PendingHandshakes:

@@ -2,7 +2,8 @@
 
 Sans-IO: ``ResourceLimits`` holds the settings (``P2PConfig.limits``), ``ByteBudget`` counts
 the bytes a host's inbound calls hold in buffers they allocated (payloads and attachments
-still being received), ``PeerCounter`` counts per-peer things (calls, lanes, tickets).
+still being received), in all and per peer, ``PeerCounter`` counts per-peer things (calls).
+Lanes have a book of their own (``lane_books.LaneBook``).
 Memory follows the bytes that arrived: a frame that declares N bytes allocates at most
 ``INITIAL_ALLOCATION`` at first and grows as its bytes come (framing.py), so a declaration
 alone costs nothing; these limits bound what arrived bytes can pin.
@@ -31,8 +32,19 @@ class ResourceLimits:
     :param max_bytes_in_flight: bytes the host's inbound calls may hold in receive buffers
       (messages and attachments not yet complete), over all peers. A call whose next bytes
       would pass it fails with ``ResourceLimitError``. Must be at least ``max_message_size``.
+    :param max_bytes_in_flight_per_peer: the share of ``max_bytes_in_flight`` one peer's calls
+      may hold, so that one peer cannot starve the others (its call that would pass it fails
+      with ``ResourceLimitError``; other peers' calls go on). None: a quarter of
+      ``max_bytes_in_flight``, but at least the host's ``max_message_size`` (one whole message)
+      and at most ``max_bytes_in_flight``; ``bytes_in_flight_per_peer`` resolves it.
     :param max_lanes_per_peer: data lanes one peer may hold open to us (plus unredeemed
       tickets); past it the peer's bulk calls go over libp2p.
+    :param max_lanes_total: data lanes the host holds open over all peers (each is a file
+      descriptor). When they are all open, a new lane takes the place of a stale idle one
+      (idle longer than a caller reuses a stream: the oldest of the peer holding the most
+      lanes); with none, it is refused and its bulk call goes over libp2p. Capped at half the
+      process's soft limit on open files (``ulimit -n``) when that is lower
+      (``lanes_within_fd_limit``).
     :param max_tickets_per_peer: unredeemed lane tickets one peer may hold (its oldest is
       dropped for a new one).
     :param max_pending_handshakes_per_ip: lane connections from one IP that have not shown a
@@ -41,7 +53,9 @@ class ResourceLimits:
 
     max_inbound_calls_per_peer: int = 256
     max_bytes_in_flight: int = 1024 * 1024 * 1024
+    max_bytes_in_flight_per_peer: int | None = None
     max_lanes_per_peer: int = 16
+    max_lanes_total: int = 512
     max_tickets_per_peer: int = 4
     max_pending_handshakes_per_ip: int = 8
 
@@ -49,28 +63,72 @@ class ResourceLimits:
         for name in (
             "max_inbound_calls_per_peer",
             "max_bytes_in_flight",
+            "max_bytes_in_flight_per_peer",
             "max_lanes_per_peer",
+            "max_lanes_total",
             "max_tickets_per_peer",
             "max_pending_handshakes_per_ip",
         ):
             value = getattr(self, name)
+            if value is None and name == "max_bytes_in_flight_per_peer":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ResourceLimits.{name} must be a positive int, got {value!r}")
+        per_peer = self.max_bytes_in_flight_per_peer
+        if per_peer is not None and per_peer > self.max_bytes_in_flight:
+            raise ValueError(
+                f"ResourceLimits.max_bytes_in_flight_per_peer ({per_peer}) must be at most "
+                f"max_bytes_in_flight ({self.max_bytes_in_flight})"
+            )
+
+    def bytes_in_flight_per_peer(self, max_message_size: int) -> int:
+        """One peer's share of ``max_bytes_in_flight`` on a host whose messages may be
+        ``max_message_size`` bytes (see ``max_bytes_in_flight_per_peer``)."""
+        if self.max_bytes_in_flight_per_peer is not None:
+            return self.max_bytes_in_flight_per_peer
+        share = max(self.max_bytes_in_flight // 4, max_message_size)
+        return min(share, self.max_bytes_in_flight)
+
+
+def lanes_within_fd_limit(max_lanes_total: int, fd_soft_limit: int | None) -> int:
+    """The host-wide lane cap for a process that may open ``fd_soft_limit`` files (None or
+    negative: unlimited): ``max_lanes_total``, or half the soft limit when that is lower, so
+    lanes leave room for libp2p connections, handshakes on the lane port and files."""
+    if fd_soft_limit is None or fd_soft_limit < 0:
+        return max_lanes_total
+    return max(1, min(max_lanes_total, fd_soft_limit // 2))
 
 
 class ByteBudget:
-    """Bytes held in receive buffers, against a limit (one per host, shared by its calls)."""
+    """Bytes held in receive buffers, against a limit (one per host, shared by its calls),
+    and against ``per_peer_limit`` for the bytes of each peer's calls (default: the limit).
+    ``for_peer(peer)`` is what one call's decoder charges."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, per_peer_limit: int | None = None):
         if limit <= 0:
             raise ValueError("a byte budget must be positive")
+        if per_peer_limit is not None and per_peer_limit <= 0:
+            raise ValueError("a per-peer byte budget must be positive")
         self.limit = limit
+        self.per_peer_limit = limit if per_peer_limit is None else min(per_peer_limit, limit)
         self.used = 0
         self.peak = 0
         self.refused = 0
+        self.refused_per_peer = 0  # (counted in ``refused`` too)
+        self._per_peer: dict[Hashable, int] = {}
 
-    def reserve(self, count: int) -> None:
-        """Take ``count`` bytes, or raise ``ResourceLimitError`` (taking nothing)."""
+    def reserve(self, count: int, peer: Hashable | None = None) -> None:
+        """Take ``count`` bytes (for ``peer``'s call), or raise ``ResourceLimitError``
+        (taking nothing)."""
+        held = self._per_peer.get(peer, 0) if peer is not None else 0
+        if peer is not None and held + count > self.per_peer_limit:
+            self.refused += 1
+            self.refused_per_peer += 1
+            raise ResourceLimitError(
+                f"this peer's share of the callee's bytes in flight is used up ({held} of "
+                f"{self.per_peer_limit} bytes held by its incomplete messages; {count} more "
+                "wanted): finish or close its other calls first"
+            )
         if self.used + count > self.limit:
             self.refused += 1
             raise ResourceLimitError(
@@ -79,15 +137,50 @@ class ByteBudget:
             )
         self.used += count
         self.peak = max(self.peak, self.used)
+        if peer is not None:
+            self._per_peer[peer] = held + count
 
-    def release(self, count: int) -> None:
+    def release(self, count: int, peer: Hashable | None = None) -> None:
         self.used -= count
         if self.used < 0:
             raise RuntimeError("released more bytes than were reserved")
+        if peer is not None:
+            held = self._per_peer.get(peer, 0) - count
+            if held < 0:
+                raise RuntimeError("released more bytes than were reserved for this peer")
+            if held:
+                self._per_peer[peer] = held
+            else:
+                del self._per_peer[peer]
+
+    def used_by(self, peer: Hashable) -> int:
+        """Bytes held by ``peer``'s calls."""
+        return self._per_peer.get(peer, 0)
+
+    def for_peer(self, peer: Hashable) -> PeerBytes:
+        """The charges of one call of ``peer`` (what ``FrameDecoder`` takes as its budget)."""
+        return PeerBytes(self, peer)
+
+
+class PeerBytes:
+    """A ``ByteBudget`` seen by one peer's call: ``reserve``/``release`` charge the host's
+    total and that peer's share together."""
+
+    __slots__ = ("budget", "peer")
+
+    def __init__(self, budget: ByteBudget, peer: Hashable):
+        self.budget, self.peer = budget, peer
+
+    def reserve(self, count: int) -> None:
+        self.budget.reserve(count, self.peer)
+
+    def release(self, count: int) -> None:
+        self.budget.release(count, self.peer)
 
 
 class PeerCounter:
-    """How many of something each peer holds, against a per-peer limit."""
+    """How many of something each peer holds (e.g. concurrent calls), against a per-peer
+    limit."""
 
     def __init__(self, limit: int, what: str):
         self.limit, self.what = limit, what

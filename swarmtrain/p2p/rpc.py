@@ -225,8 +225,12 @@ class RPCServer:
     ):
         self.default_max_message_size = default_max_message_size
         self.limits = limits if limits is not None else ResourceLimits()
-        #: bytes held by incoming messages not yet complete, over all inbound streams
-        self.budget = ByteBudget(self.limits.max_bytes_in_flight)
+        #: bytes held by incoming messages not yet complete, over all inbound streams and
+        #: per calling peer
+        self.budget = ByteBudget(
+            self.limits.max_bytes_in_flight,
+            self.limits.bytes_in_flight_per_peer(default_max_message_size),
+        )
         self.calls_per_peer = PeerCounter(
             self.limits.max_inbound_calls_per_peer, "concurrent inbound calls"
         )
@@ -292,12 +296,18 @@ class RPCServer:
         if self._active_calls:
             await self._became_idle.wait()
 
-    async def serve_stream(self, net_stream, remote_id) -> None:
+    async def serve_stream(
+        self, net_stream, remote_id, on_call: Callable[[bool], None] | None = None
+    ) -> None:
         """Serve one incoming call. Never raises: failures go to the caller or the debug log.
 
         A peer past ``limits.max_inbound_calls_per_peer`` streams gets ERROR(RESOURCE_EXHAUSTED)
-        at once; receive buffers are charged to the host's ``budget``."""
-        stream = RPCStream(net_stream, self.default_max_message_size, self.budget)
+        at once; receive buffers are charged to the host's ``budget`` and to the peer's share
+        of it. ``on_call(True)`` is called when a call's OPEN arrived, ``on_call(False)`` when
+        it ended and the stream waits for the next one (a data lane's book of idle lanes)."""
+        stream = RPCStream(
+            net_stream, self.default_max_message_size, self.budget.for_peer(remote_id)
+        )
         try:
             self.calls_per_peer.acquire(remote_id)
         except ResourceLimitError as e:
@@ -317,7 +327,7 @@ class RPCServer:
                     # One stream carries calls one after another: the caller may reuse it
                     # after a call ended with END.
                     idle_timeout = self.request_idle_timeout
-                    while await self._serve(stream, remote_id, idle_timeout):
+                    while await self._serve(stream, remote_id, idle_timeout, on_call):
                         idle_timeout = SERVER_STREAM_IDLE_TIMEOUT
             except trio.Cancelled:
                 # py-libp2p itself is being cancelled (host shutdown): still tell the caller.
@@ -356,7 +366,13 @@ class RPCServer:
             except RPCError:
                 pass
 
-    async def _serve(self, stream: RPCStream, remote_id, idle_timeout: float) -> bool:
+    async def _serve(
+        self,
+        stream: RPCStream,
+        remote_id,
+        idle_timeout: float,
+        on_call: Callable[[bool], None] | None = None,
+    ) -> bool:
         """Serve one call; True if it ended cleanly and the stream may carry another."""
         stream.expect_open()  # nothing but a header-sized OPEN is read before the method
         with trio.move_on_after(idle_timeout) as open_scope:
@@ -364,8 +380,12 @@ class RPCServer:
         if open_scope.cancelled_caught or frame is None:
             return False
         stream.serving_call = True  # stays set if the call is cancelled: see serve_stream
+        if on_call is not None:
+            on_call(True)
         ended_cleanly = await self._serve_call(stream, remote_id, frame)
         stream.serving_call = False
+        if on_call is not None:
+            on_call(False)
         return ended_cleanly
 
     async def _serve_call(self, stream: RPCStream, remote_id, frame) -> bool:

@@ -35,7 +35,7 @@ from swarmtrain.p2p.framing import (
     encode_header,
     message_header,
 )
-from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget
+from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget, PeerBytes
 from swarmtrain.proto import p2p_pb2
 
 READ_SIZE = 1024 * 1024
@@ -79,8 +79,14 @@ class RPCStream:
     """Frames over one byte stream (a libp2p stream or a data lane). Not safe for concurrent
     senders (one sender task)."""
 
-    def __init__(self, stream: ByteStream, max_message_size: int, budget: ByteBudget | None = None):
-        """``budget``: the host's budget of bytes in flight, charged for receive buffers."""
+    def __init__(
+        self,
+        stream: ByteStream,
+        max_message_size: int,
+        budget: ByteBudget | PeerBytes | None = None,
+    ):
+        """``budget``: the host's budget of bytes in flight (``for_peer``: and the calling
+        peer's share of it), charged for receive buffers."""
         self.stream = stream
         self._cancel_safe = getattr(stream, "cancel_safe", False)
         # a data lane delivers whole records: a first buffer of one record takes them in place
