@@ -478,13 +478,9 @@ class EpochCore:
             or not (swarm_epoch == local_epoch + 1 or no_donor)
             or swarm_epoch <= local_epoch
         ):
-            self._counts["catch_ups_failed"] += 1
-            self._retry_in = self._backoff.failed(now)
+            self._catch_up_failed(now)
             return None
-        self._backoff.reset()
-        self._counts["epochs_entered"] += 1
-        self._counts["epochs_entered_without_state"] += 1
-        return EnterEpoch(swarm_epoch, own_state=True)
+        return self._enter_with_own_state(swarm_epoch)
 
     def auxiliary_catch_up_epoch(self, local_epoch: int, swarm_epoch: int) -> int:
         """The oldest state an auxiliary peer's catch-up (``AuxiliaryCatchUp``) may load: once
@@ -502,10 +498,17 @@ class EpochCore:
         whose next step catches up again after the back-off, rather than advance with a state
         that missed the epoch's optimizer step (it would stay out of sync with the swarm)."""
         if not no_donor:
-            self._counts["catch_ups_failed"] += 1
-            self._retry_in = self._backoff.failed(now)
+            self._catch_up_failed(now)
             return None
+        return self._enter_with_own_state(local_epoch + 1)
+
+    def _catch_up_failed(self, now: float) -> None:
+        """Stay in this epoch; the next catch-up comes after the back-off."""
+        self._counts["catch_ups_failed"] += 1
+        self._retry_in = self._backoff.failed(now)
+
+    def _enter_with_own_state(self, epoch: int) -> EnterEpoch:
         self._backoff.reset()
         self._counts["epochs_entered"] += 1
         self._counts["epochs_entered_without_state"] += 1
-        return EnterEpoch(local_epoch + 1, own_state=True)
+        return EnterEpoch(epoch, own_state=True)
