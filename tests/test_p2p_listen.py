@@ -54,6 +54,24 @@ async def test_port_zero_still_gives_each_host_its_own_port():
         assert tcp_port(a) != tcp_port(b)
 
 
+def test_none_means_no_addresses_as_in_hivemind():
+    """``DHT(initial_peers=None, announce_maddrs=None)`` (hivemind's defaults, and what the
+    ALBERT recipe passes when no flag is given) starts a host instead of raising TypeError."""
+    first = DHT(None, host_maddrs=["/ip4/127.0.0.1/tcp/0"], announce_maddrs=None)
+    try:
+        second = DHT(first.get_visible_maddrs(), announce_maddrs=None)
+        try:
+            assert first.peer_id in {p for p in second.run_coroutine(_connected)}
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
+
+
+async def _connected(dht, _node):
+    return dht.p2p.get_connected_peers()
+
+
 def test_a_dht_on_a_port_in_use_fails_with_the_address():
     first = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:

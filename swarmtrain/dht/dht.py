@@ -107,7 +107,7 @@ class DHT(BackgroundService):
 
     def __init__(
         self,
-        initial_peers: Sequence[str] = (),
+        initial_peers: Sequence[str] | None = (),
         *,
         start: bool = True,
         await_ready: bool = True,
@@ -122,7 +122,7 @@ class DHT(BackgroundService):
                 "DHTNode.create(p2p, ...) as node:`"
             )
         check_hivemind_only_keywords(kwargs)
-        self._initial_peers = list(initial_peers)
+        self._initial_peers = list(initial_peers or ())  # None: hivemind's "no peers"
         self._kwargs = kwargs
         self._ready: Future | None = None
         if start:
@@ -136,7 +136,7 @@ class DHT(BackgroundService):
     @asynccontextmanager
     async def create(
         cls,
-        initial_peers: Sequence[str] = (),
+        initial_peers: Sequence[str] | None = (),
         *,
         record_validators: Sequence[Any] = (),
         client_mode: bool = False,
@@ -157,7 +157,7 @@ class DHT(BackgroundService):
                 yield AsyncDHT(p2p, node)
 
     @classmethod
-    async def aio_create(cls, initial_peers: Sequence[str] = (), **kwargs: Any) -> DHT:
+    async def aio_create(cls, initial_peers: Sequence[str] | None = (), **kwargs: Any) -> DHT:
         """From asyncio: ``dht = await DHT.aio_create(...)`` starts a blocking ``DHT`` (seconds:
         host, bootstrap) without blocking the asyncio loop. Keywords: as ``DHT(...)``.
 

@@ -277,7 +277,7 @@ class DHTNode:
     async def create(
         cls,
         p2p: P2P,
-        initial_peers: Sequence[str] = (),
+        initial_peers: Sequence[str] | None = (),
         *,
         node_id: DHTID | None = None,
         record_validators: Iterable[RecordValidatorBase] = (),
@@ -308,6 +308,7 @@ class DHTNode:
         config = DHTNodeConfig(**kwargs)
         if isinstance(initial_peers, str):
             raise TypeError("initial_peers must be a list of multiaddr strings, not one string")
+        initial_peers = tuple(initial_peers or ())  # None: hivemind's "no peers"
         # Signatures are verified (and stripped) on every node, even one whose owner added no
         # validator: it stores and returns signed records for others. Per-peer records
         # (swarmtrain.dht.peer_records) are signed with this host's identity key.

@@ -242,10 +242,10 @@ class P2P(Dialling):
     @asynccontextmanager
     async def create(
         cls,
-        initial_peers: Sequence[str] = (),
+        initial_peers: Sequence[str] | None = (),
         *,
         host_maddrs: Sequence[str] | None = None,
-        announce_maddrs: Sequence[str] = (),
+        announce_maddrs: Sequence[str] | None = (),
         identity_path: str | None = None,
         client_mode: bool = False,
         **kwargs: Any,
@@ -253,8 +253,8 @@ class P2P(Dialling):
         """Start a host, connect to ``initial_peers``, yield it; close everything on exit."""
         config = P2PConfig(
             host_maddrs=tuple(host_maddrs) if host_maddrs is not None else P2PConfig.host_maddrs,
-            announce_maddrs=tuple(announce_maddrs),
-            initial_peers=tuple(initial_peers),
+            announce_maddrs=tuple(announce_maddrs or ()),  # None: hivemind's "no extra"
+            initial_peers=tuple(initial_peers or ()),
             identity_path=identity_path,
             client_mode=client_mode,
             **kwargs,
