@@ -6,7 +6,7 @@ seen, then trains ``--steps`` local Trainer steps. A peer reports its samples an
 ``trainer.train()``; the swarm's samples/s is the sum over peers. Repetitions alternate the
 peer counts. Prints the medians and the ratio to one peer::
 
-    PYTHONPATH=. python benchmarks/benchmark_albert.py --steps 60 --repeats 3
+    PYTHONPATH=. python benchmarks/benchmark_albert.py --steps 120 --repeats 3
 
 On a machine with fewer cores than peers the peers share the cores: the ratio then shows what
 averaging costs, not a speed-up.
@@ -27,7 +27,6 @@ TINY = [
     "--max_files", "6",
     "--vocab_size", "400",
     "--seq_len", "32",
-    "--target_batch_size", "64",
     "--per_device_train_batch_size", "8",
     "--matchmaking_time", "1.0",
     "--averaging_timeout", "15",
@@ -43,8 +42,9 @@ print("RESULT " + json.dumps({k: result[k] for k in ("samples", "seconds", "epoc
 """
 
 
-def run_swarm(peers: int, steps: int, run: int, out: Path) -> list[dict]:
+def run_swarm(peers: int, steps: int, run: int, out: Path, target: int) -> list[dict]:
     common = [*TINY, "--max_steps", str(steps), "--wait_for_peers", str(peers)]
+    common += ["--target_batch_size", str(target)]
     common += ["--run_id", f"bench_albert_{os.getpid()}_{run}_{peers}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = []
@@ -99,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="local Trainer steps per peer")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--target_batch_size", type=int, default=512, help="samples per epoch")
     parser.add_argument("--peers", default="1,2,3")
     parser.add_argument("--output_dir", default="/tmp/benchmark_albert")
     args = parser.parse_args()
@@ -107,7 +108,9 @@ def main() -> None:
     print(f"# load before: {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores", flush=True)
     for run in range(args.repeats):
         for peers in counts:
-            results = run_swarm(peers, args.steps, run, Path(args.output_dir))
+            results = run_swarm(
+                peers, args.steps, run, Path(args.output_dir), args.target_batch_size
+            )
             rate = sum(r["samples"] / r["seconds"] for r in results)
             rates[peers].append(rate)
             epochs = [r["epoch"] for r in results]
