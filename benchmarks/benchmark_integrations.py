@@ -109,7 +109,7 @@ def plain(dht: DHT | None, data: list[dict], steps: int, run: int) -> tuple[floa
 def hf(
     dht: DHT | None, data: list[dict], steps: int, run: int, output_dir: str
 ) -> tuple[float, float]:
-    """HF Trainer (no gradient clipping, as the plain loop); ``dht`` None: Trainer's own AdamW."""
+    """HF Trainer (no gradient clipping, as the plain loop); ``dht`` None: a plain AdamW."""
     net = model()
     args = transformers.TrainingArguments(
         output_dir=output_dir,
@@ -125,7 +125,12 @@ def hf(
         disable_tqdm=True,
         remove_unused_columns=False,
     )
-    trainer = transformers.Trainer(model=net, args=args, train_dataset=data)
+    # without the swarm: the same torch AdamW as the other ways (Trainer's default is a fused
+    # AdamW, faster on CPU than torch.optim.AdamW's default: that compared optimizers, not us)
+    own = None if dht is not None else (torch.optim.AdamW(net.parameters(), lr=1e-3), None)
+    trainer = transformers.Trainer(
+        model=net, args=args, train_dataset=data, optimizers=own or (None, None)
+    )
     opt = None
     if dht is not None:
         opt = swarm_optimizer(dht, net, f"hf{run}")
