@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from polling import wait_for
 from test_optim_optimizer import (
     BATCH,
     FEATURES,
@@ -125,9 +126,8 @@ def test_auxiliary_peer_keeps_up_and_serves_state(dhts):  # noqa: F811
         aux_thread.start()
         try:
             in_threads(*(lambda p=p: p.train_until(2) for p in trainers))
-            deadline = time.monotonic() + 20  # a failed round: it catches up after the swarm
-            while aux.opt.local_epoch < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            # a failed round: it catches up after the swarm
+            wait_for(lambda: aux.opt.local_epoch >= 2, 20, "the auxiliary peer reaching epoch 2")
         finally:
             done.set()
             aux_thread.join(30)
@@ -267,10 +267,7 @@ def test_a_peer_behind_whose_catch_ups_fail_backs_off(dhts, caplog):  # noqa: F8
         in_threads(*(lambda p=p: p.train_until(2) for p in trainers))
         small_lr = {"optimizer": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.5)}
         aux = Peer(aux_dht, 2, auxiliary=True, batch_size_per_step=None, **small_lr)
-        deadline = time.monotonic() + 20
-        while aux.opt.tracker.global_epoch < 2:  # the trainers' progress arrives
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: aux.opt.tracker.global_epoch >= 2, 20, "the trainers' progress")
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="swarmtrain.optim.optimizer"):
             aux.opt.step()  # the first try: both donors rejected (and banned)

@@ -13,21 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
+from polling import wait_for
 from test_optim_optimizer import HOST, TARGET, Peer, dhts, in_threads  # noqa: F401
 
 from swarmtrain.dht import DHT
 from swarmtrain.optim import ProgressTracker
 
 SYBILS = 4
-
-
-def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def test_sybil_records_one_epoch_ahead_do_not_move_peers_that_averaged(dhts, caplog):  # noqa: F811
@@ -71,10 +64,10 @@ def test_sybil_records_one_epoch_ahead_do_not_move_peers_that_averaged(dhts, cap
 
         claimer = threading.Thread(target=keep_one_epoch_ahead, daemon=True)
         claimer.start()
-        _wait(
+        wait_for(
             lambda: all(len(p.opt.tracker.peers()) >= 1 + SYBILS for p in honest),
             20,
-            "the Sybils' records did not reach the honest peers",
+            "the Sybils' records reaching the honest peers",
         )
         goal = attacked_from + 2
         in_threads(*(lambda p=p: p.train_until(goal) for p in honest))
