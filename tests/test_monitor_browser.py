@@ -13,6 +13,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
+from polling import wait_until
 from test_monitor_dashboard import open_dhts, serving
 
 from swarmtrain.monitor import AsyncMetricsPublisher
@@ -115,8 +116,7 @@ async def test_failures_from_peers_are_shown_as_text_never_as_markup():
             async with serving(server) as base, trio.open_nursery() as nursery:
                 nursery.start_soon(watch, monitor_dht, state, server, "run", 0.1)
                 with trio.fail_after(30):
-                    while not state.failures_of("run"):  # noqa: ASYNC110 (no event for it)
-                        await trio.sleep(0.05)
+                    await wait_until(lambda: state.failures_of("run"))
                 dom = (await chromium("--dump-dom", base + "/")).decode()
                 assert "Recent failures and warnings" in dom, dom
                 assert '<td class="kind">lone_peer</td>' in dom

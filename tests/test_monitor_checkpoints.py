@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import trio
+from polling import wait_until
 from swarm_util import FAST, FAST_DHT, open_dhts
 
 from swarmtrain.averaging import DecentralizedAverager
@@ -79,8 +80,7 @@ async def test_the_monitor_saves_the_shared_state_and_refuses_another_shape(tmp_
                     )
                 )
                 with trio.fail_after(30):
-                    while loop.saved < 3:  # noqa: ASYNC110 (no event for it)
-                        await trio.sleep(0.05)
+                    await wait_until(lambda: loop.saved >= 3)
             files = sorted(os.listdir(tmp_path / "run"))
             assert len(files) == 2 and all(f.endswith(".pt") for f in files)
             saved = torch.load(tmp_path / "run" / files[-1], weights_only=False)
@@ -93,8 +93,7 @@ async def test_the_monitor_saves_the_shared_state_and_refuses_another_shape(tmp_
                 other, other_dht, prefix="run_state_averager", **FAST
             ):
                 with trio.fail_after(30):
-                    while loop.failed < before[1] + 2:  # noqa: ASYNC110 (no event for it)
-                        await trio.sleep(0.05)
+                    await wait_until(lambda: loop.failed >= before[1] + 2)
             assert loop.saved == before[0]
             assert loop.rejected_donors == {other_dht.peer_id.to_base58()}
             for name in os.listdir(tmp_path / "run"):

@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
+from polling import wait_until
 from swarm_util import FAST_DHT, open_dhts
 from test_monitor_dashboard import first_event, start_monitor
 from test_monitor_metrics import record
@@ -98,8 +99,7 @@ async def test_metrics_arrive_by_gossip_and_hostile_gossip_is_dropped():
 
                 honest_name, hostile_name = honest.peer_id.to_base58(), hostile.peer_id.to_base58()
                 with trio.fail_after(20):
-                    while honest_name not in peers():  # noqa: ASYNC110 (no event for it)
-                        await trio.sleep(0.05)
+                    await wait_until(lambda: honest_name in peers())
 
                 signer, topic = hostile.node.record_validator, metrics_key("run")
                 hostile_id, honest_id = hostile.peer_id.to_bytes(), honest.peer_id.to_bytes()
@@ -128,12 +128,13 @@ async def test_metrics_arrive_by_gossip_and_hostile_gossip_is_dropped():
                 )
                 publisher.report(loss=1.0, step=2)
                 with trio.fail_after(20):
-                    while not (  # noqa: ASYNC110 (no event for it)
-                        len(rejected) == len(bad)
-                        and peers().get(hostile_name, {}).get("step") == 5
-                        and peers()[honest_name]["step"] == 2
-                    ):
-                        await trio.sleep(0.05)
+                    await wait_until(
+                        lambda: (
+                            len(rejected) == len(bad)
+                            and peers().get(hostile_name, {}).get("step") == 5
+                            and peers()[honest_name]["step"] == 2
+                        )
+                    )
                 assert peers()[honest_name]["loss"] == 1.0  # the forged 99.0 never showed
                 assert set(peers()) == {honest_name, hostile_name}
                 assert publisher.statistics().gossip_sent >= 2
