@@ -11,6 +11,7 @@ import trio
 
 from swarmtrain.dht import DHT, AsyncDHT
 from swarmtrain.dht.node import DHTNode
+from swarmtrain.p2p.pubsub import PubSub
 from swarmtrain.utils.background import BackgroundService
 from swarmtrain.utils.facade import aio_property
 
@@ -83,7 +84,7 @@ class ProgressTracker(BackgroundService):
         return self._tracker()
 
     @property
-    def pubsub(self) -> Any:
+    def pubsub(self) -> PubSub | None:
         """The ``PubSub`` progress is gossiped on (None with ``use_pubsub=False``). It lives on
         swarmtrain's background loop, like a blocking ``MetricsPublisher``: pass it there as
         ``MetricsPublisher(dht, run_id, pubsub=opt.tracker.pubsub)`` to gossip metrics too."""
