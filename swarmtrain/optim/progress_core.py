@@ -64,13 +64,21 @@ times the duration its first ETA promised, without reaching the target).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Union
 
 from .progress_liveness import OwnerCandidate, OwnerLiveness, Probe, ProbeOutcome
-from .progress_votes import MIN_KNOWN_RATE, ProgressVotes, SampleCredits, reference_rate
+from .progress_votes import (
+    MAX_LISTED_PARTNERS,
+    MAX_PEER_ID_BYTES,
+    MIN_KNOWN_RATE,
+    ProgressVotes,
+    SampleCredits,
+    reference_rate,
+)
 
 __all__ = [
     "ClockSkewDetected",
@@ -137,7 +145,10 @@ class ProgressConfig:
     :param probe_retry_period: dial such an owner again no sooner than this (s)
     :param partner_window: a peer that averaged with this one in a round of epoch ``e`` is a
       partner (its votes for epochs ahead of ours count) while our epoch is at most
-      ``e + partner_window`` (see the module docstring)
+      ``e + partner_window`` (see :mod:`swarmtrain.optim.progress_votes`)
+    :param trusted_peers: peer ids (bytes) whose records vote on the epoch and vouch for
+      samples like a partner's, also before this peer has partners (the organisers' peers: a
+      newcomer then follows them, not a majority of free identities)
     """
 
     target_batch_size: int
@@ -158,6 +169,7 @@ class ProgressConfig:
     probe_timeout: float = 3.0
     probe_retry_period: float = 10.0
     partner_window: int = 4
+    trusted_peers: frozenset[bytes] = frozenset()
 
     def __post_init__(self) -> None:
         if (
@@ -206,6 +218,13 @@ class ProgressConfig:
         window = self.partner_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"partner_window must be a non-negative integer, got {window!r}")
+        if isinstance(self.trusted_peers, (str, bytes)):
+            raise TypeError("trusted_peers must be a collection of peer ids, not one")
+        trusted = frozenset(self.trusted_peers)
+        for peer_id in trusted:
+            if not isinstance(peer_id, bytes) or not peer_id:
+                raise TypeError(f"trusted_peers must be peer ids as bytes, got {peer_id!r}")
+        object.__setattr__(self, "trusted_peers", trusted)
 
 
 class PerformanceEMA:
@@ -274,6 +293,10 @@ class LocalProgress:
     samples_per_second: float
     time: float  #: DHT time of the report the samples were counted at
     client_mode: bool
+    #: peer ids of its round partners (most recent first; at most ``MAX_LISTED_PARTNERS``): it
+    #: vouches for their samples (see :mod:`swarmtrain.optim.progress_votes`); records written
+    #: before this field existed vouch for nobody
+    partners: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, bytes):
@@ -289,6 +312,12 @@ class LocalProgress:
             raise ValueError("time must be finite")
         if not isinstance(self.client_mode, bool):
             raise TypeError("client_mode must be a bool")
+        partners = self.partners
+        if not isinstance(partners, tuple) or len(partners) > MAX_LISTED_PARTNERS:
+            raise ValueError(f"partners must be a tuple of at most {MAX_LISTED_PARTNERS} peer ids")
+        for peer_id in partners:
+            if not isinstance(peer_id, bytes) or not 0 < len(peer_id) <= MAX_PEER_ID_BYTES:
+                raise ValueError(f"partners must be peer ids (bytes), got {peer_id!r}")
 
     def to_dict(self) -> dict[str, object]:
         """The DHT value (floats stay floats, so strict schemas accept them)."""
@@ -299,6 +328,8 @@ class LocalProgress:
             "samples_per_second": float(self.samples_per_second),
             "time": float(self.time),
             "client_mode": self.client_mode,
+            # only when there are partners: peers that predate the field read the rest
+            **({"partners": list(self.partners)} if self.partners else {}),
         }
 
     @classmethod
@@ -311,6 +342,7 @@ class LocalProgress:
             samples_per_second=data["samples_per_second"],  # type: ignore[arg-type]
             time=data["time"],  # type: ignore[arg-type]
             client_mode=data["client_mode"],  # type: ignore[arg-type]
+            partners=tuple(data.get("partners", ())),  # type: ignore[call-overload]
         )
 
 
@@ -451,7 +483,10 @@ class ProgressCore:
         self._local_epoch_started_at = now
         self._ignored: set[bytes] = set()  # keys whose records the last recompute ignored
         self._votes = ProgressVotes(
-            peer_id, quorum_fraction=config.quorum_fraction, partner_window=config.partner_window
+            peer_id,
+            quorum_fraction=config.quorum_fraction,
+            partner_window=config.partner_window,
+            trusted_peers=config.trusted_peers,
         )
         self._implausible_warned: set[bytes] = set()
         self._last_active_epoch = -math.inf
@@ -530,6 +565,12 @@ class ProgressCore:
         their owners are not partners of this peer, and it has partners."""
         return len(self._votes.unvouched)
 
+    @property
+    def num_unvouched_peers(self) -> int:
+        """Live records whose samples and speed did not count at the last recompute: nobody
+        this peer trusts vouches for their owners (see ``progress_votes``)."""
+        return len(self._votes.unvouched_samples)
+
     def peers(self, now: float) -> dict[bytes, LocalProgress]:
         """Live records of the other peers, by peer id."""
         return {
@@ -567,6 +608,7 @@ class ProgressCore:
             self._ema.update(extra, now)
         else:
             self._ema.reset_timer(now)  # progress was reset: the next interval starts now
+        self._votes.prune(epoch)
         self._local = LocalProgress(
             previous.peer_id,
             epoch,
@@ -574,6 +616,7 @@ class ProgressCore:
             self._ema.samples_per_second,
             now,
             previous.client_mode,
+            self._votes.listed_partners(),
         )  # validates epoch and samples
         if samples_accumulated > 0:
             self._last_active_epoch = max(self._global.epoch, epoch)
@@ -650,6 +693,11 @@ class ProgressCore:
         partners, whose votes for epochs ahead of ours count while our epoch is at most
         ``epoch + partner_window`` (see the module docstring)."""
         self._votes.on_round_partners(peer_ids, epoch)
+        self._votes.prune(self._local.epoch)
+        listed = self._votes.listed_partners()
+        if listed != self._local.partners:  # publish whom we vouch for
+            self._local = dataclasses.replace(self._local, partners=listed)
+            self._store_pending = self._gossip_pending = True
         self._recompute(now)
 
     def probes_due(self, now: float) -> list[Probe]:
@@ -820,7 +868,7 @@ class ProgressCore:
             if record.progress is not None and self._liveness.counts(key, record.expiration_time)
         }
         self._credits.keep_only(live)
-        epoch = self._votes.vouched_epoch(live, self._local.epoch, trained=self._trained)
+        epoch = self._votes.tally(live, self._local.epoch, trained=self._trained)
         self._ignored = {key for key, peer in live.items() if peer.epoch > epoch + 1}
         for key in self._ignored:
             peer = live[key]
@@ -851,7 +899,10 @@ class ProgressCore:
             samples += local.samples_accumulated
             elapsed = max(0.0, now - local.time)
             estimated += local.samples_accumulated + elapsed * local.samples_per_second
+        vouched = self._votes.vouched  # None: every record's samples count
         for key, peer in others.items():
+            if vouched is not None and key not in vouched:
+                continue
             carry = self._credits.carries.get(key)
             if peer.epoch == epoch + 1 and carry is not None and carry.credit.epoch == epoch:
                 bound = carry.credit.bound(max_rate, carry.left_at)

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Carry", "Credit", "ProgressVotes", "SampleCredits", "reference_rate"]
 
+MAX_LISTED_PARTNERS = 64  #: partner ids a progress record lists at most (most recent first)
+MAX_PEER_ID_BYTES = 128  #: longest peer id a record may list (an Ed25519 one has 38 bytes)
 MIN_KNOWN_RATE = 1e-9  #: total samples/s below this means "speed unknown" (no ETA to judge)
 CREDIT_SLACK = 1.0  #: s of samples at the capped speed a peer may be ahead of its bound
 
@@ -154,19 +156,34 @@ def reference_rate(
 
 
 class ProgressVotes:
-    """Round partners and the quorum (see the module docstring).
+    """Round partners, the quorum and the vouched set (see the module docstring).
 
     :param local_key: this peer's id (never its own partner)
     :param quorum_fraction: see :class:`~swarmtrain.optim.ProgressConfig`
     :param partner_window: see :class:`~swarmtrain.optim.ProgressConfig`
+    :param trusted_peers: peer ids whose records vote and vouch like partners' (the organisers')
     """
 
-    def __init__(self, local_key: bytes, *, quorum_fraction: float, partner_window: int):
+    def __init__(
+        self,
+        local_key: bytes,
+        *,
+        quorum_fraction: float,
+        partner_window: int,
+        trusted_peers: Iterable[bytes] = (),
+    ):
         self.local_key = local_key
         self.quorum_fraction, self.partner_window = quorum_fraction, partner_window
+        self.trusted = frozenset(trusted_peers) - {local_key}
         self.partners: dict[bytes, int] = {}  #: peer id -> epoch of our last round with it
         self.live_partners: set[bytes] = set()  #: partners with a live non-client record
         self.unvouched: set[bytes] = set()  #: keys ahead of us whose votes did not count
+        #: peers vouched for at an earlier tally (or seen while nobody vouched): they count, and
+        #: vouch for the partners they list, while their records stay live
+        self.known: set[bytes] = set()
+        #: the peers whose samples and speed count (None: every record's)
+        self.vouched: frozenset[bytes] | None = None
+        self.unvouched_samples: set[bytes] = set()  #: live records outside ``vouched``
 
     def on_round_partners(self, peer_ids: Iterable[bytes], epoch: int) -> None:
         """This peer averaged with ``peer_ids`` in a round of ``epoch``."""
@@ -178,28 +195,66 @@ class ProgressVotes:
             if peer_id != self.local_key and self.partners.get(peer_id, -1) < epoch:
                 self.partners[peer_id] = epoch
 
+    def listed_partners(self) -> tuple[bytes, ...]:
+        """The partners our record lists: the most recent rounds' first, at most
+        ``MAX_LISTED_PARTNERS``, only those of peer ids a record may list."""
+        ranked = sorted(self.partners.items(), key=lambda item: (-item[1], item[0]))
+        listed = (key for key, _ in ranked if len(key) <= MAX_PEER_ID_BYTES)
+        return tuple(listed)[:MAX_LISTED_PARTNERS]
+
     def prune(self, local_epoch: int) -> None:
         """Forget the partners of rounds more than ``partner_window`` epochs before ours."""
-        oldest_round = local_epoch - self.partner_window
-        if any(epoch < oldest_round for epoch in self.partners.values()):
-            self.partners = {k: e for k, e in self.partners.items() if e >= oldest_round}
+        oldest = local_epoch - self.partner_window
+        if any(epoch < oldest for epoch in self.partners.values()):
+            self.partners = {k: e for k, e in self.partners.items() if e >= oldest}
+
+    def tally(self, live: Mapping[bytes, LocalProgress], local_epoch: int, *, trained: bool) -> int:
+        """The global epoch (:meth:`vouched_epoch`), and who counts (:attr:`vouched`)."""
+        epoch = self.vouched_epoch(live, local_epoch, trained=trained)
+        self.known.intersection_update(live)
+        self.vouched = self._vouched_set(live)
+        if self.vouched is None:  # every record counts: they are known from now on
+            self.known.update(key for key, peer in live.items() if peer.epoch <= epoch + 1)
+            self.unvouched_samples = set()
+        else:
+            self.known.update(self.vouched - {self.local_key})
+            self.unvouched_samples = {key for key in live if key not in self.vouched}
+        return epoch
+
+    def _vouched_set(self, live: Mapping[bytes, LocalProgress]) -> frozenset[bytes] | None:
+        """Us, our live partners, trusted and known peers, the partners their records list,
+        those that these list, and so on. None while nobody vouches: no partner of ours is
+        live, and no live trusted or known peer lists a partner (the start of a run)."""
+        roots = {key for key in (*self.partners, *self.trusted) if key in live} | self.known
+        if not any(key in self.partners or live[key].partners for key in roots):
+            return None
+        vouched, frontier = {self.local_key, *roots}, list(roots)
+        while frontier:
+            for key in live[frontier.pop()].partners:
+                if key in live and key not in vouched:
+                    vouched.add(key)
+                    frontier.append(key)
+        return frozenset(vouched)
 
     def vouched_epoch(
         self, live: Mapping[bytes, LocalProgress], local_epoch: int, *, trained: bool
     ) -> int:
         """The highest epoch that a quorum of the voters is at or beyond, never below ours.
-        The voters: our live partners if there is any, else every live non-client peer."""
+        The voters: our live partners and trusted peers if there is any, else every live
+        non-client peer."""
         voters = {key: peer for key, peer in live.items() if not peer.client_mode}
         partners = {key: voters[key] for key in self.partners if key in voters}
         self.live_partners = set(partners)
+        trusted = {key: voters[key] for key in self.trusted if key in voters}
         self.unvouched = set()
-        if partners:
+        if partners or trusted:
+            chosen = {**partners, **trusted}
             self.unvouched = {
                 key
                 for key, peer in voters.items()
-                if key not in partners and peer.epoch > local_epoch
+                if key not in chosen and peer.epoch > local_epoch
             }
-            voters = partners
+            voters = chosen
         votes = sorted((peer.epoch for peer in voters.values()), reverse=True)
         if trained:
             votes = sorted([*votes, local_epoch], reverse=True)
