@@ -91,6 +91,7 @@ class ProgressTrackerStatistics:
     unbound_refused: int = 0  #: records whose ``peer_id`` field is not their signed subkey
     live_partners: int = 0  #: peers that averaged with us lately, with a live record
     unvouched_ahead: int = 0  #: records ahead of us whose votes did not count (no partners)
+    unvouched_peers: int = 0  #: records whose samples and speed did not count (nobody vouched)
 
 
 def _parse_progress(value: Any) -> LocalProgress | object | None:

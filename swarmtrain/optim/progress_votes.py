@@ -222,18 +222,17 @@ class ProgressVotes:
         return epoch
 
     def _vouched_set(self, live: Mapping[bytes, LocalProgress]) -> frozenset[bytes] | None:
-        """Us, our live partners, trusted and known peers, the partners their records list,
-        those that these list, and so on. None while nobody vouches: no partner of ours is
-        live, and no live trusted or known peer lists a partner (the start of a run)."""
-        roots = {key for key in (*self.partners, *self.trusted) if key in live} | self.known
+        """Us, our live partners, trusted and known peers, and the partners that the records of
+        our live partners and trusted peers list (one step: a peer vouched for this way does
+        not vouch in turn). None while nobody vouches: no partner of ours is live, and no live
+        trusted or known peer lists a partner (the start of a run)."""
+        vouchers = {key for key in (*self.partners, *self.trusted) if key in live}
+        roots = vouchers | self.known
         if not any(key in self.partners or live[key].partners for key in roots):
             return None
-        vouched, frontier = {self.local_key, *roots}, list(roots)
-        while frontier:
-            for key in live[frontier.pop()].partners:
-                if key in live and key not in vouched:
-                    vouched.add(key)
-                    frontier.append(key)
+        vouched = {self.local_key, *roots}
+        for voucher in vouchers:
+            vouched.update(key for key in live[voucher].partners if key in live)
         return frozenset(vouched)
 
     def vouched_epoch(
