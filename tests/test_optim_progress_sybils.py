@@ -96,3 +96,69 @@ def test_sybil_records_one_epoch_ahead_do_not_move_peers_that_averaged(dhts, cap
             peer.opt.shutdown()
         for dht in sybil_dhts:
             dht.shutdown()
+
+
+def test_sybils_claiming_samples_do_not_shorten_the_epochs_of_peers_that_averaged(
+    dhts,  # noqa: F811
+):
+    """Four Sybil hosts whose records sit at the honest peers' epoch, each claiming the whole
+    target as soon as the epoch begins. Before vouching their samples counted (capped per
+    identity at ``max_rate_factor`` times the reference speed) and ended each epoch after a step
+    or two; now nobody vouches for them, and each epoch ends on the honest peers' own samples
+    (counted from each Optimizer's ``last_epoch_samples``)."""
+    honest = [Peer(dht, i, delay_state_averaging=False) for i, dht in enumerate(dhts(2))]
+    sybil_dhts: list[DHT] = []
+    trackers: list[ProgressTracker] = []
+    stop = threading.Event()
+    claimer = None
+    try:
+        in_threads(*(lambda p=p: p.train_until(1) for p in honest))
+        for _ in range(3):
+            if all(p.opt.tracker.statistics().live_partners for p in honest):
+                break
+            target = max(p.opt.local_epoch for p in honest) + 1
+            in_threads(*(lambda p=p, t=target: p.train_until(t) for p in honest))
+        assert all(p.opt.tracker.statistics().live_partners for p in honest)
+        attacked_from = max(p.opt.local_epoch for p in honest)
+
+        maddrs = honest[0].opt.dht.get_visible_maddrs()
+        sybil_dhts = [DHT(maddrs, **HOST) for _ in range(SYBILS)]
+        trackers = [ProgressTracker(dht, "regression", TARGET) for dht in sybil_dhts]
+        seen = {"unvouched": 0}
+
+        def claim_samples_at_the_honest_epoch() -> None:
+            while not stop.is_set():
+                epoch = min(p.opt.local_epoch for p in honest)
+                for sybil in trackers:  # the whole target, at once
+                    sybil.report_local_progress(epoch, TARGET)
+                for p in honest:
+                    unvouched = p.opt.tracker.statistics().unvouched_peers
+                    seen["unvouched"] = max(seen["unvouched"], unvouched)
+                stop.wait(0.1)
+
+        claimer = threading.Thread(target=claim_samples_at_the_honest_epoch, daemon=True)
+        claimer.start()
+        wait_for(
+            lambda: all(len(p.opt.tracker.peers()) >= 1 + SYBILS for p in honest),
+            20,
+            "the Sybils' records reaching the honest peers",
+        )
+        goal = attacked_from + 3
+        in_threads(*(lambda p=p: p.train_until(goal) for p in honest))
+        stop.set()
+        claimer.join(timeout=5)
+
+        assert seen["unvouched"] >= SYBILS  # they were there, at our epoch, and did not count
+        for epoch in range(attacked_from + 2, goal + 1):
+            gathered = sum(p.samples.get(epoch, 0) for p in honest)
+            assert gathered >= TARGET // 2, (epoch, [p.samples for p in honest])
+    finally:
+        stop.set()
+        if claimer is not None:
+            claimer.join(timeout=5)
+        for tracker in trackers:
+            tracker.shutdown()
+        for peer in honest:
+            peer.opt.shutdown()
+        for dht in sybil_dhts:
+            dht.shutdown()
