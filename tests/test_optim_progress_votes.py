@@ -113,6 +113,19 @@ def test_peers_known_before_our_partners_stay_vouched_while_their_records_live()
     assert core.global_progress.samples_accumulated == 40
 
 
+def test_a_peer_whose_vouchers_all_left_does_not_count_every_record_again():
+    core = with_partner()
+    fetch(core, T0 + 1, record(b"b", 3))
+    core.on_fetch({b"b": (None, T0 + 62)}, T0 + 2)  # our only partner (and known peer) left
+    fetch(core, T0 + 3, *claims(T0 + 3))
+    assert core.global_progress.samples_accumulated == 10  # ours alone
+    assert core.num_unvouched_peers == len(SYBILS)
+    # whoever averages with us next counts again
+    core.on_round_partners([b"c"], 3, T0 + 4)
+    fetch(core, T0 + 5, record(b"c", 3, now=T0 + 5))
+    assert core.global_progress.samples_accumulated == 20
+
+
 def test_records_list_our_partners_and_older_records_without_the_field_still_parse():
     core = make_core()
     core.report_local_progress(1, 4, T0)

@@ -31,7 +31,10 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   allows since it entered the epoch (see :mod:`swarmtrain.optim.progress_votes`); its reported
   samples/s is capped the same way for the ETA. A record whose samples exceed twice that bound
   is reported once;
-- ``samples_accumulated`` sums those samples of the peers at the global epoch;
+- ``samples_accumulated`` sums those samples of the peers at the global epoch whose samples
+  count: once this peer has partners, only the *vouched* peers' (its partners, trusted peers,
+  the partners their records list, peers known from before; see
+  :mod:`swarmtrain.optim.progress_votes`), so free identities claiming samples end no epoch;
 - the ETA extrapolates each such peer's samples from its report time at its samples/s, and
   divides what remains of ``target_batch_size`` by the samples/s of those peers. (hivemind
   counts peers behind for speed too, "they will catch up"; but a peer behind is usually still
@@ -901,10 +904,11 @@ class ProgressCore:
             estimated += local.samples_accumulated + elapsed * local.samples_per_second
         vouched = self._votes.vouched  # None: every record's samples count
         for key, peer in others.items():
-            if vouched is not None and key not in vouched:
-                continue
+            counts = vouched is None or key in vouched
             carry = self._credits.carries.get(key)
             if peer.epoch == epoch + 1 and carry is not None and carry.credit.epoch == epoch:
+                if not counts:
+                    continue
                 bound = carry.credit.bound(max_rate, carry.left_at)
                 samples += min(carry.samples, bound)
                 estimated += min(carry.samples, bound)
@@ -920,7 +924,9 @@ class ProgressCore:
                     ImplausibleProgress(
                         peer.peer_id, key, peer.epoch, peer.samples_accumulated, epoch, allowed
                     ),
-                )
+                )  # reported even when nobody vouches for it: the claim is a lie either way
+            if not counts:
+                continue
             peer_rate = min(peer.samples_per_second, max_rate)
             rate += peer_rate
             samples += min(peer.samples_accumulated, bound)

@@ -25,6 +25,23 @@ Votes (the global epoch):
   do; a signed record costs one key generation. A peer that fell behind still follows a quorum
   of its partners ahead (they keep their place: the window counts our epochs, not theirs).
 
+Vouched samples (whose samples and speeds count toward the target and the ETA):
+
+- each record lists its owner's round partners (``LocalProgress.partners``, inside the signed
+  record; a record without the field, from an older version, vouches for nobody);
+- until somebody vouches -- no live partner of ours, and no live trusted or known peer that
+  lists a partner: the start of a run, a newcomer's first look -- every record counts, and its
+  owner becomes *known*; from then on never again (a peer whose vouchers all left counts
+  itself and whoever averages with it, not every record present);
+- otherwise only the vouched peers count (:attr:`ProgressVotes.vouched`): us, our live partners,
+  live trusted peers (``trusted_peers``: they also vote, see above), the peers that the records
+  of our partners and trusted peers list (one step: a peer vouched for this way does not vouch
+  in turn, so an identity that averaged with one of our partners buys itself, not those it
+  lists), and the known peers: those vouched for at an earlier tally, while their records stay
+  live. Known peers keep a swarm larger than its groups whole: a group that keeps to itself (the
+  slowest peers, ending each epoch last) shares no round with the others after
+  ``partner_window`` epochs, and partner lists alone would split the swarm's target in two.
+
 Plausibility caps (samples):
 
 - a peer's samples count at most what ``max_rate_factor`` times the swarm's reference speed
@@ -184,6 +201,7 @@ class ProgressVotes:
         #: the peers whose samples and speed count (None: every record's)
         self.vouched: frozenset[bytes] | None = None
         self.unvouched_samples: set[bytes] = set()  #: live records outside ``vouched``
+        self._vouching = False  # someone vouched once: never again count every record
 
     def on_round_partners(self, peer_ids: Iterable[bytes], epoch: int) -> None:
         """This peer averaged with ``peer_ids`` in a round of ``epoch``."""
@@ -224,12 +242,14 @@ class ProgressVotes:
     def _vouched_set(self, live: Mapping[bytes, LocalProgress]) -> frozenset[bytes] | None:
         """Us, our live partners, trusted and known peers, and the partners that the records of
         our live partners and trusted peers list (one step: a peer vouched for this way does
-        not vouch in turn). None while nobody vouches: no partner of ours is live, and no live
-        trusted or known peer lists a partner (the start of a run)."""
+        not vouch in turn). None until somebody vouches: a partner of ours is live, or a live
+        trusted or known peer lists a partner (then for good)."""
         vouchers = {key for key in (*self.partners, *self.trusted) if key in live}
         roots = vouchers | self.known
-        if not any(key in self.partners or live[key].partners for key in roots):
-            return None
+        if not self._vouching:
+            if not any(key in self.partners or live[key].partners for key in roots):
+                return None
+            self._vouching = True  # for good: a peer whose vouchers all left trusts nobody new
         vouched = {self.local_key, *roots}
         for voucher in vouchers:
             vouched.update(key for key in live[voucher].partners if key in live)
