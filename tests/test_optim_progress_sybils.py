@@ -25,7 +25,14 @@ SYBILS = 4
 
 def test_sybil_records_one_epoch_ahead_do_not_move_peers_that_averaged(dhts, caplog):  # noqa: F811
     caplog.set_level(logging.WARNING, logger="swarmtrain")
-    honest = [Peer(dht, i, delay_state_averaging=False) for i, dht in enumerate(dhts(2))]
+    made = dhts(2)
+    honest_ids = [dht.peer_id for dht in made]
+    # the keyword reaches the tracker (a base58 string here): the other honest peer is trusted
+    honest = [
+        Peer(dht, i, delay_state_averaging=False, trusted_peers=[str(honest_ids[1 - i])])
+        for i, dht in enumerate(made)
+    ]
+    assert honest[0].opt.tracker._tracker().config.trusted_peers == {honest_ids[1].to_bytes()}
     sybil_dhts: list[DHT] = []
     trackers: list[ProgressTracker] = []
     stop = threading.Event()
@@ -41,10 +48,13 @@ def test_sybil_records_one_epoch_ahead_do_not_move_peers_that_averaged(dhts, cap
         attacked_from = max(p.opt.local_epoch for p in honest)
 
         maddrs = honest[0].opt.dht.get_visible_maddrs()
-        sybil_dhts = [DHT(maddrs, **HOST) for _ in range(SYBILS + 1)]
-        trackers = [ProgressTracker(dht, "regression", TARGET) for dht in sybil_dhts]
+        sybil_dhts = [DHT(maddrs, **HOST) for _ in range(SYBILS + 2)]
+        trackers = [ProgressTracker(dht, "regression", TARGET) for dht in sybil_dhts[:-1]]
+        # a newcomer that trusts the honest peers (the organisers') follows them instead
+        trusting = ProgressTracker(sybil_dhts[-1], "regression", TARGET, trusted_peers=honest_ids)
+        trackers.append(trusting)
         sybils, observer = trackers[:SYBILS], trackers[SYBILS]
-        seen = {"unvouched": 0, "observer_ahead": False}
+        seen = {"unvouched": 0, "observer_ahead": False, "trusting_ahead": False}
 
         def keep_one_epoch_ahead() -> None:
             claimed = None
@@ -60,6 +70,8 @@ def test_sybil_records_one_epoch_ahead_do_not_move_peers_that_averaged(dhts, cap
                 # a peer with no partner (this observer never trained) follows the quorum
                 if observer.global_epoch > max(p.opt.local_epoch for p in honest):
                     seen["observer_ahead"] = True
+                if trusting.global_epoch > max(p.opt.local_epoch for p in honest):
+                    seen["trusting_ahead"] = True
                 stop.wait(0.1)
 
         claimer = threading.Thread(target=keep_one_epoch_ahead, daemon=True)
@@ -77,6 +89,8 @@ def test_sybil_records_one_epoch_ahead_do_not_move_peers_that_averaged(dhts, cap
         assert {p.opt.local_epoch for p in honest} == {goal}
         assert seen["unvouched"] >= SYBILS  # they were there, ahead, and did not count
         assert seen["observer_ahead"]  # the same records are a quorum for a peer without partners
+        assert not seen["trusting_ahead"]  # ... unless it trusts the honest peers
+        wait_for(lambda: trusting.global_epoch == goal, 20, "the trusting newcomer following")
         # each epoch under attack ended on the honest peers' own samples: the target, or an
         # ETA that passed (at least half of it in the stalling swarms of test_optim_epoch_core);
         # under the old rule 4-8 samples, a step or two (the swarm was always an epoch ahead)
