@@ -2,7 +2,9 @@
 classifier of ``swarmtrain demo`` (offline data), driven by JSON lines on stdin.
 
 ``python train_peer.py '<json options>'``: options ``dht`` (``DHT`` keywords), ``mode``
-(``"optimizer"`` or ``"diloco"``), ``index`` / ``peers`` (this peer's data shard). Prints
+(``"optimizer"`` or ``"diloco"``), ``index`` / ``peers`` (this peer's data shard), ``log``
+(logger names shown at ``log_level``, DEBUG by default) and ``log_dir`` (write them to
+``<log_dir>/peer<index>.log`` with wall-clock stamps instead of stderr). Prints
 ``{"ready": ..., "peer_id", "maddrs"}``, then answers:
 
 - ``{"op": "wait_circuit", "timeout": s}``: wait for a ``/p2p-circuit`` address;
@@ -12,6 +14,9 @@ classifier of ``swarmtrain demo`` (offline data), driven by JSON lines on stdin.
   keep training until a ``{"op": "finish", "epoch": E}`` line arrives and our epoch (outer step
   for DiLoCo) reaches it; then print ``{"done": ...}``: epochs, rounds averaged / alone, eval
   loss before and after, the parameters;
+- ``{"op": "paths"}`` (while training or after ``done``): ``{"paths": {peer id: kinds}}``,
+  the kinds of each connected peer's open connections (``P2P.connection_paths``; ``done``
+  carries them too);
 - ``{"op": "quit"}`` (or stdin closed): shut down.
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -50,6 +56,15 @@ def progress(opt, mode: str) -> dict:
             "caught_up": stats.states_caught_up,
         }
     return {"epoch": opt.local_epoch, "averaged": opt.epochs_averaged, "alone": opt.epochs_alone}
+
+
+def connection_paths(dht) -> dict[str, list[str]]:
+    """Per connected peer id, the kinds of its open connections (``P2P.connection_paths``)."""
+
+    async def read(async_dht, node) -> dict[str, list[str]]:
+        return {str(peer): kinds for peer, kinds in async_dht.p2p.connection_paths().items()}
+
+    return dht.run_coroutine(read)
 
 
 def flat_parameters(model) -> list[float]:
@@ -164,6 +179,8 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
                     break
                 if message["op"] == "status":
                     say(status(model, eval_set, opt, mode))
+                elif message["op"] == "paths":
+                    say({"paths": connection_paths(dht)})
                 elif message["op"] == "finish":
                     finish_at = message["epoch"]
                 elif message["op"] == "quit":
@@ -177,6 +194,7 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
                 "eval_loss_after": loss_after,
                 "accuracy": accuracy,
                 "params": flat_parameters(model),
+                "paths": connection_paths(dht),
             }
         )
         # stay until told to quit: peers that are behind may still average with us
@@ -185,6 +203,8 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
                 say(final_sync(opt, mode, model, message))
             elif message["op"] == "status":
                 say(status(model, eval_set, opt, mode))
+            elif message["op"] == "paths":
+                say({"paths": connection_paths(dht)})
     finally:
         opt.shutdown()
 
@@ -192,9 +212,14 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
 def main(options: dict) -> None:
     import swarmtrain
 
-    if options.get("log"):  # logger names to show on stderr
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f %(name)s %(message)s"))
+    if options.get("log"):  # logger names to show on stderr (or in ``log_dir``/peer<index>.log)
+        if options.get("log_dir"):  # wall-clock stamps: comparable between peers
+            path = os.path.join(options["log_dir"], f"peer{options.get('index', 0)}.log")
+            handler = logging.FileHandler(path)
+            handler.setFormatter(logging.Formatter("%(created).3f %(name)s %(message)s"))
+        else:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f %(name)s %(message)s"))
         for name in options["log"]:
             logging.getLogger(name).addHandler(handler)
             logging.getLogger(name).setLevel(options.get("log_level", "DEBUG"))
