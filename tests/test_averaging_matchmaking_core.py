@@ -60,7 +60,7 @@ class Swarm:
     sees the failure); ``freeze(peer)`` makes it silent (its streams stay open, nothing answers).
     ``hide`` maps a peer to peers whose declarations it cannot see. ``latency`` maps a pair of
     peers (``frozenset``) to the one-way delay of their messages (a slow or relayed path; a
-    closed stream is noticed after the same delay).
+    closed stream is noticed after the same delay); a DHT read answers after ``read_delay``.
     """
 
     def __init__(self, config: MatchmakingConfig):
@@ -80,6 +80,7 @@ class Swarm:
         self.hide: dict[bytes, set[bytes]] = {}
         self.blank_schema = False
         self.latency: dict[frozenset, float] = {}
+        self.read_delay = 0.0
         self.in_flight: list[tuple[float, int, bytes, object]] = []  # (due, n, target, fn)
 
     def add(self, peer: bytes, *, start: float = 0.0, config=None, deadline=30.0, **kwargs):
@@ -109,7 +110,14 @@ class Swarm:
                 ]
                 if self.blank_schema:
                     snapshot = [dataclasses.replace(d, schema_hash=b"") for d in snapshot]
-                self.queue.append((src, lambda c, s=snapshot: c.receive_declarations(s, self.now)))
+                answer = (src, lambda c, s=snapshot: c.receive_declarations(s, self.now))
+                if self.read_delay > 0:
+                    self.stream_counter += 1
+                    heapq.heappush(
+                        self.in_flight, (self.now + self.read_delay, self.stream_counter, *answer)
+                    )
+                else:
+                    self.queue.append(answer)
             elif isinstance(action, SendJoinRequest):
                 self.stream_counter += 1
                 stream = (src, action.leader)
@@ -1016,3 +1024,63 @@ def test_request_timeouts_must_be_positive():
     for bad in (0.0, -1.0, math.nan, math.inf, "1"):
         with pytest.raises(ValueError, match="request timeout"):
             MatchmakingCore(config(), pid(0), SCHEMA, deadline=10.0, request_timeouts={pid(1): bad})
+
+
+def _unseen_peer_swarm(expected: int | None, latency: float, read_delay: float = 0.0) -> Swarm:
+    """pid(0) declares first (it should lead) but the others' DHT reads miss its declaration,
+    as seen under load behind NATs; pid(0) sees them, but they expire later, so it may not
+    follow them. Messages to and from pid(0) take ``latency`` each way, DHT reads
+    ``read_delay``."""
+    swarm = Swarm(config(request_timeout=2.0, min_matchmaking_time=5.0))
+    swarm.read_delay = read_delay
+    swarm.hide = {pid(1): {pid(0)}, pid(2): {pid(0)}}
+    for other in (pid(1), pid(2)):
+        swarm.latency[frozenset((pid(0), other))] = latency
+    swarm.add(pid(0), start=0.0, expected_group_size=expected)
+    swarm.add(pid(1), start=0.3, expected_group_size=expected)
+    swarm.add(pid(2), start=1.0, expected_group_size=expected)
+    return swarm
+
+
+@pytest.mark.parametrize("latency, read_delay", [(0.0, 1.0), (0.5, 0.0), (0.5, 1.0)])
+def test_a_peer_nobody_sees_joins_the_group_of_a_peer_it_saw(latency, read_delay):
+    """At its expiration the unseen peer declares again, later than the peers it saw, and asks
+    them at once from its last read (a new read, ``read_delay``, would come after their group
+    assembled); the leader, which expects three peers, holds its group of two open once while
+    its follower still waits, so the late request (``latency``) still finds it: all three in
+    one group. (Before: the unseen peer was left out, as in the NAT runs.)"""
+    swarm = _unseen_peer_swarm(expected=3, latency=latency, read_delay=read_delay)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(0), pid(1), pid(2)}
+    assert group.leader == pid(1)
+    # the leader held only as long as its follower waits (pid(2) expires at 6.0)
+    assert swarm.now <= 6.0 + swarm.config.request_timeout / 2 + 2 * latency + read_delay
+
+
+def test_without_expected_peers_a_leader_assembles_at_its_expiration():
+    """No ``expected_group_size`` (a plain averager): no hold, the group of two assembles at the
+    leader's expiration, before the unseen peer's slow request arrives."""
+    swarm = _unseen_peer_swarm(expected=None, latency=0.5)
+    results = swarm.run()
+    groups = swarm.check_consistent()
+    assert {g.peer_ids for g in groups} == {results[pid(1)].group.peer_ids}
+    assert set(results[pid(1)].group.peer_ids) == {pid(1), pid(2)}
+
+
+def test_a_leader_holds_for_expected_peers_only_while_its_followers_wait():
+    """Three peers expected, two present: the leader holds its group open past its expiration
+    (5.0) until its follower's expiration plus half a ``request_timeout`` (6.0 + 1.0), then
+    assembles the two; the follower, which waits until 6.0 + 2.0, gets the group."""
+    swarm = Swarm(config(request_timeout=2.0, min_matchmaking_time=5.0))
+    swarm.add(pid(0), expected_group_size=3)
+    swarm.add(pid(1), start=1.0, expected_group_size=3)
+    results = swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(0), pid(1)}
+    assembled = [t for t, src, a in swarm.log if isinstance(a, GroupAssembled) and src == pid(0)]
+    assert assembled == [pytest.approx(7.0)]
+    assert results[pid(0)].is_leader
+    # the held declaration was renewed (visible to late peers) with the hold's end
+    declared = [a.declaration.expiration for a in swarm.sent(Declare, pid(0))]
+    assert declared == [pytest.approx(5.0), pytest.approx(7.0)]
