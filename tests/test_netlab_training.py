@@ -28,6 +28,8 @@ def _run(mode: str, seconds: float) -> dict[str, dict]:
         trained = swarm.ask_all({name: train for name in HOMES}, seconds + 120)
         finish = {"op": "finish", "epoch": max(t["epoch"] for t in trained.values()) + 1}
         done = swarm.ask_all({name: finish for name in HOMES}, 180)
+        for name, result in done.items():  # which path each pair used, by peer name
+            result["paths"] = {swarm.name_of(p): kinds for p, kinds in result["paths"].items()}
         print(mode, {n: {k: v for k, v in d.items() if k != "params"} for n, d in done.items()})
         return done
 

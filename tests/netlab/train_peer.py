@@ -12,7 +12,8 @@ classifier of ``swarmtrain demo`` (offline data), driven by JSON lines on stdin.
   ``outer_lr``, ``outer_momentum``): wait until the run has ``n``
   peers (Optimizer), train for ``s`` seconds, then print ``{"trained": ..., "epoch": E}`` and
   keep training until a ``{"op": "finish", "epoch": E}`` line arrives and our epoch (outer step
-  for DiLoCo) reaches it; then print ``{"done": ...}``: epochs, rounds averaged / alone, eval
+  for DiLoCo) reaches it; then print ``{"done": ...}``: epochs, rounds averaged / alone, the
+  group size of each round (``group_sizes``: {size: rounds}) and partial all-reduces, eval
   loss before and after, the parameters;
 - ``{"op": "paths"}`` (while training or after ``done``): ``{"paths": {peer id: kinds}}``,
   the kinds of each connected peer's open connections (``P2P.connection_paths``; ``done``
@@ -44,6 +45,45 @@ def read_commands(commands: queue.Queue) -> None:
     commands.put({"op": "quit"})
 
 
+class RoundLog(logging.Handler):
+    """Counts the group size of every round this peer finished, and its partial all-reduces,
+    from swarmtrain's own log records (``Optimizer``: one per epoch; DiLoCo: one per outer
+    step; a round that failed logs no size: the peer stepped alone)."""
+
+    SIZE_ARGUMENT = {
+        "%s: averaged gradients with %d peers": 1,
+        "DiLoCo outer step %d (fragment %d, inner step %d): group of %d, waited %.2f s": 3,
+    }
+    PARTIAL = "all-reduce in a group of %d was partial: banned senders %s, failed reducers %s%s"
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.sizes: dict[int, int] = {}
+        self.partial = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        index = self.SIZE_ARGUMENT.get(record.msg)
+        if index is not None and isinstance(record.args, tuple):
+            size = int(record.args[index])
+            self.sizes[size] = self.sizes.get(size, 0) + 1
+        elif record.msg == self.PARTIAL:
+            self.partial += 1
+
+    def install(self) -> None:
+        for name in (
+            "swarmtrain.optim._epoch_gradients",
+            "swarmtrain.optim.diloco",
+            "swarmtrain.averaging.async_averager",
+        ):
+            logger = logging.getLogger(name)
+            logger.addHandler(self)
+            if logger.getEffectiveLevel() > logging.DEBUG:
+                logger.setLevel(logging.DEBUG)
+
+
+ROUNDS = RoundLog()
+
+
 def progress(opt, mode: str) -> dict:
     if mode == "diloco":
         stats = opt.statistics()
@@ -54,8 +94,16 @@ def progress(opt, mode: str) -> dict:
             "last_group_size": stats.last_group_size,
             "bytes_sent": stats.bytes_sent,
             "caught_up": stats.states_caught_up,
+            "group_sizes": dict(ROUNDS.sizes),
+            "partial": ROUNDS.partial,
         }
-    return {"epoch": opt.local_epoch, "averaged": opt.epochs_averaged, "alone": opt.epochs_alone}
+    return {
+        "epoch": opt.local_epoch,
+        "averaged": opt.epochs_averaged,
+        "alone": opt.epochs_alone,
+        "group_sizes": dict(ROUNDS.sizes),
+        "partial": ROUNDS.partial,
+    }
 
 
 def connection_paths(dht) -> dict[str, list[str]]:
@@ -224,6 +272,7 @@ def main(options: dict) -> None:
             logging.getLogger(name).addHandler(handler)
             logging.getLogger(name).setLevel(options.get("log_level", "DEBUG"))
 
+    ROUNDS.install()
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=read_commands, args=(commands,), daemon=True).start()
     dht = swarmtrain.DHT(**options.get("dht", {}))
