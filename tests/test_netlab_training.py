@@ -44,6 +44,9 @@ def _check(done: dict[str, dict], min_epochs: int) -> None:
         # every peer averaged with others in most epochs (the goal, every epoch, is not met
         # on a loaded box: docs/reliability.md)
         assert result["averaged"] >= epoch // 2, result
+    # the symmetric NAT defeats hole punching: c reaches a and b through a relay only
+    for name in "ab":
+        assert "direct" not in done["c"]["paths"].get(name, []), done["c"]["paths"]
     reference = done["a"]["params"]
     for name in "bc":
         gap = max(abs(x - y) for x, y in zip(reference, done[name]["params"], strict=True))

@@ -9,12 +9,13 @@ classifier of ``swarmtrain demo`` (offline data), driven by JSON lines on stdin.
 
 - ``{"op": "wait_circuit", "timeout": s}``: wait for a ``/p2p-circuit`` address;
 - ``{"op": "train", "seconds": s, "peers": n, "run_id": ...}`` (DiLoCo: also ``inner_steps``,
-  ``outer_lr``, ``outer_momentum``): wait until the run has ``n``
-  peers (Optimizer), train for ``s`` seconds, then print ``{"trained": ..., "epoch": E}`` and
-  keep training until a ``{"op": "finish", "epoch": E}`` line arrives and our epoch (outer step
-  for DiLoCo) reaches it; then print ``{"done": ...}``: epochs, rounds averaged / alone, the
-  group size of each round (``group_sizes``: {size: rounds}) and partial all-reduces, eval
-  loss before and after, the parameters;
+  ``outer_lr``, ``outer_momentum``): wait until the run has ``n`` peers (at most
+  ``start_barrier`` seconds, 60 by default; 0: no wait), train for ``s`` seconds, then print
+  ``{"trained": ..., "epoch": E}`` and keep training until a ``{"op": "finish", "epoch": E}``
+  line arrives and our epoch (outer step for DiLoCo) reaches it; then print
+  ``{"done": ...}``: epochs, rounds averaged / alone, the group size of each round
+  (``group_sizes``: {size: rounds}) and partial all-reduces, eval loss before and after, the
+  parameters;
 - ``{"op": "paths"}`` (while training or after ``done``): ``{"paths": {peer id: kinds}}``,
   the kinds of each connected peer's open connections (``P2P.connection_paths``; ``done``
   carries them too);
@@ -199,10 +200,12 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
         loss_before, _ = evaluate(model, eval_set)
         if command.get("join"):  # a newcomer: take the swarm's state first
             say({"joined": opt.load_state_from_peers(), **progress(opt, mode)})
+        elif command.get("start_barrier", 60) <= 0:
+            pass  # no barrier: each peer trains as soon as it is ready
         elif mode != "diloco":
-            opt.wait_for_peers(peers, timeout=60)
+            opt.wait_for_peers(peers, timeout=command.get("start_barrier", 60))
         else:  # the same start barrier: a peer that starts rounds late only loads the state
-            until = time.monotonic() + 60
+            until = time.monotonic() + command.get("start_barrier", 60)
             while len(opt.presence.others()) < peers - 1 and time.monotonic() < until:
                 time.sleep(0.2)
         if command.get("say_started"):
