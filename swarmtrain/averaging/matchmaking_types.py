@@ -192,7 +192,8 @@ class MatchmakingConfig:
     :param min_matchmaking_time: a declaration lasts at least this long (hivemind's
       ``averaging_expiration`` / ``min_matchmaking_time``): the window for followers to join
     :param request_timeout: how long to wait for a potential leader's first answer, and for its
-      group past our own expiration; keep it below ``min_matchmaking_time``
+      group past our own expiration (at least: a slower path gets longer, see
+      ``MatchmakingCore(request_timeouts=...)``); keep it below ``min_matchmaking_time``
     :param refresh_interval: how often to re-read the group key while nobody is left to ask
     :param first_refresh_interval: the first re-read comes this soon, and the wait doubles up to
       ``refresh_interval`` (peers that start at once see each other's declarations only after
