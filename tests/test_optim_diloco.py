@@ -336,7 +336,7 @@ def test_streaming_peer_dies_during_a_round(data, dhts):
 
         def die() -> None:
             peers[2].train(1)  # fragment 0's round starts after step 2, in the background
-            assert 0 in peers[2].opt._pending
+            assert 0 in peers[2].opt._impl._pending
             time.sleep(0.2)  # matchmaking or all-reduce under way
             peers[2].opt.shutdown()
 

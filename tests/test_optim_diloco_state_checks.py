@@ -274,7 +274,7 @@ def test_a_joiner_rejects_poisoned_diloco_states_and_loads_an_honest_one(caplog)
             joiner.opt.shared_parameters(), honest.opt.shared_parameters(), strict=True
         ):
             assert torch.equal(mine, theirs)
-        outer = joiner.opt._outer.optimizer
+        outer = joiner.opt._impl._outer.optimizer
         assert outer.param_groups[0]["lr"] == 0.7 and outer.param_groups[0]["momentum"] == 0.9
         assert len(outer.state) == 2  # the honest donor's momentum buffers
 

@@ -512,7 +512,11 @@ class AsyncDecentralizedAverager:
                         "allow_allreduce() was not called before the deadline",
                     )
             weight = control._begin_allreduce()
-            return await self._run_allreduce(assembled.group, weight)
+            try:
+                return await self._run_allreduce(assembled.group, weight, control)
+            except BaseException:
+                control._attempt_failed()
+                raise
         finally:
             self._allreduce.release(assembled.group.group_id)
 
@@ -564,7 +568,9 @@ class AsyncDecentralizedAverager:
                     until - now,
                 )
 
-    async def _run_allreduce(self, group: MatchmakingGroup, weight: float) -> GatheredData:
+    async def _run_allreduce(
+        self, group: MatchmakingGroup, weight: float, control: StepControl | None = None
+    ) -> GatheredData:
         assert self._allreduce is not None
         allreduce_group = self._allreduce_group(group, self.total_size)
         # The previous round's snapshot and delta buffers, if it ended well (taken, so a
@@ -591,6 +597,8 @@ class AsyncDecentralizedAverager:
         result = await runner.run()
         self.part_bytes_sent += result.part_bytes_sent
         self.delta_bytes_sent += result.delta_bytes_sent
+        if control is not None:
+            control._count_bytes(result.part_bytes_sent, result.delta_bytes_sent)
         self._ban_offenders(result)
         failed = {*result.banned_senders, *result.failed_reducers}
         others = {p for p in allreduce_group.peer_ids if p != self.peer_id}
