@@ -21,7 +21,7 @@ from swarmtrain.compression import NoCompression
 from swarmtrain.dht import DHT
 from swarmtrain.optim._optimizer_state import TENSOR_KEY, encode_tensors
 from swarmtrain.optim._state_checks import EPOCH_LIMIT, stepped_state
-from swarmtrain.optim.diloco import DiLoCoOptimizer
+from swarmtrain.optim.diloco import AsyncDiLoCoOptimizer, DiLoCoOptimizer
 from swarmtrain.optim.diloco_core import OuterState, default_outer_optimizer
 from swarmtrain.optim.diloco_state import check_state, pack_state
 from swarmtrain.utils.background import BackgroundRuntime
@@ -174,6 +174,12 @@ INNER_STEPS = 2
 class HostileDiLoCo(DiLoCoOptimizer):
     """Serves its real state with one poison applied."""
 
+    def __init__(self, *args, poison: Callable, **kwargs):
+        self._implementation = functools.partial(_HostileImplementation, poison=poison)
+        super().__init__(*args, **kwargs)
+
+
+class _HostileImplementation(AsyncDiLoCoOptimizer):
     def __init__(self, *args, poison: Callable, **kwargs):
         self.poison = poison
         super().__init__(*args, **kwargs)

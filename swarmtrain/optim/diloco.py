@@ -175,6 +175,9 @@ class DiLoCoOptimizer(BackgroundService):
     """
 
     _service_name = "this DiLoCoOptimizer"
+    #: builds the implementation from the keywords (a subclass of ``AsyncDiLoCoOptimizer``
+    #: that, e.g., serves another state may be put here)
+    _implementation: Callable[..., AsyncDiLoCoOptimizer] = AsyncDiLoCoOptimizer
     #: the trio way in: ``async with DiLoCoOptimizer.create(params, dht=async_dht, ...)``
     create = AsyncDiLoCoOptimizer.create
 
@@ -204,7 +207,7 @@ class DiLoCoOptimizer(BackgroundService):
         running = getattr(dht, "_running", None)
         dht_runtime, async_dht = running() if running is not None else (None, dht)
         #: the implementation (its torch side is built here, in the caller's thread)
-        self._impl = AsyncDiLoCoOptimizer(
+        self._impl = self._implementation(
             params,
             dht=async_dht,
             run_id=run_id,
