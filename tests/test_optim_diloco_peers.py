@@ -24,10 +24,10 @@ from swarmtrain.dht import DHT, PeerRecordValidator, get_dht_time
 from swarmtrain.optim.diloco_peers import PRESENCE_KEY_PATTERN, RunPresence, presence_key
 
 
-async def wait_until(predicate, seconds: float, what: str) -> None:
-    """Await ``predicate()`` (async) until it is true, at most ``seconds``."""
+async def wait_until(predicate, seconds: float) -> None:
+    """Await ``predicate()`` (async: a DHT read) until it is true, at most ``seconds``."""
     with trio.fail_after(seconds):
-        while not await predicate():
+        while not await predicate():  # noqa: ASYNC110 (nothing to wait on: DHT records)
             await trio.sleep(0.05)
 
 
@@ -103,12 +103,12 @@ async def test_a_declared_step_reaches_the_other_peers_and_leaving_says_goodbye(
                 async def step_42() -> bool:
                     return [p.step for p in await observer.others()] == [42]
 
-                await wait_until(step_42, 10, "step 42")
+                await wait_until(step_42, 10)
 
             async def nobody() -> bool:
                 return await observer.others() == []
 
-            await wait_until(nobody, 10, "the goodbye record")
+            await wait_until(nobody, 10)  # the goodbye record
 
 
 @pytest.mark.trio
