@@ -320,7 +320,7 @@ class AsyncDiLoCoOptimizer:
         self._allreduce_timeout = float(opts["allreduce_timeout"] or averaging_timeout)
         #: the torch side of each fragment's averager (its pseudo-gradient buffers, their
         #: lock, its config); fragment 0's also serves the state to joiners
-        self.fragment_averagers: list[DecentralizedAverager] = []
+        self.fragment_averagers: list[_FragmentAverager] = []
         for f, group in enumerate(self.fragments.groups):
             prefix = (
                 f"{run_id}_diloco"

@@ -232,9 +232,10 @@ class DiLoCoOptimizer(BackgroundService):
             raise RuntimeError("the DHT runs on another background loop (made before a fork?)")
         self.dht = dht
         impl = self._start_in_background(self._impl.open)
+        runtime = self._running()[0]
         for view, service in zip(impl.fragment_averagers, impl.averagers, strict=True):
-            view._attach(self._runtime, service)
-        self._presence = _PresenceView(self._runtime, impl.presence)
+            view._attach(runtime, service)
+        self._presence = _PresenceView(runtime, impl.presence)
 
     # ------------------------------------------------------------------ the implementation's
 

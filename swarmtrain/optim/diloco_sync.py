@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from swarmtrain.optim.diloco_peers import Present
 from swarmtrain.optim.diloco_state import _peer_order, reference_peers
@@ -54,7 +54,7 @@ def peers_ahead(others: Iterable[Present], start_step: int, inner_steps: int) ->
     ]
 
 
-def diverged_from(gathered: dict, ours: bytes) -> tuple[set, int] | None:
+def diverged_from(gathered: dict, ours: bytes) -> tuple[frozenset, int] | None:
     """The reference class of a round's gathered data (``{peer_id: gather}``) if our
     fingerprint is not in it, with the number of fingerprints; None when we follow it (or a
     peer of an older version sent no fingerprint: nothing to compare)."""
@@ -121,7 +121,7 @@ async def catch_up(opt: AsyncDiLoCoOptimizer, pending: _Round) -> None:
 async def adopt_reference_state(opt: AsyncDiLoCoOptimizer, gathered: dict, pending: _Round) -> None:
     """If the round's fingerprints show that our shared parameters differ from the ones the
     group follows (another random init, a joiner that loaded nothing), load them."""
-    diverged: Any = diverged_from(gathered, opt.averagers[pending.fragment].peer_id.to_bytes())
+    diverged = diverged_from(gathered, opt.averagers[pending.fragment].peer_id.to_bytes())
     if diverged is None:
         return
     reference, count = diverged
