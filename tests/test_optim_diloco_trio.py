@@ -9,6 +9,7 @@ in-process reference, as the blocking facade's do (``test_optim_diloco.py``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import threading
 
@@ -80,6 +81,7 @@ class TrioPeer:
 async def train_together(peers, dhts, steps: int, **kwargs) -> list:
     """Each peer in its own task; the optimizers' statistics and shared parameters after."""
     results: list = [None] * len(peers)
+    created = [trio.Event() for _ in peers]
     done = [trio.Event() for _ in peers]
 
     async def run(i: int) -> None:
@@ -88,6 +90,9 @@ async def train_together(peers, dhts, steps: int, **kwargs) -> list:
             peer.model.parameters(), **peer.options(dhts[i], **kwargs)
         ) as opt:
             assert isinstance(opt, AsyncDiLoCoOptimizer)
+            created[i].set()
+            for event in created:  # everyone declared present before the first round
+                await event.wait()
             await peer.train(opt, steps)
             await opt.wait_for_pending_rounds()
             results[i] = (opt.statistics(), opt.shared_parameters(), opt.local_epoch)
@@ -140,7 +145,10 @@ async def test_trio_peers_equal_run_diloco(data, workers, fragments, delay, alph
 @pytest.mark.trio
 async def test_a_trio_joiner_loads_the_state_then_averages(data):
     config = SimulationConfig(num_workers=2, inner_steps=2, batch_size=4, context=MODEL.context)
-    first, joiner = TrioPeer(config, 0, data), TrioPeer(dataclass_seed(config, 7), 1, data)
+    first, joiner = (
+        TrioPeer(config, 0, data),
+        TrioPeer(dataclasses.replace(config, seed=7), 1, data),
+    )
     async with open_dhts(2) as dhts:
         async with DiLoCoOptimizer.create(
             first.model.parameters(), **first.options(dhts[0])
@@ -222,9 +230,3 @@ async def test_a_trio_step_with_a_heavy_inner_step_leaves_the_loop_running(data)
                     opt.zero_grad()
                     loss = await opt.step(closure)
     assert ticks >= 5 and torch.isfinite(loss) and opt.inner_step == 1
-
-
-def dataclass_seed(config: SimulationConfig, seed: int) -> SimulationConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, seed=seed)
