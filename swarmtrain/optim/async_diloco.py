@@ -51,7 +51,7 @@ import torch
 import trio
 
 from swarmtrain.averaging import DecentralizedAverager, StepControl
-from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager, _copies_on_loop
+from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.state_checks import StateCheck, TensorSpec
 from swarmtrain.compression import CompressionBase, Float16Compression
@@ -96,6 +96,11 @@ ROUND_KEYS = 1 << ROUND_BITS
 #: how much longer than its matchmaking and all-reduce deadlines a round is awaited before it
 #: is cancelled (a round always ends by itself; this only bounds a hung one)
 ROUND_GRACE = 10.0
+
+#: parameters up to this size (on the CPU) take their inner steps and round copies on the loop
+#: (cheaper than a hop to a worker thread); larger ones, and steps with a closure (forward and
+#: backward), run in ``trio.to_thread``
+INLINE_STEP_MAX_BYTES = 256 << 10
 
 InnerOptimizer = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
 
@@ -290,7 +295,7 @@ class AsyncDiLoCoOptimizer:
         self.max_donor_lrs = tuple(LR_TOLERANCE * lr for lr in initial_lrs(self._outer.optimizer))
         self._stepped_outer_state: tuple[Any, Sequence[TensorSpec]] | None = None
         #: inner steps and the tensor work of rounds run on the loop (small CPU parameters)
-        self._tensors_on_loop = _copies_on_loop(self._params)
+        self._tensors_on_loop = _runs_on_loop(self._params)
         # Guards the outer state, the step counters and the rounds in flight: a step changes
         # them, a worker thread reads them for newcomers (``_current_state``).
         self._lock = threading.Condition()
@@ -915,6 +920,11 @@ def _round_statistics(pending: _Round, group_size: int) -> RoundStatistics:
         failed_bytes_as_sender=control.failed_bytes_sent[0],
         failed_bytes_as_reducer=control.failed_bytes_sent[1],
     )
+
+
+def _runs_on_loop(params: Sequence[torch.Tensor]) -> bool:
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return nbytes <= INLINE_STEP_MAX_BYTES and all(p.device.type == "cpu" for p in params)
 
 
 def _is_number(value: object) -> bool:
