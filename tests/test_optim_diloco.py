@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import functools
@@ -671,3 +672,28 @@ def test_a_peer_a_round_behind_loads_the_state_and_rejoins_the_rounds(data, dhts
     finally:
         for peer in peers:
             peer.opt.shutdown()
+
+
+def test_asyncio_awaitables_run_the_trio_implementation(data, dhts):
+    """``opt.aio``: the trio methods awaited from asyncio on the background loop (a lone peer:
+    two outer rounds alone), then ``aio.shutdown``."""
+    config = SimulationConfig(num_workers=1, inner_steps=2, batch_size=4, context=MODEL.context)
+    (dht,) = dhts(1)
+    peer = Peer(config, 0, dht, data)
+
+    async def main() -> None:
+        assert not await peer.opt.aio.load_state_from_peers()  # nobody serves a state
+        for _ in range(2 * config.inner_steps):
+            peer.opt.zero_grad()
+            _loss(peer.model, peer.sampler.next()).backward()
+            await peer.opt.aio.step()
+        await peer.opt.aio.wait_for_pending_rounds()
+        state = await peer.opt.aio.state_dict()
+        assert state["inner_step"] == 2 * config.inner_steps
+        await peer.opt.aio.shutdown()
+
+    asyncio.run(main())
+    stats = peer.opt.statistics()
+    assert (stats.rounds_alone, stats.outer_step) == (2, 2)
+    with pytest.raises(RuntimeError, match="shut down"):
+        peer.opt.step()
