@@ -23,7 +23,7 @@ the outer round (matchmaking, all-reduce, the outer step, the divergence repair 
 catch-up of :mod:`~swarmtrain.optim.diloco_sync`) is awaited, bounded by ``averaging_timeout``.
 
 A step splits in two: :meth:`_take_inner_step` (plain, any thread: the inner optimizer step, the
-counters, the pseudo-gradients of rounds that start) returns a :class:`_Plan`; only a plan
+counters, the pseudo-gradients of rounds that start) returns a :class:`StepPlan`; only a plan
 with work in it (a round starts or must be applied) needs :meth:`_run_plan` on the loop. The
 blocking facade runs the first half in the caller's thread, so an inner step that touches no
 round never enters the loop.
@@ -44,18 +44,17 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
 import trio
 
-from swarmtrain.averaging import DecentralizedAverager, StepControl
+from swarmtrain.averaging import DecentralizedAverager
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
-from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.state_checks import StateCheck, TensorSpec
 from swarmtrain.compression import CompressionBase, Float16Compression
 from swarmtrain.dht import AsyncDHT
+from swarmtrain.optim._diloco_rounds import DiLoCoRounds
 from swarmtrain.optim._optimizer_state import encode_tensors
 from swarmtrain.optim._state_checks import LR_TOLERANCE, initial_lrs, stepped_state
 from swarmtrain.optim.diloco_core import (
@@ -68,6 +67,12 @@ from swarmtrain.optim.diloco_core import (
     default_outer_optimizer,
 )
 from swarmtrain.optim.diloco_peers import RunPresence
+from swarmtrain.optim.diloco_records import (
+    DiLoCoStatistics,
+    PendingRound,
+    RoundStatistics,
+    StepPlan,
+)
 from swarmtrain.optim.diloco_simulation import default_inner_optimizer
 from swarmtrain.optim.diloco_state import (
     check_positive,
@@ -75,27 +80,13 @@ from swarmtrain.optim.diloco_state import (
     check_state,
     flatten_params,
     pack_state,
-    shared_fingerprint,
     unpack_state,
-)
-from swarmtrain.optim.diloco_sync import (
-    adopt_reference_state,
-    catch_up,
-    check_lockstep,
-    everyone_done,
 )
 from swarmtrain.utils.logs import show_logs
 
 __all__ = ["AsyncDiLoCoOptimizer", "DiLoCoStatistics", "InnerOptimizer", "RoundStatistics"]
 
 logger = logging.getLogger("swarmtrain.optim.diloco")
-
-#: rounds are told apart in the DHT key by their number modulo ``2 ** ROUND_BITS``
-ROUND_BITS = 16
-ROUND_KEYS = 1 << ROUND_BITS
-#: how much longer than its matchmaking and all-reduce deadlines a round is awaited before it
-#: is cancelled (a round always ends by itself; this only bounds a hung one)
-ROUND_GRACE = 10.0
 
 #: parameters up to this size (on the CPU) take their inner steps and round copies on the loop
 #: (cheaper than a hop to a worker thread); larger ones, and steps with a closure (forward and
@@ -105,106 +96,7 @@ INLINE_STEP_MAX_BYTES = 256 << 10
 InnerOptimizer = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
 
 
-@dataclass(frozen=True)
-class RoundStatistics:
-    """One finished round of one fragment.
-
-    :param fragment: the fragment it synced
-    :param start_step: the inner step at which it started
-    :param group_size: peers (us included) whose average was applied; 1: we stepped alone
-    :param attempts: all-reduce attempts (a group that failed and another one found within
-      the round's deadline make two); 0: no all-reduce ran
-    :param failed_attempts: of them, the attempts that failed
-    :param bytes_sent_as_sender: parts we sent in this round, failed attempts included
-    :param bytes_sent_as_reducer: averaged parts we returned, failed attempts included
-    :param failed_bytes_as_sender: of ``bytes_sent_as_sender``, those of failed attempts
-    :param failed_bytes_as_reducer: of ``bytes_sent_as_reducer``, those of failed attempts
-    """
-
-    fragment: int
-    start_step: int
-    group_size: int
-    attempts: int = 0
-    failed_attempts: int = 0
-    bytes_sent_as_sender: int = 0
-    bytes_sent_as_reducer: int = 0
-    failed_bytes_as_sender: int = 0
-    failed_bytes_as_reducer: int = 0
-
-
-@dataclass(frozen=True)
-class DiLoCoStatistics:
-    """What one peer's optimizer has done so far.
-
-    :param inner_step: inner steps counted since the start of the run (adopted from the donor
-      by :meth:`~AsyncDiLoCoOptimizer.load_state_from_peers`)
-    :param outer_step: outer updates applied to the shared parameters (likewise); with F
-      fragments each fragment's update counts once, so F per H inner steps
-    :param rounds_averaged: rounds (of any fragment) in which we averaged with another peer
-    :param rounds_alone: rounds that failed, in which we applied our own pseudo-gradient
-    :param last_group_size: peers (us included) in the last round; 1 if it failed
-    :param bytes_sent: pseudo-gradient payload we sent, ``bytes_sent_as_sender +
-      bytes_sent_as_reducer``
-    :param bytes_sent_as_sender: payload of the parts we sent to other reducers (framing
-      excluded), in every all-reduce attempt, failed ones included
-    :param bytes_sent_as_reducer: payload of the averaged parts we returned to other senders
-      (likewise)
-    :param seconds_waiting: wall time ``step()`` spent waiting for averaging results
-    :param states_caught_up: times we fell a round behind the others and loaded their state
-      to rejoin their rounds
-    :param allreduce_attempts: all-reduce attempts over all rounds (see
-      :class:`RoundStatistics`)
-    :param failed_allreduce_attempts: of them, those that failed (the round retried or
-      stepped alone)
-    :param failed_bytes_as_sender: of ``bytes_sent_as_sender``, those of failed attempts
-    :param failed_bytes_as_reducer: of ``bytes_sent_as_reducer``, those of failed attempts
-    :param last_round: the last finished round (None before the first)
-    """
-
-    inner_step: int
-    outer_step: int
-    rounds_averaged: int
-    rounds_alone: int
-    last_group_size: int
-    bytes_sent: int
-    bytes_sent_as_sender: int
-    bytes_sent_as_reducer: int
-    seconds_waiting: float
-    states_caught_up: int = 0
-    allreduce_attempts: int = 0
-    failed_allreduce_attempts: int = 0
-    failed_bytes_as_sender: int = 0
-    failed_bytes_as_reducer: int = 0
-    last_round: RoundStatistics | None = None
-
-
-@dataclass
-class _Round:
-    """A round of one fragment whose sync started and whose result is not applied yet."""
-
-    fragment: int
-    round: int
-    start_step: int
-    weight: float
-    local_pseudo_gradient: list[torch.Tensor]
-    fingerprint: list[float]  # of the fragment's shared parameters the round started from
-    outer_step: int
-    control: StepControl | None = None
-    others: int = 0  # other peers of the run present at launch
-
-
-@dataclass
-class _Plan:
-    """What an inner step left to do on the loop: rounds to launch, rounds to apply."""
-
-    started: list[_Round] = field(default_factory=list)
-    apply: list[ApplyOuter] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.started or self.apply)
-
-
-class AsyncDiLoCoOptimizer:
+class AsyncDiLoCoOptimizer(DiLoCoRounds):
     """DiLoCo over the swarm on trio; build it with ``async with DiLoCoOptimizer.create(...)``
     (``dht``: an ``AsyncDHT`` from ``DHT.create``). Keywords: those of ``DiLoCoOptimizer``."""
 
@@ -301,7 +193,7 @@ class AsyncDiLoCoOptimizer:
         self._lock = threading.Condition()
         self._inner_step = 0
         self._samples = [0.0] * num_fragments  # per fragment, since its last sync started
-        self._pending: dict[int, _Round] = {}
+        self._pending: dict[int, PendingRound] = {}
         self._rounds_averaged = self._rounds_alone = 0
         self._states_caught_up = 0
         self._last_group_size = 0
@@ -451,7 +343,7 @@ class AsyncDiLoCoOptimizer:
 
     def _take_inner_step(
         self, closure: Callable[[], Any] | None, batch_size: int | None
-    ) -> tuple[Any, _Plan]:
+    ) -> tuple[Any, StepPlan]:
         """The inner step and its bookkeeping (plain: any thread, one at a time): what is
         left to do on the loop, if anything."""
         loss = None
@@ -462,7 +354,7 @@ class AsyncDiLoCoOptimizer:
             batch_size = self.batch_size_per_step or 1
         check_positive("batch_size", batch_size)
         self.inner_optimizer.step()
-        plan = _Plan()
+        plan = StepPlan()
         with self._lock:
             self._inner_step += 1
             self._samples = [s + batch_size for s in self._samples]
@@ -474,7 +366,7 @@ class AsyncDiLoCoOptimizer:
                     plan.apply.append(action)
         return loss, plan
 
-    async def _run_plan(self, plan: _Plan) -> None:
+    async def _run_plan(self, plan: StepPlan) -> None:
         """Launch the rounds an inner step started, then apply those due (on the loop)."""
         for pending in plan.started:
             await self._launch(pending)
@@ -641,220 +533,6 @@ class AsyncDiLoCoOptimizer:
 
     # ------------------------------------------------------------------ rounds
 
-    async def _tensor_work(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the loop for small CPU parameters, else in a worker thread."""
-        if self._tensors_on_loop:
-            return fn(*args)
-        return await trio.to_thread.run_sync(fn, *args)
-
-    def _start_round_locked(self, action: StartSync) -> _Round:
-        fragment = action.fragment
-        if fragment in self._pending:  # cannot happen with delay < inner_steps
-            raise RuntimeError(f"fragment {fragment}'s round started while its last is in flight")
-        indices = self.fragments[fragment]
-        pseudo_gradient = self._outer.pseudo_gradient(
-            self.fragments.select(self._params, fragment), indices
-        )
-        pending = _Round(
-            fragment,
-            action.round,
-            action.step,
-            self._samples[fragment],
-            pseudo_gradient,
-            fingerprint=shared_fingerprint([self._outer.params[i] for i in indices]),
-            outer_step=self._outer.outer_step,
-        )
-        self._pending[fragment] = pending
-        self._samples[fragment] = 0.0
-        return pending
-
-    async def _launch(self, pending: _Round) -> None:
-        # (a pseudo-gradient with NaN or inf goes in too: the averager sends zeros with weight
-        # 0 instead, so the others wait for nobody, and the step fails: see _finish_round)
-        others = await self.presence.others()
-        pending.others = len(others)
-        if not others:  # nobody to average with: no matchmaking wait
-            log = logger.info if self.verbose else logger.debug
-            log("no other peer in run %r: outer step alone", self.run_id)
-            return
-        if everyone_done(others, pending.start_step):
-            # Every other peer already finished this round (or a later one): nobody will
-            # come to this one (we fell behind: a slow step, a failed round). Step alone at
-            # once; _finish_round then loads their state, which puts us in their rounds.
-            logger.warning(
-                "DiLoCo fragment %d: every other peer of run %r is done with the round of "
-                "inner step %d: stepping alone, then loading their state",
-                pending.fragment,
-                self.run_id,
-                pending.start_step,
-            )
-            return
-        if self._pending.get(pending.fragment) is not pending:  # cancelled meanwhile
-            return
-        # With no target size, the group is complete once every peer present has joined.
-        expected = 1 + len(others) if self.target_group_size is None else None
-        averager = self.averagers[pending.fragment]
-        await self._tensor_work(self._fill_buffers, pending)
-        try:
-            # The round number in the bucket key (for this step only, retries included):
-            # only peers in the same round of this fragment meet, so a straggler never mixes
-            # in another round's pseudo-gradient.
-            pending.control = averager.start_step(
-                {
-                    "inner_step": pending.start_step,
-                    "weight": pending.weight,
-                    "fingerprint": pending.fingerprint,
-                    "outer_step": pending.outer_step,
-                },
-                None,
-                pending.weight,
-                self.averaging_timeout,
-                expected_group_size=expected,
-                group_bits=format(pending.round % ROUND_KEYS, f"0{ROUND_BITS}b"),
-            )
-        except Exception as e:  # the averager is down: step alone
-            logger.warning("could not start averaging: %r", e)
-
-    def _fill_buffers(self, pending: _Round) -> None:
-        with self.fragment_averagers[pending.fragment].get_tensors() as buffers:
-            for buffer, value in zip(buffers, pending.local_pseudo_gradient, strict=True):
-                buffer.copy_(value)
-
-    def _averaged(self, fragment: int) -> list[torch.Tensor]:
-        with self.fragment_averagers[fragment].get_tensors() as buffers:
-            return [b.clone() for b in buffers]
-
-    async def _wait_for_round(self, pending: _Round) -> tuple[dict | None, int, list | None]:
-        """The round's gathered data, group size and averaged pseudo-gradient (None, 1, None
-        if it failed or ran past its deadlines)."""
-        control = pending.control
-        if control is None:
-            return None, 1, None
-        bound = self.averaging_timeout + self._allreduce_timeout + ROUND_GRACE
-        try:
-            with trio.fail_after(bound):
-                gathered = await control.wait_result()
-            group_size = len(gathered)
-            averaged = None
-            if group_size >= 2:
-                averaged = await self._tensor_work(self._averaged, pending.fragment)
-            check_lockstep(gathered, pending)
-            return gathered, group_size, averaged
-        except trio.TooSlowError:
-            control.cancel()
-            logger.warning(
-                "DiLoCo round of fragment %d at inner step %d ran past %.0f s, applying the "
-                "local pseudo-gradient alone",
-                pending.fragment,
-                pending.start_step,
-                bound,
-            )
-        except Exception as e:  # MatchmakingError, AllReduceError, cancelled (a new state)
-            logger.warning(
-                "DiLoCo round of fragment %d at inner step %d failed, applying the local "
-                "pseudo-gradient alone: %s",
-                pending.fragment,
-                pending.start_step,
-                e,
-            )
-        return None, 1, None
-
-    async def _finish_round(self, fragment: int, alpha: float) -> None:
-        pending = self._pending.get(fragment)
-        if pending is None:  # we joined while the round was in flight: not ours to apply
-            return
-        started = trio.current_time()
-        gathered, group_size, averaged = await self._wait_for_round(pending)
-        waited = trio.current_time() - started
-        control = pending.control
-        with self._lock:
-            self._seconds_waiting += waited
-            if control is not None:  # every attempt's bytes count, failed ones apart too
-                self._count_round_bytes(control)
-        applied = await self._tensor_work(self._apply_round, pending, averaged, alpha)
-        if applied is None:  # cancelled (load_state_from_peers) meanwhile
-            return
-        if not applied:
-            group_size, gathered = 1, None
-        with self._lock:
-            self._last_group_size = group_size
-            self._last_round = _round_statistics(pending, group_size)
-        log = logger.info if self.verbose else logger.debug
-        log(
-            "DiLoCo outer step %d (fragment %d, inner step %d): group of %d, waited %.2f s",
-            self._outer.outer_step,
-            fragment,
-            self._inner_step,
-            group_size,
-            waited,
-        )
-        # (declared once the round is over: a store during matchmaking would compete with the
-        # matchmaking's own DHT requests)
-        self.presence.declare_step(pending.start_step)
-        if gathered is not None:
-            await adopt_reference_state(self, gathered, pending)
-        elif pending.others:
-            await catch_up(self, pending)
-
-    def _count_round_bytes(self, control: StepControl) -> None:
-        (parts, deltas), (failed_parts, failed_deltas) = (
-            control.bytes_sent,
-            control.failed_bytes_sent,
-        )
-        self._bytes_as_sender += parts
-        self._bytes_as_reducer += deltas
-        self._failed_as_sender += failed_parts
-        self._failed_as_reducer += failed_deltas
-        self._attempts += control.attempts
-        self._failed_attempts += control.failed_attempts
-
-    def _apply_round(self, pending: _Round, averaged: list | None, alpha: float) -> bool | None:
-        """Apply the average (True), or our own pseudo-gradient alone (False); None if the
-        round was cancelled meanwhile (a state was loaded)."""
-        fragment = pending.fragment
-        indices = self.fragments[fragment]
-        model_params = self.fragments.select(self._params, fragment)
-        with self._lock:
-            if self._pending.get(fragment) is not pending:
-                return None
-            applied = False
-            if averaged is not None:
-                try:
-                    self._outer.apply_outer_step(
-                        averaged, indices, model_params=model_params, alpha=alpha
-                    )
-                    applied = True
-                except ValueError as e:  # a NaN from a peer: nothing changed yet
-                    logger.warning("averaged pseudo-gradient unusable (%s): stepping alone", e)
-            if applied:
-                self._rounds_averaged += 1
-            else:
-                if first_non_finite(pending.local_pseudo_gradient) is None:
-                    self._outer.apply_outer_step(
-                        pending.local_pseudo_gradient,
-                        indices,
-                        model_params=model_params,
-                        alpha=alpha,
-                    )
-                else:  # diverged inner steps: back to the shared parameters, unchanged
-                    logger.warning(
-                        "fragment %d: the local pseudo-gradient holds NaN or inf, so the "
-                        "shared parameters stay as they were and the model restarts from them",
-                        fragment,
-                    )
-                    self._outer.copy_to(model_params, indices)
-                self._rounds_alone += 1
-            del self._pending[fragment]
-            self._lock.notify_all()
-            return applied
-
-    def _cancel_pending_locked(self) -> None:
-        pending, self._pending = self._pending, {}
-        for round_ in pending.values():
-            if round_.control is not None:
-                round_.control.cancel()
-        self._lock.notify_all()
-
     def _state_check(self) -> StateCheck:
         """What a donor's state must look like (ours, now), as a check (``check_state``)."""
         if self._stepped_outer_state is None:
@@ -903,23 +581,6 @@ class _FragmentAverager(DecentralizedAverager):
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._shut_down = True
-
-
-def _round_statistics(pending: _Round, group_size: int) -> RoundStatistics:
-    control = pending.control
-    if control is None:
-        return RoundStatistics(pending.fragment, pending.start_step, group_size)
-    return RoundStatistics(
-        pending.fragment,
-        pending.start_step,
-        group_size,
-        attempts=control.attempts,
-        failed_attempts=control.failed_attempts,
-        bytes_sent_as_sender=control.bytes_sent[0],
-        bytes_sent_as_reducer=control.bytes_sent[1],
-        failed_bytes_as_sender=control.failed_bytes_sent[0],
-        failed_bytes_as_reducer=control.failed_bytes_sent[1],
-    )
 
 
 def _runs_on_loop(params: Sequence[torch.Tensor]) -> bool:

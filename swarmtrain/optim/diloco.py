@@ -103,16 +103,11 @@ import torch
 
 from swarmtrain.averaging import DecentralizedAverager
 from swarmtrain.compression import CompressionBase
-from swarmtrain.optim.async_diloco import (
-    ROUND_BITS,
-    ROUND_KEYS,
-    AsyncDiLoCoOptimizer,
-    DiLoCoStatistics,
-    InnerOptimizer,
-    RoundStatistics,
-)
+from swarmtrain.optim._diloco_rounds import ROUND_BITS, ROUND_KEYS
+from swarmtrain.optim.async_diloco import AsyncDiLoCoOptimizer, InnerOptimizer
 from swarmtrain.optim.diloco_core import Fragments, OuterOptimizerFactory, StreamingSchedule
 from swarmtrain.optim.diloco_peers import Present, RunPresence
+from swarmtrain.optim.diloco_records import DiLoCoStatistics, RoundStatistics
 from swarmtrain.optim.diloco_state import STATE_FORMAT, pack_state, unpack_state
 from swarmtrain.utils.background import BackgroundRuntime, BackgroundService
 from swarmtrain.utils.facade import (

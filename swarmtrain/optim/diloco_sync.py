@@ -12,7 +12,8 @@ round catch-up (see ``swarmtrain.optim.diloco``, "Same start" and "Elastic").
   behind steps alone at once instead of waiting out its matchmaking).
 
 The decisions are plain functions of presence records and gathered data; the two ``async``
-functions do the loading through the optimizer (``AsyncDiLoCoOptimizer``). With ``delay`` > 0
+functions do the loading through the optimizer (``AsyncDiLoCoOptimizer``, typed by its round
+mixin ``DiLoCoRounds``). With ``delay`` > 0
 they only warn: donors serve no state while rounds overlap.
 """
 
@@ -26,7 +27,8 @@ from swarmtrain.optim.diloco_peers import Present
 from swarmtrain.optim.diloco_state import _peer_order, reference_peers
 
 if TYPE_CHECKING:
-    from swarmtrain.optim.async_diloco import AsyncDiLoCoOptimizer, _Round
+    from swarmtrain.optim._diloco_rounds import DiLoCoRounds
+    from swarmtrain.optim.diloco_records import PendingRound
 
 __all__ = [
     "adopt_reference_state",
@@ -71,7 +73,7 @@ def diverged_from(gathered: dict, ours: bytes) -> tuple[frozenset, int] | None:
     return reference, len(fingerprints)
 
 
-def check_lockstep(gathered: dict, pending: _Round) -> None:
+def check_lockstep(gathered: dict, pending: PendingRound) -> None:
     """Warn if the group averaged peers at other inner steps than ours."""
     steps = {g.get("inner_step") for g in gathered.values() if isinstance(g, dict)} - {
         pending.start_step
@@ -85,7 +87,7 @@ def check_lockstep(gathered: dict, pending: _Round) -> None:
         )
 
 
-async def catch_up(opt: AsyncDiLoCoOptimizer, pending: _Round) -> None:
+async def catch_up(opt: DiLoCoRounds, pending: PendingRound) -> None:
     """After a round we stepped alone in while other peers were present: if some of them are
     already a round further, load their state (see the module docstring)."""
     ahead = peers_ahead(await opt.presence.others(), pending.start_step, opt.inner_steps)
@@ -118,7 +120,7 @@ async def catch_up(opt: AsyncDiLoCoOptimizer, pending: _Round) -> None:
         )
 
 
-async def adopt_reference_state(opt: AsyncDiLoCoOptimizer, gathered: dict, pending: _Round) -> None:
+async def adopt_reference_state(opt: DiLoCoRounds, gathered: dict, pending: PendingRound) -> None:
     """If the round's fingerprints show that our shared parameters differ from the ones the
     group follows (another random init, a joiner that loaded nothing), load them."""
     diverged = diverged_from(gathered, opt.averagers[pending.fragment].peer_id.to_bytes())
