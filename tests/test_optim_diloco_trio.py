@@ -230,3 +230,27 @@ async def test_a_trio_step_with_a_heavy_inner_step_leaves_the_loop_running(data)
                     opt.zero_grad()
                     loss = await opt.step(closure)
     assert ticks >= 5 and torch.isfinite(loss) and opt.inner_step == 1
+
+
+@pytest.mark.trio
+async def test_a_step_cancelled_in_its_round_leaves_the_optimizer_usable(data):
+    """The other peer is present but never trains: the round waits in matchmaking, and the
+    step is cancelled there. The round steps alone at once (nothing left in flight), and the
+    next round starts and is cancelled the same way."""
+    config = SimulationConfig(num_workers=2, inner_steps=2, batch_size=4, context=MODEL.context)
+    peer, idle = TrioPeer(config, 0, data), TrioPeer(config, 1, data)
+    async with open_dhts(2) as dhts:
+        async with (
+            DiLoCoOptimizer.create(peer.model.parameters(), **peer.options(dhts[0])) as opt,
+            DiLoCoOptimizer.create(idle.model.parameters(), **idle.options(dhts[1])),
+        ):
+            for round_ in (1, 2):
+                with trio.fail_after(10):
+                    await peer.train(opt, config.inner_steps - 1)
+                with trio.move_on_after(0.5) as scope:  # matchmaking_time is 1 s
+                    await peer.train(opt, 1)
+                assert scope.cancelled_caught
+                stats = opt.statistics()
+                assert (stats.rounds_alone, stats.outer_step) == (round_, round_), stats
+                assert stats.last_round.group_size == 1 and not opt._pending
+            assert opt.inner_step == 2 * config.inner_steps

@@ -19,7 +19,13 @@ import trio
 from swarmtrain.averaging import DecentralizedAverager, StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.finite import first_non_finite
-from swarmtrain.optim.diloco_core import Fragments, OuterState, StartSync, StreamingSchedule
+from swarmtrain.optim.diloco_core import (
+    ApplyOuter,
+    Fragments,
+    OuterState,
+    StartSync,
+    StreamingSchedule,
+)
 from swarmtrain.optim.diloco_peers import RunPresence
 from swarmtrain.optim.diloco_records import PendingRound, RoundStatistics, round_statistics
 from swarmtrain.optim.diloco_state import shared_fingerprint
@@ -238,6 +244,28 @@ class DiLoCoRounds:
             await adopt_reference_state(self, gathered, pending)
         elif pending.others:
             await catch_up(self, pending)
+
+    def _abandon_rounds(self, actions: Sequence[ApplyOuter]) -> None:
+        """A step stopped before it applied these rounds: those still pending are cancelled
+        and apply our own pseudo-gradient alone now (plain: runs in the cancelled step)."""
+        for action in actions:
+            pending = self._pending.get(action.fragment)
+            if pending is None:
+                continue
+            logger.warning(
+                "DiLoCo round of fragment %d at inner step %d was interrupted: applying the "
+                "local pseudo-gradient alone",
+                pending.fragment,
+                pending.start_step,
+            )
+            if pending.control is not None:
+                pending.control.cancel()
+                with self._lock:
+                    self._count_round_bytes(pending.control)
+            if self._apply_round(pending, None, action.alpha) is not None:
+                with self._lock:
+                    self._last_group_size = 1
+                    self._last_round = round_statistics(pending, 1)
 
     def _count_round_bytes(self, control: StepControl) -> None:
         (parts, deltas), (failed_parts, failed_deltas) = (

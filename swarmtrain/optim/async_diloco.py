@@ -367,11 +367,17 @@ class AsyncDiLoCoOptimizer(DiLoCoRounds):
         return loss, plan
 
     async def _run_plan(self, plan: StepPlan) -> None:
-        """Launch the rounds an inner step started, then apply those due (on the loop)."""
-        for pending in plan.started:
-            await self._launch(pending)
-        for action in plan.apply:
-            await self._finish_round(action.fragment, action.alpha)
+        """Launch the rounds an inner step started, then apply those due (on the loop). If
+        this is cancelled (or Ctrl-C), the rounds due now that are still pending step alone
+        at once: none is left in flight past its apply step."""
+        try:
+            for pending in plan.started:
+                await self._launch(pending)
+            for action in plan.apply:
+                await self._finish_round(action.fragment, action.alpha)
+        except BaseException:
+            self._abandon_rounds(plan.apply)
+            raise
 
     async def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state, the outer state and the counters (rounds in flight
