@@ -28,9 +28,11 @@ with work in it (a round starts or must be applied) needs :meth:`_run_plan` on t
 blocking facade runs the first half in the caller's thread, so an inner step that touches no
 round never enters the loop.
 
-Cancellation: every method can be cancelled. A step cancelled in its round leaves the round
-in flight (applied by the next step that reaches its apply step, or by
-:meth:`wait_for_pending_rounds`); a running thread part finishes first.
+Cancellation: every method can be cancelled; a running thread part finishes first. A step
+cancelled (or interrupted by Ctrl-C in the blocking facade) before it applied the rounds due
+at its inner step cancels them and applies our own pseudo-gradient alone at once (a round
+alone, as when it fails), so no round is left in flight past its apply step; a round that
+overlaps later steps (``delay`` > 0) stays in flight until its own apply step.
 
 Resource handling: :meth:`create` starts one averager per fragment, the presence record and
 its refresh task; leaving it cancels the rounds in flight, says goodbye (presence), then stops
