@@ -197,6 +197,8 @@ async def test_a_lone_trio_peer_steps_alone_and_raises_after_close(data):
             assert await opt.presence.others() == []
         with pytest.raises(RuntimeError, match="shut down"):
             await opt.step()
+        with pytest.raises(TypeError, match=r"DiLoCoOptimizer\.create"):  # the blocking class
+            DiLoCoOptimizer(peer.model.parameters(), **peer.options(dht))
 
 
 @pytest.mark.trio

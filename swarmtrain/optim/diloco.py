@@ -223,6 +223,12 @@ class DiLoCoOptimizer(BackgroundService):
             load_state_timeout=load_state_timeout,
             verbose=verbose,
         )
+        if dht_runtime is None:
+            raise TypeError(
+                "DiLoCoOptimizer(dht=...) needs a running blocking swarmtrain DHT; with a trio "
+                "DHT (from `async with DHT.create(...)`) use `async with "
+                "DiLoCoOptimizer.create(..., dht=dht)`"
+            )
         if BackgroundRuntime._instance is not dht_runtime:
             raise RuntimeError("the DHT runs on another background loop (made before a fork?)")
         self.dht = dht
