@@ -16,6 +16,7 @@ import threading
 import pytest
 import torch
 import trio
+from polling import wait_until
 from swarm_util import open_dhts
 from test_optim_diloco import (
     FAST,
@@ -30,6 +31,7 @@ from torch import nn
 from swarmtrain.compression import NoCompression
 from swarmtrain.optim import AsyncDiLoCoOptimizer, DiLoCoOptimizer
 from swarmtrain.optim._textdata import stdlib_text
+from swarmtrain.optim.diloco_peers import RunPresence
 from swarmtrain.optim.diloco_simulation import (
     SimulationConfig,
     _build,
@@ -256,3 +258,41 @@ async def test_a_step_cancelled_in_its_round_leaves_the_optimizer_usable(data):
                 assert (stats.rounds_alone, stats.outer_step) == (round_, round_), stats
                 assert stats.last_round.group_size == 1 and not opt._pending
             assert opt.inner_step == 2 * config.inner_steps
+
+
+@pytest.mark.trio
+async def test_a_peer_waiting_in_a_round_the_others_finished_gives_up_at_once(data):
+    """A peer one round behind (the others finished its round while it waited for them, e.g.
+    after a slow start behind NATs) stops waiting when their presence records say so, instead
+    of waiting out ``averaging_timeout``; then it steps alone."""
+    config = SimulationConfig(num_workers=1, inner_steps=2, batch_size=4, context=MODEL.context)
+    peer = TrioPeer(config, 0, data)
+    async with open_dhts(2) as (dht, other_dht):
+        # the other peer: present in the run, never in this round (a non-donor: no state)
+        async with RunPresence.create(other_dht, "trio_diloco", donor=False) as other:
+            options = peer.options(dht, matchmaking_time=30.0, averaging_timeout=120.0)
+            async with DiLoCoOptimizer.create(peer.model.parameters(), **options) as opt:
+                seen: list = []
+
+                async def sees_the_other() -> bool:
+                    seen[:] = await opt.presence.others()
+                    return len(seen) == 1
+
+                with trio.fail_after(30):
+                    while not await sees_the_other():  # noqa: ASYNC110 (a DHT read)
+                        await trio.sleep(0.1)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(peer.train, opt, 2)  # the 2nd step starts the round
+                    with trio.fail_after(30):
+                        await wait_until(lambda: 0 in opt._pending)
+                    await trio.sleep(1.0)  # waiting in matchmaking for the other peer
+                    started = trio.current_time()
+                    # ... which finished this round
+                    other.declare_step(opt._pending[0].start_step)
+                    with trio.fail_after(30):  # far below averaging_timeout, matchmaking_time
+                        await wait_until(lambda: 0 not in opt._pending)
+                waited = trio.current_time() - started
+                stats = opt.statistics()
+                assert (stats.rounds_alone, stats.rounds_averaged) == (1, 0)
+                assert stats.last_round.group_size == 1
+                assert waited < 30

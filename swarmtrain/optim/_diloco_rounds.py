@@ -46,6 +46,9 @@ ROUND_KEYS = 1 << ROUND_BITS
 #: how much longer than its matchmaking and all-reduce deadlines a round is awaited before it
 #: is cancelled (a round always ends by itself; this only bounds a hung one)
 ROUND_GRACE = 10.0
+#: while a round waits for its group, how often the presence records are read to see whether
+#: every other peer finished that round without us (then nobody is coming: give up at once)
+ROUND_WATCH_INTERVAL = 2.0
 
 
 class DiLoCoRounds:
@@ -180,9 +183,31 @@ class DiLoCoRounds:
         if control is None:
             return None, 1, None
         bound = self.averaging_timeout + self._allreduce_timeout + ROUND_GRACE
+        gave_up = False
+
+        async def watch_others() -> None:
+            nonlocal gave_up
+            while not control.began_allreduce:
+                await trio.sleep(ROUND_WATCH_INTERVAL)
+                others = await self.presence.others()
+                if not control.began_allreduce and others:
+                    if everyone_done(others, pending.start_step):
+                        gave_up = True
+                        control.cancel()
+                        return
+
         try:
             with trio.fail_after(bound):
-                gathered = await control.wait_result()
+                failure: Exception | None = None
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch_others)
+                    try:  # (kept: an error raised in a nursery's body would come out grouped)
+                        gathered = await control.wait_result()
+                    except Exception as e:
+                        failure = e
+                    nursery.cancel_scope.cancel()
+                if failure is not None:
+                    raise failure
             group_size = len(gathered)
             averaged = None
             if group_size >= 2:
@@ -199,6 +224,16 @@ class DiLoCoRounds:
                 bound,
             )
         except Exception as e:  # MatchmakingError, AllReduceError, cancelled (a new state)
+            if gave_up:
+                logger.warning(
+                    "DiLoCo fragment %d: every other peer of run %r finished the round of "
+                    "inner step %d while we waited for it: stepping alone, then loading "
+                    "their state",
+                    pending.fragment,
+                    self.run_id,
+                    pending.start_step,
+                )
+                return None, 1, None
             logger.warning(
                 "DiLoCo round of fragment %d at inner step %d failed, applying the local "
                 "pseudo-gradient alone: %s",
