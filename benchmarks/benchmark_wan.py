@@ -31,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import netlab
+from _wan_trace import summarize_round
 from netlab.nat_swarm import LISTEN_ALL, PEER_SCRIPT
 
 
@@ -51,6 +52,23 @@ def kernel_tcp_limits(host) -> dict:
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(PEER_SCRIPT), "probe.py")
 PROBE_PORT = 5000
+SINK_PORT = 5001
+
+
+def tcp_butterfly_seconds(lab, hosts, size_bytes: int) -> float:
+    """Raw TCP on the same paths (delay proxies included) with the all-reduce's traffic
+    pattern: every host sends ``2 size / N`` bytes to each other host at once (one connection
+    each), so each uplink and downlink carries ``2 (N-1)/N x size``, as in a butterfly round;
+    seconds until the last host's bytes were all confirmed. Phases are not modelled (a
+    lower bound for what TCP moves on these links, not a schedule)."""
+    share = 2 * size_bytes // len(hosts)
+    senders = []
+    for host in hosts:
+        others = [h.ip for h in hosts if h is not host]
+        senders.append(lab.spawn(host, PROBE_SCRIPT, "spray", str(SINK_PORT), str(share), *others))
+    answers = [s.recv(300) for s in senders]
+    assert all(not a["errors"] for a in answers), answers
+    return max(a["seconds"] for a in answers)
 
 
 def tcp_echo_seconds(lab, hosts, mib: int) -> float:
@@ -108,6 +126,9 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
             peer.recv(120)
         if args.bulk_mib:
             lab.spawn(hosts[1], PROBE_SCRIPT, "serve", str(PROBE_PORT)).recv(30)
+        if args.tcp_butterfly:
+            for host in hosts:
+                lab.spawn(host, PROBE_SCRIPT, "sink", str(SINK_PORT)).recv(30)
         report(delay=delay, startup_seconds=round(time.monotonic() - started, 1))
         for index, (mbit, loss, codec) in enumerate(configs):
             for host in hosts:
@@ -123,12 +144,20 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 "matchmaking_time": 3.0,
                 "request_timeout": max(1.0, 8 * delay),
                 "averager": {"next_chunk_timeout": 30.0, "float16": codec == "float16"},
+                "trace": bool(args.trace),
             }
             spans, steps = [], []
-            for _ in range(args.rounds + 1):  # round 0 opens the connections and lanes
+            for number in range(args.rounds + 1):  # round 0 opens the connections and lanes
                 for i, peer in enumerate(peers):
                     peer.send({**message, "value": float(i)})
                 results = [peer.recv(args.timeout + 30)["rounds"][0] for peer in peers]
+                if args.trace and number:
+                    summary = summarize_round(results, mbit)
+                    report(trace_of_round=number, delay_ms=int(delay * 1000), mbit=mbit, **summary)
+                    with open(args.trace, "a") as out:
+                        key = {"delay": delay, "mbit": mbit, "loss": loss, "round": number}
+                        raw = [{k: r.get(k) for k in ("trace", "link")} for r in results]
+                        out.write(json.dumps({**key, "peers": raw}) + "\n")
                 assert all(r["group"] == args.peers for r in results), results
                 expected = (args.peers - 1) / 2
                 assert all(abs(r["value"] - expected) < 1e-4 for r in results), results
@@ -138,6 +167,13 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
             size = args.floats * (2 if codec == "float16" else 4)
             bound = butterfly_seconds(args.peers, size, mbit, 2 * delay)
             median = statistics.median(spans[1:])
+            tcp = {}
+            if args.tcp_butterfly:
+                raw = [tcp_butterfly_seconds(lab, hosts, size) for _ in range(args.tcp_butterfly)]
+                tcp = {
+                    "tcp_butterfly_seconds": [round(s, 2) for s in raw],
+                    "ratio_to_tcp_butterfly": round(median / statistics.median(raw), 2),
+                }
             pair = bulk_calls(peers, mbit, delay, args) if args.bulk_mib else {}
             if args.bulk_mib:
                 # the link's real goodput (L2 headers, ACKs, tbf): the measured butterfly
@@ -163,6 +199,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 allreduce_seconds=[round(s, 2) for s in spans],
                 step_seconds=[round(s, 2) for s in steps],
                 load=os.getloadavg()[0],
+                **tcp,
                 **pair,
             )
 
@@ -184,6 +221,19 @@ def main() -> None:
         help="float16: DiLoCo's round (its pseudo-gradient codec)",
     )
     parser.add_argument("--bulk-mib", type=int, default=8, help="pair throughput (0: skip)")
+    parser.add_argument(
+        "--tcp-butterfly",
+        type=int,
+        default=2,
+        metavar="RUNS",
+        help="measured baseline: raw TCP with the round's traffic pattern, RUNS times (0: skip)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="record every measured round's part timeline and link counters: a summary per "
+        "round is printed, the raw events are appended to FILE (JSON lines)",
+    )
     args = parser.parse_args()
     reason = netlab.iptables_unavailable_reason()
     if reason:

@@ -76,10 +76,12 @@ from swarmtrain.averaging.allreduce_parts import (
     run_codec,
     unwrap,
 )
+from swarmtrain.averaging.allreduce_trace import AllReduceTrace
 from swarmtrain.averaging.errors import NonFiniteError
 from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, largest_part_size
 from swarmtrain.averaging.robust_aggregation import check_aggregation
+from swarmtrain.averaging.send_schedule import SendSchedule, staggered_order
 from swarmtrain.compression import (
     CompressionBase,
     CompressionInfo,
@@ -114,6 +116,8 @@ _PART_OVERHEAD_BYTES = 1 << 16
 _MAX_REMEMBERED_GROUPS = 1024
 # peers remembered as serving only the v1 wire (parts inside the protobuf)
 _MAX_REMEMBERED_V1_PEERS = 4096
+# parts a sender may have in flight besides its oldest unwritten one (``SendSchedule``)
+_SEND_WINDOW_PARTS = 1
 # how often a stream for an unknown group re-checks ``may_join_unknown_groups``
 _HOOK_POLL_INTERVAL = 0.05
 _REJECT_CODES = {
@@ -259,6 +263,8 @@ class AllReduceService:
         self._expected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = anyio.Event()
         self._part_buffers = BufferPool(max_cached_bytes=max(64 << 20, 8 * max_message_size))
+        #: set to an ``AllReduceTrace`` to record every round's part timeline (benchmarks)
+        self.trace: AllReduceTrace | None = None
 
     @classmethod
     @asynccontextmanager
@@ -422,6 +428,7 @@ class AllReduceRunner:
             )
         self.tensors = tuple(tensors)
         self._core: AllReduceCore[PeerID] | None = None
+        self._schedule: SendSchedule | None = None
         self._part_ready: list[anyio.Event] = []
         self._changed = anyio.Event()
         self._read_scopes: dict[int, anyio.CancelScope] = {}
@@ -430,6 +437,11 @@ class AllReduceRunner:
         self._deadline = math.inf
         self.part_bytes_sent = self.delta_bytes_sent = 0  #: see ``AllReduceResult``
         self._v2_bytes: dict[int, int] = {}  # part bytes sent per reducer over v2
+
+    def _trace(self, kind: str, peer: int, part: int, nbytes: int = 0) -> None:
+        trace = self.service.trace
+        if trace is not None:
+            trace.record(self.group.group_id, kind, peer, part, nbytes)
 
     @property
     def core(self) -> AllReduceCore:
@@ -480,11 +492,18 @@ class AllReduceRunner:
             clip_tau=config.clip_tau,
             clip_iterations=config.clip_iterations,
         )
+        remote = core.remote_reducers()
+        self._schedule = SendSchedule(
+            {r: core.num_parts_for(r) for r in remote},
+            staggered_order(self.local_index, remote, self.group.size),
+            window=_SEND_WINDOW_PARTS,
+        )
         self._part_ready = [anyio.Event() for _ in range(core.num_local_parts)]
         self._notify(tuple(k for k in range(core.num_local_parts) if core.is_part_ready(k)))
         deadline = now + config.allreduce_timeout if config.allreduce_timeout else math.inf
         self._deadline = deadline
         self.service._register(self)
+        self._trace("round_began", self.local_index, -1)
         timed_out = False
         try:
             with anyio.CancelScope(deadline=deadline) as scope, collapse_exception_groups():
@@ -503,6 +522,7 @@ class AllReduceRunner:
                 self._notify(core.expire(anyio.current_time()))
         finally:
             self._close()
+            self._trace("round_ended", self.local_index, -1)
         if non_finite is not None:
             raise NonFiniteError(non_finite)
         return AllReduceResult(
@@ -538,6 +558,8 @@ class AllReduceRunner:
         """Wake whatever waits on a change; ``completed``: parts to mark ready besides those
         the core completed since the last call (``take_completed``)."""
         for k in (*completed, *self.core.take_completed()):
+            if not self._part_ready[k].is_set():
+                self._trace("part_reduced", self.local_index, k)
             self._part_ready[k].set()
         self._changed.set()
         self._changed = anyio.Event()
@@ -552,8 +574,14 @@ class AllReduceRunner:
     async def _requests_for(
         self, reducer: int, attached: bool
     ) -> AsyncIterator[averaging_pb2.AveragingRequest | Attached]:
-        core, compression = self.core, self.config.compression
+        core, compression, schedule = self.core, self.config.compression, self._schedule
+        assert schedule is not None
         for k in range(core.num_parts_for(reducer)):
+            while True:  # our turn: keeps this sender's flows in step (send_schedule.py)
+                changed = self._changed
+                if schedule.may_send(reducer, k) or self._closed:
+                    break
+                await changed.wait()
             spec = core.container.part_spec(reducer, k)
             part = core.container.input_part(reducer, k)
             info = CompressionInfo(
@@ -579,7 +607,11 @@ class AllReduceRunner:
             self.part_bytes_sent += message.nbytes
             if attached:  # taken back if the reducer turns out to lack v2
                 self._v2_bytes[reducer] = self._v2_bytes.get(reducer, 0) + message.nbytes
+            self._trace("part_queued", reducer, k, message.nbytes)
             yield Attached(request, message.buffer) if attached else request
+            self._trace("part_written", reducer, k, message.nbytes)
+            schedule.written(reducer, k)
+            self._notify()
 
     async def _communicate_with_reducer(self, reducer: int) -> None:
         core = self.core
@@ -609,6 +641,8 @@ class AllReduceRunner:
             # A no-op unless the reducer is unfinished (we were cancelled).
             past_deadline = anyio.current_time() >= self._deadline
             core.fail_reducer(reducer, Failure.DEADLINE if past_deadline else Failure.DISCONNECTED)
+            if self._schedule is not None:  # its unsent parts hold the other streams back no more
+                self._schedule.drop(reducer)
             self._notify()
 
     async def _call_reducer(self, reducer: int, attached: bool) -> None:
@@ -706,6 +740,7 @@ class AllReduceRunner:
                 # it has no live round for this group: it will not send us its parts either
                 self._notify(core.ban_absent_sender(reducer, Failure.REJECTED))
             return False
+        self._trace("delta_received", reducer, response.part_index)
         self._notify()
         return ok
 
@@ -740,6 +775,7 @@ class AllReduceRunner:
                 inline = inline_decode(request.part, shape[0])
                 sent = await run_codec(inline, decode_part, request.part, payload, shape, dtype)
                 outcome = core.receive_part(peer, request.part_index, sent, anyio.current_time())
+                self._trace("part_received", peer, request.part_index)
                 self._notify(outcome.completed)
                 if outcome.reject is not None:
                     detail = f"part {k} rejected"
@@ -758,7 +794,10 @@ class AllReduceRunner:
                 if self._closed or core.sender_banned(peer):
                     yield self._why_stopped(peer)
                     return
-                yield await self._result(peer, k, sent, request.part.compression, attached)
+                result = await self._result(peer, k, sent, request.part.compression, attached)
+                self._trace("delta_queued", peer, k)
+                yield result
+                self._trace("delta_written", peer, k)
                 core.result_sent(peer, k, anyio.current_time())
                 # the delta went out: nothing reads the received part any more
                 sent = None
