@@ -145,6 +145,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 "request_timeout": max(1.0, 8 * delay),
                 "averager": {"next_chunk_timeout": 30.0, "float16": codec == "float16"},
                 "trace": bool(args.trace),
+                "part_layout": args.part_layout,
             }
             spans, steps = [], []
             for number in range(args.rounds + 1):  # round 0 opens the connections and lanes
@@ -221,6 +222,12 @@ def main() -> None:
         help="float16: DiLoCo's round (its pseudo-gradient codec)",
     )
     parser.add_argument("--bulk-mib", type=int, default=8, help="pair throughput (0: skip)")
+    parser.add_argument(
+        "--part-layout",
+        type=int,
+        help="the part layout every peer offers (swarmtrain.averaging.partition.PART_LAYOUTS: "
+        "0 cuts a slice into ~8 parts, 1 into parts of up to 2 MiB; default: the newest)",
+    )
     parser.add_argument(
         "--tcp-butterfly",
         type=int,

@@ -81,7 +81,6 @@ from swarmtrain.averaging.errors import NonFiniteError
 from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, largest_part_size
 from swarmtrain.averaging.robust_aggregation import check_aggregation
-from swarmtrain.averaging.send_schedule import SendSchedule, staggered_order
 from swarmtrain.compression import (
     CompressionBase,
     CompressionInfo,
@@ -116,8 +115,6 @@ _PART_OVERHEAD_BYTES = 1 << 16
 _MAX_REMEMBERED_GROUPS = 1024
 # peers remembered as serving only the v1 wire (parts inside the protobuf)
 _MAX_REMEMBERED_V1_PEERS = 4096
-# parts a sender may have in flight besides its oldest unwritten one (``SendSchedule``)
-_SEND_WINDOW_PARTS = 1
 # how often a stream for an unknown group re-checks ``may_join_unknown_groups``
 _HOOK_POLL_INTERVAL = 0.05
 _REJECT_CODES = {
@@ -428,7 +425,6 @@ class AllReduceRunner:
             )
         self.tensors = tuple(tensors)
         self._core: AllReduceCore[PeerID] | None = None
-        self._schedule: SendSchedule | None = None
         self._part_ready: list[anyio.Event] = []
         self._changed = anyio.Event()
         self._read_scopes: dict[int, anyio.CancelScope] = {}
@@ -491,12 +487,6 @@ class AllReduceRunner:
             aggregation=config.aggregation,
             clip_tau=config.clip_tau,
             clip_iterations=config.clip_iterations,
-        )
-        remote = core.remote_reducers()
-        self._schedule = SendSchedule(
-            {r: core.num_parts_for(r) for r in remote},
-            staggered_order(self.local_index, remote, self.group.size),
-            window=_SEND_WINDOW_PARTS,
         )
         self._part_ready = [anyio.Event() for _ in range(core.num_local_parts)]
         self._notify(tuple(k for k in range(core.num_local_parts) if core.is_part_ready(k)))
@@ -574,14 +564,8 @@ class AllReduceRunner:
     async def _requests_for(
         self, reducer: int, attached: bool
     ) -> AsyncIterator[averaging_pb2.AveragingRequest | Attached]:
-        core, compression, schedule = self.core, self.config.compression, self._schedule
-        assert schedule is not None
+        core, compression = self.core, self.config.compression
         for k in range(core.num_parts_for(reducer)):
-            while True:  # our turn: keeps this sender's flows in step (send_schedule.py)
-                changed = self._changed
-                if schedule.may_send(reducer, k) or self._closed:
-                    break
-                await changed.wait()
             spec = core.container.part_spec(reducer, k)
             part = core.container.input_part(reducer, k)
             info = CompressionInfo(
@@ -610,8 +594,6 @@ class AllReduceRunner:
             self._trace("part_queued", reducer, k, message.nbytes)
             yield Attached(request, message.buffer) if attached else request
             self._trace("part_written", reducer, k, message.nbytes)
-            schedule.written(reducer, k)
-            self._notify()
 
     async def _communicate_with_reducer(self, reducer: int) -> None:
         core = self.core
@@ -641,8 +623,6 @@ class AllReduceRunner:
             # A no-op unless the reducer is unfinished (we were cancelled).
             past_deadline = anyio.current_time() >= self._deadline
             core.fail_reducer(reducer, Failure.DEADLINE if past_deadline else Failure.DISCONNECTED)
-            if self._schedule is not None:  # its unsent parts hold the other streams back no more
-                self._schedule.drop(reducer)
             self._notify()
 
     async def _call_reducer(self, reducer: int, attached: bool) -> None:

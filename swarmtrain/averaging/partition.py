@@ -51,8 +51,7 @@ DEFAULT_PART_SIZE_BYTES = 1 << 19
 # per 2 MiB slice). 1: one part per slice of up to 2 MiB: per-part costs (messages, wakeups,
 # bookkeeping) were the most of an all-reduce's CPU at 8 x 4M (benchmarks/RESULTS.md).
 PART_LAYOUTS = {0: PARTS_PER_SLICE, 1: 1}
-import os
-PART_LAYOUT = int(os.environ.get("SWT_LAYOUT", max(PART_LAYOUTS)))
+PART_LAYOUT = max(PART_LAYOUTS)  # the newest layout this version speaks
 
 
 def apportion(total: int, fractions: Sequence[float]) -> tuple[int, ...]:
