@@ -225,8 +225,9 @@ def main() -> None:
     parser.add_argument(
         "--part-layout",
         type=int,
-        help="the part layout every peer offers (swarmtrain.averaging.partition.PART_LAYOUTS: "
-        "0 cuts a slice into ~8 parts, 1 into parts of up to 2 MiB; default: the newest)",
+        help="pin the part layout every peer offers (swarmtrain.averaging.partition.PART_LAYOUTS: "
+        "0 cuts a slice into ~8 parts, 1 into parts of up to 2 MiB; default: the averager's "
+        "choice, finer parts after a round its links held back)",
     )
     parser.add_argument(
         "--tcp-butterfly",

@@ -13,7 +13,8 @@ then answers one line per command (``{"error": ...}`` when a command fails):
 - ``{"op": "average", "prefix", "rounds", "floats", "value", "group_size", "timeout"}``:
   a ``DecentralizedAverager`` over ``floats`` float32 values all equal to ``value`` averages
   ``rounds`` times (``averager``: its keywords; ``{"float16": true}`` for float16 parts;
-  ``part_layout``: the part layout this peer offers in matchmaking, ``partition.PART_LAYOUTS``);
+  ``part_layout``: the part layout this peer offers in matchmaking, ``partition.PART_LAYOUTS``,
+  pinned: not adapted to the link);
   per round: seconds, wall-clock stamps of the all-reduce's start and the step's end, group
   size, the first averaged value; ``"trace": true`` adds each round's all-reduce timeline
   (``AllReduceTrace`` events) and this host's interface byte counters sampled every
@@ -143,8 +144,9 @@ async def main(options: dict) -> None:
                             ),
                         )
                     averaged, averager = averagers[prefix]
-                    if command.get("part_layout") is not None:  # e.g. 0: ~8 parts per slice
+                    if command.get("part_layout") is not None:  # pinned: 0 is ~8 parts a slice
                         averager._matchmaking.part_layout = command["part_layout"]
+                        averager.adapt_part_layout = False
                     trace = None
                     if command.get("trace"):
                         from swarmtrain.averaging.allreduce_trace import AllReduceTrace
