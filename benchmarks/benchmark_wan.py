@@ -2,6 +2,7 @@
 butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root only.
 
     sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
+        [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE]
 
 A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a
 ``tc tbf`` rate limit on its link (both directions), a delay proxy (every TCP connection a
@@ -12,12 +13,20 @@ on packets arriving at it. One ``peer.py`` per host (a ``DHT`` and a
 from the first member entering all-reduce to the last one finishing (matchmaking excluded;
 the whole step is printed too). Baseline from the same script: the butterfly lower bound
 ``2 (N-1)/N x size / rate + 2 RTT`` (each peer sends and receives (N-1)/N of its tensor in
-reduce-scatter and again in all-gather; one RTT per phase). The ratio is the figure.
+reduce-scatter and again in all-gather; one RTT per phase). The ratio is the figure. A
+second, measured baseline (``--tcp-butterfly``): raw TCP with the round's traffic pattern on
+the same paths (every host sends ``2 size / N`` to each other host at once), i.e. what TCP
+itself gets out of these links with N-1 flows per direction (``ratio_to_tcp_butterfly``).
+``--trace FILE``: every peer records its rounds' part timelines (``AllReduceTrace``) and its
+interface counters; a summary per round is printed (link busy shares, reducer waits,
+per-flow throughput), the raw events go to FILE.
 
 Limitation of the delay model: the proxy terminates TCP on the opener's host, so the kernel's
 TCP window does not see the delay (the proxy's 16 MiB buffer holds the bytes in flight);
 what sees the full RTT is end-to-end flow control above TCP (yamux windows) and request/
-response turns. The kernel's TCP limits for a real long fat pipe are printed for reference.
+response turns; slow start and loss recovery at the full RTT are not modelled either (this
+kernel has no netem/fq/etf qdisc for a packet-level delay). The raw-TCP butterfly crosses the
+same proxies. The kernel's TCP limits for a real long fat pipe are printed for reference.
 """
 
 from __future__ import annotations
@@ -147,7 +156,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 "trace": bool(args.trace),
                 "part_layout": args.part_layout,
             }
-            spans, steps = [], []
+            spans, steps, layouts = [], [], []
             for number in range(args.rounds + 1):  # round 0 opens the connections and lanes
                 for i, peer in enumerate(peers):
                     peer.send({**message, "value": float(i)})
@@ -164,6 +173,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 assert all(abs(r["value"] - expected) < 1e-4 for r in results), results
                 began = min(r["allreduce_began"] for r in results)
                 spans.append(max(r["ended"] for r in results) - began)
+                layouts.append(min(r.get("part_layout", -1) for r in results))
                 steps.append(max(r["seconds"] for r in results))
             size = args.floats * (2 if codec == "float16" else 4)
             bound = butterfly_seconds(args.peers, size, mbit, 2 * delay)
@@ -199,6 +209,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 ratio=round(median / bound, 2),
                 allreduce_seconds=[round(s, 2) for s in spans],
                 step_seconds=[round(s, 2) for s in steps],
+                part_layout_offered_after=layouts,
                 load=os.getloadavg()[0],
                 **tcp,
                 **pair,

@@ -180,6 +180,8 @@ async def main(options: dict) -> None:
                                 "value": float(averaged[0][0]),
                                 "paths": _paths(p2p),
                                 "lanes": _counters(p2p),
+                                # what matchmaking offers next (the layout adapts to the link)
+                                "part_layout": averager._matchmaking.part_layout,
                             }
                         )
                     say(
