@@ -177,7 +177,8 @@ async def test_group_agrees_on_the_part_layout_of_its_oldest_member(monkeypatch)
 async def test_after_a_round_its_links_held_back_the_averager_offers_finer_parts():
     """A large round whose payload crawled (a slow uplink) makes the next rounds offer
     LINK_BOUND_LAYOUT (~8 parts per slice, so the group's lowest is that); a fast one restores
-    what was offered before; a small one says nothing; ``adapt_part_layout=False`` pins it."""
+    what was offered before; a small one, or the first (it opens the connections), says
+    nothing; ``adapt_part_layout=False`` pins it."""
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery)
         averager = await swarm.add(random_tensors(1))
@@ -185,6 +186,8 @@ async def test_after_a_round_its_links_held_back_the_averager_offers_finer_parts
         big = partition.MIN_MEASURED_PAYLOAD_BYTES
         slow = 2 * big / partition.LINK_BOUND_BYTES_PER_SECOND  # seconds: half the threshold
         assert offered.part_layout == PART_LAYOUT != partition.LINK_BOUND_LAYOUT
+        averager._adapt_part_layout(big, slow)  # the first round
+        assert offered.part_layout == PART_LAYOUT
         averager._adapt_part_layout(big - 1, 1000.0)
         assert offered.part_layout == PART_LAYOUT
         for _ in range(2):

@@ -60,9 +60,9 @@ PART_LAYOUT = max(PART_LAYOUTS)  # the newest layout this version speaks
 # layout 0 1.13-1.16x (benchmarks/RESULTS.md, "WAN").
 LINK_BOUND_LAYOUT = 0
 # A round whose payload (parts and deltas this peer sent) moved slower than this was held
-# back by its links, not by CPU (loopback on 2 loaded cores moves ~16 MiB/s; a 20 Mbit/s
-# uplink ~2.4).
-LINK_BOUND_BYTES_PER_SECOND = 4 << 20
+# back by its links, not by CPU (8 x 4M on loopback, 2 cores at load ~10: 16-28 MiB/s, 5 MiB/s
+# in a load spike; a 20 Mbit/s uplink moves at most ~2.2 MiB/s of payload).
+LINK_BOUND_BYTES_PER_SECOND = 3 << 20
 # Smaller rounds say little about the link (latency and fixed costs dominate).
 MIN_MEASURED_PAYLOAD_BYTES = 8 << 20
 
