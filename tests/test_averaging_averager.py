@@ -25,7 +25,7 @@ from swarmtrain.averaging import (
 )
 from swarmtrain.averaging.partition import PART_LAYOUT
 from swarmtrain.compression import Float16Compression, NoCompression
-from swarmtrain.dht import DHT
+from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.utils.background import BackgroundRuntime
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
@@ -436,6 +436,31 @@ async def test_expected_group_size_and_per_step_group_bits():
             assert result.reason == FailureReason.TOO_FEW_PEERS, result
         swarm.stop_all()
     assert elapsed < 15, elapsed  # without expected_group_size the leader would wait 30 s
+
+
+@pytest.mark.trio
+async def test_joiners_learn_how_fast_their_leader_answers():
+    """Matchmaking times each leader's first answer (``AnswerTimes``); a leader that answered
+    slowly gets a longer timeout in the next round (the round's core is built with it)."""
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        averagers = [await swarm.add(random_tensors(i), **FAST) for i in range(2)]
+        results = await step_all(averagers, expected_group_size=[2, 2], timeout=[20, 20])
+        assert all(isinstance(r, dict) and len(r) == 2 for r in results), results
+        matchmakers = [a._matchmaking for a in averagers]
+        ids = [a.peer_id.to_bytes() for a in averagers]
+        # the joiner (whoever it was) timed its leader's first answer; the leader asked nobody
+        asked = [m.answer_times.peers() for m in matchmakers]
+        assert sorted(map(len, asked)) == [0, 1], asked
+        joiner = 0 if asked[0] else 1
+        leader = ids[1 - joiner]
+        assert asked[joiner] == [leader]
+        now = get_dht_time()
+        assert 0 < matchmakers[joiner].answer_times.slowest(leader, now) < 20
+        # as a slow relayed answer: twice that, capped at a matchmaking window (1 s here)
+        matchmakers[joiner].answer_times.observe(leader, 0.6, now)
+        assert matchmakers[joiner]._request_timeouts(now) == {leader: 1.0}
+        swarm.stop_all()
 
 
 @pytest.mark.trio

@@ -7,6 +7,7 @@ the blocking facade that runs it on the background loop.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import threading
@@ -77,6 +78,12 @@ def _check_group_bits(bits: str) -> str:
     if not isinstance(bits, str) or any(bit not in "01" for bit in bits):
         raise ValueError(f"group bits must be a string of 0 and 1, got {bits!r}")
     return bits
+
+
+#: the step whose all-reduce attempt runs in the current task (set by ``_average_in_group``)
+_ATTEMPT: contextvars.ContextVar[StepControl | None] = contextvars.ContextVar(
+    "swarmtrain_allreduce_attempt", default=None
+)
 
 
 def _copies_on_loop(tensors: Sequence[torch.Tensor]) -> bool:
@@ -523,7 +530,14 @@ class AsyncDecentralizedAverager:
                         "allow_allreduce() was not called before the deadline",
                     )
             weight = control._begin_allreduce()
-            return await self._run_allreduce(assembled.group, weight)
+            attempt = _ATTEMPT.set(control)  # (this task's: _count_bytes finds it)
+            try:
+                return await self._run_allreduce(assembled.group, weight)
+            except BaseException:
+                control._attempt_failed()
+                raise
+            finally:
+                _ATTEMPT.reset(attempt)
         finally:
             self._allreduce.release(assembled.group.group_id)
 
@@ -560,6 +574,15 @@ class AsyncDecentralizedAverager:
             leader=PeerID(group.leader) if group.leader in group.peer_ids else None,
             part_layout=min(group.part_layout, PART_LAYOUT),
         )
+
+    def _count_bytes(self, parts: int, deltas: int) -> None:
+        """An all-reduce of the attempt under way (in this task) sent these bytes: they count
+        in the averager's totals and in that step's attempt (``StepControl.bytes_sent``)."""
+        self.part_bytes_sent += parts
+        self.delta_bytes_sent += deltas
+        control = _ATTEMPT.get()
+        if control is not None:
+            control._count_bytes(parts, deltas)
 
     def _ban_offenders(self, result: AllReduceResult) -> None:
         """Members whose own data failed the round (poison, not the network) are avoided in
@@ -625,8 +648,7 @@ class AsyncDecentralizedAverager:
         started = trio.current_time()
         result = await runner.run()
         self._adapt_part_layout(result.payload_bytes_sent, trio.current_time() - started)
-        self.part_bytes_sent += result.part_bytes_sent
-        self.delta_bytes_sent += result.delta_bytes_sent
+        self._count_bytes(result.part_bytes_sent, result.delta_bytes_sent)
         self._ban_offenders(result)
         failed = {*result.banned_senders, *result.failed_reducers}
         others = {p for p in allreduce_group.peer_ids if p != self.peer_id}

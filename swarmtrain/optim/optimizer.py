@@ -177,6 +177,8 @@ class Optimizer(EpochUpdates):
       sending garbage; ``clip_tau``, ``clip_iterations``: see ``AveragerConfig``)
     :param averager_opts: more ``AveragerConfig`` keywords for both averagers
     :param tracker_opts: more ``ProgressTracker`` keywords
+    :param trusted_peers: peer ids whose progress records vote and vouch (the organisers';
+      ``ProgressTracker(trusted_peers=)``, see docs/security.md)
     :param verbose: log progress at INFO level (else DEBUG) and show swarmtrain's logs on stderr
       (``swarmtrain.utils.logs``)
     """
@@ -214,6 +216,7 @@ class Optimizer(EpochUpdates):
         aggregation: str = "mean",
         averager_opts: dict[str, Any] | None = None,
         tracker_opts: dict[str, Any] | None = None,
+        trusted_peers: Sequence[Any] = (),
         verbose: bool = False,
     ):
         check_keywords(
@@ -335,7 +338,11 @@ class Optimizer(EpochUpdates):
                 target_batch_size,
                 client_mode=client_mode,
                 status_loglevel=self.status_loglevel,
-                **{"partner_window": max(4, 2 * self.average_state_every), **(tracker_opts or {})},
+                **{
+                    "partner_window": max(4, 2 * self.average_state_every),
+                    "trusted_peers": trusted_peers,
+                    **(tracker_opts or {}),
+                },
             )
             self.state_averager.round_observer = self._note_round_partners
         except BaseException:
