@@ -21,6 +21,7 @@ from swarmtrain.averaging import (
     MatchmakingError,
     StepControl,
     async_averager,
+    partition,
 )
 from swarmtrain.averaging.partition import PART_LAYOUT
 from swarmtrain.compression import Float16Compression, NoCompression
@@ -169,6 +170,36 @@ async def test_group_agrees_on_the_part_layout_of_its_oldest_member(monkeypatch)
             for averager in averagers:
                 for got, expected in zip(local(averager), want, strict=True):
                     torch.testing.assert_close(got, expected)
+        swarm.stop_all()
+
+
+@pytest.mark.trio
+async def test_after_a_round_its_links_held_back_the_averager_offers_finer_parts():
+    """A large round whose payload crawled (a slow uplink) makes the next rounds offer
+    LINK_BOUND_LAYOUT (~8 parts per slice, so the group's lowest is that); a fast one restores
+    what was offered before; a small one, or the first (it opens the connections), says
+    nothing; ``adapt_part_layout=False`` pins it."""
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        averager = await swarm.add(random_tensors(1))
+        offered = averager._matchmaking
+        big = partition.MIN_MEASURED_PAYLOAD_BYTES
+        slow = 2 * big / partition.LINK_BOUND_BYTES_PER_SECOND  # seconds: half the threshold
+        assert offered.part_layout == PART_LAYOUT != partition.LINK_BOUND_LAYOUT
+        averager._adapt_part_layout(big, slow)  # the first round
+        assert offered.part_layout == PART_LAYOUT
+        averager._adapt_part_layout(big - 1, 1000.0)
+        assert offered.part_layout == PART_LAYOUT
+        for _ in range(2):
+            averager._adapt_part_layout(big, slow)
+            assert offered.part_layout == partition.LINK_BOUND_LAYOUT
+        averager._adapt_part_layout(big - 1, 0.001)  # too small to tell: no change
+        assert offered.part_layout == partition.LINK_BOUND_LAYOUT
+        averager._adapt_part_layout(big, slow / 4)
+        assert offered.part_layout == PART_LAYOUT
+        averager.adapt_part_layout = False
+        averager._adapt_part_layout(big, slow)
+        assert offered.part_layout == PART_LAYOUT
         swarm.stop_all()
 
 
