@@ -303,7 +303,7 @@ def main() -> None:
                     wall, cpu = runners[way](dht if kind == "swarm" else None, run)
                     rates["wall"][way][kind].append(wall)
                     rates["cpu"][way][kind].append(cpu)
-                    line.append(f"{way}+{kind} {wall:.0f}/{cpu:.0f}")
+                    line.append(f"{way}+{kind} {wall:.3g}/{cpu:.3g}")
             print(f"run {run} (samples/s wall/thread CPU): " + "  ".join(line), flush=True)
     finally:
         dht.shutdown()
@@ -324,7 +324,7 @@ def main() -> None:
             for kind in kinds:
                 values = rates[measure][way][kind]
                 print(
-                    f"{measure:4s} {way}+{kind}: median {statistics.median(values):.0f} samples/s"
+                    f"{measure:4s} {way}+{kind}: median {statistics.median(values):.3g} samples/s"
                 )
         for way in ("hf", "lightning"):
             # the ratio: the framework with our integration vs a plain loop, same optimizer
