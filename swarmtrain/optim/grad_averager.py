@@ -111,7 +111,10 @@ def _same_kind(*tensor_lists: Sequence[torch.Tensor]) -> bool:
 
 
 def _add_(
-    accumulators: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], alpha: float, fused: bool
+    accumulators: tuple[torch.Tensor, ...],
+    grads: tuple[torch.Tensor, ...],
+    alpha: float,
+    fused: bool,
 ):
     """``accumulator += alpha * grad`` for each pair (grads converted to the accumulator's
     device and dtype); ``fused``: all of one device and dtype."""
@@ -142,7 +145,7 @@ def _scaled_copy_(out: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], 
             target.copy_(tensor).mul_(scale)
 
 
-def _zero_(tensors: Sequence[torch.Tensor], fused: bool) -> None:
+def _zero_(tensors: tuple[torch.Tensor, ...], fused: bool) -> None:
     if fused:
         torch._foreach_zero_(tensors)
     else:
