@@ -153,10 +153,10 @@ async def trainer(mode: str, args) -> dict:
         opt = swarmtrain.Optimizer(dht=dht, params=model.parameters(), **options)
         all(r.wait(120) for r in ready)
         opt.wait_for_peers(3, timeout=30)
+    if args.freeze:  # (its own pause counts as startup)
+        print(f"froze {freeze_startup_objects()} objects", flush=True)
     await asyncio.sleep(3 * args.tick)  # let a tick blocked by the last call record its lag
     startup = summary(ticker.lags)
-    if args.freeze:
-        print(f"froze {freeze_startup_objects()} objects", flush=True)
     ticker.lags.clear()
     first_epoch, started = opt.local_epoch, time.perf_counter()
     while opt.local_epoch < first_epoch + args.epochs:

@@ -187,6 +187,7 @@ async def trainer(args) -> dict:
                 await opt.wait_for_peers(3, timeout=30)
                 if args.freeze:
                     print(f"froze {freeze_startup_objects()} objects", flush=True)
+                    await trio.sleep(3 * args.tick)  # the tick the freeze delayed, recorded
                 ticker.lags.clear()
                 slow.slow.clear(), slow.collections.clear(), slow.intervals.clear()
                 slow.t0 = time.perf_counter()
