@@ -68,6 +68,11 @@ class DelayedUpdates:
         count: peers would skip their state rounds at random)."""
         return self._round_done is not None and not self._round_done.is_set()
 
+    @property
+    def finished_unapplied(self) -> bool:
+        """Whether :meth:`apply_finished` has something to apply (readable from any thread)."""
+        return self._step_finished or (self._round_averaged and not self.round_in_progress)
+
     def start(
         self,
         *,

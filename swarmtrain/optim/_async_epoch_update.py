@@ -12,6 +12,7 @@ a ``threading`` lock runs in ``trio.to_thread``. The attributes used here are se
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -90,6 +91,11 @@ class AsyncEpochUpdates:
         async def _load_state_from_peers(
             self, seconds: float | None, min_epoch: int | None = None
         ) -> bool: ...
+
+    @staticmethod
+    def _now() -> float:
+        """The clock of the catch-up back-off (monotonic; also read outside the loop)."""
+        return time.monotonic()
 
     async def _end_epoch(self, grad_scaler: Any) -> None:
         """End this epoch as the epoch core decides (``_epoch_update``'s order, awaited)."""
@@ -327,16 +333,14 @@ class AsyncEpochUpdates:
         self._grads.notify_used_averaged_gradients()
         core, no_donor = self._epoch_core, True
         if load_state:
-            if not core.catch_up_due(trio.current_time()):
+            if not core.catch_up_due(self._now()):
                 return  # the last try failed: wait for the back-off, in this epoch
             least = core.auxiliary_catch_up_epoch(self.local_epoch, self._tracker.global_epoch)
             if await self._load_state_from_peers(self.averaging_timeout, least):
                 return
             failure = self._state_service.state_download_failure
             no_donor = failure is not None and not failure.donors
-        enter = core.after_failed_auxiliary_catch_up(
-            self.local_epoch, no_donor, now=trio.current_time()
-        )
+        enter = core.after_failed_auxiliary_catch_up(self.local_epoch, no_donor, now=self._now())
         if enter is None:
             logger.warning(
                 "%s: this auxiliary peer missed epoch %d's gradients and could not load the "

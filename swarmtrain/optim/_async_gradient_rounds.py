@@ -81,6 +81,11 @@ class AsyncGradientRounds:
             group_bits=epoch_group_bits(epoch),
         )
 
+    @property
+    def needs_schedule(self) -> bool:
+        """Whether :meth:`maybe_schedule` would start matchmaking (no usable round yet)."""
+        return not self._usable(self.scheduled)
+
     def maybe_schedule(self, seconds_left: float, epoch: int, num_peers: int) -> None:
         """Start matchmaking for the round that ends ``epoch`` unless one is scheduled."""
         if self._usable(self.scheduled):

@@ -49,6 +49,7 @@ import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Union
 
@@ -74,7 +75,6 @@ from swarmtrain.optim._optimizer_options import (
     state_averager_options,
 )
 from swarmtrain.optim.epoch_core import (
-    AccumulateBatch,
     BatchCheck,
     EpochCore,
     EpochModes,
@@ -92,9 +92,20 @@ from swarmtrain.optim.state_averager import (
 from swarmtrain.optim.swarm_health import SwarmHealth, describe_parameters
 from swarmtrain.utils.logs import show_logs
 
-__all__ = ["AsyncOptimizer"]
+__all__ = ["AsyncOptimizer", "StepWork"]
 
 logger = logging.getLogger("swarmtrain.optim.optimizer")
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What a step still has to do on the loop after its batch part (``on_batch``)."""
+
+    catch_up: bool = False  #: load the state from peers (this peer is behind)
+    schedule_round: bool = False  #: start matchmaking for this epoch's gradient round
+    seconds_left: float = 0.0  #: until the swarm's expected end of the epoch
+    num_peers_present: int = 0
+    end_epoch: bool = False  #: the swarm reached the target: end the epoch
 
 
 def _runs_in_a_helper_process(factory: Any) -> bool:
@@ -515,10 +526,31 @@ class AsyncOptimizer(AsyncEpochUpdates):
         trainer's own forward and backward). Returns the closure's loss. Calls from several
         tasks run one at a time."""
         async with self._busy:
-            return await self._step(closure, batch_size, grad_scaler)
+            batch_size = self.check_step_arguments(closure, batch_size, grad_scaler)
+            await self._delayed_updates().apply_finished()
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if self._batches_on_loop or batch_size is None:
+                work = self.on_batch(batch_size, grad_scaler)
+            else:  # the check and the copies hold a lock the optimizer step also takes
+                work = await trio.to_thread.run_sync(self.on_batch, batch_size, grad_scaler)
+            if work is not None:
+                await self._do_step_work(work, grad_scaler)
+            return loss
 
-    async def _step(self, closure: Any, batch_size: int | None, grad_scaler: Any) -> Any:
-        tracker, core = self._tracker, self._epoch_core
+    # A step in two parts, so that a blocking facade (``swarmtrain.Optimizer``) runs the batch
+    # part in the trainer's own thread and enters the loop only when there is loop work:
+    # ``on_batch`` (plain, any thread, never awaits) checks and accumulates the batch, reports
+    # progress and decides; ``do_step_work`` (on the loop) catches up, pre-schedules the
+    # gradient round or ends the epoch.
+
+    def check_step_arguments(
+        self, closure: Callable[[], Any] | None, batch_size: int | None, grad_scaler: Any
+    ) -> int | None:
+        """Raise on arguments ``step`` cannot take; the batch size to use (None: auxiliary)."""
+        self._check_running()
         if self.auxiliary and (
             closure is not None or batch_size is not None or grad_scaler is not None
         ):
@@ -526,73 +558,96 @@ class AsyncOptimizer(AsyncEpochUpdates):
         if grad_scaler is not None:
             scaler_method(grad_scaler, "unscale_swarm_grads_")
             scaler_method(grad_scaler, "on_swarm_epoch_end_")
-        if not self.auxiliary:
-            batch_size = self.batch_size_per_step if batch_size is None else batch_size
-            if batch_size is None:
-                raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
-            check_positive("batch_size", batch_size)
-        await self._delayed_updates().apply_finished()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        if self.auxiliary:
+            return None
+        batch_size = self.batch_size_per_step if batch_size is None else batch_size
+        if batch_size is None:
+            raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
+        check_positive("batch_size", batch_size)
+        return batch_size
 
+    @property
+    def delayed_updates_finished(self) -> bool:
+        """Whether delayed work finished and waits to be applied (``apply_delayed_updates``)."""
+        return self._delayed is not None and self._delayed.finished_unapplied
+
+    async def apply_delayed_updates(self) -> None:
+        """Apply the delayed work that finished (a step does this first)."""
+        async with self._busy:
+            await self._delayed_updates().apply_finished()
+
+    def on_batch(self, batch_size: int | None, grad_scaler: Any) -> StepWork | None:
+        """The batch part of a step, in any thread (no await): check and accumulate this
+        batch's gradients (``batch_size`` None: an auxiliary peer's step), report progress,
+        decide. Returns the loop work due (:meth:`do_step_work`), None if there is none.
+        The caller makes the calls one at a time (``step``'s lock, or the facade's)."""
+        tracker, core = self._tracker, self._epoch_core
         progress = self._last_progress or tracker.global_progress
         if core.is_behind(self.local_epoch, progress.epoch) and core.is_behind(
             self.local_epoch, tracker.global_epoch
         ):
-            await self._catch_up()
-            return loss
-        if batch_size is not None and not await self._accumulate(batch_size, grad_scaler):
-            return loss
+            if not core.catch_up_due(self._now()):  # backing off: skip this batch
+                return None
+            self._last_progress = None
+            return StepWork(catch_up=True)
+        if batch_size is not None and not self._accumulate(batch_size, grad_scaler):
+            return None
         progress = self._last_progress = tracker.global_progress
         plan = core.on_progress(self.local_epoch, progress, get_dht_time())
-        if plan.schedule_round:
-            assert self._rounds is not None
-            self._rounds.maybe_schedule(plan.seconds_left, self.local_epoch, plan.num_peers_present)
+        schedule = plan.schedule_round and self._rounds is not None and self._rounds.needs_schedule
+        if not (schedule or plan.end_epoch):
+            return None
         if plan.end_epoch:
             self._last_progress = None
-            await self._end_epoch(grad_scaler)
-        return loss
+        return StepWork(
+            schedule_round=schedule,
+            seconds_left=plan.seconds_left,
+            num_peers_present=plan.num_peers_present,
+            end_epoch=plan.end_epoch,
+        )
 
-    async def _accumulate(self, batch_size: int, grad_scaler: Any) -> bool:
-        """Check the batch and take it (in one worker thread hop, or on the loop for small CPU
-        models without local updates: no lock is taken then); False if it was dropped."""
+    async def do_step_work(self, work: StepWork, grad_scaler: Any = None) -> None:
+        """The loop part of a step that :meth:`on_batch` returned ``work`` for."""
+        async with self._busy:
+            await self._do_step_work(work, grad_scaler)
+
+    async def _do_step_work(self, work: StepWork, grad_scaler: Any) -> None:
+        if work.catch_up:
+            await self._catch_up()
+            return
+        if work.schedule_round:
+            assert self._rounds is not None
+            self._rounds.maybe_schedule(work.seconds_left, self.local_epoch, work.num_peers_present)
+        if work.end_epoch:
+            await self._end_epoch(grad_scaler)
+
+    def _accumulate(self, batch_size: int, grad_scaler: Any) -> bool:
+        """Check the batch and take it (the caller's thread); False if it was dropped."""
         core, params = self._epoch_core, self.main_parameters
         check = core.batch_check(grad_scaler is not None)
         state, grads = self._state, self._grads
-
-        def take() -> SkipBatch | AccumulateBatch:
-            finite = True
-            if check is BatchCheck.UNSCALE:
-                finite = bool(scaler_method(grad_scaler, "unscale_swarm_grads_")(params))
-            elif check is BatchCheck.CHECK_FINITE:
-                finite = first_non_finite([p.grad for p in params if p.grad is not None]) is None
-            decision = core.on_batch(check, finite)
-            if isinstance(decision, SkipBatch):
-                if decision.reset_accumulators:
-                    assert grads is not None
-                    grads.reset_accumulated_grads_()
-                if decision.clear_grads:
-                    for param in params:
-                        param.grad = None
-            elif decision.local_step:
-                state.step(optimizer_step=True)
-            else:
-                assert grads is not None
-                grads.accumulate_grads_(batch_size)
-            return decision
-
-        if self._batches_on_loop:  # a few ms at most: cheaper than a thread hop under load
-            decision = take()
-        else:
-            decision = await trio.to_thread.run_sync(take)
+        finite = True
+        if check is BatchCheck.UNSCALE:
+            finite = bool(scaler_method(grad_scaler, "unscale_swarm_grads_")(params))
+        elif check is BatchCheck.CHECK_FINITE:
+            finite = first_non_finite([p.grad for p in params if p.grad is not None]) is None
+        decision = core.on_batch(check, finite)
         if isinstance(decision, SkipBatch):
             if decision.reset_accumulators:
+                assert grads is not None
+                grads.reset_accumulated_grads_()
                 self.local_samples_accumulated = 0.0
+            if decision.clear_grads:
+                for param in params:
+                    param.grad = None
             log = logger.warning if decision.warn else logger.debug
             log("%s: this batch's gradients hold NaN or inf: the batch is dropped", self.run_id)
             return False
+        if decision.local_step:
+            state.step(optimizer_step=True)
+        else:
+            assert grads is not None
+            grads.accumulate_grads_(batch_size)
         self.local_samples_accumulated += batch_size
         self._tracker.report_local_progress(self.local_epoch, int(self.local_samples_accumulated))
         return True
@@ -602,23 +657,20 @@ class AsyncOptimizer(AsyncEpochUpdates):
     async def _catch_up(self) -> None:
         """As ``Optimizer._catch_up``: load the state, or take the swarm's epoch alone; after a
         catch-up that left us behind, the next waits for a back-off (``EpochCore.catch_up_due``:
-        until then a step only skips its batch)."""
-        if not self._epoch_core.catch_up_due(trio.current_time()):
-            return
+        until then a step only skips its batch: ``on_batch`` checks that)."""
         logger.warning(
             "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
             self.run_id,
             self.local_epoch,
             self._tracker.global_epoch,
         )
-        self._last_progress = None
         if await self._load_state_from_peers(None):
             return
         assert self._state_service is not None
         failure = self._state_service.state_download_failure
         no_donor = failure is not None and not failure.donors
         enter = self._epoch_core.after_failed_catch_up(
-            self.local_epoch, self._tracker.global_epoch, no_donor, now=trio.current_time()
+            self.local_epoch, self._tracker.global_epoch, no_donor, now=self._now()
         )
         if enter is None:
             logger.warning(
