@@ -29,9 +29,9 @@ Modes: gradient averaging (default), ``use_local_updates``, ``offload_optimizer`
 applied at a later ``step``), ``reuse_grad_buffers``, ``average_state_every``, ``client_mode``,
 GradScaler, ``auxiliary``, ``delay_optimizer_step`` and ``delay_grad_averaging`` (the optimizer
 step, the wait for the round and the state round after it are a job of this optimizer's task
-group: ``swarmtrain.optim._async_delayed``), ``grad_averager_factory`` (e.g. PowerSGD). Not
-yet: averagers in a helper process (``ProcessGradientAverager``: ``NotImplementedError``, use
-the blocking ``Optimizer`` for it).
+group: ``swarmtrain.optim._async_delayed``), ``grad_averager_factory`` (e.g. PowerSGD, or
+``ProcessGradientAverager``: the gradient all-reduce in a helper process, its controls awaited
+here; starting a round waits for the helper's acknowledgement, a pipe round trip).
 
 Cancellation: every method can be cancelled. A step cancelled during its epoch end leaves the
 epoch unfinished and drops the gradients accumulated for it (a running thread part finishes
@@ -59,7 +59,6 @@ import trio
 from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager, _copies_on_loop
 from swarmtrain.averaging.finite import first_non_finite
-from swarmtrain.averaging.process_backend import HelperProcessBackend
 from swarmtrain.dht import AsyncDHT, get_dht_time
 from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_epoch_update import AsyncEpochUpdates
@@ -106,20 +105,6 @@ class StepWork:
     seconds_left: float = 0.0  #: until the swarm's expected end of the epoch
     num_peers_present: int = 0
     end_epoch: bool = False  #: the swarm reached the target: end the epoch
-
-
-def _runs_in_a_helper_process(factory: Any) -> bool:
-    """Whether ``factory`` (a class or a ``functools.partial`` of one) builds an averager
-    whose swarm runs in a helper process (it has no trio averager to run on our loop)."""
-    target = factory.func if isinstance(factory, partial) else factory
-    return isinstance(target, type) and issubclass(target, HelperProcessBackend)
-
-
-def _not_yet(name: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{name} is not supported by the trio Optimizer (Optimizer.create) yet: use the blocking "
-        "swarmtrain.Optimizer (or its .aio form) for it"
-    )
 
 
 class AsyncOptimizer(AsyncEpochUpdates):
@@ -196,8 +181,6 @@ class AsyncOptimizer(AsyncEpochUpdates):
             delay_state_averaging=delay_state_averaging,
             grad_averager_factory=grad_averager_factory,
         )
-        if _runs_in_a_helper_process(grad_averager_factory):
-            raise _not_yet("a grad_averager_factory whose averager runs in a helper process")
 
         self.dht, self.run_id = dht, run_id
         self.target_batch_size = target_batch_size
@@ -288,8 +271,6 @@ class AsyncOptimizer(AsyncEpochUpdates):
                     common, aggregation=aggregation, grad_compression=grad_compression
                 ),
             )
-            if isinstance(self._grads, HelperProcessBackend):
-                raise _not_yet("a grad_averager_factory whose averager runs in a helper process")
             with self._grads.get_tensors() as averaged:
                 params = self.main_parameters
                 self._grad_buffers_match = len(averaged) == len(params) and all(
