@@ -353,12 +353,7 @@ def test_state_dict_round_trip_and_context_manager(dhts):
 def start_a_lone_state_round(opt: Optimizer) -> None:
     """A delayed state round as an earlier epoch starts it, looking for peers (alone: until
     its 5 s timeout)."""
-    aio = getattr(opt, "_opt", None)  # the AsyncOptimizer behind the facade
-    if aio is None:  # the thread-based body
-        opt.state_averager.step(
-            averaging_round=True, delay_averaging=True, averaging_opts={"timeout": 5.0}
-        )
-        return
+    aio = opt._opt  # the AsyncOptimizer behind the blocking facade
 
     async def start() -> None:
         control = aio._state_service.start_step(

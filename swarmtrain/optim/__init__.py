@@ -1,7 +1,5 @@
 """swarmtrain.optim: decentralized optimizers and the training-progress tracker they share."""
 
-import os as _os
-
 from swarmtrain.optim.async_optimizer import AsyncOptimizer as AsyncOptimizer
 from swarmtrain.optim.diloco import DiLoCoOptimizer as DiLoCoOptimizer
 from swarmtrain.optim.diloco import DiLoCoStatistics as DiLoCoStatistics
@@ -14,12 +12,7 @@ from swarmtrain.optim.diloco_core import default_outer_optimizer as default_oute
 from swarmtrain.optim.diloco_core import mix_ as mix_
 from swarmtrain.optim.grad_averager import GradientAverager as GradientAverager
 from swarmtrain.optim.grad_scaler import GradScaler as GradScaler
-
-if _os.environ.get("SWARMTRAIN_OPTIMIZER_FACADE") == "1":  # the facade over AsyncOptimizer
-    from swarmtrain.optim._facade_optimizer import Optimizer as Optimizer
-else:  # the thread-based body
-    from swarmtrain.optim.optimizer import Optimizer as Optimizer
-
+from swarmtrain.optim.optimizer import Optimizer as Optimizer
 from swarmtrain.optim.power_sgd import PowerSGDGradientAverager as PowerSGDGradientAverager
 from swarmtrain.optim.process_grad_averager import (
     ProcessGradientAverager as ProcessGradientAverager,

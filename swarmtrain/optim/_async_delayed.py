@@ -1,8 +1,8 @@
 """The delayed work of ``AsyncOptimizer``'s epoch ends: tasks of its nursery, one at a time.
 
-What the blocking ``Optimizer`` runs in the state averager's worker thread (``_submit``), the
-trio optimizer runs as a *job* in its own task group; a job waits for the previous one, so
-jobs run in order, as in that single worker thread. A job does, each part optionally:
+Delayed work (what a standalone ``TrainingStateAverager`` runs in its worker thread) runs as a
+*job* in the optimizer's own task group; a job waits for the previous one, so jobs run in
+order. A job does, each part optionally:
 
 1. wait for the epoch's gradient round (``delay_grad_averaging``), then put the averaged
    gradients into the optimizer's copies (``delay_optimizer_step``); the trainer's next round

@@ -1,6 +1,7 @@
 """The epoch end of ``AsyncOptimizer`` (a mixin): what :class:`EpochCore` decides, awaited.
 
-The trio counterpart of :mod:`swarmtrain.optim._epoch_update`, in the same order: begin the
+The decisions are :class:`~swarmtrain.optim.epoch_core.EpochCore`'s (a sans-IO core, where the
+table of modes is); this shell does what it decides, in this order: begin the
 gradient round (or tag along), wait for it here or hand it to a delayed job
 (``swarmtrain.optim._async_delayed``), step the optimizer (in a worker thread, or in the job
 with ``delay_optimizer_step``), average the state (here, or in a job with
@@ -25,7 +26,6 @@ from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
-from swarmtrain.optim._epoch_update import scaler_method
 from swarmtrain.optim.epoch_core import (
     AuxiliaryCatchUp,
     EpochAdvanced,
@@ -35,6 +35,7 @@ from swarmtrain.optim.epoch_core import (
     RoundWait,
 )
 from swarmtrain.optim.grad_averager import GradientAverager
+from swarmtrain.optim.grad_scaler import scaler_method
 from swarmtrain.optim.progress_tracker import AsyncProgressTracker
 from swarmtrain.optim.state_averager import TrainingStateAverager
 
@@ -98,7 +99,7 @@ class AsyncEpochUpdates:
         return time.monotonic()
 
     async def _end_epoch(self, grad_scaler: Any) -> None:
-        """End this epoch as the epoch core decides (``_epoch_update``'s order, awaited)."""
+        """End this epoch as the epoch core decides (the module docstring's order)."""
         tracker, core = self._tracker, self._epoch_core
         with tracker.pause_updates():
             plan = core.begin_epoch_end(
@@ -174,7 +175,7 @@ class AsyncEpochUpdates:
     def _note_round_partners(self, gathered: Mapping[Any, Any], epoch: int) -> None:
         """Tell the tracker who averaged with this peer in a round of ``epoch`` (the members
         that did their part: not in ``gathered.failed``); only such partners vote for epochs
-        ahead of ours (``EpochUpdates._note_round_partners``'s rule)."""
+        ahead of ours."""
         failed: Collection[Any] = getattr(gathered, "failed", frozenset())
         partners = [peer for peer in gathered if peer not in failed]
         try:

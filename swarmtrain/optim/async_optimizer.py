@@ -15,8 +15,9 @@
                 opt.zero_grad()
 
 Same semantics and keywords as the blocking :class:`~swarmtrain.optim.Optimizer` (see
-``swarmtrain.optim.optimizer``), one epoch logic: the decisions come from the same sans-IO
-:class:`~swarmtrain.optim.epoch_core.EpochCore`, the tensor work from the same
+``swarmtrain.optim.optimizer``), which is a facade over this class on the background loop: one
+implementation. The decisions come from the sans-IO
+:class:`~swarmtrain.optim.epoch_core.EpochCore`, the tensor work from the
 ``GradientAverager`` / ``TrainingStateAverager`` methods (objects built with ``start=False``:
 their buffers, accumulators, optimizer and locks), and the network from their trio averagers
 (``DecentralizedAverager.open_async``) on the caller's loop. No background loop thread, no
@@ -64,7 +65,6 @@ from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_epoch_update import AsyncEpochUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
 from swarmtrain.optim._checkpoint import load_checkpoint, make_checkpoint
-from swarmtrain.optim._epoch_update import scaler_method
 from swarmtrain.optim._optimizer_options import (
     averager_options,
     check_keywords,
@@ -80,6 +80,7 @@ from swarmtrain.optim.epoch_core import (
     SkipBatch,
 )
 from swarmtrain.optim.grad_averager import GradientAverager
+from swarmtrain.optim.grad_scaler import scaler_method
 from swarmtrain.optim.progress_core import GlobalProgress
 from swarmtrain.optim.progress_tracker import AsyncProgressTracker
 from swarmtrain.optim.state_averager import (
