@@ -350,6 +350,33 @@ def test_state_dict_round_trip_and_context_manager(dhts):
         opt.step(batch_size=2)
 
 
+def test_a_state_round_on_demand_averages_the_models(dhts):
+    """``opt.state_averager.step(averaging_round=True)`` (or ``opt.average_state()``): one
+    synchronous state round, e.g. a final sync after training (the churn soak's)."""
+    first, second = dhts(2)
+    peers = [Peer(d, i, seed=i, delay_state_averaging=False) for i, d in enumerate((first, second))]
+    try:
+        before = [params_of(p.model) for p in peers]
+        groups: list = [None, None]
+
+        def sync(i: int) -> None:
+            step = peers[i].opt.state_averager.step
+            groups[i] = step(averaging_round=True, averaging_opts={"timeout": 30.0})
+
+        in_threads(lambda: sync(0), lambda: sync(1))
+        assert [len(g or ()) for g in groups] == [2, 2], groups
+        mean = [(a + b) / 2 for a, b in zip(*before, strict=True)]
+        for peer in peers:
+            for got, want in zip(params_of(peer.model), mean, strict=True):
+                torch.testing.assert_close(got, want)
+        assert all(p.opt.state_rounds_averaged == 1 for p in peers)
+        with pytest.raises(NotImplementedError, match="TrainingStateAverager of your own"):
+            peers[0].opt.state_averager.step(optimizer_step=True)
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+
+
 def start_a_lone_state_round(opt: Optimizer) -> None:
     """A delayed state round as an earlier epoch starts it, looking for peers (alone: until
     its 5 s timeout)."""

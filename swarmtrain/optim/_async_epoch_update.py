@@ -279,15 +279,21 @@ class AsyncEpochUpdates:
     async def _state_round(self, decision: FinishEpoch) -> dict | None:
         """Average the training state as of now: waited for here, or (delayed) in a task of
         this optimizer whose result a later step applies."""
-        service, state = self._state_service, self._state
-        assert service is not None
         delayed = self._delayed_updates()
         await delayed.apply_finished()  # before its buffers are loaded again
+        control = await self._begin_state_round(decision.state_round_weight, self.averaging_timeout)
+        if decision.delay_state_averaging:
+            delayed.start(state_round=control, inputs_loaded=True)
+            return None
+        return await self._finish_state_round(control)
+
+    async def _begin_state_round(self, weight: float | None, round_timeout: float) -> StepControl:
+        """Start a state round gathering our epoch, load the state as of now into it, let it
+        run."""
+        service, state = self._state_service, self._state
+        assert service is not None
         control = service.start_step(
-            gather=state.local_epoch,
-            weight=decision.state_round_weight,
-            timeout=self.averaging_timeout,
-            require_trigger=True,
+            gather=state.local_epoch, weight=weight, timeout=round_timeout, require_trigger=True
         )
         try:
             await trio.to_thread.run_sync(state._load_round_inputs, control)
@@ -295,12 +301,13 @@ class AsyncEpochUpdates:
             control.cancel()
             raise
         control.allow_allreduce()
-        if decision.delay_state_averaging:
-            delayed.start(state_round=control, inputs_loaded=True)
-            return None
+        return control
+
+    async def _finish_state_round(self, control: StepControl) -> dict | None:
+        """Wait for a state round and apply its result: the gathered data, None if it failed."""
         gathered = await self._wait_state_round(control)
         if gathered is not None:
-            await trio.to_thread.run_sync(state._apply_round)
+            await trio.to_thread.run_sync(self._state._apply_round)
         return gathered
 
     async def _wait_state_round(self, control: StepControl) -> dict | None:

@@ -479,6 +479,18 @@ class AsyncOptimizer(AsyncEpochUpdates):
         async with self._busy:
             await self._delayed_updates().wait_all()
 
+    async def average_state(self, timeout: float | None = None) -> dict | None:  # noqa: ASYNC109
+        """One state round now, waited for and applied (after the delayed work), e.g. a final
+        sync of the models after training: the group's ``{peer_id: epoch}``, None if it did
+        not average (logged). ``timeout``: of the round (default ``averaging_timeout``)."""
+        timeout = self.averaging_timeout if timeout is None else timeout
+        check_positive("timeout", timeout)
+        async with self._busy:
+            self._check_running()
+            await self._delayed_updates().wait_all()
+            weight = 0.0 if self.auxiliary else None
+            return await self._finish_state_round(await self._begin_state_round(weight, timeout))
+
     async def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, plus the epoch and the scheduler's state (after
         the delayed work: an ``await``, unlike torch's, since it waits and takes the lock)."""

@@ -208,20 +208,33 @@ class _StateAveragerView:
         """Wait for the optimizer's delayed work and apply it (``timeout``: not used)."""
         self._owner.wait_for_delayed_updates()
 
-    def step(self, wait_for_delayed_updates: bool | None = None, **kwargs: Any) -> None:
-        """Only the waits of ``TrainingStateAverager.step``: apply the delayed work that
-        finished, or (``wait_for_delayed_updates=True``) wait for all of it first. The
-        optimizer runs its own steps and rounds."""
-        extra = {k: v for k, v in kwargs.items() if k != "apply_delayed_updates"}
-        if extra:
+    def step(
+        self,
+        wait_for_delayed_updates: bool | None = None,
+        apply_delayed_updates: bool = True,
+        averaging_round: bool = False,
+        averaging_opts: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict | None:
+        """The parts of ``TrainingStateAverager.step`` that fit an optimizer's own averager:
+        apply the delayed work that finished, or (``wait_for_delayed_updates=True``) wait for
+        all of it first; ``averaging_round=True``: one state round now, waited for and applied
+        (``averaging_opts``: only ``timeout``), returning the group's ``{peer_id: epoch}`` or
+        None. Optimizer steps and delayed rounds are the optimizer's own."""
+        opts = dict(averaging_opts or {})
+        unsupported = [k for k, v in kwargs.items() if v] + [k for k in opts if k != "timeout"]
+        if unsupported:
             raise NotImplementedError(
-                f"opt.state_averager.step({', '.join(extra)}=...): the Optimizer steps and "
-                "averages its state itself; use a TrainingStateAverager of your own for that"
+                f"opt.state_averager.step({', '.join(unsupported)}=...): the Optimizer steps "
+                "and averages its state itself; use a TrainingStateAverager of your own for that"
             )
+        if averaging_round:
+            return self._owner.average_state(opts.get("timeout"))
         if wait_for_delayed_updates:
             self._owner.wait_for_delayed_updates()
-        elif kwargs.get("apply_delayed_updates", True):
+        elif apply_delayed_updates:
             self._owner._apply_delayed_updates()
+        return None
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Nothing to stop here: ``Optimizer.shutdown`` stops the averager."""
@@ -431,6 +444,14 @@ class Optimizer(BackgroundService):
         _, opt = self._running()
         with self._calls:
             self._call(opt.wait_for_delayed_updates)
+
+    def average_state(self, timeout: float | None = None) -> dict | None:
+        """One state round now, waited for and applied (after the delayed work), e.g. a final
+        sync of the models after training: the group's ``{peer_id: epoch}``, None if it did
+        not average (logged). ``timeout``: of the round (default ``averaging_timeout``)."""
+        _, opt = self._running()
+        with self._calls:
+            return self._call(opt.average_state, timeout)
 
     def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> int:
         """Announce this peer and wait until the tracker sees ``num_peers`` peers (this one
