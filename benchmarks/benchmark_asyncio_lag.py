@@ -30,6 +30,7 @@ import swarmtrain
 # at module level: swarmtrain's names are imported lazily, and the first use of ``swarmtrain.DHT``
 # (libp2p) or ``swarmtrain.Optimizer`` takes 1-2 s, which would block the loop wherever it happens
 from swarmtrain import DHT, Optimizer  # noqa: F401
+from swarmtrain.utils import freeze_startup_objects
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
 FEATURES, BATCH, STEP_PAUSE = 64, 8, 0.02
@@ -154,6 +155,8 @@ async def trainer(mode: str, args) -> dict:
         opt.wait_for_peers(3, timeout=30)
     await asyncio.sleep(3 * args.tick)  # let a tick blocked by the last call record its lag
     startup = summary(ticker.lags)
+    if args.freeze:
+        print(f"froze {freeze_startup_objects()} objects", flush=True)
     ticker.lags.clear()
     first_epoch, started = opt.local_epoch, time.perf_counter()
     while opt.local_epoch < first_epoch + args.epochs:
@@ -192,6 +195,11 @@ def main() -> None:
     parser.add_argument("--tick", type=float, default=0.005)
     parser.add_argument("--modes", default="idle,blocking,aio")
     parser.add_argument("--debug-slow", action="store_true", help="asyncio debug: slow callbacks")
+    parser.add_argument(
+        "--freeze",
+        action="store_true",
+        help="swarmtrain.utils.freeze_startup_objects() before training (no full GC walks)",
+    )
     args = parser.parse_args()
     if args.debug_slow:
         import logging

@@ -15,10 +15,12 @@ the same run (the lag the machine's load gives any loop): the baseline of the ra
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -37,23 +39,101 @@ from benchmark_asyncio_lag import (
 )
 
 from swarmtrain import DHT, Optimizer
+from swarmtrain.utils import freeze_startup_objects
 
 
 class SlowSteps(trio.abc.Instrument):
-    """Records task steps (the code between two awaits) that held the loop > ``limit`` s."""
+    """Records task steps (the code between two awaits) that held the loop > ``limit`` s of
+    wall time or > ``cpu_limit`` s of the loop thread's CPU time. CPU time does not grow with
+    the machine's load (waiting for a core or the GIL is not counted), so it finds the code
+    that keeps the loop busy on a busy box too."""
 
-    def __init__(self, limit: float = 0.02) -> None:
-        self.limit, self.started, self.slow = limit, {}, []
+    def __init__(self, limit: float = 0.02, cpu_limit: float = 0.005) -> None:
+        self.limit, self.cpu_limit, self.started, self.slow = limit, cpu_limit, {}, []
+        self.gc_seconds, self._gc_start = 0.0, 0.0  # cyclic GC time of this thread
+        self.collections: list[tuple[int, float]] = []  # (generation, seconds)
+        self.t0 = time.perf_counter()
+        self.intervals: list[tuple[float, float]] = []  # of the slow steps
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            took = time.perf_counter() - self._gc_start
+            self.gc_seconds += took
+            self.collections.append((info["generation"], took))
 
     def before_task_step(self, task) -> None:
-        self.started[task] = time.perf_counter()
+        self.started[task] = (time.perf_counter(), time.thread_time(), self.gc_seconds)
 
     def after_task_step(self, task) -> None:
-        took = time.perf_counter() - self.started.pop(task, time.perf_counter())
-        if took > self.limit:
-            frame = task.coro.cr_frame
-            where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame else "?"
-            self.slow.append((took, task.name, where))
+        now = (time.perf_counter(), time.thread_time(), self.gc_seconds)
+        wall0, cpu0, gc0 = self.started.pop(task, now)
+        took, cpu, in_gc = now[0] - wall0, now[1] - cpu0, now[2] - gc0
+        if took > self.limit or cpu > self.cpu_limit:
+            at = now[0] - self.t0
+            self.slow.append((cpu, took, in_gc, at, task.name, _suspended_at(task.coro)))
+            self.intervals.append((wall0, now[0]))
+
+
+class StackSampler:
+    """Samples the loop thread's Python stack every ``interval`` s from a helper thread, so
+    that the slow steps ``SlowSteps`` found can be attributed to the code they ran."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.samples, self._stop = interval, [], threading.Event()
+        self._target = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self._target)
+            stack = []
+            while frame is not None and len(stack) < 40:
+                path = "/".join(frame.f_code.co_filename.rsplit("/", 2)[-2:])
+                stack.append(f"{path}:{frame.f_lineno} {frame.f_code.co_name}")
+                frame = frame.f_back
+            self.samples.append((time.perf_counter(), stack))
+
+    def report(self, steps: list, top: int = 12) -> None:
+        """The innermost frames of ours or py-libp2p's, most sampled during ``steps``
+        (``(start, end)`` intervals)."""
+        counts: dict[str, int] = {}
+        for at, stack in self.samples:
+            if not any(start <= at <= end for start, end in steps):
+                continue
+            # innermost frame that is not trio's, asyncio's or the stdlib's
+            for entry in stack:
+                if not entry.startswith(("trio/", "_core/", "python3.11/")):
+                    counts[entry] = counts.get(entry, 0) + 1
+                    break
+        for entry, count in sorted(counts.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"    {count * 1000 * self.interval:6.0f} ms sampled in {entry}")
+
+
+def _suspended_at(coro) -> str:
+    """Where a task waits now: its innermost coroutine frame outside trio and contextlib
+    (after a slow step, the await that followed the slow code)."""
+    where = "?"
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            path = frame.f_code.co_filename
+            if "/trio/" not in path and not path.endswith("contextlib.py"):
+                name = "/".join(path.rsplit("/", 2)[-2:])
+                where = f"{name}:{frame.f_lineno} {frame.f_code.co_name}"
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return where
 
 
 class Ticker:
@@ -83,8 +163,10 @@ async def trainer(args) -> dict:
     ticker = Ticker(args.tick)
     model = make_model()
     slow = SlowSteps()
+    sampler = StackSampler()
     if args.slow_steps:
         trio.lowlevel.add_instrument(slow)
+        sampler.start()
     stop, helpers, ready = ctx.Event(), [], []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ticker.run)
@@ -103,7 +185,11 @@ async def trainer(args) -> dict:
             async with Optimizer.create(dht=dht, params=model.parameters(), **options) as opt:
                 await trio.to_thread.run_sync(lambda: all(r.wait(120) for r in ready))
                 await opt.wait_for_peers(3, timeout=30)
+                if args.freeze:
+                    print(f"froze {freeze_startup_objects()} objects", flush=True)
                 ticker.lags.clear()
+                slow.slow.clear(), slow.collections.clear(), slow.intervals.clear()
+                slow.t0 = time.perf_counter()
                 first_epoch, started = opt.local_epoch, time.perf_counter()
                 while opt.local_epoch < first_epoch + args.epochs:
                     opt.zero_grad()
@@ -117,8 +203,25 @@ async def trainer(args) -> dict:
         for helper in helpers:
             await trio.to_thread.run_sync(helper.join, 30)
         nursery.cancel_scope.cancel()
-    for took, name, where in sorted(slow.slow, reverse=True)[:10]:
-        print(f"  slow step {1000 * took:.0f} ms: {name} ({where})")
+    for cpu, took, in_gc, at, name, where in sorted(slow.slow, reverse=True)[:15]:
+        print(
+            f"  slow step at {at:.1f} s: cpu {1000 * cpu:.1f} ms (gc {1000 * in_gc:.1f}) wall "
+            f"{1000 * took:.0f} ms: {name} ({where})"
+        )
+    if args.slow_steps:
+        sampler.stop()
+        print("  where the loop thread was during slow steps (outside GC):")
+        outside_gc = [
+            iv for iv, row in zip(slow.intervals, slow.slow, strict=True) if row[2] < 1e-3
+        ]
+        sampler.report(outside_gc)
+        by_gen = {g: [t for gen, t in slow.collections if gen == g] for g in (0, 1, 2)}
+        for g, times in by_gen.items():
+            if times:
+                print(
+                    f"  gc gen{g}: {len(times)} collections, max {1000 * max(times):.1f} ms, "
+                    f"total {1000 * sum(times):.0f} ms"
+                )
     return {"mode": "trio", "epochs": epochs, "s_per_epoch": elapsed / max(1, epochs), **training}
 
 
@@ -183,7 +286,14 @@ def main() -> None:
     parser.add_argument("--tick", type=float, default=0.005)
     parser.add_argument("--step-time", action="store_true", help="also time accumulating steps")
     parser.add_argument(
-        "--slow-steps", action="store_true", help="list task steps that held the loop > 20 ms"
+        "--slow-steps",
+        action="store_true",
+        help="list task steps that held the loop > 20 ms (wall) or > 5 ms (CPU)",
+    )
+    parser.add_argument(
+        "--freeze",
+        action="store_true",
+        help="swarmtrain.utils.freeze_startup_objects() before training (no full GC walks)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)

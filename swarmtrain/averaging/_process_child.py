@@ -206,6 +206,7 @@ _OPS: dict[str, Callable[..., Any]] = {
 async def _serve(conn: Connection, tensors, lock, initial_peers, dht_kwargs, averager_kwargs):
     from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
     from swarmtrain.dht import DHT
+    from swarmtrain.utils.gc_tuning import freeze_startup_objects
 
     async with DHT.create(initial_peers, **dht_kwargs) as dht:
         async with AsyncDecentralizedAverager.create(
@@ -217,6 +218,8 @@ async def _serve(conn: Connection, tensors, lock, initial_peers, dht_kwargs, ave
                 "client_mode": averager.client_mode,
                 "mode": averager.mode,
             }
+            # this process holds only the swarm: its startup objects live as long as it does
+            freeze_startup_objects()
             conn.send(("ready", info))
             async with trio.open_nursery() as nursery:
                 child = _Child(conn, averager, nursery)

@@ -145,6 +145,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
         aggregation: str = "mean",
         averager_opts: dict[str, Any] | None = None,
         tracker_opts: dict[str, Any] | None = None,
+        trusted_peers: Sequence[Any] = (),
         verbose: bool = False,
     ):
         """Check the keywords and build the torch side (no network yet): use :meth:`create`."""
@@ -217,7 +218,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
             )
         )
         self.health = SwarmHealth(run_id)
-        self._tracker_opts = dict(tracker_opts or {})
+        self._tracker_opts = {"trusted_peers": trusted_peers, **(tracker_opts or {})}
         self._last_progress: GlobalProgress | None = None
         self._closed = False
         self.state_rounds_averaged = 0  #: state rounds that averaged with a group

@@ -329,6 +329,8 @@ class Optimizer(BackgroundService):
       sending garbage; ``clip_tau``, ``clip_iterations``: see ``AveragerConfig``)
     :param averager_opts: more ``AveragerConfig`` keywords for both averagers
     :param tracker_opts: more ``ProgressTracker`` keywords
+    :param trusted_peers: peer ids whose progress records vote and vouch (the organisers';
+      ``ProgressTracker(trusted_peers=)``, see docs/security.md)
     :param verbose: log progress at INFO level (else DEBUG) and show swarmtrain's logs on stderr
       (``swarmtrain.utils.logs``)
     """

@@ -17,41 +17,24 @@ record is never taken from the network: the local state is always newer.
 
 Global progress (hivemind's semantics, made robust to a minority of lying peers):
 
-- the global epoch is what a quorum vouches for: the voters are the live non-client peers (one
-  vote per peer id), and
-  this peer once it trained (reported samples or changed epoch; a newcomer that has not trained
-  yet does not vote, so it follows the swarm it joins, even a swarm of one); the quorum is more
-  than ``quorum_fraction`` of the voters (two of two: then a lone liar cannot move an
-  established peer); the global epoch is the quorum-th highest voter's epoch, never below our
-  own. hivemind takes the largest epoch of any record, so one record claiming epoch 1e9 sent
-  every peer into state downloads;
-- identities are free, so a vote must cost work: once this peer has *partners* -- peers that
-  averaged with it (a gradient or state round; the Optimizer reports each round's members
-  that sent their parts and returned our deltas, :meth:`ProgressCore.on_round_partners`) in
-  a round of epoch ``e`` with our epoch now at most ``e + partner_window`` -- and one of
-  them has a live non-client record, only those partners (and this peer) vote. Everyone else,
-  however many, cannot move our epoch (their records still count as peers and samples; those
-  ahead of us are counted in :attr:`ProgressCore.num_unvouched_ahead`). With no live partner
-  (a newcomer, a peer whose partners all left or whose rounds failed for ``partner_window``
-  epochs) every live non-client peer votes, as above. Why partners: a round costs what an
-  honest peer pays (matchmaking, then a correctly shaped part of every averaged tensor to each
-  reducer and the averaged part back to each sender; a member that failed either is not a
-  partner), and robust aggregation bounds what its data can do; a signed record costs one key
-  generation. A peer that fell behind still follows a quorum of its partners ahead (they keep
-  their place: the window counts our epochs, not theirs); peers of a swarm larger than its
-  groups all have partners and step by reaching the target (the samples of every peer count),
-  so they advance together without voting across groups;
+- the global epoch is what a quorum vouches for: one vote per peer id, and once this peer has
+  *round partners* (peers that averaged with it lately, :meth:`ProgressCore.on_round_partners`)
+  only they vote (the rules: :mod:`swarmtrain.optim.progress_votes`). hivemind takes the
+  largest epoch of any record, so one record claiming epoch 1e9 sent every peer into state
+  downloads;
 - a record claiming an epoch more than one ahead of the global epoch is ignored (not counted
   at all) and reported once by :class:`ImplausibleProgress`; a peer one epoch ahead just
   stepped: it counts as a peer, its samples toward the next epoch, and the samples it
   accumulated in the global epoch before it stepped still count toward it (so that in a swarm
   of two, the peer that did not step yet sees the target reached as the other one did);
 - a peer's samples count at most what ``max_rate_factor`` times the swarm's reference speed
-  allows since it entered the epoch (the reference: the lower median of the reported samples/s
-  -- of our live partners and us while we have partners, so that free identities cannot set
-  it -- or this peer's own measured speed in the epoch if faster); its reported samples/s is
-  capped the same way for the ETA. A record whose samples exceed twice that bound is reported once;
-- ``samples_accumulated`` sums those samples of the peers at the global epoch;
+  allows since it entered the epoch (see :mod:`swarmtrain.optim.progress_votes`); its reported
+  samples/s is capped the same way for the ETA. A record whose samples exceed twice that bound
+  is reported once;
+- ``samples_accumulated`` sums those samples of the peers at the global epoch whose samples
+  count: once this peer has partners, only the *vouched* peers' (its partners, trusted peers,
+  the partners their records list, peers known from before; see
+  :mod:`swarmtrain.optim.progress_votes`), so free identities claiming samples end no epoch;
 - the ETA extrapolates each such peer's samples from its report time at its samples/s, and
   divides what remains of ``target_batch_size`` by the samples/s of those peers. (hivemind
   counts peers behind for speed too, "they will catch up"; but a peer behind is usually still
@@ -84,12 +67,21 @@ times the duration its first ETA promised, without reaching the target).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Union
 
 from .progress_liveness import OwnerCandidate, OwnerLiveness, Probe, ProbeOutcome
+from .progress_votes import (
+    MAX_LISTED_PARTNERS,
+    MAX_PEER_ID_BYTES,
+    MIN_KNOWN_RATE,
+    ProgressVotes,
+    SampleCredits,
+    reference_rate,
+)
 
 __all__ = [
     "ClockSkewDetected",
@@ -106,8 +98,6 @@ __all__ = [
 ]
 
 EPS = 1e-20  #: samples/s of a peer that has not measured its speed yet (never zero: we divide)
-_MIN_KNOWN_RATE = 1e-9  # total samples/s below this means "speed unknown" (no ETA to judge)
-_CREDIT_SLACK = 1.0  # s of samples at the capped speed a peer may be ahead of its bound
 
 
 def short_peer_id(peer_id: bytes) -> str:
@@ -158,7 +148,10 @@ class ProgressConfig:
     :param probe_retry_period: dial such an owner again no sooner than this (s)
     :param partner_window: a peer that averaged with this one in a round of epoch ``e`` is a
       partner (its votes for epochs ahead of ours count) while our epoch is at most
-      ``e + partner_window`` (see the module docstring)
+      ``e + partner_window`` (see :mod:`swarmtrain.optim.progress_votes`)
+    :param trusted_peers: peer ids (bytes) whose records vote on the epoch and vouch for
+      samples like a partner's, also before this peer has partners (the organisers' peers: a
+      newcomer then follows them, not a majority of free identities)
     """
 
     target_batch_size: int
@@ -179,6 +172,7 @@ class ProgressConfig:
     probe_timeout: float = 3.0
     probe_retry_period: float = 10.0
     partner_window: int = 4
+    trusted_peers: frozenset[bytes] = frozenset()
 
     def __post_init__(self) -> None:
         if (
@@ -227,6 +221,13 @@ class ProgressConfig:
         window = self.partner_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"partner_window must be a non-negative integer, got {window!r}")
+        if isinstance(self.trusted_peers, (str, bytes)):
+            raise TypeError("trusted_peers must be a collection of peer ids, not one")
+        trusted = frozenset(self.trusted_peers)
+        for peer_id in trusted:
+            if not isinstance(peer_id, bytes) or not peer_id:
+                raise TypeError(f"trusted_peers must be peer ids as bytes, got {peer_id!r}")
+        object.__setattr__(self, "trusted_peers", trusted)
 
 
 class PerformanceEMA:
@@ -295,6 +296,10 @@ class LocalProgress:
     samples_per_second: float
     time: float  #: DHT time of the report the samples were counted at
     client_mode: bool
+    #: peer ids of its round partners (most recent first; at most ``MAX_LISTED_PARTNERS``): it
+    #: vouches for their samples (see :mod:`swarmtrain.optim.progress_votes`); records written
+    #: before this field existed vouch for nobody
+    partners: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, bytes):
@@ -310,6 +315,12 @@ class LocalProgress:
             raise ValueError("time must be finite")
         if not isinstance(self.client_mode, bool):
             raise TypeError("client_mode must be a bool")
+        partners = self.partners
+        if not isinstance(partners, tuple) or len(partners) > MAX_LISTED_PARTNERS:
+            raise ValueError(f"partners must be a tuple of at most {MAX_LISTED_PARTNERS} peer ids")
+        for peer_id in partners:
+            if not isinstance(peer_id, bytes) or not 0 < len(peer_id) <= MAX_PEER_ID_BYTES:
+                raise ValueError(f"partners must be peer ids (bytes), got {peer_id!r}")
 
     def to_dict(self) -> dict[str, object]:
         """The DHT value (floats stay floats, so strict schemas accept them)."""
@@ -320,6 +331,8 @@ class LocalProgress:
             "samples_per_second": float(self.samples_per_second),
             "time": float(self.time),
             "client_mode": self.client_mode,
+            # only when there are partners: peers that predate the field read the rest
+            **({"partners": list(self.partners)} if self.partners else {}),
         }
 
     @classmethod
@@ -332,6 +345,7 @@ class LocalProgress:
             samples_per_second=data["samples_per_second"],  # type: ignore[arg-type]
             time=data["time"],  # type: ignore[arg-type]
             client_mode=data["client_mode"],  # type: ignore[arg-type]
+            partners=tuple(data.get("partners", ())),  # type: ignore[call-overload]
         )
 
 
@@ -353,7 +367,7 @@ def describe_eta(progress: GlobalProgress, now: float) -> str:
     """``"1.50 s"`` until ``progress`` reaches its target, for logs; ``"unknown"`` while no peer
     has reported its speed (the ETA is then a huge placeholder, not an estimate)."""
     if progress.samples_accumulated < progress.target_batch_size and (
-        progress.samples_per_second < _MIN_KNOWN_RATE
+        progress.samples_per_second < MIN_KNOWN_RATE
     ):
         return "unknown (no speed reported yet)"
     return f"{max(0.0, progress.eta_next_epoch - now):.2f} s"
@@ -442,28 +456,6 @@ class _Record:
     expiration_time: float
 
 
-@dataclass
-class _Credit:
-    """How many samples of a peer's epoch may count: ``base`` plus the capped speed times the
-    time since ``since`` (our clock)."""
-
-    epoch: int
-    base: int
-    since: float
-
-    def bound(self, rate: float, until: float) -> float:
-        return self.base + rate * (max(0.0, until - self.since) + _CREDIT_SLACK)
-
-
-@dataclass(frozen=True)
-class _Carry:
-    """A peer's samples in the epoch it left for the next one (they still count toward it)."""
-
-    credit: _Credit
-    samples: float  #: its last report there, extrapolated to the time it stepped
-    left_at: float  #: our clock
-
-
 class ProgressCore:
     """The progress state machine (see the module docstring).
 
@@ -488,15 +480,17 @@ class ProgressCore:
         self._local = LocalProgress(peer_id, 0, 0, self._ema.samples_per_second, now, client_mode)
         self._records: dict[bytes, _Record] = {}
         self._liveness = OwnerLiveness(config.probe_retry_period)
-        self._credits: dict[bytes, _Credit] = {}
-        self._carries: dict[bytes, _Carry] = {}
+        self._credits = SampleCredits()
         self._trained = False  # this peer votes on the epoch once it trained
         self._epoch_witnessed = False  # we saw the global epoch begin (not joined it midway)
         self._local_epoch_started_at = now
         self._ignored: set[bytes] = set()  # keys whose records the last recompute ignored
-        self._live_partners: set[bytes] = set()  # partners with a live non-client record
-        self._partners: dict[bytes, int] = {}  # peer id -> epoch of our last round with it
-        self._unvouched: set[bytes] = set()  # keys ahead of us whose votes did not count
+        self._votes = ProgressVotes(
+            peer_id,
+            quorum_fraction=config.quorum_fraction,
+            partner_window=config.partner_window,
+            trusted_peers=config.trusted_peers,
+        )
         self._implausible_warned: set[bytes] = set()
         self._last_active_epoch = -math.inf
         self._last_fetch_time: float | None = None
@@ -566,13 +560,19 @@ class ProgressCore:
     def num_live_partners(self) -> int:
         """Partners (see :meth:`on_round_partners`) with a live non-client record: while there
         is one, only partners vote on the epoch."""
-        return len(self._live_partners)
+        return len(self._votes.live_partners)
 
     @property
     def num_unvouched_ahead(self) -> int:
         """Live records ahead of this peer whose votes did not count at the last recompute:
         their owners are not partners of this peer, and it has partners."""
-        return len(self._unvouched)
+        return len(self._votes.unvouched)
+
+    @property
+    def num_unvouched_peers(self) -> int:
+        """Live records whose samples and speed did not count at the last recompute: nobody
+        this peer trusts vouches for their owners (see ``progress_votes``)."""
+        return len(self._votes.unvouched_samples)
 
     def peers(self, now: float) -> dict[bytes, LocalProgress]:
         """Live records of the other peers, by peer id."""
@@ -611,6 +611,7 @@ class ProgressCore:
             self._ema.update(extra, now)
         else:
             self._ema.reset_timer(now)  # progress was reset: the next interval starts now
+        self._votes.prune(epoch)
         self._local = LocalProgress(
             previous.peer_id,
             epoch,
@@ -618,6 +619,7 @@ class ProgressCore:
             self._ema.samples_per_second,
             now,
             previous.client_mode,
+            self._votes.listed_partners(),
         )  # validates epoch and samples
         if samples_accumulated > 0:
             self._last_active_epoch = max(self._global.epoch, epoch)
@@ -693,13 +695,12 @@ class ProgressCore:
         the members that sent their parts and returned our deltas, by peer id): they become
         partners, whose votes for epochs ahead of ours count while our epoch is at most
         ``epoch + partner_window`` (see the module docstring)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        for peer_id in peer_ids:
-            if not isinstance(peer_id, bytes) or not peer_id:
-                raise TypeError(f"peer ids must be non-empty bytes, got {peer_id!r}")
-            if peer_id != self.local_key and self._partners.get(peer_id, -1) < epoch:
-                self._partners[peer_id] = epoch
+        self._votes.on_round_partners(peer_ids, epoch)
+        self._votes.prune(self._local.epoch)
+        listed = self._votes.listed_partners()
+        if listed != self._local.partners:  # publish whom we vouch for
+            self._local = dataclasses.replace(self._local, partners=listed)
+            self._store_pending = self._gossip_pending = True
         self._recompute(now)
 
     def probes_due(self, now: float) -> list[Probe]:
@@ -750,77 +751,19 @@ class ProgressCore:
             return False
         if progress is not None:
             self._check_clock(progress, now, gossiped)
-        self._track_credit(key, held.progress if held is not None else None, progress, now)
+        self._credits.track(
+            key,
+            held.progress if held is not None else None,
+            progress,
+            now,
+            global_epoch=self._global.epoch,
+            epoch_started_at=self._epoch_started_at,
+            witnessed=self._epoch_witnessed,
+            target=self.config.target_batch_size,
+        )
         self._records[key] = _Record(progress, expiration_time)
         self._num_merged += 1
         return True
-
-    def _track_credit(
-        self, key: bytes, old: LocalProgress | None, new: LocalProgress | None, now: float
-    ) -> None:
-        """Start counting ``key``'s samples afresh when it enters an epoch (see _Credit)."""
-        if new is None:
-            self._credits.pop(key, None)
-            self._carries.pop(key, None)
-            return
-        credit = self._credits.get(key)
-        if credit is not None and credit.epoch == new.epoch:
-            return
-        if credit is not None and old is not None and new.epoch == old.epoch + 1:
-            # it stepped: what it accumulated in the old epoch still counts toward it (its last
-            # report, extrapolated to when it stepped: the report before a step is often not sent)
-            stepped_after = max(0.0, min(new.time, now) - old.time)
-            samples = old.samples_accumulated + old.samples_per_second * stepped_after
-            self._carries[key] = _Carry(credit, samples, now)
-            self._credits[key] = _Credit(new.epoch, 0, now)
-            return
-        self._carries.pop(key, None)
-        if not self._epoch_witnessed:  # we joined this epoch midway: take its samples so far
-            base = min(new.samples_accumulated, self.config.target_batch_size)
-            self._credits[key] = _Credit(new.epoch, base, now)
-        elif new.epoch == self._global.epoch:  # it can have counted since the epoch began
-            self._credits[key] = _Credit(new.epoch, 0, self._epoch_started_at)
-        else:
-            self._credits[key] = _Credit(new.epoch, 0, now)
-
-    def _vouched_epoch(self, live: Mapping[bytes, LocalProgress]) -> int:
-        """The highest epoch that a quorum of the voters is at or beyond, never below ours.
-        The voters: our live partners if there is any, else every live non-client peer."""
-        voters = {key: peer for key, peer in live.items() if not peer.client_mode}
-        partners = {key: voters[key] for key in self._partners if key in voters}
-        self._live_partners = set(partners)
-        self._unvouched = set()
-        if partners:
-            self._unvouched = {
-                key
-                for key, peer in voters.items()
-                if key not in partners and peer.epoch > self._local.epoch
-            }
-            voters = partners
-        votes = sorted((peer.epoch for peer in voters.values()), reverse=True)
-        if self._trained:
-            votes = sorted([*votes, self._local.epoch], reverse=True)
-        if not votes:
-            return self._local.epoch
-        quorum = min(len(votes), math.floor(len(votes) * self.config.quorum_fraction) + 1)
-        if len(votes) >= 2:
-            quorum = max(quorum, 2)
-        return max(self._local.epoch, votes[quorum - 1])
-
-    def _reference_rate(self, others: Iterable[LocalProgress], now: float) -> float:
-        """The speed a typical peer reports: the lower median of the known samples/s (ours
-        included), or our own measured speed in this epoch if faster (0: nobody knows)."""
-        rates = sorted(
-            rate
-            for rate in (
-                *(peer.samples_per_second for peer in others),
-                self._local.samples_per_second if self._trained else 0.0,
-            )
-            if rate >= _MIN_KNOWN_RATE
-        )
-        median = rates[(len(rates) - 1) // 2] if rates else 0.0
-        took = max(0.0, now - self._local_epoch_started_at) + _CREDIT_SLACK
-        return max(median, self._local.samples_accumulated / took)
 
     def _warn_implausible(self, key: bytes, warning: ImplausibleProgress) -> None:
         if key not in self._implausible_warned:
@@ -921,18 +864,14 @@ class ProgressCore:
         self._liveness.prune(
             {k: r.expiration_time for k, r in self._records.items() if r.progress is not None}
         )
-        oldest_round = self._local.epoch - config.partner_window
-        if any(epoch < oldest_round for epoch in self._partners.values()):
-            self._partners = {k: e for k, e in self._partners.items() if e >= oldest_round}
+        self._votes.prune(self._local.epoch)
         live = {
             key: record.progress
             for key, record in self._records.items()
             if record.progress is not None and self._liveness.counts(key, record.expiration_time)
         }
-        for tracked in (self._credits, self._carries):
-            for key in [key for key in tracked if key not in live]:
-                del tracked[key]
-        epoch = self._vouched_epoch(live)
+        self._credits.keep_only(live)
+        epoch = self._votes.tally(live, self._local.epoch, trained=self._trained)
         self._ignored = {key for key, peer in live.items() if peer.epoch > epoch + 1}
         for key in self._ignored:
             peer = live[key]
@@ -945,13 +884,15 @@ class ProgressCore:
         participants = [*others.values(), self._local] if active_self else list(others.values())
         if epoch == self._global.epoch + 1 and not self._epoch_witnessed:
             self._epoch_witnessed = True  # from now on, no peer's samples are taken on trust
-            for held in self._credits.values():
-                held.base = 0
+            self._credits.on_epoch_witnessed()
         # with partners, they set the reference speed: a majority of free identities would
         # otherwise set the median, and with it the cap on their own claims
-        reference = [p for k, p in others.items() if k in self._live_partners]
-        max_rate = config.max_rate_factor * self._reference_rate(
-            reference or list(others.values()), now
+        reference = [p for k, p in others.items() if k in self._votes.live_partners]
+        max_rate = config.max_rate_factor * reference_rate(
+            reference or list(others.values()),
+            self._local,
+            trained=self._trained,
+            local_epoch_took=max(0.0, now - self._local_epoch_started_at),
         )
 
         samples, estimated, rate = 0.0, 0.0, 0.0
@@ -961,16 +902,20 @@ class ProgressCore:
             samples += local.samples_accumulated
             elapsed = max(0.0, now - local.time)
             estimated += local.samples_accumulated + elapsed * local.samples_per_second
+        vouched = self._votes.vouched  # None: every record's samples count
         for key, peer in others.items():
-            carry = self._carries.get(key)
+            counts = vouched is None or key in vouched
+            carry = self._credits.carries.get(key)
             if peer.epoch == epoch + 1 and carry is not None and carry.credit.epoch == epoch:
+                if not counts:
+                    continue
                 bound = carry.credit.bound(max_rate, carry.left_at)
                 samples += min(carry.samples, bound)
                 estimated += min(carry.samples, bound)
                 continue
             if peer.epoch != epoch:
                 continue
-            credit = self._credits.get(key)
+            credit = self._credits.credits.get(key)
             bound = math.inf if credit is None else credit.bound(max_rate, now)
             if peer.samples_accumulated > 2 * bound:
                 allowed = int(bound)
@@ -979,7 +924,9 @@ class ProgressCore:
                     ImplausibleProgress(
                         peer.peer_id, key, peer.epoch, peer.samples_accumulated, epoch, allowed
                     ),
-                )
+                )  # reported even when nobody vouches for it: the claim is a lie either way
+            if not counts:
+                continue
             peer_rate = min(peer.samples_per_second, max_rate)
             rate += peer_rate
             samples += min(peer.samples_accumulated, bound)
@@ -1010,7 +957,7 @@ class ProgressCore:
 
         if epoch != self._global.epoch:
             self._epoch_started_at, self._expected_epoch_duration = now, None
-        if self._expected_epoch_duration is None and rate >= _MIN_KNOWN_RATE:
+        if self._expected_epoch_duration is None and rate >= MIN_KNOWN_RATE:
             self._expected_epoch_duration = now + eta - self._epoch_started_at
 
         self._global = GlobalProgress(

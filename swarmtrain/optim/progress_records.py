@@ -22,6 +22,7 @@ from .progress_core import (
     GlobalProgress,
     LocalProgress,
 )
+from .progress_votes import MAX_LISTED_PARTNERS, MAX_PEER_ID_BYTES
 
 __all__ = [
     "PROGRESS_KEY_PATTERN",
@@ -49,6 +50,10 @@ class LocalProgressSchema(pydantic.BaseModel):
     samples_per_second: Annotated[float, pydantic.Field(ge=0.0, allow_inf_nan=False)]
     time: Annotated[float, pydantic.Field(allow_inf_nan=False)]
     client_mode: bool
+    partners: Annotated[
+        list[Annotated[bytes, pydantic.Field(min_length=1, max_length=MAX_PEER_ID_BYTES)]],
+        pydantic.Field(max_length=MAX_LISTED_PARTNERS),
+    ] = []
 
 
 class TrainingProgressSchema(pydantic.BaseModel):
@@ -86,6 +91,7 @@ class ProgressTrackerStatistics:
     unbound_refused: int = 0  #: records whose ``peer_id`` field is not their signed subkey
     live_partners: int = 0  #: peers that averaged with us lately, with a live record
     unvouched_ahead: int = 0  #: records ahead of us whose votes did not count (no partners)
+    unvouched_peers: int = 0  #: records whose samples and speed did not count (nobody vouched)
 
 
 def _parse_progress(value: Any) -> LocalProgress | object | None:
@@ -94,6 +100,7 @@ def _parse_progress(value: Any) -> LocalProgress | object | None:
         return None
     try:
         checked = LocalProgressSchema.model_validate(value, strict=True)
-        return LocalProgress(**checked.model_dump())
+        fields = checked.model_dump()
+        return LocalProgress(**{**fields, "partners": tuple(fields["partners"])})
     except (pydantic.ValidationError, TypeError, ValueError):
         return _INVALID

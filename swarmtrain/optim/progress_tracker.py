@@ -140,6 +140,26 @@ def _short_peer_id(peer_id: bytes) -> str:
 _NonNegativeInt = Annotated[int, pydantic.Field(ge=0)]
 
 
+def _peer_id_bytes(peer_ids: Iterable[PeerID | bytes | str]) -> frozenset[bytes]:
+    """``trusted_peers`` as bytes; raises ``TypeError``/``ValueError`` on anything else."""
+    if isinstance(peer_ids, (str, bytes, PeerID)):
+        raise TypeError("trusted_peers must be a collection of peer ids, not one")
+    found: set[bytes] = set()
+    for peer_id in peer_ids:
+        if isinstance(peer_id, PeerID):
+            found.add(peer_id.to_bytes())
+        elif isinstance(peer_id, bytes) and peer_id:
+            found.add(peer_id)
+        elif isinstance(peer_id, str):
+            try:
+                found.add(PeerID.from_base58(peer_id).to_bytes())
+            except Exception as error:
+                raise ValueError(f"not a peer id: {peer_id!r}") from error
+        else:
+            raise TypeError(f"trusted_peers must be peer ids, got {peer_id!r}")
+    return frozenset(found)
+
+
 class AsyncProgressTracker:
     """The trio tracker; build it with ``async with ProgressTracker.create(dht, ...)``.
 
@@ -204,6 +224,7 @@ class AsyncProgressTracker:
         probe_timeout: float = 3.0,
         probe_retry_period: float = 10.0,
         partner_window: int = 4,
+        trusted_peers: Iterable[PeerID | bytes | str] = (),
         status_loglevel: int = logging.DEBUG,
         private_key: Ed25519PrivateKey | None = None,
         pubsub: PubSub | None = None,
@@ -219,6 +240,9 @@ class AsyncProgressTracker:
         key) is no longer used and warns: records are bound to the peer id instead.
         ``pubsub``: share the host's ``PubSub`` (a host runs at most one); without it the
         tracker opens its own, unless ``use_pubsub=False`` (then the DHT alone carries progress).
+        ``trusted_peers``: peer ids (``PeerID``, its bytes or its base58 string) whose records
+        vote on the epoch and vouch for samples also before this peer has round partners (the
+        organisers' peers; see ``docs/security.md``).
         """
         if not isinstance(prefix, str) or not prefix:
             raise ValueError("prefix must be a non-empty string")
@@ -242,6 +266,7 @@ class AsyncProgressTracker:
             probe_timeout=probe_timeout,
             probe_retry_period=probe_retry_period,
             partner_window=partner_window,
+            trusted_peers=_peer_id_bytes(trusted_peers),
         )
         if private_key is not None:
             warnings.warn(
@@ -384,6 +409,7 @@ class AsyncProgressTracker:
             unreachable_ignored = core.num_unreachable_ignored
             unbound_refused = core.num_unbound_refused
             live_partners, unvouched_ahead = core.num_live_partners, core.num_unvouched_ahead
+            unvouched_peers = core.num_unvouched_peers
         return ProgressTrackerStatistics(
             global_progress=global_progress,
             local_progress=local_progress,
@@ -399,6 +425,7 @@ class AsyncProgressTracker:
             unbound_refused=unbound_refused,
             live_partners=live_partners,
             unvouched_ahead=unvouched_ahead,
+            unvouched_peers=unvouched_peers,
         )
 
     # --------------------------------------------------------- local events

@@ -42,6 +42,11 @@ from swarmtrain.p2p._tuning import (
 )
 from swarmtrain.p2p.addresses import expand_unspecified
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
+from swarmtrain.p2p.connection_limits import (
+    SwarmResourceManager,
+    build_resource_manager,
+    connections_within_fd_limit,
+)
 from swarmtrain.p2p.dialling import Dialling, as_peer_id
 from swarmtrain.p2p.errors import (
     P2PError,
@@ -56,7 +61,7 @@ from swarmtrain.p2p.lane import (
     lane_listen_host,
     lanes_disabled_by_env,
 )
-from swarmtrain.p2p.limits import ResourceLimits
+from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit
 from swarmtrain.p2p.listen_check import check_addresses_free
 from swarmtrain.p2p.private_network import PrivateNoiseTransport, resolve_swarm_key
 from swarmtrain.p2p.relay import RelayManager
@@ -185,11 +190,16 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
         # py-libp2p's auto-connector dials peers from the peerstore until a host holds 50
         # connections; the DHT fills the peerstore, so that would dial half the swarm.
         kwargs["connection_config"] = ConnectionConfig(min_connections=0, low_watermark=0)
+    resource_manager = build_resource_manager(
+        connections_within_fd_limit(config.limits.max_inbound_connections, fd_soft_limit()),
+        config.limits.max_inbound_connections_per_ip,
+    )
     host = new_host(
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},  # never plaintext, which py-libp2p offers by default
         muxer_preference="YAMUX",
         listen_addrs=transport_kinds,
+        resource_manager=resource_manager,
         **kwargs,
     )
     # py-libp2p retries a failed dial 3 times over 0.7 s (0.1, 0.2, 0.4 s), even a refused one:
@@ -201,6 +211,8 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
     ):
         raise RuntimeError("libp2p internals changed: the swarm has no retry_config")
     swarm.retry_config = RetryConfig(max_retries=DIAL_RETRIES, initial_delay=DIAL_RETRY_DELAY)
+    # the same manager without py-libp2p's host-wide stream semaphore (connection_limits.py)
+    swarm.set_resource_manager(resource_manager, enable_stream_semaphore=False)
     tune_host(host)
     return host
 
@@ -573,4 +585,11 @@ class P2P(Dialling):
             "bytes_in_flight": self._rpc_server.budget.used,
             "calls_refused": self._rpc_server.calls_per_peer.refused
             + self._rpc_server.budget.refused,
+            "inbound_connections_refused_per_ip": self._connection_limits().addresses.refused,
         }
+
+    def _connection_limits(self) -> SwarmResourceManager:
+        manager = getattr(self._host.get_network(), "_resource_manager", None)
+        if not isinstance(manager, SwarmResourceManager):
+            raise RuntimeError("libp2p internals changed: our resource manager was replaced")
+        return manager

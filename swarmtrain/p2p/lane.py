@@ -54,14 +54,9 @@ from swarmtrain.p2p.lane_books import (
 )
 from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSealer
 from swarmtrain.p2p.lane_stream import LaneStream
-from swarmtrain.p2p.limits import ResourceLimits, lanes_within_fd_limit
+from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit, lanes_within_fd_limit
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME
 from swarmtrain.proto import p2p_pb2
-
-try:
-    import resource
-except ImportError:  # (Windows)
-    resource = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +82,7 @@ class DataLanes:
         self._port = port
         self._listener: trio.socket.SocketType | None = None
         self.tickets = TicketBook(per_peer=limits.max_tickets_per_peer)
-        total = lanes_within_fd_limit(limits.max_lanes_total, _fd_soft_limit())
+        total = lanes_within_fd_limit(limits.max_lanes_total, fd_soft_limit())
         if total < limits.max_lanes_total:
             logger.info(
                 "data lanes capped at %d (half the soft limit on open files, ulimit -n; "
@@ -328,14 +323,6 @@ class DataLanes:
             else:
                 sock.close()
             raise
-
-
-def _fd_soft_limit() -> int | None:
-    """The process's soft limit on open files (None: unlimited or unknown)."""
-    if resource is None:
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def lanes_disabled_by_env() -> bool:

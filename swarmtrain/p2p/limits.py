@@ -17,6 +17,11 @@ from dataclasses import dataclass
 
 from swarmtrain.p2p.errors import ResourceLimitError
 
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
 #: the first buffer of a payload or attachment being received; it doubles as bytes arrive
 INITIAL_ALLOCATION = 64 * 1024
 
@@ -49,6 +54,13 @@ class ResourceLimits:
       dropped for a new one).
     :param max_pending_handshakes_per_ip: lane connections from one IP that have not shown a
       ticket yet (its oldest is closed for a new one); 64 over all IPs, oldest closed first.
+    :param max_inbound_connections: libp2p connections other peers may hold to us at once
+      (each is a file descriptor plus Noise and yamux state); capped at a quarter of the
+      process's soft ``ulimit -n`` when that is lower. Past it a new connection is closed
+      before its handshake; our own dials are not counted here.
+    :param max_inbound_connections_per_ip: inbound libp2p connections from one source address
+      (an IPv6 /64 counts as one), so that identities made on one machine cannot take every
+      slot; volunteers behind one NAT share it.
     """
 
     max_inbound_calls_per_peer: int = 256
@@ -58,6 +70,8 @@ class ResourceLimits:
     max_lanes_total: int = 512
     max_tickets_per_peer: int = 4
     max_pending_handshakes_per_ip: int = 8
+    max_inbound_connections: int = 1024
+    max_inbound_connections_per_ip: int = 128
 
     def __post_init__(self):
         for name in (
@@ -68,6 +82,8 @@ class ResourceLimits:
             "max_lanes_total",
             "max_tickets_per_peer",
             "max_pending_handshakes_per_ip",
+            "max_inbound_connections",
+            "max_inbound_connections_per_ip",
         ):
             value = getattr(self, name)
             if value is None and name == "max_bytes_in_flight_per_peer":
@@ -88,6 +104,14 @@ class ResourceLimits:
             return self.max_bytes_in_flight_per_peer
         share = max(self.max_bytes_in_flight // 4, max_message_size)
         return min(share, self.max_bytes_in_flight)
+
+
+def fd_soft_limit() -> int | None:
+    """The process's soft limit on open files (None: unlimited or unknown)."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def lanes_within_fd_limit(max_lanes_total: int, fd_soft_limit: int | None) -> int:

@@ -1,0 +1,156 @@
+"""How many libp2p connections other peers may hold to a host, in all and per source address.
+
+py-libp2p enforces connection limits through the resource manager each swarm carries; its
+defaults are fixed (256 inbound connections, any number from one address, a host-wide stream
+semaphore that inbound and outbound streams share). ``build_resource_manager`` gives each of our
+hosts one configured from ``ResourceLimits``:
+
+- inbound connections: ``max_inbound_connections`` over all peers (at most a quarter of the soft
+  ``ulimit -n``: lanes take up to half), ``max_inbound_connections_per_ip`` from one address
+  (an IPv6 /64 counts as one address), so identities from one machine cannot take every slot;
+- outbound connections are ours, counted in total only;
+- no host-wide stream semaphore: streams are bounded per peer by the RPC server
+  (``max_inbound_calls_per_peer``), and our own outbound calls never queue behind streams
+  other peers opened to us.
+
+``AddressCounter`` is the sans-IO per-address count.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections import Counter
+from typing import Any
+
+from libp2p.rcmgr import ResourceManager
+from libp2p.rcmgr.connection_limits import ConnectionLimits
+from libp2p.rcmgr.manager import ResourceLimits as Libp2pLimits
+
+logger = logging.getLogger(__name__)
+
+#: connections py-libp2p lets one peer id hold (several dials may race); its default
+CONNECTIONS_PER_PEER = 8
+#: handshakes in progress at once (inbound, outbound): py-libp2p's defaults
+PENDING_CONNECTIONS = 64
+#: outbound connections (ours: the DHT and averaging dial what they need)
+MAX_OUTBOUND_CONNECTIONS = 1024
+
+
+def address_key(ip: str) -> str | None:
+    """The source-address bucket of ``ip`` (itself for IPv4, its /64 for IPv6; None if it is
+    not an IP address, e.g. a relayed connection's missing endpoint)."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((int(address) >> 64 << 64, 64)))
+    return str(address)
+
+
+def connections_within_fd_limit(max_inbound: int, fd_soft_limit: int | None) -> int:
+    """The inbound connection cap for a process that may open ``fd_soft_limit`` files (None
+    or negative: unlimited): ``max_inbound``, or a quarter of the soft limit when lower (each
+    connection is a file descriptor; lanes may take half)."""
+    if fd_soft_limit is None or fd_soft_limit < 0:
+        return max_inbound
+    return max(1, min(max_inbound, fd_soft_limit // 4))
+
+
+class AddressCounter:
+    """Inbound connections per source address, against ``limit``.
+
+    Shaped like py-libp2p's ``CIDRLimiter`` (``allow``/``acquire``/``release`` by endpoint
+    IP), which the resource manager calls for each connection it admits and closes."""
+
+    def __init__(self, limit: int):
+        if limit <= 0:
+            raise ValueError("a per-address connection limit must be positive")
+        self.limit = limit
+        self.refused = 0
+        self._counts: Counter[str] = Counter()
+
+    def count(self, ip: str) -> int:
+        key = address_key(ip)
+        return self._counts[key] if key is not None else 0
+
+    def allow(self, endpoint_ip: str | None) -> bool:
+        key = address_key(endpoint_ip) if endpoint_ip else None
+        if key is None or self._counts[key] < self.limit:
+            return True
+        self.refused += 1
+        logger.debug("refused a connection from %s: %d already open", endpoint_ip, self.limit)
+        return False
+
+    def acquire(self, endpoint_ip: str | None) -> bool:
+        key = address_key(endpoint_ip) if endpoint_ip else None
+        if key is None:
+            return True
+        if self._counts[key] >= self.limit:
+            self.refused += 1
+            return False
+        self._counts[key] += 1
+        return True
+
+    def release(self, endpoint_ip: str | None) -> None:
+        key = address_key(endpoint_ip) if endpoint_ip else None
+        if key is None or key not in self._counts:
+            return
+        self._counts[key] -= 1
+        if self._counts[key] <= 0:
+            del self._counts[key]
+
+
+class SwarmResourceManager(ResourceManager):
+    """py-libp2p's resource manager with per-address limits on inbound connections only
+    (an outbound connection's endpoint is the peer we dialled, not a crowd at our door).
+
+    py-libp2p opens two scopes per inbound connection: one before the handshake (no peer id
+    yet) and one after it, then closes the first. The address is counted in the second only;
+    the first refuses an address already at its limit, before any handshake work."""
+
+    cidr_limiter: Any
+
+    def open_connection(
+        self, peer_id: Any | None = None, endpoint_ip: str | None = None, direction: str = "inbound"
+    ):
+        if str(direction).lower().endswith("outbound"):
+            endpoint_ip = None
+        elif peer_id is None:  # before the handshake: check, do not count
+            if endpoint_ip and not self.addresses.allow(endpoint_ip):
+                return None
+            endpoint_ip = None
+        return super().open_connection(peer_id, endpoint_ip=endpoint_ip, direction=direction)
+
+    @property
+    def addresses(self) -> AddressCounter:
+        return self.cidr_limiter
+
+
+def build_resource_manager(
+    max_inbound_connections: int, max_inbound_connections_per_ip: int
+) -> SwarmResourceManager:
+    """The resource manager of one host (see the module docstring)."""
+    total = max_inbound_connections + MAX_OUTBOUND_CONNECTIONS
+    manager = SwarmResourceManager(
+        # streams: bounded per peer by our RPC server; the count here must never bind
+        limits=Libp2pLimits(max_connections=total, max_streams=2**62),
+        connection_limits=ConnectionLimits(
+            max_pending_inbound=PENDING_CONNECTIONS,
+            max_pending_outbound=PENDING_CONNECTIONS,
+            max_established_inbound=max_inbound_connections,
+            max_established_outbound=MAX_OUTBOUND_CONNECTIONS,
+            max_established_per_peer=CONNECTIONS_PER_PEER,
+            max_established_total=total,
+        ),
+        enable_metrics=False,
+        # both change limits at run time (a breaker refuses every connection for 60 s after
+        # five failed admissions): a host's limits are the ones it was configured with
+        enable_circuit_breaker=False,
+        enable_graceful_degradation=False,
+    )
+    manager.cidr_limiter = AddressCounter(max_inbound_connections_per_ip)
+    return manager
