@@ -2,6 +2,7 @@
 butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root only.
 
     sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
+        [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE]
 
 A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a
 ``tc tbf`` rate limit on its link (both directions), a delay proxy (every TCP connection a
@@ -12,12 +13,20 @@ on packets arriving at it. One ``peer.py`` per host (a ``DHT`` and a
 from the first member entering all-reduce to the last one finishing (matchmaking excluded;
 the whole step is printed too). Baseline from the same script: the butterfly lower bound
 ``2 (N-1)/N x size / rate + 2 RTT`` (each peer sends and receives (N-1)/N of its tensor in
-reduce-scatter and again in all-gather; one RTT per phase). The ratio is the figure.
+reduce-scatter and again in all-gather; one RTT per phase). The ratio is the figure. A
+second, measured baseline (``--tcp-butterfly``): raw TCP with the round's traffic pattern on
+the same paths (every host sends ``2 size / N`` to each other host at once), i.e. what TCP
+itself gets out of these links with N-1 flows per direction (``ratio_to_tcp_butterfly``).
+``--trace FILE``: every peer records its rounds' part timelines (``AllReduceTrace``) and its
+interface counters; a summary per round is printed (link busy shares, reducer waits,
+per-flow throughput), the raw events go to FILE.
 
 Limitation of the delay model: the proxy terminates TCP on the opener's host, so the kernel's
 TCP window does not see the delay (the proxy's 16 MiB buffer holds the bytes in flight);
 what sees the full RTT is end-to-end flow control above TCP (yamux windows) and request/
-response turns. The kernel's TCP limits for a real long fat pipe are printed for reference.
+response turns; slow start and loss recovery at the full RTT are not modelled either (this
+kernel has no netem/fq/etf qdisc for a packet-level delay). The raw-TCP butterfly crosses the
+same proxies. The kernel's TCP limits for a real long fat pipe are printed for reference.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import netlab
+from _wan_trace import summarize_round
 from netlab.nat_swarm import LISTEN_ALL, PEER_SCRIPT
 
 
@@ -51,6 +61,23 @@ def kernel_tcp_limits(host) -> dict:
 
 PROBE_SCRIPT = os.path.join(os.path.dirname(PEER_SCRIPT), "probe.py")
 PROBE_PORT = 5000
+SINK_PORT = 5001
+
+
+def tcp_butterfly_seconds(lab, hosts, size_bytes: int) -> float:
+    """Raw TCP on the same paths (delay proxies included) with the all-reduce's traffic
+    pattern: every host sends ``2 size / N`` bytes to each other host at once (one connection
+    each), so each uplink and downlink carries ``2 (N-1)/N x size``, as in a butterfly round;
+    seconds until the last host's bytes were all confirmed. Phases are not modelled (a
+    lower bound for what TCP moves on these links, not a schedule)."""
+    share = 2 * size_bytes // len(hosts)
+    senders = []
+    for host in hosts:
+        others = [h.ip for h in hosts if h is not host]
+        senders.append(lab.spawn(host, PROBE_SCRIPT, "spray", str(SINK_PORT), str(share), *others))
+    answers = [s.recv(300) for s in senders]
+    assert all(not a["errors"] for a in answers), answers
+    return max(a["seconds"] for a in answers)
 
 
 def tcp_echo_seconds(lab, hosts, mib: int) -> float:
@@ -108,6 +135,9 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
             peer.recv(120)
         if args.bulk_mib:
             lab.spawn(hosts[1], PROBE_SCRIPT, "serve", str(PROBE_PORT)).recv(30)
+        if args.tcp_butterfly:
+            for host in hosts:
+                lab.spawn(host, PROBE_SCRIPT, "sink", str(SINK_PORT)).recv(30)
         report(delay=delay, startup_seconds=round(time.monotonic() - started, 1))
         for index, (mbit, loss, codec) in enumerate(configs):
             for host in hosts:
@@ -123,21 +153,38 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 "matchmaking_time": 3.0,
                 "request_timeout": max(1.0, 8 * delay),
                 "averager": {"next_chunk_timeout": 30.0, "float16": codec == "float16"},
+                "trace": bool(args.trace),
+                "part_layout": args.part_layout,
             }
-            spans, steps = [], []
-            for _ in range(args.rounds + 1):  # round 0 opens the connections and lanes
+            spans, steps, layouts = [], [], []
+            for number in range(args.rounds + 1):  # round 0 opens the connections and lanes
                 for i, peer in enumerate(peers):
                     peer.send({**message, "value": float(i)})
                 results = [peer.recv(args.timeout + 30)["rounds"][0] for peer in peers]
+                if args.trace and number:
+                    summary = summarize_round(results, mbit)
+                    report(trace_of_round=number, delay_ms=int(delay * 1000), mbit=mbit, **summary)
+                    with open(args.trace, "a") as out:
+                        key = {"delay": delay, "mbit": mbit, "loss": loss, "round": number}
+                        raw = [{k: r.get(k) for k in ("trace", "link")} for r in results]
+                        out.write(json.dumps({**key, "peers": raw}) + "\n")
                 assert all(r["group"] == args.peers for r in results), results
                 expected = (args.peers - 1) / 2
                 assert all(abs(r["value"] - expected) < 1e-4 for r in results), results
                 began = min(r["allreduce_began"] for r in results)
                 spans.append(max(r["ended"] for r in results) - began)
+                layouts.append(min(r.get("part_layout", -1) for r in results))
                 steps.append(max(r["seconds"] for r in results))
             size = args.floats * (2 if codec == "float16" else 4)
             bound = butterfly_seconds(args.peers, size, mbit, 2 * delay)
             median = statistics.median(spans[1:])
+            tcp = {}
+            if args.tcp_butterfly:
+                raw = [tcp_butterfly_seconds(lab, hosts, size) for _ in range(args.tcp_butterfly)]
+                tcp = {
+                    "tcp_butterfly_seconds": [round(s, 2) for s in raw],
+                    "ratio_to_tcp_butterfly": round(median / statistics.median(raw), 2),
+                }
             pair = bulk_calls(peers, mbit, delay, args) if args.bulk_mib else {}
             if args.bulk_mib:
                 # the link's real goodput (L2 headers, ACKs, tbf): the measured butterfly
@@ -162,7 +209,9 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 ratio=round(median / bound, 2),
                 allreduce_seconds=[round(s, 2) for s in spans],
                 step_seconds=[round(s, 2) for s in steps],
+                part_layout_offered_after=layouts,
                 load=os.getloadavg()[0],
+                **tcp,
                 **pair,
             )
 
@@ -184,6 +233,26 @@ def main() -> None:
         help="float16: DiLoCo's round (its pseudo-gradient codec)",
     )
     parser.add_argument("--bulk-mib", type=int, default=8, help="pair throughput (0: skip)")
+    parser.add_argument(
+        "--part-layout",
+        type=int,
+        help="pin the part layout every peer offers (swarmtrain.averaging.partition.PART_LAYOUTS: "
+        "0 cuts a slice into ~8 parts, 1 into parts of up to 2 MiB; default: the averager's "
+        "choice, finer parts after a round its links held back)",
+    )
+    parser.add_argument(
+        "--tcp-butterfly",
+        type=int,
+        default=2,
+        metavar="RUNS",
+        help="measured baseline: raw TCP with the round's traffic pattern, RUNS times (0: skip)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="record every measured round's part timeline and link counters: a summary per "
+        "round is printed, the raw events are appended to FILE (JSON lines)",
+    )
     args = parser.parse_args()
     reason = netlab.iptables_unavailable_reason()
     if reason:

@@ -21,10 +21,11 @@ from swarmtrain.averaging import (
     MatchmakingError,
     StepControl,
     async_averager,
+    partition,
 )
 from swarmtrain.averaging.partition import PART_LAYOUT
 from swarmtrain.compression import Float16Compression, NoCompression
-from swarmtrain.dht import DHT
+from swarmtrain.dht import DHT, get_dht_time
 from swarmtrain.utils.background import BackgroundRuntime
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
@@ -169,6 +170,36 @@ async def test_group_agrees_on_the_part_layout_of_its_oldest_member(monkeypatch)
             for averager in averagers:
                 for got, expected in zip(local(averager), want, strict=True):
                     torch.testing.assert_close(got, expected)
+        swarm.stop_all()
+
+
+@pytest.mark.trio
+async def test_after_a_round_its_links_held_back_the_averager_offers_finer_parts():
+    """A large round whose payload crawled (a slow uplink) makes the next rounds offer
+    LINK_BOUND_LAYOUT (~8 parts per slice, so the group's lowest is that); a fast one restores
+    what was offered before; a small one, or the first (it opens the connections), says
+    nothing; ``adapt_part_layout=False`` pins it."""
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        averager = await swarm.add(random_tensors(1))
+        offered = averager._matchmaking
+        big = partition.MIN_MEASURED_PAYLOAD_BYTES
+        slow = 2 * big / partition.LINK_BOUND_BYTES_PER_SECOND  # seconds: half the threshold
+        assert offered.part_layout == PART_LAYOUT != partition.LINK_BOUND_LAYOUT
+        averager._adapt_part_layout(big, slow)  # the first round
+        assert offered.part_layout == PART_LAYOUT
+        averager._adapt_part_layout(big - 1, 1000.0)
+        assert offered.part_layout == PART_LAYOUT
+        for _ in range(2):
+            averager._adapt_part_layout(big, slow)
+            assert offered.part_layout == partition.LINK_BOUND_LAYOUT
+        averager._adapt_part_layout(big - 1, 0.001)  # too small to tell: no change
+        assert offered.part_layout == partition.LINK_BOUND_LAYOUT
+        averager._adapt_part_layout(big, slow / 4)
+        assert offered.part_layout == PART_LAYOUT
+        averager.adapt_part_layout = False
+        averager._adapt_part_layout(big, slow)
+        assert offered.part_layout == PART_LAYOUT
         swarm.stop_all()
 
 
@@ -405,6 +436,31 @@ async def test_expected_group_size_and_per_step_group_bits():
             assert result.reason == FailureReason.TOO_FEW_PEERS, result
         swarm.stop_all()
     assert elapsed < 15, elapsed  # without expected_group_size the leader would wait 30 s
+
+
+@pytest.mark.trio
+async def test_joiners_learn_how_fast_their_leader_answers():
+    """Matchmaking times each leader's first answer (``AnswerTimes``); a leader that answered
+    slowly gets a longer timeout in the next round (the round's core is built with it)."""
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery)
+        averagers = [await swarm.add(random_tensors(i), **FAST) for i in range(2)]
+        results = await step_all(averagers, expected_group_size=[2, 2], timeout=[20, 20])
+        assert all(isinstance(r, dict) and len(r) == 2 for r in results), results
+        matchmakers = [a._matchmaking for a in averagers]
+        ids = [a.peer_id.to_bytes() for a in averagers]
+        # the joiner (whoever it was) timed its leader's first answer; the leader asked nobody
+        asked = [m.answer_times.peers() for m in matchmakers]
+        assert sorted(map(len, asked)) == [0, 1], asked
+        joiner = 0 if asked[0] else 1
+        leader = ids[1 - joiner]
+        assert asked[joiner] == [leader]
+        now = get_dht_time()
+        assert 0 < matchmakers[joiner].answer_times.slowest(leader, now) < 20
+        # as a slow relayed answer: twice that, capped at a matchmaking window (1 s here)
+        matchmakers[joiner].answer_times.observe(leader, 0.6, now)
+        assert matchmakers[joiner]._request_timeouts(now) == {leader: 1.0}
+        swarm.stop_all()
 
 
 @pytest.mark.trio

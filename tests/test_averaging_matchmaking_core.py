@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import itertools
 import math
 import random
@@ -57,7 +58,9 @@ class Swarm:
     Each join call is a stream ``(follower, leader, n)``; messages on a stream that closed are
     dropped, like a real transport would. ``kill(peer)`` closes its streams (the other side
     sees the failure); ``freeze(peer)`` makes it silent (its streams stay open, nothing answers).
-    ``hide`` maps a peer to peers whose declarations it cannot see.
+    ``hide`` maps a peer to peers whose declarations it cannot see. ``latency`` maps a pair of
+    peers (``frozenset``) to the one-way delay of their messages (a slow or relayed path; a
+    closed stream is noticed after the same delay); a DHT read answers after ``read_delay``.
     """
 
     def __init__(self, config: MatchmakingConfig):
@@ -76,6 +79,9 @@ class Swarm:
         self.frozen: set[bytes] = set()
         self.hide: dict[bytes, set[bytes]] = {}
         self.blank_schema = False
+        self.latency: dict[frozenset, float] = {}
+        self.read_delay = 0.0
+        self.in_flight: list[tuple[float, int, bytes, object]] = []  # (due, n, target, fn)
 
     def add(self, peer: bytes, *, start: float = 0.0, config=None, deadline=30.0, **kwargs):
         kwargs.setdefault("schema_hash", SCHEMA)
@@ -104,7 +110,14 @@ class Swarm:
                 ]
                 if self.blank_schema:
                     snapshot = [dataclasses.replace(d, schema_hash=b"") for d in snapshot]
-                self.queue.append((src, lambda c, s=snapshot: c.receive_declarations(s, self.now)))
+                answer = (src, lambda c, s=snapshot: c.receive_declarations(s, self.now))
+                if self.read_delay > 0:
+                    self.stream_counter += 1
+                    heapq.heappush(
+                        self.in_flight, (self.now + self.read_delay, self.stream_counter, *answer)
+                    )
+                else:
+                    self.queue.append(answer)
             elif isinstance(action, SendJoinRequest):
                 self.stream_counter += 1
                 stream = (src, action.leader)
@@ -115,21 +128,16 @@ class Swarm:
                         (src, lambda c, lead=action.leader: c.request_failed(lead, self.now))
                     )
                 else:
-                    self.queue.append(
-                        (
-                            action.leader,
-                            lambda c, f=src, r=action.request: c.handle_join_request(
-                                f, r, self.now
-                            ),
-                        )
+                    self._send(
+                        src,
+                        action.leader,
+                        lambda c, f=src, r=action.request: c.handle_join_request(f, r, self.now),
                     )
             elif isinstance(action, CancelJoinRequest):
                 number = self.streams.pop((src, action.leader), None)
                 if number is not None:
                     self.abandoned.add(number)
-                    self.queue.append(
-                        (action.leader, lambda c, f=src: c.follower_left(f, self.now))
-                    )
+                    self._send(src, action.leader, lambda c, f=src: c.follower_left(f, self.now))
             elif isinstance(action, SendToFollower):
                 stream = (action.follower, src)
                 number = self.streams.get(stream)
@@ -143,14 +151,28 @@ class Swarm:
                         return []  # the follower closed this stream meanwhile
                     return c.handle_leader_message(lead, msg, self.now)
 
-                self.queue.append((action.follower, deliver))
+                self._send(src, action.follower, deliver)
             elif isinstance(action, (GroupAssembled, MatchmakingFailed)):
                 assert src not in self.results, "two terminal actions"
                 self.results[src] = action
             else:  # pragma: no cover
                 raise AssertionError(action)
 
+    def _send(self, src: bytes, target: bytes, fn) -> None:
+        delay = self.latency.get(frozenset((src, target)), 0.0)
+        if delay <= 0:
+            self.queue.append((target, fn))
+        else:
+            self.stream_counter += 1  # a tie breaker: equal due times keep their order
+            heapq.heappush(self.in_flight, (self.now + delay, self.stream_counter, target, fn))
+
+    def _arrive(self) -> None:
+        while self.in_flight and self.in_flight[0][0] <= self.now:
+            _, _, target, fn = heapq.heappop(self.in_flight)
+            self.queue.append((target, fn))
+
     def drain(self) -> None:
+        self._arrive()
         steps = 0
         while self.queue:
             steps += 1
@@ -187,6 +209,7 @@ class Swarm:
             times = [self.cores[p].next_deadline() for p in live] + [
                 t for t, _ in self.pending_starts
             ]
+            times += [due for due, *_ in self.in_flight]
             if not times or min(times) > until or min(times) == math.inf:
                 return self.results
             assert min(times) >= self.now - 1e-9, "a deadline in the past was not handled"
@@ -942,3 +965,122 @@ def test_moshpit_8_peers_2_bits_groups_of_2_average_in_3_rounds():
     assert variances[0] > 1.0
     assert variances[1] < variances[0] and variances[2] < variances[1]
     assert variances[3] == pytest.approx(0.0, abs=1e-18)
+
+
+# ---------------------------------------------------------------------------------- slow paths
+
+
+def _slow_path_swarm(timeouts: dict[bytes, float] | None, expected: int | None) -> Swarm:
+    """Leader pid(0), a follower on a fast path (pid(1)) and one on a slow path (pid(2): 1.5 s
+    each way, as through a relay on a loaded machine; ``request_timeout`` is 2 s)."""
+    swarm = Swarm(config(request_timeout=2.0, min_matchmaking_time=5.0))
+    swarm.latency[frozenset((pid(0), pid(2)))] = 1.5
+    swarm.add(pid(0), expected_group_size=expected)
+    swarm.add(pid(1), start=0.01, expected_group_size=expected)
+    swarm.add(pid(2), start=0.01, expected_group_size=expected, request_timeouts=timeouts)
+    return swarm
+
+
+@pytest.mark.parametrize("expected", [3, None])
+def test_a_joiner_on_a_slow_path_waits_as_long_as_the_path_needs(expected):
+    """The race behind partial rounds over relays (docs/reliability.md): a joiner whose leader
+    answers slower than ``request_timeout`` leaves, while the leader, which counted it, starts
+    the group with it (at once when ``expected_group_size`` is reached, else at its expiration:
+    the joiner asked again through the leader's other follower, and its late request is
+    counted too): the group's all-reduce runs a member short. With the path's answer time
+    learned (``request_timeouts``, from ``AnswerTimes``) all three average together."""
+    swarm = _slow_path_swarm(None, expected)
+    results = swarm.run()
+    assert isinstance(results[pid(2)], MatchmakingFailed)  # it gave up on its leader ...
+    assert pid(2) in results[pid(0)].group.peer_ids  # ... which started a group with it in it
+    with pytest.raises(AssertionError, match="disagrees"):
+        swarm.check_consistent()
+
+    swarm = _slow_path_swarm({pid(0): 4.0}, expected)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(0), pid(1), pid(2)}
+
+
+def test_request_timeouts_also_extend_the_wait_for_the_group():
+    """A follower waits for its leader's group until its expiration plus the leader's request
+    timeout: a slow path's start message arrives after ``request_timeout``."""
+    cfg = config(request_timeout=1.0, min_matchmaking_time=5.0, target_group_size=None)
+    for timeouts, joined in ((None, False), ({pid(0): 3.0}, True)):
+        swarm = Swarm(cfg)
+        swarm.latency[frozenset((pid(0), pid(1)))] = 1.2  # > request_timeout past expiration
+        swarm.add(pid(0), deadline=12.0)
+        # pid(1) expires with the leader: the group begins at 5.0 and arrives at 6.2
+        swarm.add(pid(1), deadline=12.0, request_timeouts=timeouts)
+        core = swarm.cores[pid(1)]
+        swarm.run()
+        assert isinstance(swarm.results[pid(1)], GroupAssembled) == joined, swarm.results
+        if joined:
+            swarm.check_consistent()
+        assert core.statistics().requests_sent >= 1
+
+
+def test_request_timeouts_must_be_positive():
+    for bad in (0.0, -1.0, math.nan, math.inf, "1"):
+        with pytest.raises(ValueError, match="request timeout"):
+            MatchmakingCore(config(), pid(0), SCHEMA, deadline=10.0, request_timeouts={pid(1): bad})
+
+
+def _unseen_peer_swarm(expected: int | None, latency: float, read_delay: float = 0.0) -> Swarm:
+    """pid(0) declares first (it should lead) but the others' DHT reads miss its declaration,
+    as seen under load behind NATs; pid(0) sees them, but they expire later, so it may not
+    follow them. Messages to and from pid(0) take ``latency`` each way, DHT reads
+    ``read_delay``."""
+    swarm = Swarm(config(request_timeout=2.0, min_matchmaking_time=5.0))
+    swarm.read_delay = read_delay
+    swarm.hide = {pid(1): {pid(0)}, pid(2): {pid(0)}}
+    for other in (pid(1), pid(2)):
+        swarm.latency[frozenset((pid(0), other))] = latency
+    swarm.add(pid(0), start=0.0, expected_group_size=expected)
+    swarm.add(pid(1), start=0.3, expected_group_size=expected)
+    swarm.add(pid(2), start=1.0, expected_group_size=expected)
+    return swarm
+
+
+@pytest.mark.parametrize("latency, read_delay", [(0.0, 1.0), (0.5, 0.0), (0.5, 1.0)])
+def test_a_peer_nobody_sees_joins_the_group_of_a_peer_it_saw(latency, read_delay):
+    """At its expiration the unseen peer declares again, later than the peers it saw, and asks
+    them at once from its last read (a new read, ``read_delay``, would come after their group
+    assembled); the leader, which expects three peers, holds its group of two open once while
+    its follower still waits, so the late request (``latency``) still finds it: all three in
+    one group. (Before: the unseen peer was left out, as in the NAT runs.)"""
+    swarm = _unseen_peer_swarm(expected=3, latency=latency, read_delay=read_delay)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(0), pid(1), pid(2)}
+    assert group.leader == pid(1)
+    # the leader held only as long as its follower waits (pid(2) expires at 6.0)
+    assert swarm.now <= 6.0 + swarm.config.request_timeout / 2 + 2 * latency + read_delay
+
+
+def test_without_expected_peers_a_leader_assembles_at_its_expiration():
+    """No ``expected_group_size`` (a plain averager): no hold, the group of two assembles at the
+    leader's expiration, before the unseen peer's slow request arrives."""
+    swarm = _unseen_peer_swarm(expected=None, latency=0.5)
+    results = swarm.run()
+    groups = swarm.check_consistent()
+    assert {g.peer_ids for g in groups} == {results[pid(1)].group.peer_ids}
+    assert set(results[pid(1)].group.peer_ids) == {pid(1), pid(2)}
+
+
+def test_a_leader_holds_for_expected_peers_only_while_its_followers_wait():
+    """Three peers expected, two present: the leader holds its group open past its expiration
+    (5.0) until its follower's expiration plus half a ``request_timeout`` (6.0 + 1.0), then
+    assembles the two; the follower, which waits until 6.0 + 2.0, gets the group."""
+    swarm = Swarm(config(request_timeout=2.0, min_matchmaking_time=5.0))
+    swarm.add(pid(0), expected_group_size=3)
+    swarm.add(pid(1), start=1.0, expected_group_size=3)
+    results = swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(0), pid(1)}
+    assembled = [t for t, src, a in swarm.log if isinstance(a, GroupAssembled) and src == pid(0)]
+    assert assembled == [pytest.approx(7.0)]
+    assert results[pid(0)].is_leader
+    # the held declaration was renewed (visible to late peers) with the hold's end
+    declared = [a.declaration.expiration for a in swarm.sent(Declare, pid(0))]
+    assert declared == [pytest.approx(5.0), pytest.approx(7.0)]

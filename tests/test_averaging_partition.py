@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from swarmtrain.averaging import partition
 from swarmtrain.averaging.part_reducer import TensorPartReducer
 from swarmtrain.averaging.partition import (
     PART_LAYOUTS,
@@ -259,3 +260,12 @@ def test_reducer_validates_inputs():
     reducer.accumulate(0, 0, torch.zeros(4), 1.0)
     with pytest.raises(ValueError):
         reducer.accumulate(0, 0, torch.zeros(4), 1.0)  # twice
+
+
+def test_held_back_by_links_needs_a_large_round_and_compares_its_rate():
+    big, rate = partition.MIN_MEASURED_PAYLOAD_BYTES, partition.LINK_BOUND_BYTES_PER_SECOND
+    assert partition.held_back_by_links(big - 1, 1000.0) is None  # too small to tell
+    assert partition.held_back_by_links(big, 0.0) is None
+    assert partition.held_back_by_links(big, 2 * big / rate) is True
+    assert partition.held_back_by_links(big, big / rate / 2) is False
+    assert partition.held_back_by_links(10 * big, 10 * big / rate) is False  # at the threshold

@@ -13,6 +13,7 @@ import pydantic
 import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from polling import wait_until
 
 from swarmtrain.dht import (
     DHT,
@@ -25,6 +26,7 @@ from swarmtrain.dht import (
     get_dht_time,
     serialize,
 )
+from swarmtrain.dht import node as dht_node_module
 from swarmtrain.dht.protocol import StoreItem
 from swarmtrain.p2p import P2P, MessageTooLargeError, P2PConfig, RemoteError
 from swarmtrain.proto import dht_pb2
@@ -547,6 +549,28 @@ async def test_bucket_refresh_runs_in_the_background():
     async with swarm(2, refresh_timeout=0.1) as s:
         await trio.sleep(0.3)
         assert all(node.statistics().num_bucket_refreshes >= 1 for node in s.nodes)
+
+
+@pytest.mark.trio
+async def test_a_node_whose_initial_peer_did_not_answer_joins_it_later(monkeypatch):
+    """A bootstrap that failed (the initial peer reachable but its DHT not answering: not
+    started yet, or too slow under load) is retried in the background while the routing
+    table is empty, instead of leaving the node a DHT of its own for good."""
+    monkeypatch.setattr(dht_node_module, "REJOIN_FIRST_DELAY", 0.2)
+    async with P2P.create(use_autonat=False) as first_p2p:  # no DHT on it yet
+        initial = [str(a) for a in first_p2p.get_visible_maddrs()]
+        async with DHT.create(initial, use_autonat=False, wait_timeout=2.0) as late:
+            assert late.node.statistics().routing_table.num_nodes == 0  # nobody answered
+            # (bootstrapped from another node: it does not ping the late one by itself)
+            async with (
+                DHT.create(use_autonat=False) as hub,
+                DHTNode.create(first_p2p, [str(a) for a in hub.get_visible_maddrs()]) as first,
+            ):
+                with trio.fail_after(30):
+                    await wait_until(lambda: in_routing_table(late.node, first))
+                assert late.node.statistics().num_rejoins >= 1
+                assert await first.store("joined", "yes", get_dht_time() + 30)
+                assert (await late.get("joined", latest=True)).value == "yes"
 
 
 @pytest.mark.trio

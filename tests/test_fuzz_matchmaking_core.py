@@ -64,8 +64,10 @@ class MatchmakingSwarm(RuleBasedStateMachine):
         window=st.floats(1.0, 6.0),
         duration=st.floats(2.0, 30.0),
         bandwidth=st.sampled_from([None, 0.0, 1.0, 1e9]),
+        expected=st.sampled_from([None, 2, 3, 5]),
+        patience=st.sampled_from([None, 0.1, 4.0]),
     )
-    def add_peer(self, mode, start, window, duration, bandwidth):
+    def add_peer(self, mode, start, window, duration, bandwidth, expected, patience):
         peer = pid(self.count)
         self.count += 1
         start = self.swarm.now + start
@@ -83,6 +85,10 @@ class MatchmakingSwarm(RuleBasedStateMachine):
             mode=self.modes[mode],
             bandwidth=bandwidth,
             gather=peer,
+            # a leader holds a smaller group open once for the peers it expects
+            expected_group_size=expected,
+            # learned answer timeouts for the peers added before (as the shell passes them)
+            request_timeouts={pid(i): patience for i in range(self.count - 1) if patience},
         )
 
     def started(self) -> list[bytes]:

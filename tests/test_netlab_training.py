@@ -28,6 +28,8 @@ def _run(mode: str, seconds: float) -> dict[str, dict]:
         trained = swarm.ask_all({name: train for name in HOMES}, seconds + 120)
         finish = {"op": "finish", "epoch": max(t["epoch"] for t in trained.values()) + 1}
         done = swarm.ask_all({name: finish for name in HOMES}, 180)
+        for result in done.values():  # which path each pair used, by peer name
+            result["paths"] = {swarm.name_of(p): kinds for p, kinds in result["paths"].items()}
         print(mode, {n: {k: v for k, v in d.items() if k != "params"} for n, d in done.items()})
         return done
 
@@ -39,9 +41,14 @@ def _check(done: dict[str, dict], min_epochs: int) -> None:
     assert epoch >= min_epochs, done
     for result in done.values():
         assert result["eval_loss_after"] < result["eval_loss_before"] / 2
-        # every peer averaged with others in most epochs (the goal, every epoch, is not met
-        # on a loaded box: docs/reliability.md)
+        # every peer averaged with others in most epochs (the goal, every epoch in a group of
+        # all three, held in 53 of 54 epochs at load 13-18 but not in every loaded run:
+        # docs/reliability.md, "The matchmaking race over relays"); the group sizes and
+        # partial rounds are printed
         assert result["averaged"] >= epoch // 2, result
+    # the symmetric NAT defeats hole punching: c reaches a and b through a relay only
+    for name in "ab":
+        assert "direct" not in done["c"]["paths"].get(name, []), done["c"]["paths"]
     reference = done["a"]["params"]
     for name in "bc":
         gap = max(abs(x - y) for x, y in zip(reference, done[name]["params"], strict=True))

@@ -89,6 +89,42 @@ def test_gradients_are_averaged_weighted_by_samples():
             assert all(p.grad is g for p, g in zip(model.parameters(), old, strict=True))
 
 
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32,) * 3, (torch.float32, torch.bfloat16, torch.float64)]
+)
+def test_accumulated_buffers_hold_the_weighted_mean_in_fused_and_mixed_dtype_paths(dtypes):
+    # one dtype: fused foreach calls; mixed dtypes: the per-tensor loop (no network needed)
+    params = [
+        torch.zeros(shape, dtype=dtype)
+        for shape, dtype in zip([(3, 4), (5,), (300, 300)], dtypes, strict=True)
+    ]
+    for param in params:
+        param.requires_grad_(True)
+    averager = GradientAverager(params, dht=None, prefix="grads", start=False, client_mode=False)
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        (2, [torch.randn(p.shape, generator=generator).to(p.dtype) for p in params]),
+        (6, [torch.randn(p.shape, generator=generator).to(p.dtype) for p in params]),
+    ]
+    for batch_size, grads in batches:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+        averager.accumulate_grads_(batch_size)
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as averaged:
+        for i, (tensor, param) in enumerate(zip(averaged, params, strict=True)):
+            want = (2 * batches[0][1][i].double() + 6 * batches[1][1][i].double()) / 8
+            assert tensor.dtype == param.dtype
+            torch.testing.assert_close(tensor.double(), want, atol=2e-2, rtol=2e-2)
+    averager.reset_accumulated_grads_()
+    assert all(not a.any() for a in averager._grad_accumulators())
+    averager.accumulate_grads_(3)  # one batch: its gradient exactly (a plain copy)
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as averaged:
+        for tensor, param in zip(averaged, params, strict=True):
+            assert torch.equal(tensor, param.grad)
+
+
 def test_reuse_grad_buffers_and_a_scheduled_step():
     models = [make_model(20 + i) for i in range(2)]
     with swarm(2) as (dhts, averagers):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import functools
@@ -186,16 +187,23 @@ def test_networked_rounds_equal_run_diloco(
                 0,
             )
             assert stats.last_group_size == workers and stats.bytes_sent > 0
+            last = stats.last_round
+            assert last is not None and last.group_size == workers
+            assert last.attempts - last.failed_attempts == 1  # retries are counted apart
+            assert last.bytes_sent_as_sender - last.failed_bytes_as_sender > 0
             assert peer.opt.local_epoch == 2 and peer.opt.inner_step == config.total_steps
             assert_params_close(peer.opt.shared_parameters(), reference.params)
             if delay == 0 and fragments == 1:  # right after the outer step: the shared values
                 assert_params_close([p.detach() for p in peer.model.parameters()], reference.params)
         # Bytes, counted as senders and as reducers: with NoCompression each peer sends the
-        # others' slices and returns its own slice to each other peer, per round.
+        # others' slices and returns its own slice to each other peer, per round. A round may
+        # have retried after a failed all-reduce attempt (a busy machine): exactly one attempt
+        # per round succeeded, and the bytes of the failed ones are counted apart.
         stats = [peer.opt.statistics() for peer in peers]
+        for s in stats:
+            assert s.allreduce_attempts - s.failed_allreduce_attempts == 2 * fragments, s
         per_round = (workers - 1) * sum(numels) * 4
-        assert sum(s.bytes_sent_as_sender for s in stats) == 2 * per_round
-        assert sum(s.bytes_sent_as_reducer for s in stats) == 2 * per_round
+        assert_successful_bytes(stats, 2 * per_round)
     finally:
         for peer in peers:
             peer.opt.shutdown()
@@ -221,6 +229,21 @@ def test_fp16_pseudo_gradients(data, dhts):
     assert_params_close(shared[0], reference.params, rtol=1e-3, atol=1e-4)
     assert any(not torch.equal(a, b) for a, b in zip(shared[0], exact.params, strict=True))
     assert peers[0].opt.statistics().bytes_sent < 0.6 * _fp32_bytes(shared[0])
+
+
+def assert_successful_bytes(stats, expected: int) -> None:
+    """The peers' bytes of successful all-reduce attempts, as senders and as reducers, are
+    ``expected`` each; failed attempts' bytes are part of the totals, never more."""
+    for sent, failed in (
+        ("bytes_sent_as_sender", "failed_bytes_as_sender"),
+        ("bytes_sent_as_reducer", "failed_bytes_as_reducer"),
+    ):
+        assert all(0 <= getattr(s, failed) <= getattr(s, sent) for s in stats)
+        assert sum(getattr(s, sent) - getattr(s, failed) for s in stats) == expected, stats
+    for s in stats:
+        assert s.bytes_sent == s.bytes_sent_as_sender + s.bytes_sent_as_reducer
+        if s.failed_allreduce_attempts == 0:
+            assert s.failed_bytes_as_sender == s.failed_bytes_as_reducer == 0
 
 
 def _full(n: int) -> dict:
@@ -336,7 +359,7 @@ def test_streaming_peer_dies_during_a_round(data, dhts):
 
         def die() -> None:
             peers[2].train(1)  # fragment 0's round starts after step 2, in the background
-            assert 0 in peers[2].opt._pending
+            assert 0 in peers[2].opt._impl._pending
             time.sleep(0.2)  # matchmaking or all-reduce under way
             peers[2].opt.shutdown()
 
@@ -649,3 +672,28 @@ def test_a_peer_a_round_behind_loads_the_state_and_rejoins_the_rounds(data, dhts
     finally:
         for peer in peers:
             peer.opt.shutdown()
+
+
+def test_asyncio_awaitables_run_the_trio_implementation(data, dhts):
+    """``opt.aio``: the trio methods awaited from asyncio on the background loop (a lone peer:
+    two outer rounds alone), then ``aio.shutdown``."""
+    config = SimulationConfig(num_workers=1, inner_steps=2, batch_size=4, context=MODEL.context)
+    (dht,) = dhts(1)
+    peer = Peer(config, 0, dht, data)
+
+    async def main() -> None:
+        assert not await peer.opt.aio.load_state_from_peers()  # nobody serves a state
+        for _ in range(2 * config.inner_steps):
+            peer.opt.zero_grad()
+            _loss(peer.model, peer.sampler.next()).backward()
+            await peer.opt.aio.step()
+        await peer.opt.aio.wait_for_pending_rounds()
+        state = await peer.opt.aio.state_dict()
+        assert state["inner_step"] == 2 * config.inner_steps
+        await peer.opt.aio.shutdown()
+
+    asyncio.run(main())
+    stats = peer.opt.statistics()
+    assert (stats.rounds_alone, stats.outer_step) == (2, 2)
+    with pytest.raises(RuntimeError, match="shut down"):
+        peer.opt.step()

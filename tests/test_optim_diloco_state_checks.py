@@ -21,7 +21,7 @@ from swarmtrain.compression import NoCompression
 from swarmtrain.dht import DHT
 from swarmtrain.optim._optimizer_state import TENSOR_KEY, encode_tensors
 from swarmtrain.optim._state_checks import EPOCH_LIMIT, stepped_state
-from swarmtrain.optim.diloco import DiLoCoOptimizer
+from swarmtrain.optim.diloco import AsyncDiLoCoOptimizer, DiLoCoOptimizer
 from swarmtrain.optim.diloco_core import OuterState, default_outer_optimizer
 from swarmtrain.optim.diloco_state import check_state, pack_state
 from swarmtrain.utils.background import BackgroundRuntime
@@ -175,6 +175,12 @@ class HostileDiLoCo(DiLoCoOptimizer):
     """Serves its real state with one poison applied."""
 
     def __init__(self, *args, poison: Callable, **kwargs):
+        self._implementation = functools.partial(_HostileImplementation, poison=poison)
+        super().__init__(*args, **kwargs)
+
+
+class _HostileImplementation(AsyncDiLoCoOptimizer):
+    def __init__(self, *args, poison: Callable, **kwargs):
         self.poison = poison
         super().__init__(*args, **kwargs)
 
@@ -274,7 +280,7 @@ def test_a_joiner_rejects_poisoned_diloco_states_and_loads_an_honest_one(caplog)
             joiner.opt.shared_parameters(), honest.opt.shared_parameters(), strict=True
         ):
             assert torch.equal(mine, theirs)
-        outer = joiner.opt._outer.optimizer
+        outer = joiner.opt._impl._outer.optimizer
         assert outer.param_groups[0]["lr"] == 0.7 and outer.param_groups[0]["momentum"] == 0.9
         assert len(outer.state) == 2  # the honest donor's momentum buffers
 

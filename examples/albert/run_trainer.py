@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -193,9 +194,15 @@ def apply_progress_bars(choice: str) -> None:
         set_progress_bars(choice == "on")
 
 
-def main(argv: list[str] | None = None, dht: DHT | None = None) -> dict[str, Any]:
+def main(
+    argv: list[str] | None = None,
+    dht: DHT | None = None,
+    on_trained: Callable[[Optimizer], None] | None = None,
+) -> dict[str, Any]:
     """Train one peer; returns what the tests check (the loss per epoch, the model, ...).
-    ``dht``: run on this DHT (tests start several peers in one process) instead of a new one."""
+    ``dht``: run on this DHT (tests start several peers in one process) instead of a new one;
+    ``on_trained``: called with the swarm optimizer after training, before it shuts down (the
+    tests synchronise the peers' final states there)."""
     args = build_parser().parse_args(argv)
     apply_progress_bars(args.progress_bars)
     own_dht = dht is None
@@ -244,6 +251,8 @@ def main(argv: list[str] | None = None, dht: DHT | None = None) -> dict[str, Any
         started = time.monotonic()
         trainer.train()
         elapsed = time.monotonic() - started
+        if on_trained is not None:
+            on_trained(opt)
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         logger.info("done: epoch %d, %d steps in %.0f s", opt.local_epoch, len(losses), elapsed)
         return {

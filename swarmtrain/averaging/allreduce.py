@@ -76,6 +76,7 @@ from swarmtrain.averaging.allreduce_parts import (
     run_codec,
     unwrap,
 )
+from swarmtrain.averaging.allreduce_trace import AllReduceTrace
 from swarmtrain.averaging.errors import NonFiniteError
 from swarmtrain.averaging.finite import first_non_finite
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, largest_part_size
@@ -259,6 +260,8 @@ class AllReduceService:
         self._expected: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = anyio.Event()
         self._part_buffers = BufferPool(max_cached_bytes=max(64 << 20, 8 * max_message_size))
+        #: set to an ``AllReduceTrace`` to record every round's part timeline (benchmarks)
+        self.trace: AllReduceTrace | None = None
 
     @classmethod
     @asynccontextmanager
@@ -431,6 +434,11 @@ class AllReduceRunner:
         self.part_bytes_sent = self.delta_bytes_sent = 0  #: see ``AllReduceResult``
         self._v2_bytes: dict[int, int] = {}  # part bytes sent per reducer over v2
 
+    def _trace(self, kind: str, peer: int, part: int, nbytes: int = 0) -> None:
+        trace = self.service.trace
+        if trace is not None:
+            trace.record(self.group.group_id, kind, peer, part, nbytes)
+
     @property
     def core(self) -> AllReduceCore:
         if self._core is None:
@@ -485,6 +493,7 @@ class AllReduceRunner:
         deadline = now + config.allreduce_timeout if config.allreduce_timeout else math.inf
         self._deadline = deadline
         self.service._register(self)
+        self._trace("round_began", self.local_index, -1)
         timed_out = False
         try:
             with anyio.CancelScope(deadline=deadline) as scope, collapse_exception_groups():
@@ -503,6 +512,7 @@ class AllReduceRunner:
                 self._notify(core.expire(anyio.current_time()))
         finally:
             self._close()
+            self._trace("round_ended", self.local_index, -1)
         if non_finite is not None:
             raise NonFiniteError(non_finite)
         return AllReduceResult(
@@ -538,6 +548,8 @@ class AllReduceRunner:
         """Wake whatever waits on a change; ``completed``: parts to mark ready besides those
         the core completed since the last call (``take_completed``)."""
         for k in (*completed, *self.core.take_completed()):
+            if not self._part_ready[k].is_set():
+                self._trace("part_reduced", self.local_index, k)
             self._part_ready[k].set()
         self._changed.set()
         self._changed = anyio.Event()
@@ -579,7 +591,9 @@ class AllReduceRunner:
             self.part_bytes_sent += message.nbytes
             if attached:  # taken back if the reducer turns out to lack v2
                 self._v2_bytes[reducer] = self._v2_bytes.get(reducer, 0) + message.nbytes
+            self._trace("part_queued", reducer, k, message.nbytes)
             yield Attached(request, message.buffer) if attached else request
+            self._trace("part_written", reducer, k, message.nbytes)
 
     async def _communicate_with_reducer(self, reducer: int) -> None:
         core = self.core
@@ -706,6 +720,7 @@ class AllReduceRunner:
                 # it has no live round for this group: it will not send us its parts either
                 self._notify(core.ban_absent_sender(reducer, Failure.REJECTED))
             return False
+        self._trace("delta_received", reducer, response.part_index)
         self._notify()
         return ok
 
@@ -740,6 +755,7 @@ class AllReduceRunner:
                 inline = inline_decode(request.part, shape[0])
                 sent = await run_codec(inline, decode_part, request.part, payload, shape, dtype)
                 outcome = core.receive_part(peer, request.part_index, sent, anyio.current_time())
+                self._trace("part_received", peer, request.part_index)
                 self._notify(outcome.completed)
                 if outcome.reject is not None:
                     detail = f"part {k} rejected"
@@ -758,7 +774,10 @@ class AllReduceRunner:
                 if self._closed or core.sender_banned(peer):
                     yield self._why_stopped(peer)
                     return
-                yield await self._result(peer, k, sent, request.part.compression, attached)
+                result = await self._result(peer, k, sent, request.part.compression, attached)
+                self._trace("delta_queued", peer, k)
+                yield result
+                self._trace("delta_written", peer, k)
                 core.result_sent(peer, k, anyio.current_time())
                 # the delta went out: nothing reads the received part any more
                 sent = None

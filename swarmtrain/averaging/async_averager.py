@@ -7,6 +7,7 @@ the blocking facade that runs it on the background loop.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import threading
@@ -36,7 +37,13 @@ from swarmtrain.averaging.matchmaking_types import (
     GroupAssembled,
     MatchmakingGroup,
 )
-from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, PART_LAYOUT, as_numpy
+from swarmtrain.averaging.partition import (
+    DEFAULT_PART_SIZE_BYTES,
+    LINK_BOUND_LAYOUT,
+    PART_LAYOUT,
+    as_numpy,
+    held_back_by_links,
+)
 from swarmtrain.averaging.state_checks import StateCheck, TensorsLike
 from swarmtrain.averaging.state_sharing import State, StateDownloadFailure, StateSharing
 from swarmtrain.dht import DHTValueError, deserialize, get_dht_time, serialize
@@ -71,6 +78,12 @@ def _check_group_bits(bits: str) -> str:
     if not isinstance(bits, str) or any(bit not in "01" for bit in bits):
         raise ValueError(f"group bits must be a string of 0 and 1, got {bits!r}")
     return bits
+
+
+#: the step whose all-reduce attempt runs in the current task (set by ``_average_in_group``)
+_ATTEMPT: contextvars.ContextVar[StepControl | None] = contextvars.ContextVar(
+    "swarmtrain_allreduce_attempt", default=None
+)
 
 
 def _copies_on_loop(tensors: Sequence[torch.Tensor]) -> bool:
@@ -197,6 +210,11 @@ class AsyncDecentralizedAverager:
         self._nursery: trio.Nursery | None = None
         self._allreduce: AllReduceService | None = None
         self._matchmaking: Matchmaking | None = None
+        #: after a round our links held back, offer finer parts (``_adapt_part_layout``)
+        self.adapt_part_layout = True
+        # the layout matchmaking offered before a link-bound round lowered it (None: not lowered)
+        self._offered_layout: int | None = None
+        self._allreduce_rounds = 0
         self._state_sharing: StateSharing | None = None
         self.steps_started = 0
         #: encoded tensor bytes sent in all-reduce rounds so far: parts (as a sender) and
@@ -512,7 +530,14 @@ class AsyncDecentralizedAverager:
                         "allow_allreduce() was not called before the deadline",
                     )
             weight = control._begin_allreduce()
-            return await self._run_allreduce(assembled.group, weight)
+            attempt = _ATTEMPT.set(control)  # (this task's: _count_bytes finds it)
+            try:
+                return await self._run_allreduce(assembled.group, weight)
+            except BaseException:
+                control._attempt_failed()
+                raise
+            finally:
+                _ATTEMPT.reset(attempt)
         finally:
             self._allreduce.release(assembled.group.group_id)
 
@@ -550,6 +575,15 @@ class AsyncDecentralizedAverager:
             part_layout=min(group.part_layout, PART_LAYOUT),
         )
 
+    def _count_bytes(self, parts: int, deltas: int) -> None:
+        """An all-reduce of the attempt under way (in this task) sent these bytes: they count
+        in the averager's totals and in that step's attempt (``StepControl.bytes_sent``)."""
+        self.part_bytes_sent += parts
+        self.delta_bytes_sent += deltas
+        control = _ATTEMPT.get()
+        if control is not None:
+            control._count_bytes(parts, deltas)
+
     def _ban_offenders(self, result: AllReduceResult) -> None:
         """Members whose own data failed the round (poison, not the network) are avoided in
         matchmaking for a while (``self.bans``)."""
@@ -563,6 +597,29 @@ class AsyncDecentralizedAverager:
                     reason.value,
                     until - now,
                 )
+
+    def _adapt_part_layout(self, payload_bytes: int, seconds: float) -> None:
+        """After a round our links held back, offer finer parts (``LINK_BOUND_LAYOUT``; the
+        group takes its members' lowest); after a fast one, what we offered before. Our first
+        round says nothing (it opens connections and data lanes: 9 s for 8 x 4M on loopback
+        at load 10)."""
+        matchmaking = self._matchmaking
+        self._allreduce_rounds += 1
+        link_bound = held_back_by_links(payload_bytes, seconds)
+        first = self._allreduce_rounds == 1
+        if matchmaking is None or link_bound is None or first or not self.adapt_part_layout:
+            return
+        if link_bound and matchmaking.part_layout > LINK_BOUND_LAYOUT:
+            logger.info(
+                "all-reduce moved %.1f MiB in %.1f s: offering finer parts (layout %d)",
+                payload_bytes / 2**20,
+                seconds,
+                LINK_BOUND_LAYOUT,
+            )
+            self._offered_layout = matchmaking.part_layout
+            matchmaking.part_layout = LINK_BOUND_LAYOUT
+        elif not link_bound and self._offered_layout is not None:
+            matchmaking.part_layout, self._offered_layout = self._offered_layout, None
 
     async def _run_allreduce(self, group: MatchmakingGroup, weight: float) -> GatheredData:
         assert self._allreduce is not None
@@ -588,9 +645,10 @@ class AsyncDecentralizedAverager:
             config=self.config.allreduce_config(),
             delta_buffers=delta_buffers,
         )
+        started = trio.current_time()
         result = await runner.run()
-        self.part_bytes_sent += result.part_bytes_sent
-        self.delta_bytes_sent += result.delta_bytes_sent
+        self._adapt_part_layout(result.payload_bytes_sent, trio.current_time() - started)
+        self._count_bytes(result.part_bytes_sent, result.delta_bytes_sent)
         self._ban_offenders(result)
         failed = {*result.banned_senders, *result.failed_reducers}
         others = {p for p in allreduce_group.peer_ids if p != self.peer_id}

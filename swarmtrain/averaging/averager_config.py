@@ -40,7 +40,9 @@ class AveragerConfig:
     :param min_group_size: fail (or wait) rather than average in a smaller group
     :param initial_group_bits: Moshpit bucket to start in, a string of 0 and 1
     :param min_matchmaking_time: a declaration stays open at least this long
-    :param request_timeout: wait this long for a potential leader's answer (< min_matchmaking_time)
+    :param request_timeout: wait at least this long for a potential leader's answer
+      (< min_matchmaking_time; longer, up to min_matchmaking_time, for a leader that answered
+      slowly before or that we reach through a relay)
     :param allreduce_timeout: give up on an all-reduce round after this long (None: no limit
       beyond the per-chunk timeouts)
     :param next_chunk_timeout: a peer that sends nothing for this long during all-reduce or a state

@@ -87,6 +87,14 @@ class StepControl(Future):
         self._finished = trio.Event()
         self._cancel_scope = trio.CancelScope()
         self._on_scheduled_time: Callable[[float], None] | None = None
+        #: all-reduce attempts this step began (a step whose group failed and that found
+        #: another one has several), and how many of them failed
+        self.attempts = self.failed_attempts = 0
+        #: encoded tensor bytes this step sent, over all its attempts: ``(parts as a sender,
+        #: averaged deltas as a reducer)``; ``failed_bytes_sent``: those of failed attempts
+        self.bytes_sent: tuple[int, int] = (0, 0)
+        self.failed_bytes_sent: tuple[int, int] = (0, 0)
+        self._attempt_bytes: tuple[int, int] = (0, 0)
 
     # ------------------------------------------------------------ thread hopping
 
@@ -204,7 +212,21 @@ class StepControl(Future):
         """Enter RUNNING_ALLREDUCE and fix the weight (atomically with the setters)."""
         with self._lock:
             self._stage = AveragingStage.RUNNING_ALLREDUCE
+            self.attempts += 1
+            self._attempt_bytes = (0, 0)
             return self._weight
+
+    def _count_bytes(self, parts: int, deltas: int) -> None:
+        """The attempt under way sent these bytes (once per attempt, when its all-reduce ends)."""
+        self._attempt_bytes = (parts, deltas)
+        self.bytes_sent = (self.bytes_sent[0] + parts, self.bytes_sent[1] + deltas)
+
+    def _attempt_failed(self) -> None:
+        """The attempt under way failed: its bytes count as failed ones."""
+        self.failed_attempts += 1
+        failed, attempt = self.failed_bytes_sent, self._attempt_bytes
+        self.failed_bytes_sent = (failed[0] + attempt[0], failed[1] + attempt[1])
+        self._attempt_bytes = (0, 0)
 
     def _finish(self, result: Any = None, exception: BaseException | None = None) -> None:
         self._stage = AveragingStage.FINISHED

@@ -45,6 +45,7 @@ import trio
 from google.protobuf.message import DecodeError
 
 from swarmtrain.averaging.allreduce_core import AveragingMode
+from swarmtrain.averaging.answer_times import AnswerTimes
 from swarmtrain.averaging.errors import MatchmakingError
 from swarmtrain.averaging.matchmaking_core import MatchmakingCore
 from swarmtrain.averaging.matchmaking_types import (
@@ -101,6 +102,39 @@ _REJECT_CODES = {
 _REJECT_REASONS = {v: k for k, v in _REJECT_CODES.items()}
 # Largest join request / leader message (a group of many members with gathered data).
 MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+
+
+def _short(peer: PeerId) -> str:
+    """The last characters of a peer id, for debug logs."""
+    try:
+        return str(PeerID(peer))[-6:]
+    except Exception:
+        return peer.hex()[-8:]
+
+
+def _describe(action: Action) -> str | None:
+    """One debug-log line for an action (None for DHT traffic, which is too chatty)."""
+    if isinstance(action, SendJoinRequest):
+        return f"ask {_short(action.leader)} (our expiration {action.request.expiration:.3f})"
+    if isinstance(action, CancelJoinRequest):
+        return f"stop asking {_short(action.leader)}"
+    if isinstance(action, SendToFollower):
+        message = action.message
+        if isinstance(message, Rejected):
+            what = f"reject ({message.reason.value})"
+        elif isinstance(message, BeginAllReduce):
+            what = f"begin group of {message.group.size}"
+        else:
+            what = type(message).__name__.lower()
+        return f"tell {_short(action.follower)}: {what}"
+    if isinstance(action, GroupAssembled):
+        group = action.group
+        role = "leader" if action.is_leader else f"follower of {_short(group.leader)}"
+        members = ",".join(_short(p) for p in group.peer_ids)
+        return f"assembled as {role}: {group.size} [{members}]"
+    if isinstance(action, MatchmakingFailed):
+        return f"failed: {action.reason.value}: {action.detail}"
+    return None
 
 
 def rpc_join_group_name(prefix: str) -> str:
@@ -281,6 +315,9 @@ class Matchmaking:
         # second) when ``look_for_group`` is cancelled after its group was assembled
         self.on_group_assembled: Callable[[bytes], None] | None = None
         self.on_group_dropped: Callable[[bytes], None] | None = None
+        # how long leaders took to answer our join requests: slow (relayed, loaded) paths get
+        # longer timeouts, up to a matchmaking window
+        self.answer_times = AnswerTimes(config.request_timeout, config.min_matchmaking_time)
 
     @classmethod
     @asynccontextmanager
@@ -364,13 +401,22 @@ class Matchmaking:
                 expected_group_size=expected_group_size,
                 part_layout=self.part_layout,
                 banned=banned,
+                request_timeouts=self._request_timeouts(get_dht_time()),
             )
             self.rounds_started += 1
             self._core, self._round_done = core, trio.Event()
             try:
                 async with trio.open_nursery() as nursery:
                     self._round_nursery = nursery
-                    self._dispatch(core.start(get_dht_time()))
+                    now = get_dht_time()
+                    logger.debug(
+                        "%s %s: round starts (scheduled in %.3f s, deadline in %.3f s)",
+                        _short(self.peer_id_bytes),
+                        core.group_key,
+                        (scheduled_time or now) - now,
+                        deadline - now,
+                    )
+                    self._dispatch(core.start(now))
                     nursery.start_soon(self._run_timer, core)
                     await self._round_done.wait()
                     nursery.cancel_scope.cancel()
@@ -394,6 +440,19 @@ class Matchmaking:
         logger.debug("no group under %s: %s", core.group_key, core.statistics())
         raise MatchmakingError(result.reason, result.detail)
 
+    def _request_timeouts(self, now: float) -> dict[PeerId, float]:
+        """Per peer we are connected to or heard from before: how long to wait for its answer
+        (``AnswerTimes``; longer where we hold no direct connection)."""
+        paths = {peer.to_bytes(): kinds for peer, kinds in self.p2p.connection_paths().items()}
+        peers = set(paths) | {p for p in self.answer_times.peers() if isinstance(p, bytes)}
+        timeouts = {}
+        for peer in peers:
+            direct = "direct" in paths.get(peer, ())
+            seconds = self.answer_times.timeout(peer, now, direct=direct)
+            if seconds > self.config.request_timeout:
+                timeouts[peer] = seconds
+        return timeouts
+
     async def _run_timer(self, core: MatchmakingCore) -> None:
         while not core.done:
             wake = self._wake = trio.Event()
@@ -415,6 +474,10 @@ class Matchmaking:
         """Carry out ``actions`` in order, without awaiting (see the module docstring)."""
         core = self._core
         for action in actions:
+            if logger.isEnabledFor(logging.DEBUG):
+                line = _describe(action)
+                if line is not None and core is not None:
+                    logger.debug("%s %s: %s", _short(self.peer_id_bytes), core.group_key, line)
             if isinstance(action, Declare):
                 assert self._nursery is not None
                 self._nursery.start_soon(self._store_declaration, action)
@@ -489,6 +552,20 @@ class Matchmaking:
                 d = decode_declaration(subkey, item.value, item.expiration_time)
                 if d is not None:
                     declarations.append(d)
+        if logger.isEnabledFor(logging.DEBUG):
+            now = get_dht_time()
+            logger.debug(
+                "%s %s: read in %.3f s: %s",
+                _short(self.peer_id_bytes),
+                key,
+                elapsed,
+                ", ".join(
+                    f"{_short(d.peer_id)}{'' if d.looking_for_group else '(done)'}"
+                    f"@{d.expiration - now:+.2f}"
+                    for d in declarations
+                )
+                or "nobody",
+            )
         self._dispatch(core.receive_declarations(declarations, get_dht_time()))
 
     # ------------------------------------------------------------------ as a follower
@@ -498,6 +575,8 @@ class Matchmaking:
     ) -> None:
         leader = action.leader
         final = False
+        answered = False
+        asked_at = get_dht_time()
 
         def current() -> bool:  # this call is still the one the core waits on
             return self._join_calls.get(leader) is scope and core is self._core and not core.done
@@ -514,6 +593,18 @@ class Matchmaking:
                 ) as responses:
                     async for response in responses:
                         message = decode_leader_message(leader, response)
+                        logger.debug(
+                            "%s: %s answered %s after %.3f s%s",
+                            _short(self.peer_id_bytes),
+                            _short(leader),
+                            _describe(SendToFollower(leader, message)),
+                            get_dht_time() - asked_at,
+                            "" if current() else " (stale)",
+                        )
+                        if not answered:  # the first answer: how slow this path is
+                            answered = True
+                            now = get_dht_time()
+                            self.answer_times.observe(leader, now - asked_at, now)
                         if not current():
                             return
                         final = not isinstance(message, Accepted)
@@ -521,7 +612,16 @@ class Matchmaking:
                         if final:
                             break
             except (P2PError, ValueError, TypeError) as e:
-                logger.debug("join call to %s failed: %r", PeerID(leader), e)
+                logger.debug(
+                    "%s: join call to %s failed after %.3f s: %r",
+                    _short(self.peer_id_bytes),
+                    _short(leader),
+                    get_dht_time() - asked_at,
+                    e,
+                )
+        if scope.cancelled_caught and not answered:  # we stopped waiting: it is slower than that
+            now = get_dht_time()
+            self.answer_times.observe(leader, now - asked_at, now)
         if not final and current():
             self._dispatch(core.request_failed(leader, get_dht_time()))
         if self._join_calls.get(leader) is scope:
@@ -548,6 +648,14 @@ class Matchmaking:
             return
         send, receive = trio.open_memory_channel(math.inf)
         self._followers[peer] = send
+        logger.debug(
+            "%s %s: join request from %s (its expiration %.3f, ours %.3f)",
+            _short(self.peer_id_bytes),
+            core.group_key,
+            _short(peer),
+            join.expiration,
+            core.expiration,
+        )
         try:
             self._dispatch(core.handle_join_request(peer, join, get_dht_time()))
             async with receive:
@@ -558,4 +666,5 @@ class Matchmaking:
                 del self._followers[peer]
                 send.close()
                 if core is self._core and not core.done:
+                    logger.debug("%s: follower %s left", _short(self.peer_id_bytes), _short(peer))
                     self._dispatch(core.follower_left(peer, get_dht_time()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 from swarmtrain.averaging.allreduce_core import AveragingMode
@@ -113,6 +113,9 @@ class MatchmakingCore:
       ``MatchmakingGroup.part_layout``)
     :param banned: peers we neither lead nor follow this round (``BanList.banned``): their
       join requests get ``NOT_LOOKING``, their declarations are skipped
+    :param request_timeouts: per leader, how long to wait for its first answer and for its
+      group past our expiration, where that is longer than ``config.request_timeout`` (a slow
+      or relayed path: ``swarmtrain.averaging.answer_times``)
 
     Usage: ``start(now)``, then pass every event in; after every call, carry out the returned
     actions in order, then call ``tick(now)`` once ``now >= next_deadline()``. Stop after a
@@ -135,6 +138,7 @@ class MatchmakingCore:
         expected_group_size: int | None = None,
         part_layout: int = 0,
         banned: Iterable[PeerId] = (),
+        request_timeouts: Mapping[PeerId, float] | None = None,
     ):
         if not isinstance(config, MatchmakingConfig):
             raise TypeError("config must be a MatchmakingConfig")
@@ -160,9 +164,17 @@ class MatchmakingCore:
         _check_part_layout(part_layout)
         self.part_layout = part_layout
         self.banned = frozenset(banned)
+        self.request_timeouts = dict(request_timeouts or {})
+        for leader, seconds in self.request_timeouts.items():
+            if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+                raise ValueError(f"request timeout for {leader!r} must be positive: {seconds!r}")
         # A leader assembles once its group reaches this size (the config's target, or the
         # caller's smaller estimate of the peers present: no wait for the declaration to lapse).
         self.assemble_at = _assemble_at(config, expected_group_size)
+        # Peers we expect in the group (the caller's count of peers present): a leader whose
+        # group is smaller at its expiration holds it open once, as long as its followers wait.
+        self.expected_peers = self.assemble_at if expected_group_size is not None else None
+        self._held = False
 
         self._phase = Phase.NEW
         self._expiration = -math.inf  # our current expiration (declared, unless a client)
@@ -173,6 +185,7 @@ class MatchmakingCore:
         self._request_deadline = math.inf  # REQUESTING: first answer due; FOLLOWING: group due
         self._redirects = 0
         self._candidates: list[Declaration] = []
+        self._last_declarations: list[Declaration] = []  # the last read, to re-rank on renewal
         self._tried: set[tuple[PeerId, float]] = set()
         self._fetch_pending = False
         self._next_fetch = -math.inf
@@ -298,7 +311,12 @@ class MatchmakingCore:
         # 2. our expiration: lead what we have, or start over
         if self._phase != Phase.FOLLOWING and now >= self._expiration:
             if self._can_assemble(final=True):
-                return actions + self._assemble(now)
+                hold_until = self._hold_until(now)
+                if hold_until is None:
+                    return actions + self._assemble(now)
+                self._held = True  # once: stay visible for the peers we expect, then assemble
+                self._declare(hold_until, actions)
+                return actions + self._advance(now)
             cannot = self._cannot_average(now)
             if cannot is not None:  # fail now, without declaring again
                 return actions + self._fail(*cannot)
@@ -307,6 +325,9 @@ class MatchmakingCore:
                 self._renew_expiration(now, actions)
                 self._next_fetch = -math.inf  # a new expiration may make new peers eligible
                 self._refresh_wait = self.config.first_refresh_interval
+                # peers we saw but could not follow may lead us now: ask them at once (a read
+                # takes seconds on a loaded machine, by when their groups may have assembled)
+                self._candidates = self._rank(self._last_declarations, now)
         # 3. the deadline
         if now >= self.deadline:
             return actions + self._fail(*self._failure_reason())
@@ -337,7 +358,12 @@ class MatchmakingCore:
             if d.mode == AveragingMode.NODE:
                 self._senders_seen.add(d.peer_id)
         self._refresh_client_expiration(now)
-        self._candidates = leader_candidates(
+        self._last_declarations = declarations
+        self._candidates = self._rank(declarations, now)
+        return self._advance(now)
+
+    def _rank(self, declarations: list[Declaration], now: float) -> list[Declaration]:
+        return leader_candidates(
             declarations,
             self.peer_id,
             self._expiration,
@@ -346,7 +372,6 @@ class MatchmakingCore:
             self._tried,
             self.mode,
         )
-        return self._advance(now)
 
     def fetch_failed(self, now: float) -> list[Action]:
         """The DHT read failed: try again later (as after an empty answer)."""
@@ -481,7 +506,7 @@ class MatchmakingCore:
                 return self._drop_leader(now, cancel=True)  # accepted twice
             self._phase = Phase.FOLLOWING
             # the leader assembles at its expiration, which is no later than ours
-            self._request_deadline = max(self._expiration, now) + self.config.request_timeout
+            self._request_deadline = max(self._expiration, now) + self._timeout_for(leader)
             return self._disband(leader)
         if isinstance(message, Rejected):
             self._rejections_received[message.reason] += 1
@@ -527,6 +552,10 @@ class MatchmakingCore:
         assert leader is not None, self._phase
         return leader
 
+    def _timeout_for(self, leader: PeerId) -> float:
+        """How long we wait for ``leader``: its first answer, its group past our expiration."""
+        return max(self.config.request_timeout, self.request_timeouts.get(leader, 0.0))
+
     def _leave_leader(self) -> None:
         self._phase = Phase.SEARCHING
         self._leader = None
@@ -547,7 +576,7 @@ class MatchmakingCore:
     def _request(self, leader: PeerId, now: float) -> list[Action]:
         self._phase = Phase.REQUESTING
         self._leader = leader
-        self._request_deadline = now + self.config.request_timeout
+        self._request_deadline = now + self._timeout_for(leader)
         self._requests_sent += 1
         request = JoinRequest(
             self.group_key,
@@ -630,8 +659,26 @@ class MatchmakingCore:
             )
         return None
 
+    def _hold_until(self, now: float) -> float | None:
+        """When a leader at its expiration with fewer members than ``expected_peers`` should
+        assemble instead (None: now). It holds once, while its followers still wait for it (a
+        follower waits at least ``request_timeout`` past its own expiration; half of that is
+        left for the start message to reach it): under load a peer may see our declaration
+        only seconds after we see its one."""
+        expected = self.expected_peers
+        if self._held or expected is None or not self._followers:
+            return None
+        if len(self._followers) + 1 >= expected:
+            return None
+        patience = min(request.expiration for request in self._followers.values())
+        hold_until = min(patience + self.config.request_timeout / 2, self.deadline)
+        return hold_until if hold_until > now else None
+
     def _renew_expiration(self, now: float, actions: list[Action]) -> None:
-        self._expiration = self._expiration_at(now)
+        self._declare(self._expiration_at(now), actions)
+
+    def _declare(self, expiration: float, actions: list[Action]) -> None:
+        self._expiration = expiration
         if self.declares:
             self._declared = Declaration(
                 self.peer_id, self._expiration, True, self.schema_hash, self.mode, self.bandwidth

@@ -29,9 +29,15 @@ Protocol (hivemind's, with its gaps closed):
   it, it disbands them with a redirect to that leader (``Disbanded(suggested_leader=...)``) and
   answers later joiners ``NOT_A_LEADER`` with the same suggestion.
 - A follower waits ``request_timeout`` for the first answer and then until its own expiration
-  plus ``request_timeout`` for the group; a rejection, a disband, a failed stream or a timeout
-  sends it to the next candidate (or to the suggested leader, at most ``max_redirects`` times in
-  a row). It keeps looking until the deadline.
+  plus ``request_timeout`` for the group (longer for a leader on a slow path: the shell's
+  ``request_timeouts``, learned from that leader's answer times); a rejection, a disband, a
+  failed stream or a timeout sends it to the next candidate (or to the suggested leader, at
+  most ``max_redirects`` times in a row). It keeps looking until the deadline.
+- A leader told how many peers to expect (``expected_group_size``) that has fewer at its
+  expiration holds its group open once, declaring the hold's end as its new expiration: until
+  its earliest follower's expiration plus half a ``request_timeout`` (its followers still wait
+  then). A peer whose expiration passed without a group declares again and at once asks the
+  peers of its last read that now rank before it (a new read can take seconds under load).
 - A group needs a peer that contributes tensors (NODE or CLIENT) and one that can lead (NODE
   or AUX). By the end of its first declaration window (its first expiration) a peer that is not
   waiting on a leader fails at once with ``AUXILIARY_ONLY`` (an AUX peer that saw no NODE
@@ -186,7 +192,8 @@ class MatchmakingConfig:
     :param min_matchmaking_time: a declaration lasts at least this long (hivemind's
       ``averaging_expiration`` / ``min_matchmaking_time``): the window for followers to join
     :param request_timeout: how long to wait for a potential leader's first answer, and for its
-      group past our own expiration; keep it below ``min_matchmaking_time``
+      group past our own expiration (at least: a slower path gets longer, see
+      ``MatchmakingCore(request_timeouts=...)``); keep it below ``min_matchmaking_time``
     :param refresh_interval: how often to re-read the group key while nobody is left to ask
     :param first_refresh_interval: the first re-read comes this soon, and the wait doubles up to
       ``refresh_interval`` (peers that start at once see each other's declarations only after

@@ -38,6 +38,7 @@ __all__ = [
     "PartSpec",
     "TensorPartContainer",
     "apportion",
+    "held_back_by_links",
     "partition_tensors",
 ]
 
@@ -52,6 +53,18 @@ DEFAULT_PART_SIZE_BYTES = 1 << 19
 # bookkeeping) were the most of an all-reduce's CPU at 8 x 4M (benchmarks/RESULTS.md).
 PART_LAYOUTS = {0: PARTS_PER_SLICE, 1: 1}
 PART_LAYOUT = max(PART_LAYOUTS)  # the newest layout this version speaks
+# The layout a peer offers after a round its links held back: finer parts pipeline (a
+# reducer answers part 0 while later parts still arrive) and leave a short tail (the last
+# part's deltas); on a slow link their per-part CPU is negligible. With layout 1, a 4 MiB slice
+# is 2 parts: 20 Mbit/s WAN rounds took 1.28x a raw-TCP butterfly on the same links, with
+# layout 0 1.13-1.16x (benchmarks/RESULTS.md, "WAN").
+LINK_BOUND_LAYOUT = 0
+# A round whose payload (parts and deltas this peer sent) moved slower than this was held
+# back by its links, not by CPU (8 x 4M on loopback, 2 cores at load ~10: 16-28 MiB/s, 5 MiB/s
+# in a load spike; a 20 Mbit/s uplink moves at most ~2.2 MiB/s of payload).
+LINK_BOUND_BYTES_PER_SECOND = 3 << 20
+# Smaller rounds say little about the link (latency and fixed costs dominate).
+MIN_MEASURED_PAYLOAD_BYTES = 8 << 20
 
 
 def apportion(total: int, fractions: Sequence[float]) -> tuple[int, ...]:
@@ -160,6 +173,14 @@ def partition_tensors(
         layout.append(tuple(parts))
         slice_start = slice_stop
     return tuple(layout)
+
+
+def held_back_by_links(payload_bytes: int, seconds: float) -> bool | None:
+    """Whether a round that sent ``payload_bytes`` in ``seconds`` was held back by its links
+    (then offer ``LINK_BOUND_LAYOUT`` next), or None when it was too small to tell."""
+    if payload_bytes < MIN_MEASURED_PAYLOAD_BYTES or not seconds > 0:
+        return None
+    return payload_bytes / seconds < LINK_BOUND_BYTES_PER_SECOND
 
 
 def largest_part_size(part_size_bytes: int) -> int:

@@ -91,6 +91,10 @@ def check_hivemind_only_keywords(kwargs: dict[str, Any]) -> None:
 #: style declarations a few minutes; a record planted by a peer that left outlives it by at most
 #: this long.
 DEFAULT_MAX_EXPIRATION_HORIZON = 600.0
+#: a node whose routing table is empty asks its initial peers again after this many seconds,
+#: doubling up to REJOIN_MAX_DELAY (``DHTNode._rejoin_while_alone``)
+REJOIN_FIRST_DELAY = 2.0
+REJOIN_MAX_DELAY = 60.0
 #: keys a node stores for others (and, separately, caches): far beyond what a run of thousands
 #: of peers needs per node; evicted oldest write first
 DEFAULT_STORAGE_SIZE = 65536
@@ -218,6 +222,8 @@ class DHTNodeStatistics:
     num_stored_keys: int
     num_cached_keys: int
     num_bucket_refreshes: int
+    #: times the node asked its initial peers again while its routing table was empty
+    num_rejoins: int = 0
 
 
 class DHTNode:
@@ -254,6 +260,7 @@ class DHTNode:
         )
         self._warned_horizon = False
         self._num_refreshes = 0
+        self._num_rejoins = 0
         self._rpc_limiter = (
             trio.CapacityLimiter(config.parallel_rpc) if config.parallel_rpc is not None else None
         )
@@ -324,6 +331,8 @@ class DHTNode:
             try:
                 self.protocol.serve()
                 await self._bootstrap(initial_peers)
+                if initial_peers:
+                    nursery.start_soon(self._rejoin_while_alone, initial_peers)
                 if config.refresh_timeout is not None:
                     nursery.start_soon(self._refresh_buckets)
                 yield self
@@ -336,14 +345,16 @@ class DHTNode:
         they apply to every record stored or read from now on."""
         self.record_validator.extend(record_validators)
 
-    async def _bootstrap(self, initial_peers: Sequence[str]) -> None:
+    async def _bootstrap(self, initial_peers: Sequence[str], retry: bool = False) -> None:
         peers: set[PeerID] = set()
 
         async def connect(maddr: str) -> None:
             try:
                 peers.add(await self.p2p.connect(maddr))
             except (PeerUnreachableError, ValueError) as e:
-                logger.warning("initial DHT peer %s unreachable: %s", maddr, e)
+                (logger.debug if retry else logger.warning)(
+                    "initial DHT peer %s unreachable: %s", maddr, e
+                )
 
         async with trio.open_nursery() as nursery:
             for maddr in initial_peers:
@@ -353,10 +364,36 @@ class DHTNode:
         async with trio.open_nursery() as nursery:
             for peer in peers:
                 nursery.start_soon(self._call, self.protocol.call_ping, peer)
-        if initial_peers and len(self.protocol.routing_table) == 0:
-            logger.warning("none of the initial DHT peers answered; starting a new DHT")
+        if initial_peers and len(self.protocol.routing_table) == 0 and not retry:
+            logger.warning(
+                "none of the initial DHT peers answered; starting alone and asking them again "
+                "every %.0f-%.0f s until one answers",
+                REJOIN_FIRST_DELAY,
+                REJOIN_MAX_DELAY,
+            )
         if len(self.protocol.routing_table) > 0:
             await self.find_nearest_nodes([self.node_id])
+
+    async def _rejoin_while_alone(self, initial_peers: Sequence[str]) -> None:
+        """While the routing table is empty (the bootstrap failed: the initial peers were
+        down, or too slow under load; or every known node left), ask the initial peers again,
+        waiting ``REJOIN_FIRST_DELAY`` s, doubling to ``REJOIN_MAX_DELAY`` s. A node that
+        gave up on them at startup would otherwise stay a DHT of its own for good."""
+        delay = REJOIN_FIRST_DELAY
+        while True:
+            await trio.sleep(delay * random.uniform(0.9, 1.1))
+            if len(self.protocol.routing_table) > 0:
+                delay = REJOIN_FIRST_DELAY
+                continue
+            self._num_rejoins += 1
+            await self._bootstrap(initial_peers, retry=True)
+            if len(self.protocol.routing_table) > 0:
+                logger.info(
+                    "joined the DHT through the initial peers (retry %d)", self._num_rejoins
+                )
+                delay = REJOIN_FIRST_DELAY
+            else:
+                delay = min(2 * delay, REJOIN_MAX_DELAY)
 
     async def _refresh_buckets(self) -> None:
         timeout = self.config.refresh_timeout
@@ -662,4 +699,5 @@ class DHTNode:
             num_stored_keys=len(self.protocol.storage),
             num_cached_keys=len(self.protocol.cache),
             num_bucket_refreshes=self._num_refreshes,
+            num_rejoins=self._num_rejoins,
         )

@@ -1,8 +1,10 @@
 """swarmtrain.optim: decentralized optimizers and the training-progress tracker they share."""
 
+from swarmtrain.optim.async_diloco import AsyncDiLoCoOptimizer as AsyncDiLoCoOptimizer
 from swarmtrain.optim.async_optimizer import AsyncOptimizer as AsyncOptimizer
 from swarmtrain.optim.diloco import DiLoCoOptimizer as DiLoCoOptimizer
 from swarmtrain.optim.diloco import DiLoCoStatistics as DiLoCoStatistics
+from swarmtrain.optim.diloco import RoundStatistics as RoundStatistics
 from swarmtrain.optim.diloco_core import ApplyOuter as ApplyOuter
 from swarmtrain.optim.diloco_core import Fragments as Fragments
 from swarmtrain.optim.diloco_core import OuterState as OuterState

@@ -3,12 +3,12 @@
 Key ``{run_id}_diloco.peers``, subkey: the peer's id (signed with its identity key, so nobody
 else can write it: ``swarmtrain.dht.peer_records``), value ``{"donor": bool, "step": int}``
 (whether it serves its state to joiners; the inner step of the last round it finished, once
-it finished one), expiring ``ttl`` seconds after each store; a thread re-stores it every ``ttl / 3``
-seconds and at once after :meth:`RunPresence.declare_step`, and :meth:`RunPresence.stop`
-replaces it with ``None`` (gone). The optimizer uses it to skip waits that cannot end well: a
-lone peer loads no state and starts no round, a round is complete as soon as every peer
-present has joined, and a peer whose round every other peer has already finished (they
-declared that step or a later one) does not wait for them in it.
+it finished one), expiring ``ttl`` seconds after each store; a task of the presence's nursery
+re-stores it every ``ttl / 3`` seconds and at once after :meth:`RunPresence.declare_step`, and
+leaving :meth:`RunPresence.create` replaces it with ``None`` (gone). The optimizer uses it to
+skip waits that cannot end well: a lone peer loads no state and starts no round, a round is
+complete as soon as every peer present has joined, and a peer whose round every other peer has
+already finished (they declared that step or a later one) does not wait for them in it.
 
 A peer killed without saying goodbye stays "present" until its record expires (``ttl``): a
 rerun of the run at once waited for it in its first rounds and tried to load its state. So
@@ -16,14 +16,17 @@ rerun of the run at once waited for it in its first rounds and tried to load its
 be clients) once, within ``probe_timeout``, and leaves out a donor that cannot be reached until
 it stores its record again (the rules of :mod:`swarmtrain.optim.progress_liveness`).
 
-Resource handling: :meth:`RunPresence.start` stores the first record (blocking, bounded by
-``timeout``) and starts the thread; :meth:`RunPresence.stop` ends it and stores the last record.
+Resource handling: ``async with RunPresence.create(dht, run_id, donor=...)`` (``dht``: an
+``AsyncDHT``) stores the first record (bounded by ``timeout``) and starts the refresh task;
+leaving it stops the task and stores the goodbye record (shielded, bounded by ``timeout``).
+Everything runs on the DHT's trio loop: no thread.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import trio
@@ -34,7 +37,7 @@ from swarmtrain.dht.owned_keys import PRESENCE_KEY_PATTERN
 from ._owner_probe import dial_owner
 from .progress_liveness import OwnerCandidate, OwnerLiveness, Probe, ProbeOutcome
 
-__all__ = ["PRESENCE_KEY_PATTERN", "RunPresence", "presence_key"]
+__all__ = ["PRESENCE_KEY_PATTERN", "Present", "RunPresence", "presence_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,9 @@ class Present:
 
 class RunPresence:
     """Declares this peer in ``run_id`` and lists the other peers; see the module docstring.
+    Build it with :meth:`create`.
 
-    :param dht: a running blocking ``DHT``
+    :param dht: a running ``AsyncDHT``
     :param donor: whether this peer serves its state to joiners
     :param ttl: seconds a record lives without a refresh
     :param timeout: bound on each DHT store or read
@@ -80,35 +84,35 @@ class RunPresence:
         self.donor = bool(donor)
         self.ttl = float(ttl)
         self.timeout = float(timeout)
-        self._ours = dht.peer_id.to_bytes()
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # store the record now (a new step, or stop)
-        self._step: int | None = None
-        self._thread: threading.Thread | None = None
         self.probe_timeout = float(probe_timeout)
+        self._ours = dht.peer_id.to_bytes()
+        self._step: int | None = None
+        self._wake = trio.Event()  # store the record now (a new step)
         self._liveness = OwnerLiveness(retry_period=self.ttl / 3)
-        self._liveness_lock = threading.Lock()
 
-    def start(self) -> None:
+    @classmethod
+    @asynccontextmanager
+    async def create(cls, dht, run_id: str, **kwargs) -> AsyncIterator[RunPresence]:
+        """Declare this peer (first record stored before this returns), keep the record alive
+        in a task, and store the goodbye record on the way out."""
+        self = cls(dht, run_id, **kwargs)
         # records are owned: only a peer can write (or blank) its own subkey
-        self.dht.add_validators([PeerRecordValidator([PRESENCE_KEY_PATTERN])])
-        self._store(self._record())
-        self._thread = threading.Thread(
-            target=self._refresh, name=f"presence {self.key}", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is None or self._stop.is_set():
-            return
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(self.timeout + 1.0)
-        self._store(None)  # newcomers see at once that we left
+        dht.add_validators([PeerRecordValidator([PRESENCE_KEY_PATTERN])])
+        await self._store(self._record())
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._refresh)
+                try:
+                    yield self
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._store(None)  # newcomers see at once that we left
 
     def declare_step(self, step: int) -> None:
-        """Declare that we finished the round of inner step ``step`` (stored in the background,
-        at once: this call does not wait for the DHT)."""
+        """Declare that we finished the round of inner step ``step`` (stored by the refresh
+        task, at once: this call does not wait for the DHT)."""
         self._step = int(step)
         self._wake.set()
 
@@ -118,13 +122,14 @@ class RunPresence:
             record["step"] = self._step
         return record
 
-    def others(self) -> list[Present]:
-        """The other peers whose records are alive (blocking DHT read; [] if it fails)."""
-        try:
-            found = self.dht.get(self.key, latest=True, return_future=True).result(self.timeout)
-        except Exception as e:  # a timeout or a DHT that is down: nobody we know of
-            logger.debug("could not read %s: %r", self.key, e)
-            return []
+    async def others(self) -> list[Present]:
+        """The other peers whose records are alive ([] if the DHT read fails or times out)."""
+        found = None
+        with trio.move_on_after(self.timeout):
+            try:
+                found = await self.dht.get(self.key, latest=True)
+            except Exception as e:  # a DHT that is down: nobody we know of
+                logger.debug("could not read %s: %r", self.key, e)
         if found is None or not isinstance(found.value, dict):
             return []
         now = get_dht_time()
@@ -139,76 +144,68 @@ class RunPresence:
             step = value.get("step")
             step = step if isinstance(step, int) and not isinstance(step, bool) else None
             present[subkey] = (Present(subkey, bool(value.get("donor", False)), step), expiration)
-        return self._reachable(present, now)
+        return await self._reachable(present, now)
 
-    def _reachable(self, present: dict[bytes, tuple[Present, float]], now: float) -> list[Present]:
+    async def _reachable(
+        self, present: dict[bytes, tuple[Present, float]], now: float
+    ) -> list[Present]:
         """``present`` without the donors that could not be dialled (see the module docstring)."""
-        with self._liveness_lock:
-            self._liveness.prune({peer: expiration for peer, (_, expiration) in present.items()})
-            probes = self._liveness.due(
-                (
-                    OwnerCandidate(peer, peer, expiration)
-                    for peer, (record, expiration) in present.items()
-                    if record.donor
-                ),
-                now,
-            )
+        self._liveness.prune({peer: expiration for peer, (_, expiration) in present.items()})
+        probes = self._liveness.due(
+            (
+                OwnerCandidate(peer, peer, expiration)
+                for peer, (record, expiration) in present.items()
+                if record.donor
+            ),
+            now,
+        )
         outcomes: dict[Probe, ProbeOutcome] = {}
         if probes:  # (at most a few dozen peers in a DiLoCo run: all dialled at once)
-            try:
-                outcomes = self.dht.run_coroutine(
-                    lambda dht, node: self._probe(dht.p2p, probes), return_future=True
-                ).result(self.probe_timeout + self.timeout)
-            except Exception as e:  # the DHT is down: nothing learned
-                logger.debug("could not dial the peers of %s: %r", self.key, e)
-        with self._liveness_lock:
-            for probe in probes:
-                outcome = outcomes.get(probe)
-                if outcome is None:
-                    self._liveness.abandon(probe)
-                elif self._liveness.on_result(probe, outcome, now) and outcome is not (
-                    ProbeOutcome.REACHABLE
-                ):
-                    logger.info(
-                        "%s: peer %s cannot be dialled: not counting it as present",
-                        self.key,
-                        probe.peer_id.hex()[:16],
-                    )
-            return [
-                record
-                for peer, (record, expiration) in present.items()
-                if self._liveness.counts(peer, expiration)
-            ]
+            outcomes = await self._probe(probes)
+        for probe in probes:
+            outcome = outcomes.get(probe)
+            if outcome is None:
+                self._liveness.abandon(probe)
+            elif self._liveness.on_result(probe, outcome, now) and outcome is not (
+                ProbeOutcome.REACHABLE
+            ):
+                logger.info(
+                    "%s: peer %s cannot be dialled: not counting it as present",
+                    self.key,
+                    probe.peer_id.hex()[:16],
+                )
+        return [
+            record
+            for peer, (record, expiration) in present.items()
+            if self._liveness.counts(peer, expiration)
+        ]
 
-    async def _probe(self, p2p, probes: list[Probe]) -> dict[Probe, ProbeOutcome]:
+    async def _probe(self, probes: list[Probe]) -> dict[Probe, ProbeOutcome]:
         outcomes: dict[Probe, ProbeOutcome] = {}
 
         async def dial(probe: Probe) -> None:
             outcomes[probe] = ProbeOutcome.UNREACHABLE  # unless it answers in time
             with trio.move_on_after(self.probe_timeout):
-                outcomes[probe] = await dial_owner(p2p, probe.peer_id)
+                outcomes[probe] = await dial_owner(self.dht.p2p, probe.peer_id)
 
         async with trio.open_nursery() as nursery:
             for probe in probes:
                 nursery.start_soon(dial, probe)
         return outcomes
 
-    def _store(self, value) -> None:
-        try:
-            self.dht.store(
-                self.key,
-                value,
-                get_dht_time() + self.ttl,
-                subkey=self._ours,
-                return_future=True,
-            ).result(self.timeout)
-        except Exception as e:
-            logger.debug("could not declare this peer under %s: %r", self.key, e)
-
-    def _refresh(self) -> None:
-        while True:
-            self._wake.wait(self.ttl / 3)
-            self._wake.clear()
-            if self._stop.is_set():
+    async def _store(self, value) -> None:
+        with trio.move_on_after(self.timeout):
+            try:
+                await self.dht.store(self.key, value, get_dht_time() + self.ttl, subkey=self._ours)
                 return
-            self._store(self._record())
+            except Exception as e:
+                logger.debug("could not declare this peer under %s: %r", self.key, e)
+                return
+        logger.debug("declaring this peer under %s timed out", self.key)
+
+    async def _refresh(self) -> None:
+        while True:
+            with trio.move_on_after(self.ttl / 3):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            await self._store(self._record())

@@ -345,7 +345,7 @@ class LocalProgress:
             samples_per_second=data["samples_per_second"],  # type: ignore[arg-type]
             time=data["time"],  # type: ignore[arg-type]
             client_mode=data["client_mode"],  # type: ignore[arg-type]
-            partners=tuple(data.get("partners", ())),  # type: ignore[call-overload]
+            partners=tuple(data.get("partners", ())),  # type: ignore[arg-type]
         )
 
 

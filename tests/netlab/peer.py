@@ -12,9 +12,13 @@ then answers one line per command (``{"error": ...}`` when a command fails):
 - ``{"op": "connect", "maddr"}``: dial a peer;
 - ``{"op": "average", "prefix", "rounds", "floats", "value", "group_size", "timeout"}``:
   a ``DecentralizedAverager`` over ``floats`` float32 values all equal to ``value`` averages
-  ``rounds`` times (``averager``: its keywords; ``{"float16": true}`` for float16 parts);
+  ``rounds`` times (``averager``: its keywords; ``{"float16": true}`` for float16 parts;
+  ``part_layout``: the part layout this peer offers in matchmaking, ``partition.PART_LAYOUTS``,
+  pinned: not adapted to the link);
   per round: seconds, wall-clock stamps of the all-reduce's start and the step's end, group
-  size, the first averaged value;
+  size, the first averaged value; ``"trace": true`` adds each round's all-reduce timeline
+  (``AllReduceTrace`` events) and this host's interface byte counters sampled every
+  ``SAMPLE_INTERVAL`` s during the step (``"link"``: ``[time, rx_bytes, tx_bytes]`` rows);
 - ``{"op": "paths"}``: per connected peer, the kinds of connection held
   (``P2P.connection_paths``), relay and lane counters;
 - ``{"op": "bulk_call", "peer", "mib", "bulk"}``: stream ``mib`` MiB to ``peer``'s digest
@@ -36,6 +40,7 @@ import trio
 
 DIGEST = "netlab::Digest.digest"
 MIB = 1 << 20
+SAMPLE_INTERVAL = 0.02  # seconds between interface counter samples of a traced round
 
 
 def say(message: dict) -> None:
@@ -139,16 +144,34 @@ async def main(options: dict) -> None:
                             ),
                         )
                     averaged, averager = averagers[prefix]
+                    if command.get("part_layout") is not None:  # pinned: 0 is ~8 parts a slice
+                        averager._matchmaking.part_layout = command["part_layout"]
+                        averager.adapt_part_layout = False
+                    trace = None
+                    if command.get("trace"):
+                        from swarmtrain.averaging.allreduce_trace import AllReduceTrace
+
+                        trace = averager._allreduce.trace = AllReduceTrace()
                     rounds = []
                     for _ in range(command["rounds"]):
                         averaged[0].fill_(float(command["value"]))  # no step is running
                         started = time.perf_counter()
+                        link: list[list[float]] = []
                         with trio.fail_after(command.get("timeout", 60)):
-                            group, allreduce_began = await _timed_step(
-                                averager, command["group_size"]
-                            )
+                            async with trio.open_nursery() as sampler:
+                                if trace is not None:
+                                    sampler.start_soon(_sample_link, link)
+                                group, allreduce_began = await _timed_step(
+                                    averager, command["group_size"]
+                                )
+                                sampler.cancel_scope.cancel()
+                        traced = {}
+                        if trace is not None:
+                            events = [e.as_dict() for e in trace.take()]
+                            traced = {"trace": events, "link": link}
                         rounds.append(
                             {
+                                **traced,
                                 "seconds": time.perf_counter() - started,
                                 # wall-clock stamps (one machine: comparable across peers)
                                 "allreduce_began": allreduce_began,
@@ -156,6 +179,9 @@ async def main(options: dict) -> None:
                                 "group": len(group),
                                 "value": float(averaged[0][0]),
                                 "paths": _paths(p2p),
+                                "lanes": _counters(p2p),
+                                # what matchmaking offers next (the layout adapts to the link)
+                                "part_layout": averager._matchmaking.part_layout,
                             }
                         )
                     say(
@@ -217,6 +243,24 @@ async def _timed_step(averager, group_size: int) -> tuple[dict, float]:
         control.cancel()
         raise
     return group, began[0] if began else time.time()
+
+
+def _interface() -> str | None:
+    names = [n for n in os.listdir("/sys/class/net") if n != "lo"]
+    return names[0] if len(names) == 1 else None
+
+
+async def _sample_link(rows: list[list[float]]) -> None:
+    """Append ``[wall time, rx_bytes, tx_bytes]`` of our one interface every
+    ``SAMPLE_INTERVAL`` s (until cancelled; nothing if the namespace has several)."""
+    name = _interface()
+    if name is None:
+        return
+    base = f"/sys/class/net/{name}/statistics"
+    while True:
+        with open(f"{base}/rx_bytes") as rx, open(f"{base}/tx_bytes") as tx:  # noqa: ASYNC230
+            rows.append([time.time(), int(rx.read()), int(tx.read())])
+        await trio.sleep(SAMPLE_INTERVAL)
 
 
 def _paths(p2p) -> dict[str, list[str]]:

@@ -5,6 +5,11 @@
 - ``connect IP PORT [--bind PORT] [--send BYTES] [--timeout S]``: prints ``{"peer": <the
   address the server saw>, "rtt": <seconds for a one-byte echo>, "echo_ok": <BYTES random
   bytes came back intact>, "seconds": <time for that>}`` (or ``{"connect_error": ...}``).
+- ``sink PORT``: a TCP server that reads each connection to its end, then answers one byte
+  (the sender's proof that everything arrived). Prints ``{"ready": PORT}``; runs until stdin
+  closes.
+- ``spray PORT BYTES IP...``: sends ``BYTES`` to the sink at each IP at once (one connection
+  each, in threads); prints ``{"seconds": <until every sink confirmed>}``.
 - ``udp-sink PORT``: counts UDP datagrams; prints ``{"ready": PORT}``, then on each stdin
   line ``{"count": N}``.
 - ``udp-send IP PORT N``: sends N one-byte datagrams.
@@ -88,6 +93,50 @@ def connect(ip: str, port: int, bind: int | None, send: int, timeout: float) -> 
     say(result)
 
 
+def sink(port: int) -> None:
+    server = socket.create_server(("0.0.0.0", port), reuse_port=True)
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            while conn.recv(1 << 20):
+                pass
+            conn.sendall(b"k")
+
+    def accept() -> None:
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    say({"ready": port})
+    sys.stdin.read()
+
+
+def spray(port: int, size: int, ips: list[str], timeout: float = 300.0) -> None:
+    payload = os.urandom(min(size, 1 << 20))
+    errors: list[str] = []
+
+    def send(ip: str) -> None:
+        try:
+            with socket.create_connection((ip, port), timeout=timeout) as conn:
+                left = size
+                while left:
+                    left -= conn.send(payload[: min(left, len(payload))])
+                conn.shutdown(socket.SHUT_WR)
+                if conn.recv(1) != b"k":
+                    errors.append(f"{ip}: no confirmation")
+        except OSError as e:
+            errors.append(f"{ip}: {e!r}")
+
+    threads = [threading.Thread(target=send, args=(ip,)) for ip in ips]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    say({"seconds": time.perf_counter() - started, "errors": errors})
+
+
 def udp_sink(port: int) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
@@ -123,6 +172,10 @@ if __name__ == "__main__":
         send = int(args[args.index("--send") + 1]) if "--send" in args else 0
         timeout = float(args[args.index("--timeout") + 1]) if "--timeout" in args else 20.0
         connect(args[0], int(args[1]), bind, send, timeout)
+    elif command == "sink":
+        sink(int(args[0]))
+    elif command == "spray":
+        spray(int(args[0]), int(args[1]), args[2:])
     elif command == "udp-sink":
         udp_sink(int(args[0]))
     elif command == "udp-send":

@@ -2,16 +2,23 @@
 classifier of ``swarmtrain demo`` (offline data), driven by JSON lines on stdin.
 
 ``python train_peer.py '<json options>'``: options ``dht`` (``DHT`` keywords), ``mode``
-(``"optimizer"`` or ``"diloco"``), ``index`` / ``peers`` (this peer's data shard). Prints
+(``"optimizer"`` or ``"diloco"``), ``index`` / ``peers`` (this peer's data shard), ``log``
+(logger names shown at ``log_level``, DEBUG by default) and ``log_dir`` (write them to
+``<log_dir>/peer<index>.log`` with wall-clock stamps instead of stderr). Prints
 ``{"ready": ..., "peer_id", "maddrs"}``, then answers:
 
 - ``{"op": "wait_circuit", "timeout": s}``: wait for a ``/p2p-circuit`` address;
 - ``{"op": "train", "seconds": s, "peers": n, "run_id": ...}`` (DiLoCo: also ``inner_steps``,
-  ``outer_lr``, ``outer_momentum``): wait until the run has ``n``
-  peers (Optimizer), train for ``s`` seconds, then print ``{"trained": ..., "epoch": E}`` and
-  keep training until a ``{"op": "finish", "epoch": E}`` line arrives and our epoch (outer step
-  for DiLoCo) reaches it; then print ``{"done": ...}``: epochs, rounds averaged / alone, eval
-  loss before and after, the parameters;
+  ``outer_lr``, ``outer_momentum``): wait until the run has ``n`` peers (at most
+  ``start_barrier`` seconds, 60 by default; 0: no wait), train for ``s`` seconds, then print
+  ``{"trained": ..., "epoch": E}`` and keep training until a ``{"op": "finish", "epoch": E}``
+  line arrives and our epoch (outer step for DiLoCo) reaches it; then print
+  ``{"done": ...}``: epochs, rounds averaged / alone, the group size of each round
+  (``group_sizes``: {size: rounds}) and partial all-reduces, eval loss before and after, the
+  parameters;
+- ``{"op": "paths"}`` (while training or after ``done``): ``{"paths": {peer id: kinds}}``,
+  the kinds of each connected peer's open connections (``P2P.connection_paths``; ``done``
+  carries them too);
 - ``{"op": "quit"}`` (or stdin closed): shut down.
 """
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -38,6 +46,45 @@ def read_commands(commands: queue.Queue) -> None:
     commands.put({"op": "quit"})
 
 
+class RoundLog(logging.Handler):
+    """Counts the group size of every round this peer finished, and its partial all-reduces,
+    from swarmtrain's own log records (``Optimizer``: one per epoch; DiLoCo: one per outer
+    step; a round that failed logs no size: the peer stepped alone)."""
+
+    SIZE_ARGUMENT = {
+        "%s: averaged gradients with %d peers": 1,
+        "DiLoCo outer step %d (fragment %d, inner step %d): group of %d, waited %.2f s": 3,
+    }
+    PARTIAL = "all-reduce in a group of %d was partial: banned senders %s, failed reducers %s%s"
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.sizes: dict[int, int] = {}
+        self.partial = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        index = self.SIZE_ARGUMENT.get(record.msg)
+        if index is not None and isinstance(record.args, tuple):
+            size = int(record.args[index])
+            self.sizes[size] = self.sizes.get(size, 0) + 1
+        elif record.msg == self.PARTIAL:
+            self.partial += 1
+
+    def install(self) -> None:
+        for name in (
+            "swarmtrain.optim._epoch_gradients",
+            "swarmtrain.optim.diloco",
+            "swarmtrain.averaging.async_averager",
+        ):
+            logger = logging.getLogger(name)
+            logger.addHandler(self)
+            if logger.getEffectiveLevel() > logging.DEBUG:
+                logger.setLevel(logging.DEBUG)
+
+
+ROUNDS = RoundLog()
+
+
 def progress(opt, mode: str) -> dict:
     if mode == "diloco":
         stats = opt.statistics()
@@ -48,8 +95,25 @@ def progress(opt, mode: str) -> dict:
             "last_group_size": stats.last_group_size,
             "bytes_sent": stats.bytes_sent,
             "caught_up": stats.states_caught_up,
+            "group_sizes": dict(ROUNDS.sizes),
+            "partial": ROUNDS.partial,
         }
-    return {"epoch": opt.local_epoch, "averaged": opt.epochs_averaged, "alone": opt.epochs_alone}
+    return {
+        "epoch": opt.local_epoch,
+        "averaged": opt.epochs_averaged,
+        "alone": opt.epochs_alone,
+        "group_sizes": dict(ROUNDS.sizes),
+        "partial": ROUNDS.partial,
+    }
+
+
+def connection_paths(dht) -> dict[str, list[str]]:
+    """Per connected peer id, the kinds of its open connections (``P2P.connection_paths``)."""
+
+    async def read(async_dht, node) -> dict[str, list[str]]:
+        return {str(peer): kinds for peer, kinds in async_dht.p2p.connection_paths().items()}
+
+    return dht.run_coroutine(read)
 
 
 def flat_parameters(model) -> list[float]:
@@ -136,10 +200,12 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
         loss_before, _ = evaluate(model, eval_set)
         if command.get("join"):  # a newcomer: take the swarm's state first
             say({"joined": opt.load_state_from_peers(), **progress(opt, mode)})
+        elif command.get("start_barrier", 60) <= 0:
+            pass  # no barrier: each peer trains as soon as it is ready
         elif mode != "diloco":
-            opt.wait_for_peers(peers, timeout=60)
+            opt.wait_for_peers(peers, timeout=command.get("start_barrier", 60))
         else:  # the same start barrier: a peer that starts rounds late only loads the state
-            until = time.monotonic() + 60
+            until = time.monotonic() + command.get("start_barrier", 60)
             while len(opt.presence.others()) < peers - 1 and time.monotonic() < until:
                 time.sleep(0.2)
         if command.get("say_started"):
@@ -164,6 +230,8 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
                     break
                 if message["op"] == "status":
                     say(status(model, eval_set, opt, mode))
+                elif message["op"] == "paths":
+                    say({"paths": connection_paths(dht)})
                 elif message["op"] == "finish":
                     finish_at = message["epoch"]
                 elif message["op"] == "quit":
@@ -177,6 +245,7 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
                 "eval_loss_after": loss_after,
                 "accuracy": accuracy,
                 "params": flat_parameters(model),
+                "paths": connection_paths(dht),
             }
         )
         # stay until told to quit: peers that are behind may still average with us
@@ -185,6 +254,8 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
                 say(final_sync(opt, mode, model, message))
             elif message["op"] == "status":
                 say(status(model, eval_set, opt, mode))
+            elif message["op"] == "paths":
+                say({"paths": connection_paths(dht)})
     finally:
         opt.shutdown()
 
@@ -192,13 +263,19 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
 def main(options: dict) -> None:
     import swarmtrain
 
-    if options.get("log"):  # logger names to show on stderr
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f %(name)s %(message)s"))
+    if options.get("log"):  # logger names to show on stderr (or in ``log_dir``/peer<index>.log)
+        if options.get("log_dir"):  # wall-clock stamps: comparable between peers
+            path = os.path.join(options["log_dir"], f"peer{options.get('index', 0)}.log")
+            handler = logging.FileHandler(path)
+            handler.setFormatter(logging.Formatter("%(created).3f %(name)s %(message)s"))
+        else:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f %(name)s %(message)s"))
         for name in options["log"]:
             logging.getLogger(name).addHandler(handler)
             logging.getLogger(name).setLevel(options.get("log_level", "DEBUG"))
 
+    ROUNDS.install()
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=read_commands, args=(commands,), daemon=True).start()
     dht = swarmtrain.DHT(**options.get("dht", {}))
