@@ -170,19 +170,9 @@ def _timed_methods(opt) -> dict[str, list[float]]:
     timings: dict[str, list[float]] = {}
     tracker = getattr(opt, "tracker", None)
     targets = [
-        ("Optimizer._accumulate", opt, "_accumulate"),
-        ("Optimizer._update_global_epoch", opt, "_update_global_epoch"),
-        ("GradientRounds.maybe_schedule", getattr(opt, "_rounds", None), "maybe_schedule"),
-        ("GradientRounds.begin", getattr(opt, "_rounds", None), "begin"),
-        ("GradientRounds.finish (waits for the round)", getattr(opt, "_rounds", None), "finish"),
-        ("grad_averager.step", getattr(opt, "grad_averager", None), "step"),
-        ("state_averager.step", getattr(opt, "state_averager", None), "step"),
-        (
-            "state_averager.wait_for_delayed_updates",
-            getattr(opt, "state_averager", None),
-            "wait_for_delayed_updates",
-        ),
-        ("tracker.report_local_progress", tracker, "report_local_progress"),
+        # the facade's step: the batch part in this thread, the loop entered for loop work
+        ("AsyncOptimizer.on_batch (trainer thread)", getattr(opt, "_opt", None), "on_batch"),
+        ("Optimizer._call (on the loop: epoch ends, rounds, loads)", opt, "_call"),
         ("tracker.update_epoch", tracker, "update_epoch"),
         ("load_state_from_peers", opt, "load_state_from_peers"),
     ]

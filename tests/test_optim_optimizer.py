@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import trio
 
 from swarmtrain.averaging.state_sharing import state_sharing_key
 from swarmtrain.dht import DHT, PeerRecordValidator, get_dht_time
@@ -349,6 +350,49 @@ def test_state_dict_round_trip_and_context_manager(dhts):
         opt.step(batch_size=2)
 
 
+def test_a_state_round_on_demand_averages_the_models(dhts):
+    """``opt.state_averager.step(averaging_round=True)`` (or ``opt.average_state()``): one
+    synchronous state round, e.g. a final sync after training (the churn soak's)."""
+    first, second = dhts(2)
+    peers = [Peer(d, i, seed=i, delay_state_averaging=False) for i, d in enumerate((first, second))]
+    try:
+        before = [params_of(p.model) for p in peers]
+        groups: list = [None, None]
+
+        def sync(i: int) -> None:
+            step = peers[i].opt.state_averager.step
+            groups[i] = step(averaging_round=True, averaging_opts={"timeout": 30.0})
+
+        in_threads(lambda: sync(0), lambda: sync(1))
+        assert [len(g or ()) for g in groups] == [2, 2], groups
+        mean = [(a + b) / 2 for a, b in zip(*before, strict=True)]
+        for peer in peers:
+            for got, want in zip(params_of(peer.model), mean, strict=True):
+                torch.testing.assert_close(got, want)
+        assert all(p.opt.state_rounds_averaged == 1 for p in peers)
+        with pytest.raises(NotImplementedError, match="TrainingStateAverager of your own"):
+            peers[0].opt.state_averager.step(optimizer_step=True)
+    finally:
+        for peer in peers:
+            peer.opt.shutdown()
+
+
+def start_a_lone_state_round(opt: Optimizer) -> None:
+    """A delayed state round as an earlier epoch starts it, looking for peers (alone: until
+    its 5 s timeout)."""
+    aio = opt._opt  # the AsyncOptimizer behind the blocking facade
+
+    async def start() -> None:
+        control = aio._state_service.start_step(
+            gather=aio.local_epoch, timeout=5.0, require_trigger=True
+        )
+        await trio.to_thread.run_sync(aio._state._load_round_inputs, control)
+        control.allow_allreduce()
+        aio._delayed.start(state_round=control, inputs_loaded=True)
+
+    opt._call(start)
+
+
 @pytest.mark.parametrize("form", ["instance", "factory"])
 def test_an_epoch_does_not_wait_for_the_last_state_round(dhts, form):
     """With the defaults (delay_state_averaging=True) an epoch's optimizer step does not wait
@@ -372,10 +416,7 @@ def test_an_epoch_does_not_wait_for_the_last_state_round(dhts, form):
         **FAST,
     ) as opt:
         assert opt.delay_state_averaging and opt.offload_optimizer == (form == "factory")
-        # the round an earlier epoch started, looking for peers (alone: until its timeout)
-        opt.state_averager.step(
-            averaging_round=True, delay_averaging=True, averaging_opts={"timeout": 5.0}
-        )
+        start_a_lone_state_round(opt)
         before = params_of(model)
         while opt.local_epoch < 1:
             torch.nn.functional.mse_loss(model(X[:BATCH]), Y[:BATCH]).backward()

@@ -309,7 +309,7 @@ def test_an_optimizer_newcomer_skips_a_hostile_donor_for_an_honest_one(poison, c
         )  # fmt: skip
         averagers.append(newcomer)
         deadline = time.monotonic() + 10
-        while newcomer._tracker.global_epoch < 3:  # the honest peer's progress arrives
+        while newcomer.tracker.global_epoch < 3:  # the honest peer's progress arrives
             assert time.monotonic() < deadline
             time.sleep(0.1)
         caplog.clear()

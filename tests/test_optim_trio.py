@@ -429,16 +429,49 @@ async def test_a_power_sgd_averager_plugs_in_on_trio():
 
 
 @pytest.mark.trio
-async def test_modes_not_yet_on_trio_raise_and_a_blocking_dht_is_refused():
+async def test_a_process_gradient_averager_plugs_in_on_trio():
+    """``ProcessGradientAverager``: one peer's gradient all-reduce runs in a helper process
+    (its own host, bootstrapped from the trio DHT's addresses); its controls are awaited on
+    the trainer's loop, and the helper is stopped when the optimizer's block ends."""
+    async with open_dhts(2) as dhts:
+        trainers = [Trainer(i, 2) for i in range(2)]
+        initial_loss = full_loss(trainers[1].model)
+        done = [trio.Event(), trio.Event()]
+        seen: dict = {}
+
+        async def run(i: int, **extra) -> None:
+            opts = options(trainers[i].model, delay_state_averaging=False, **extra)
+            async with Optimizer.create(dht=dhts[i], **opts) as opt:
+                await opt.wait_for_peers(2, timeout=20)
+                await trainers[i].train_until(opt, 3, 0.05)
+                if extra:
+                    seen.update(opt=opt, helper=opt._grads.helper)
+                    seen["bytes"] = opt._grads.helper.bytes_sent
+                done[i].set()
+                for event in done:
+                    await event.wait()
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, 0)
+                nursery.start_soon(
+                    functools.partial(run, 1, grad_averager_factory=ProcessGradientAverager)
+                )
+    opt, helper = seen["opt"], seen["helper"]
+    assert opt.local_epoch == 3
+    assert opt.epochs_averaged >= 1, opt.epochs_averaged
+    parts_sent, deltas_sent = seen["bytes"]  # the rounds that averaged went through the helper
+    assert parts_sent > 0 and deltas_sent > 0
+    assert not helper.is_alive() and helper._process.exitcode == 0
+    assert full_loss(trainers[1].model) < initial_loss
+
+
+@pytest.mark.trio
+async def test_a_blocking_dht_is_refused():
     model = make_model()
     with pytest.raises(TypeError, match="trio swarmtrain DHT"):
         async with Optimizer.create(dht=object(), **options(model)):
             pass
-    async with open_dhts(1) as dhts:
-        with pytest.raises(NotImplementedError, match="helper process"):
-            opts = options(model, grad_averager_factory=ProcessGradientAverager)
-            async with Optimizer.create(dht=dhts[0], **opts):
-                pass
 
 
 def test_create_shows_the_optimizer_keywords():

@@ -38,6 +38,7 @@ its group bits, like the default).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -49,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing
+import trio
 
 from swarmtrain.averaging._process_child import child_main
 from swarmtrain.averaging.async_averager import GatheredData, _check_group_bits
@@ -144,6 +146,20 @@ class ProcessStepControl(Future):
             pass  # the helper is gone or going: the step ends with it
         return True
 
+    async def wait_result(self) -> Any:
+        """From a trio task (as ``StepControl.wait_result``): wait for the step without
+        blocking the loop, return or raise like :meth:`result`."""
+        token = trio.lowlevel.current_trio_token()
+        finished = trio.Event()
+
+        def wake(_: Future) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(finished.set)
+
+        self.add_done_callback(wake)
+        await finished.wait()
+        return self.result(0)
+
     def __repr__(self) -> str:
         return f"<ProcessStepControl step={self._step_id} done={self.done()}>"
 
@@ -185,10 +201,12 @@ class ProcessAverager:
         dht_kwargs = dict(dht_kwargs or {})
         if dht is not None:
             if initial_peers is None:
-                initial_peers = [*dht.get_visible_maddrs(), *dht._initial_peers]
+                # a blocking DHT, or a trio AsyncDHT (no bootstrap list or keywords of its own)
+                initial_peers = [*dht.get_visible_maddrs(), *getattr(dht, "_initial_peers", ())]
             if client_mode is None:
                 client_mode = dht.client_mode
-            inherited = {k: v for k, v in dht._kwargs.items() if k in INHERITED_DHT_KEYWORDS}
+            own = getattr(dht, "_kwargs", {})
+            inherited = {k: v for k, v in own.items() if k in INHERITED_DHT_KEYWORDS}
             dht_kwargs = {**inherited, **dht_kwargs}
         if client_mode is None:
             client_mode = bool(dht_kwargs.get("client_mode", False))
@@ -544,7 +562,7 @@ class _ProcessAio:
         gather: Any = None,
         scheduled_time: float | None = None,
         weight: float | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (asyncio, hivemind keyword)
         allow_retries: bool = True,
         expected_group_size: int | None = None,
         group_bits: str | None = None,
@@ -574,7 +592,7 @@ class _ProcessAio:
 
     async def load_state_from_peers(
         self,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (asyncio, hivemind keyword)
         donors=None,
         check=None,
     ) -> tuple[Any, list[torch.Tensor]] | None:

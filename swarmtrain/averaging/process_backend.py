@@ -17,10 +17,12 @@ cannot be backed by a helper (the helper serves the averaged tensors itself): th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import torch
+import trio
 
 from swarmtrain.averaging._process_child import _ThreadingStyleLock
 from swarmtrain.averaging.averager import DecentralizedAverager
@@ -79,6 +81,28 @@ class HelperProcessBackend(DecentralizedAverager):
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         self._helper.run_in_background(await_ready, timeout)
+
+    @asynccontextmanager
+    async def open_async(  # type: ignore[override]
+        self, async_dht: Any, state_provider: Any = None
+    ) -> AsyncIterator[HelperProcessBackend]:
+        """For a trio optimizer (an object made with ``start=False``): start the helper (in a
+        worker thread), yield this object, whose :meth:`start_step` controls have an awaitable
+        ``wait_result()``; stop the helper on the way out. ``async_dht`` is not used (the
+        helper runs its own DHT, bootstrapped from the one given to the constructor)."""
+        if state_provider is not None:
+            raise TypeError("the helper process serves this averager's state: no state_provider")
+        await trio.to_thread.run_sync(self.run_in_background)
+        try:
+            yield self
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.shutdown)
+
+    def start_step(self, **kwargs: Any) -> Any:
+        """Start a step in the helper (``step(wait=False, ...)``): its ``ProcessStepControl``
+        (as ``AsyncDecentralizedAverager.start_step``; waits for the helper's ack)."""
+        return self._helper.step(wait=False, **kwargs)
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._helper.shutdown(timeout)

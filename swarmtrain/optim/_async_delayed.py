@@ -1,8 +1,8 @@
 """The delayed work of ``AsyncOptimizer``'s epoch ends: tasks of its nursery, one at a time.
 
-What the blocking ``Optimizer`` runs in the state averager's worker thread (``_submit``), the
-trio optimizer runs as a *job* in its own task group; a job waits for the previous one, so
-jobs run in order, as in that single worker thread. A job does, each part optionally:
+Delayed work (what a standalone ``TrainingStateAverager`` runs in its worker thread) runs as a
+*job* in the optimizer's own task group; a job waits for the previous one, so jobs run in
+order. A job does, each part optionally:
 
 1. wait for the epoch's gradient round (``delay_grad_averaging``), then put the averaged
    gradients into the optimizer's copies (``delay_optimizer_step``); the trainer's next round
@@ -67,6 +67,11 @@ class DelayedUpdates:
         """Whether a delayed state round still runs (a delayed optimizer step alone does not
         count: peers would skip their state rounds at random)."""
         return self._round_done is not None and not self._round_done.is_set()
+
+    @property
+    def finished_unapplied(self) -> bool:
+        """Whether :meth:`apply_finished` has something to apply (readable from any thread)."""
+        return self._step_finished or (self._round_averaged and not self.round_in_progress)
 
     def start(
         self,

@@ -1,6 +1,7 @@
 """The epoch end of ``AsyncOptimizer`` (a mixin): what :class:`EpochCore` decides, awaited.
 
-The trio counterpart of :mod:`swarmtrain.optim._epoch_update`, in the same order: begin the
+The decisions are :class:`~swarmtrain.optim.epoch_core.EpochCore`'s (a sans-IO core, where the
+table of modes is); this shell does what it decides, in this order: begin the
 gradient round (or tag along), wait for it here or hand it to a delayed job
 (``swarmtrain.optim._async_delayed``), step the optimizer (in a worker thread, or in the job
 with ``delay_optimizer_step``), average the state (here, or in a job with
@@ -12,6 +13,7 @@ a ``threading`` lock runs in ``trio.to_thread``. The attributes used here are se
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -24,7 +26,6 @@ from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
-from swarmtrain.optim._epoch_update import scaler_method
 from swarmtrain.optim.epoch_core import (
     AuxiliaryCatchUp,
     EpochAdvanced,
@@ -34,6 +35,7 @@ from swarmtrain.optim.epoch_core import (
     RoundWait,
 )
 from swarmtrain.optim.grad_averager import GradientAverager
+from swarmtrain.optim.grad_scaler import scaler_method
 from swarmtrain.optim.progress_tracker import AsyncProgressTracker
 from swarmtrain.optim.state_averager import TrainingStateAverager
 
@@ -91,8 +93,13 @@ class AsyncEpochUpdates:
             self, seconds: float | None, min_epoch: int | None = None
         ) -> bool: ...
 
+    @staticmethod
+    def _now() -> float:
+        """The clock of the catch-up back-off (monotonic; also read outside the loop)."""
+        return time.monotonic()
+
     async def _end_epoch(self, grad_scaler: Any) -> None:
-        """End this epoch as the epoch core decides (``_epoch_update``'s order, awaited)."""
+        """End this epoch as the epoch core decides (the module docstring's order)."""
         tracker, core = self._tracker, self._epoch_core
         with tracker.pause_updates():
             plan = core.begin_epoch_end(
@@ -168,7 +175,7 @@ class AsyncEpochUpdates:
     def _note_round_partners(self, gathered: Mapping[Any, Any], epoch: int) -> None:
         """Tell the tracker who averaged with this peer in a round of ``epoch`` (the members
         that did their part: not in ``gathered.failed``); only such partners vote for epochs
-        ahead of ours (``EpochUpdates._note_round_partners``'s rule)."""
+        ahead of ours."""
         failed: Collection[Any] = getattr(gathered, "failed", frozenset())
         partners = [peer for peer in gathered if peer not in failed]
         try:
@@ -272,15 +279,21 @@ class AsyncEpochUpdates:
     async def _state_round(self, decision: FinishEpoch) -> dict | None:
         """Average the training state as of now: waited for here, or (delayed) in a task of
         this optimizer whose result a later step applies."""
-        service, state = self._state_service, self._state
-        assert service is not None
         delayed = self._delayed_updates()
         await delayed.apply_finished()  # before its buffers are loaded again
+        control = await self._begin_state_round(decision.state_round_weight, self.averaging_timeout)
+        if decision.delay_state_averaging:
+            delayed.start(state_round=control, inputs_loaded=True)
+            return None
+        return await self._finish_state_round(control)
+
+    async def _begin_state_round(self, weight: float | None, round_timeout: float) -> StepControl:
+        """Start a state round gathering our epoch, load the state as of now into it, let it
+        run."""
+        service, state = self._state_service, self._state
+        assert service is not None
         control = service.start_step(
-            gather=state.local_epoch,
-            weight=decision.state_round_weight,
-            timeout=self.averaging_timeout,
-            require_trigger=True,
+            gather=state.local_epoch, weight=weight, timeout=round_timeout, require_trigger=True
         )
         try:
             await trio.to_thread.run_sync(state._load_round_inputs, control)
@@ -288,12 +301,13 @@ class AsyncEpochUpdates:
             control.cancel()
             raise
         control.allow_allreduce()
-        if decision.delay_state_averaging:
-            delayed.start(state_round=control, inputs_loaded=True)
-            return None
+        return control
+
+    async def _finish_state_round(self, control: StepControl) -> dict | None:
+        """Wait for a state round and apply its result: the gathered data, None if it failed."""
         gathered = await self._wait_state_round(control)
         if gathered is not None:
-            await trio.to_thread.run_sync(state._apply_round)
+            await trio.to_thread.run_sync(self._state._apply_round)
         return gathered
 
     async def _wait_state_round(self, control: StepControl) -> dict | None:
@@ -327,16 +341,14 @@ class AsyncEpochUpdates:
         self._grads.notify_used_averaged_gradients()
         core, no_donor = self._epoch_core, True
         if load_state:
-            if not core.catch_up_due(trio.current_time()):
+            if not core.catch_up_due(self._now()):
                 return  # the last try failed: wait for the back-off, in this epoch
             least = core.auxiliary_catch_up_epoch(self.local_epoch, self._tracker.global_epoch)
             if await self._load_state_from_peers(self.averaging_timeout, least):
                 return
             failure = self._state_service.state_download_failure
             no_donor = failure is not None and not failure.donors
-        enter = core.after_failed_auxiliary_catch_up(
-            self.local_epoch, no_donor, now=trio.current_time()
-        )
+        enter = core.after_failed_auxiliary_catch_up(self.local_epoch, no_donor, now=self._now())
         if enter is None:
             logger.warning(
                 "%s: this auxiliary peer missed epoch %d's gradients and could not load the "

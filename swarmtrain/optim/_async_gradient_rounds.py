@@ -1,14 +1,33 @@
-"""The gradient rounds of ``AsyncOptimizer``: ``GradientRounds``' rules, on the trio loop.
+"""The gradient rounds of ``AsyncOptimizer`` (and so of the blocking ``Optimizer``).
 
-Same semantics as :mod:`swarmtrain.optim._epoch_gradients` (pre-scheduled matchmaking, the
-epoch's group bits, the expected group size after a first round, giving up a round the swarm
-left behind), but every wait is a trio await and every touch of the gradient buffers (they are
-guarded by ``threading`` locks the averager's all-reduce also takes) runs in a worker thread,
-so the trainer's loop is never blocked by a lock or a copy.
+``AsyncGradientRounds`` owns at most one pre-scheduled control of the gradient averager:
 
-``averager`` is the running :class:`~swarmtrain.averaging.AsyncDecentralizedAverager` over
-``buffers``' averaged tensors; ``buffers`` is a ``GradientAverager`` built with
-``start=False``: only its accumulator and buffer methods are used.
+- :meth:`maybe_schedule` starts matchmaking once the swarm is expected to reach
+  ``target_batch_size`` within ``matchmaking_time`` (the tracker's ETA; ``EpochCore`` decides
+  when), so that the group is assembled while the peers still compute (hivemind's
+  pre-scheduling);
+- :meth:`begin` loads the accumulated gradients into the averaged buffers, resets the
+  accumulators and lets all-reduce run in that control (or in a new one); alone, it only
+  loads the local mean gradient;
+- :meth:`finish` waits for the round: afterwards the averaged buffers hold the group's mean
+  gradient, or the local mean gradient if the round failed (logged); a round still looking
+  for a group after the swarm went past its epoch is given up;
+- after the first successful round, every round tells matchmaking how many peers to expect
+  (the tracker's count, or the last group's size if larger: auxiliary peers publish no
+  progress), so a leader assembles as soon as they are all in instead of waiting out
+  ``matchmaking_time``;
+- every round matches under group bits made from its epoch (``epoch_group_bits``), so a late
+  peer still finishing epoch ``e`` never averages with peers already in ``e + 1``'s round;
+- :meth:`tag_along` lets a scheduled round whose group is already assembled run with weight 0
+  (so the others are not disrupted), and cancels one that is still looking for a group.
+
+Every wait is a trio await and every touch of the gradient buffers (they are guarded by
+``threading`` locks the averager's all-reduce also takes) runs in a worker thread, so the
+loop is never blocked by a lock or a copy. ``averager`` is the running
+:class:`~swarmtrain.averaging.AsyncDecentralizedAverager` over ``buffers``' averaged tensors
+(or a ``HelperProcessBackend`` whose controls are awaitable too); ``buffers`` is a
+``GradientAverager`` built with ``start=False``: only its accumulator and buffer methods are
+used.
 """
 
 from __future__ import annotations
@@ -22,17 +41,30 @@ import trio
 from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.control import AveragingStage
-from swarmtrain.optim._epoch_gradients import (
-    _LATE_START_GRACE,
-    _POLL_INTERVAL,
-    _load_epoch,
-    epoch_group_bits,
-)
+from swarmtrain.dht import deserialize
 from swarmtrain.optim.grad_averager import GradientAverager
 
-__all__ = ["AsyncGradientRounds"]
+__all__ = ["AsyncGradientRounds", "epoch_group_bits"]
 
 logger = logging.getLogger("swarmtrain.optim.optimizer")
+
+_POLL_INTERVAL = 0.1  # seconds between looks at the swarm's epoch while a round runs
+_LATE_START_GRACE = 0.3  # how long a round started after the swarm left its epoch may look
+
+#: gradient rounds are told apart in the matchmaking key by their epoch modulo 2 ** EPOCH_BITS
+EPOCH_BITS = 8
+
+
+def epoch_group_bits(epoch: int) -> str:
+    """The group bits of the gradient round that ends ``epoch``."""
+    return format(epoch % (1 << EPOCH_BITS), f"0{EPOCH_BITS}b")
+
+
+def _load_epoch(data: bytes) -> Any:
+    try:
+        return deserialize(data)
+    except Exception:
+        return None
 
 
 class AsyncGradientRounds:
@@ -63,7 +95,10 @@ class AsyncGradientRounds:
         self.last_group_size = 0
 
     def expected_group_size(self, num_peers: int) -> int | None:
-        """As ``GradientRounds.expected_group_size``: None until a round succeeded."""
+        """Peers to expect in a round: ``num_peers`` (present, counting us) or the last group's
+        size, if larger (auxiliary peers are not counted by the tracker). None (no early
+        assembly) until a round succeeded: at start-up the trackers' counts still grow, and a
+        leader that assembled on a low count would leave the late peers out of step."""
         if not self.last_group_size:
             return None
         return max(num_peers, self.last_group_size)
@@ -80,6 +115,11 @@ class AsyncGradientRounds:
             expected_group_size=self.expected_group_size(num_peers),
             group_bits=epoch_group_bits(epoch),
         )
+
+    @property
+    def needs_schedule(self) -> bool:
+        """Whether :meth:`maybe_schedule` would start matchmaking (no usable round yet)."""
+        return not self._usable(self.scheduled)
 
     def maybe_schedule(self, seconds_left: float, epoch: int, num_peers: int) -> None:
         """Start matchmaking for the round that ends ``epoch`` unless one is scheduled."""
@@ -188,7 +228,8 @@ class AsyncGradientRounds:
 
     async def _wait(self, control: StepControl, epoch: int | None) -> Any:
         """The round's result; a round still looking for a group ``matchmaking_time`` after
-        the swarm went past ``epoch`` is given up (``GradientRounds._wait``'s rule)."""
+        the swarm went past ``epoch`` is given up (within ``_LATE_START_GRACE`` for a round
+        begun after the swarm had left)."""
         grace = self.matchmaking_time
         swarm_epoch = self.swarm_epoch
         if epoch is not None and swarm_epoch is not None and swarm_epoch() > epoch:
@@ -216,7 +257,7 @@ class AsyncGradientRounds:
 
     async def tag_along(self) -> None:
         """Leave the scheduled round without disrupting its group: weight 0 if its group is
-        already assembled, else cancel it (``GradientRounds.tag_along``)."""
+        already assembled, else cancel it."""
         control, self.scheduled = self.scheduled, None
         if control is None or control.done():
             return

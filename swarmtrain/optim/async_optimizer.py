@@ -15,8 +15,9 @@
                 opt.zero_grad()
 
 Same semantics and keywords as the blocking :class:`~swarmtrain.optim.Optimizer` (see
-``swarmtrain.optim.optimizer``), one epoch logic: the decisions come from the same sans-IO
-:class:`~swarmtrain.optim.epoch_core.EpochCore`, the tensor work from the same
+``swarmtrain.optim.optimizer``), which is a facade over this class on the background loop: one
+implementation. The decisions come from the sans-IO
+:class:`~swarmtrain.optim.epoch_core.EpochCore`, the tensor work from the
 ``GradientAverager`` / ``TrainingStateAverager`` methods (objects built with ``start=False``:
 their buffers, accumulators, optimizer and locks), and the network from their trio averagers
 (``DecentralizedAverager.open_async``) on the caller's loop. No background loop thread, no
@@ -29,9 +30,9 @@ Modes: gradient averaging (default), ``use_local_updates``, ``offload_optimizer`
 applied at a later ``step``), ``reuse_grad_buffers``, ``average_state_every``, ``client_mode``,
 GradScaler, ``auxiliary``, ``delay_optimizer_step`` and ``delay_grad_averaging`` (the optimizer
 step, the wait for the round and the state round after it are a job of this optimizer's task
-group: ``swarmtrain.optim._async_delayed``), ``grad_averager_factory`` (e.g. PowerSGD). Not
-yet: averagers in a helper process (``ProcessGradientAverager``: ``NotImplementedError``, use
-the blocking ``Optimizer`` for it).
+group: ``swarmtrain.optim._async_delayed``), ``grad_averager_factory`` (e.g. PowerSGD, or
+``ProcessGradientAverager``: the gradient all-reduce in a helper process, its controls awaited
+here; starting a round waits for the helper's acknowledgement, a pipe round trip).
 
 Cancellation: every method can be cancelled. A step cancelled during its epoch end leaves the
 epoch unfinished and drops the gradients accumulated for it (a running thread part finishes
@@ -49,6 +50,7 @@ import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Union
 
@@ -58,13 +60,11 @@ import trio
 from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager, _copies_on_loop
 from swarmtrain.averaging.finite import first_non_finite
-from swarmtrain.averaging.process_backend import HelperProcessBackend
 from swarmtrain.dht import AsyncDHT, get_dht_time
 from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_epoch_update import AsyncEpochUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
 from swarmtrain.optim._checkpoint import load_checkpoint, make_checkpoint
-from swarmtrain.optim._epoch_update import scaler_method
 from swarmtrain.optim._optimizer_options import (
     averager_options,
     check_keywords,
@@ -74,13 +74,13 @@ from swarmtrain.optim._optimizer_options import (
     state_averager_options,
 )
 from swarmtrain.optim.epoch_core import (
-    AccumulateBatch,
     BatchCheck,
     EpochCore,
     EpochModes,
     SkipBatch,
 )
 from swarmtrain.optim.grad_averager import GradientAverager
+from swarmtrain.optim.grad_scaler import scaler_method
 from swarmtrain.optim.progress_core import GlobalProgress
 from swarmtrain.optim.progress_tracker import AsyncProgressTracker
 from swarmtrain.optim.state_averager import (
@@ -92,23 +92,20 @@ from swarmtrain.optim.state_averager import (
 from swarmtrain.optim.swarm_health import SwarmHealth, describe_parameters
 from swarmtrain.utils.logs import show_logs
 
-__all__ = ["AsyncOptimizer"]
+__all__ = ["AsyncOptimizer", "StepWork"]
 
 logger = logging.getLogger("swarmtrain.optim.optimizer")
 
 
-def _runs_in_a_helper_process(factory: Any) -> bool:
-    """Whether ``factory`` (a class or a ``functools.partial`` of one) builds an averager
-    whose swarm runs in a helper process (it has no trio averager to run on our loop)."""
-    target = factory.func if isinstance(factory, partial) else factory
-    return isinstance(target, type) and issubclass(target, HelperProcessBackend)
+@dataclass(frozen=True)
+class StepWork:
+    """What a step still has to do on the loop after its batch part (``on_batch``)."""
 
-
-def _not_yet(name: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{name} is not supported by the trio Optimizer (Optimizer.create) yet: use the blocking "
-        "swarmtrain.Optimizer (or its .aio form) for it"
-    )
+    catch_up: bool = False  #: load the state from peers (this peer is behind)
+    schedule_round: bool = False  #: start matchmaking for this epoch's gradient round
+    seconds_left: float = 0.0  #: until the swarm's expected end of the epoch
+    num_peers_present: int = 0
+    end_epoch: bool = False  #: the swarm reached the target: end the epoch
 
 
 class AsyncOptimizer(AsyncEpochUpdates):
@@ -186,8 +183,6 @@ class AsyncOptimizer(AsyncEpochUpdates):
             delay_state_averaging=delay_state_averaging,
             grad_averager_factory=grad_averager_factory,
         )
-        if _runs_in_a_helper_process(grad_averager_factory):
-            raise _not_yet("a grad_averager_factory whose averager runs in a helper process")
 
         self.dht, self.run_id = dht, run_id
         self.target_batch_size = target_batch_size
@@ -278,8 +273,6 @@ class AsyncOptimizer(AsyncEpochUpdates):
                     common, aggregation=aggregation, grad_compression=grad_compression
                 ),
             )
-            if isinstance(self._grads, HelperProcessBackend):
-                raise _not_yet("a grad_averager_factory whose averager runs in a helper process")
             with self._grads.get_tensors() as averaged:
                 params = self.main_parameters
                 self._grad_buffers_match = len(averaged) == len(params) and all(
@@ -487,6 +480,18 @@ class AsyncOptimizer(AsyncEpochUpdates):
         async with self._busy:
             await self._delayed_updates().wait_all()
 
+    async def average_state(self, timeout: float | None = None) -> dict | None:  # noqa: ASYNC109
+        """One state round now, waited for and applied (after the delayed work), e.g. a final
+        sync of the models after training: the group's ``{peer_id: epoch}``, None if it did
+        not average (logged). ``timeout``: of the round (default ``averaging_timeout``)."""
+        timeout = self.averaging_timeout if timeout is None else timeout
+        check_positive("timeout", timeout)
+        async with self._busy:
+            self._check_running()
+            await self._delayed_updates().wait_all()
+            weight = 0.0 if self.auxiliary else None
+            return await self._finish_state_round(await self._begin_state_round(weight, timeout))
+
     async def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, plus the epoch and the scheduler's state (after
         the delayed work: an ``await``, unlike torch's, since it waits and takes the lock)."""
@@ -516,10 +521,31 @@ class AsyncOptimizer(AsyncEpochUpdates):
         trainer's own forward and backward). Returns the closure's loss. Calls from several
         tasks run one at a time."""
         async with self._busy:
-            return await self._step(closure, batch_size, grad_scaler)
+            batch_size = self.check_step_arguments(closure, batch_size, grad_scaler)
+            await self._delayed_updates().apply_finished()
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if self._batches_on_loop or batch_size is None:
+                work = self.on_batch(batch_size, grad_scaler)
+            else:  # the check and the copies hold a lock the optimizer step also takes
+                work = await trio.to_thread.run_sync(self.on_batch, batch_size, grad_scaler)
+            if work is not None:
+                await self._do_step_work(work, grad_scaler)
+            return loss
 
-    async def _step(self, closure: Any, batch_size: int | None, grad_scaler: Any) -> Any:
-        tracker, core = self._tracker, self._epoch_core
+    # A step in two parts, so that a blocking facade (``swarmtrain.Optimizer``) runs the batch
+    # part in the trainer's own thread and enters the loop only when there is loop work:
+    # ``on_batch`` (plain, any thread, never awaits) checks and accumulates the batch, reports
+    # progress and decides; ``do_step_work`` (on the loop) catches up, pre-schedules the
+    # gradient round or ends the epoch.
+
+    def check_step_arguments(
+        self, closure: Callable[[], Any] | None, batch_size: int | None, grad_scaler: Any
+    ) -> int | None:
+        """Raise on arguments ``step`` cannot take; the batch size to use (None: auxiliary)."""
+        self._check_running()
         if self.auxiliary and (
             closure is not None or batch_size is not None or grad_scaler is not None
         ):
@@ -527,73 +553,96 @@ class AsyncOptimizer(AsyncEpochUpdates):
         if grad_scaler is not None:
             scaler_method(grad_scaler, "unscale_swarm_grads_")
             scaler_method(grad_scaler, "on_swarm_epoch_end_")
-        if not self.auxiliary:
-            batch_size = self.batch_size_per_step if batch_size is None else batch_size
-            if batch_size is None:
-                raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
-            check_positive("batch_size", batch_size)
-        await self._delayed_updates().apply_finished()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        if self.auxiliary:
+            return None
+        batch_size = self.batch_size_per_step if batch_size is None else batch_size
+        if batch_size is None:
+            raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
+        check_positive("batch_size", batch_size)
+        return batch_size
 
+    @property
+    def delayed_updates_finished(self) -> bool:
+        """Whether delayed work finished and waits to be applied (``apply_delayed_updates``)."""
+        return self._delayed is not None and self._delayed.finished_unapplied
+
+    async def apply_delayed_updates(self) -> None:
+        """Apply the delayed work that finished (a step does this first)."""
+        async with self._busy:
+            await self._delayed_updates().apply_finished()
+
+    def on_batch(self, batch_size: int | None, grad_scaler: Any) -> StepWork | None:
+        """The batch part of a step, in any thread (no await): check and accumulate this
+        batch's gradients (``batch_size`` None: an auxiliary peer's step), report progress,
+        decide. Returns the loop work due (:meth:`do_step_work`), None if there is none.
+        The caller makes the calls one at a time (``step``'s lock, or the facade's)."""
+        tracker, core = self._tracker, self._epoch_core
         progress = self._last_progress or tracker.global_progress
         if core.is_behind(self.local_epoch, progress.epoch) and core.is_behind(
             self.local_epoch, tracker.global_epoch
         ):
-            await self._catch_up()
-            return loss
-        if batch_size is not None and not await self._accumulate(batch_size, grad_scaler):
-            return loss
+            if not core.catch_up_due(self._now()):  # backing off: skip this batch
+                return None
+            self._last_progress = None
+            return StepWork(catch_up=True)
+        if batch_size is not None and not self._accumulate(batch_size, grad_scaler):
+            return None
         progress = self._last_progress = tracker.global_progress
         plan = core.on_progress(self.local_epoch, progress, get_dht_time())
-        if plan.schedule_round:
-            assert self._rounds is not None
-            self._rounds.maybe_schedule(plan.seconds_left, self.local_epoch, plan.num_peers_present)
+        schedule = plan.schedule_round and self._rounds is not None and self._rounds.needs_schedule
+        if not (schedule or plan.end_epoch):
+            return None
         if plan.end_epoch:
             self._last_progress = None
-            await self._end_epoch(grad_scaler)
-        return loss
+        return StepWork(
+            schedule_round=schedule,
+            seconds_left=plan.seconds_left,
+            num_peers_present=plan.num_peers_present,
+            end_epoch=plan.end_epoch,
+        )
 
-    async def _accumulate(self, batch_size: int, grad_scaler: Any) -> bool:
-        """Check the batch and take it (in one worker thread hop, or on the loop for small CPU
-        models without local updates: no lock is taken then); False if it was dropped."""
+    async def do_step_work(self, work: StepWork, grad_scaler: Any = None) -> None:
+        """The loop part of a step that :meth:`on_batch` returned ``work`` for."""
+        async with self._busy:
+            await self._do_step_work(work, grad_scaler)
+
+    async def _do_step_work(self, work: StepWork, grad_scaler: Any) -> None:
+        if work.catch_up:
+            await self._catch_up()
+            return
+        if work.schedule_round:
+            assert self._rounds is not None
+            self._rounds.maybe_schedule(work.seconds_left, self.local_epoch, work.num_peers_present)
+        if work.end_epoch:
+            await self._end_epoch(grad_scaler)
+
+    def _accumulate(self, batch_size: int, grad_scaler: Any) -> bool:
+        """Check the batch and take it (the caller's thread); False if it was dropped."""
         core, params = self._epoch_core, self.main_parameters
         check = core.batch_check(grad_scaler is not None)
         state, grads = self._state, self._grads
-
-        def take() -> SkipBatch | AccumulateBatch:
-            finite = True
-            if check is BatchCheck.UNSCALE:
-                finite = bool(scaler_method(grad_scaler, "unscale_swarm_grads_")(params))
-            elif check is BatchCheck.CHECK_FINITE:
-                finite = first_non_finite([p.grad for p in params if p.grad is not None]) is None
-            decision = core.on_batch(check, finite)
-            if isinstance(decision, SkipBatch):
-                if decision.reset_accumulators:
-                    assert grads is not None
-                    grads.reset_accumulated_grads_()
-                if decision.clear_grads:
-                    for param in params:
-                        param.grad = None
-            elif decision.local_step:
-                state.step(optimizer_step=True)
-            else:
-                assert grads is not None
-                grads.accumulate_grads_(batch_size)
-            return decision
-
-        if self._batches_on_loop:  # a few ms at most: cheaper than a thread hop under load
-            decision = take()
-        else:
-            decision = await trio.to_thread.run_sync(take)
+        finite = True
+        if check is BatchCheck.UNSCALE:
+            finite = bool(scaler_method(grad_scaler, "unscale_swarm_grads_")(params))
+        elif check is BatchCheck.CHECK_FINITE:
+            finite = first_non_finite([p.grad for p in params if p.grad is not None]) is None
+        decision = core.on_batch(check, finite)
         if isinstance(decision, SkipBatch):
             if decision.reset_accumulators:
+                assert grads is not None
+                grads.reset_accumulated_grads_()
                 self.local_samples_accumulated = 0.0
+            if decision.clear_grads:
+                for param in params:
+                    param.grad = None
             log = logger.warning if decision.warn else logger.debug
             log("%s: this batch's gradients hold NaN or inf: the batch is dropped", self.run_id)
             return False
+        if decision.local_step:
+            state.step(optimizer_step=True)
+        else:
+            assert grads is not None
+            grads.accumulate_grads_(batch_size)
         self.local_samples_accumulated += batch_size
         self._tracker.report_local_progress(self.local_epoch, int(self.local_samples_accumulated))
         return True
@@ -603,23 +652,20 @@ class AsyncOptimizer(AsyncEpochUpdates):
     async def _catch_up(self) -> None:
         """As ``Optimizer._catch_up``: load the state, or take the swarm's epoch alone; after a
         catch-up that left us behind, the next waits for a back-off (``EpochCore.catch_up_due``:
-        until then a step only skips its batch)."""
-        if not self._epoch_core.catch_up_due(trio.current_time()):
-            return
+        until then a step only skips its batch: ``on_batch`` checks that)."""
         logger.warning(
             "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
             self.run_id,
             self.local_epoch,
             self._tracker.global_epoch,
         )
-        self._last_progress = None
         if await self._load_state_from_peers(None):
             return
         assert self._state_service is not None
         failure = self._state_service.state_download_failure
         no_donor = failure is not None and not failure.donors
         enter = self._epoch_core.after_failed_catch_up(
-            self.local_epoch, self._tracker.global_epoch, no_donor, now=trio.current_time()
+            self.local_epoch, self._tracker.global_epoch, no_donor, now=self._now()
         )
         if enter is None:
             logger.warning(

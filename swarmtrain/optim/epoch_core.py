@@ -1,8 +1,8 @@
 """Sans-IO core of ``Optimizer``'s epochs: events in, decisions out.
 
 Nothing here reads a clock, touches torch or the network, or imports anyio: every call that
-depends on time takes ``now`` (DHT time). The shell (``Optimizer.step`` and
-``swarmtrain.optim._epoch_update``) reports what happened (a step began, a batch was checked,
+depends on time takes ``now`` (DHT time). The shell (``AsyncOptimizer.on_batch`` and
+``swarmtrain.optim._async_epoch_update``) reports what happened (a step began, a batch was checked,
 the tracker's progress, a gradient round's outcome, a state download's outcome) and does what
 the returned decision says (accumulate, skip the batch, schedule or start a gradient round,
 step the optimizer, average the state, load the state, move to an epoch, warn).

@@ -37,13 +37,25 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-__all__ = ["GradScaler", "is_swarm_optimizer"]
+__all__ = ["GradScaler", "is_swarm_optimizer", "scaler_method"]
+
+
+def scaler_method(grad_scaler: Any, name: str) -> Callable[..., Any]:
+    """``grad_scaler.<name>``; a TypeError saying what to pass when it has none (a plain
+    torch ``GradScaler`` given to a swarm optimizer's ``step``)."""
+    method = getattr(grad_scaler, name, None)
+    if not callable(method):
+        raise TypeError(
+            f"grad_scaler must be a swarmtrain.optim.GradScaler (a {type(grad_scaler).__name__} "
+            f"has no {name}()): a plain torch GradScaler unscales at the wrong time"
+        )
+    return method
 
 
 def is_swarm_optimizer(optimizer: Any) -> bool:

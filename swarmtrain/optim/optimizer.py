@@ -33,8 +33,8 @@ Modes (see ``__init__``'s keywords):
   each epoch's end the peers average their training state instead of gradients.
 - ``offload_optimizer``: the optimizer holds CPU fp32 copies of the parameters and steps there;
   the new values are copied into the model (default on when the optimizer is a factory).
-- ``delay_optimizer_step``: the optimizer step (and the state round after it) runs in a
-  background thread while the trainer goes on with the next epoch's batches; the model gets the
+- ``delay_optimizer_step``: the optimizer step (and the state round after it) runs in the
+  background while the trainer goes on with the next epoch's batches; the model gets the
   new parameters at a later ``step`` (they may be one epoch stale meanwhile). With
   ``delay_grad_averaging`` the gradient round is waited for in that thread too, so a peer does
   not wait for the network at all between epochs.
@@ -63,61 +63,45 @@ optimizer calls ``grad_scaler.on_swarm_epoch_end_()``.
 Peers must start from the same parameters: build the model with the same seed, or call
 :meth:`Optimizer.load_state_from_peers` before training.
 
-Resource handling: the constructor starts a ``TrainingStateAverager``, (without
-``use_local_updates``) a gradient averager and a ``ProgressTracker`` on ``dht``;
-:meth:`shutdown` (or leaving a ``with`` block) stops the tracker (it says goodbye), the gradient
-averager (a running round fails), then the state averager (it waits for its background
-thread). The DHT is the caller's.
+How it runs: one implementation, :class:`~swarmtrain.optim.async_optimizer.AsyncOptimizer` (the
+trio optimizer of ``Optimizer.create``), entered on swarmtrain's background trio loop as a
+``DHT`` runs its ``DHTNode``. A ``step`` runs its batch part (``AsyncOptimizer.on_batch``: the
+finiteness check, the accumulation, the progress report; no await) in the trainer's own thread
+and enters the loop only when there is loop work: delayed updates to apply, a catch-up, the
+gradient round to pre-schedule, the epoch's end. Reads (``local_epoch``, the tracker's
+snapshots, ``param_groups``) are direct.
+
+Resource handling: the constructor starts an ``AsyncOptimizer`` on the background loop: a
+``TrainingStateAverager``'s trio averager, (without ``use_local_updates``) a gradient
+averager's and a progress tracker, and a task group for the delayed work; :meth:`shutdown` (or
+leaving a ``with`` block) cancels the delayed work, stops the tracker (it says goodbye), then the
+averagers (a running round fails). The DHT is the caller's.
 """
 
 from __future__ import annotations
 
-import logging
+import functools
+import inspect
+import os
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from swarmtrain.averaging import StepControl
-from swarmtrain.dht import DHT, get_dht_time
-from swarmtrain.optim._checkpoint import load_checkpoint, make_checkpoint
-from swarmtrain.optim._epoch_gradients import GradientRounds
-from swarmtrain.optim._epoch_update import EpochUpdates, scaler_method
-from swarmtrain.optim._optimizer_options import (
-    averager_options,
-    check_keywords,
-    check_positive,
-    grad_averager_options,
-    resolve_modes,
-    state_averager_options,
-)
+from swarmtrain.averaging.process_backend import HelperProcessBackend
+from swarmtrain.dht import DHT, AsyncDHT
+from swarmtrain.dht.node import DHTNode
+from swarmtrain.optim._optimizer_options import check_keywords, resolve_modes
 from swarmtrain.optim.async_optimizer import AsyncOptimizer
-from swarmtrain.optim.epoch_core import EpochCore, EpochModes
-from swarmtrain.optim.grad_averager import GradientAverager
-from swarmtrain.optim.progress_core import GlobalProgress
+from swarmtrain.optim.progress_tracker import AsyncProgressTracker
 from swarmtrain.optim.progress_tracker_blocking import ProgressTracker
-from swarmtrain.optim.state_averager import (
-    LRScheduler,
-    OptimizerFactory,
-    SchedulerFactory,
-    TrainingStateAverager,
-)
-from swarmtrain.optim.swarm_health import SwarmHealth, describe_parameters
+from swarmtrain.optim.state_averager import LRScheduler, TrainingStateAverager
+from swarmtrain.utils.background import BackgroundRuntime, BackgroundService
 from swarmtrain.utils.facade import close_aio_worker, run_in_worker_thread, thread_aio_property
-from swarmtrain.utils.logs import show_logs
 
 __all__ = ["Optimizer"]
-
-logger = logging.getLogger(__name__)
-
-GradientAveragerFactory = Callable[..., GradientAverager]
-
-
-def _time_left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (``time.monotonic()``), at least 0.1; None: no deadline."""
-    return None if deadline is None else max(0.1, deadline - time.monotonic())
 
 
 def _check_dht(dht: Any) -> None:
@@ -130,7 +114,175 @@ def _check_dht(dht: Any) -> None:
         raise RuntimeError("dht is not running (it was shut down, or made with start=False)")
 
 
-class Optimizer(EpochUpdates):
+def _check_arguments(dht: Any, kwargs: dict[str, Any]) -> None:
+    """Raise on bad keywords before the network is touched (``AsyncOptimizer.__init__``
+    checks them again, with the same functions), then on a DHT that is not running."""
+    bound = inspect.signature(AsyncOptimizer.__init__).bind(None, dht=dht, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    check_keywords(**{k: arguments[k] for k in inspect.signature(check_keywords).parameters})
+    if arguments["client_mode"] is None:
+        _check_dht(dht)
+        arguments["client_mode"] = bool(dht.client_mode)
+    resolve_modes(**{k: arguments[k] for k in inspect.signature(resolve_modes).parameters})
+    _check_dht(dht)
+
+
+def _builds_a_helper_process(factory: Any) -> bool:
+    target = factory.func if isinstance(factory, functools.partial) else factory
+    return isinstance(target, type) and issubclass(target, HelperProcessBackend)
+
+
+def _on_blocking_dht(factory: Callable[..., Any], dht: DHT) -> Callable[..., Any]:
+    """``factory`` given the blocking ``dht`` (a helper process bootstraps from its peers and
+    keywords) instead of the trio one."""
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        kwargs["dht"] = dht
+        return factory(*args, **kwargs)
+
+    return make
+
+
+class _TrackerView(ProgressTracker):
+    """``opt.tracker``: the blocking ``ProgressTracker`` API over the optimizer's own
+    ``AsyncProgressTracker`` (the optimizer starts and stops it)."""
+
+    def __init__(self, dht: DHT, runtime: BackgroundRuntime, service: AsyncProgressTracker):
+        self.dht, self._runtime, self._service = dht, runtime, service
+        self._pid = os.getpid()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Nothing to stop here: ``Optimizer.shutdown`` stops the tracker."""
+        self._shut_down = True
+
+
+class _StateAveragerView:
+    """``opt.state_averager``: the optimizer's ``TrainingStateAverager`` (its torch side:
+    optimizer, copies, locks; built with ``start=False``), whose switches reach the trio
+    averager that serves and averages its state, and whose waits are the optimizer's."""
+
+    def __init__(self, owner: Optimizer, state: TrainingStateAverager):
+        self._owner, self._state = owner, state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+    def _service_attr(self, name: str) -> Any:
+        runtime, opt = self._owner._running()
+        return runtime.call_sync(getattr, opt._state_service, name)
+
+    def _set_service_attr(self, name: str, value: Any) -> None:
+        runtime, opt = self._owner._running()
+        runtime.call_sync(setattr, opt._state_service, name, value)
+
+    @property
+    def local_epoch(self) -> int:
+        return self._state.local_epoch
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        return self._service_attr("allow_state_sharing")
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        self._set_service_attr("allow_state_sharing", bool(value))
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return self._service_attr("state_sharing_priority")
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        self._set_service_attr("state_sharing_priority", value)
+
+    def is_alive(self) -> bool:
+        return self._owner.is_alive()
+
+    @property
+    def averaging_in_progress(self) -> bool:
+        """Whether a delayed state round still runs."""
+        return self._owner._opt.state_averaging_in_progress
+
+    def wait_for_delayed_updates(self, timeout: float | None = None) -> None:
+        """Wait for the optimizer's delayed work and apply it (``timeout``: not used)."""
+        self._owner.wait_for_delayed_updates()
+
+    def step(
+        self,
+        wait_for_delayed_updates: bool | None = None,
+        apply_delayed_updates: bool = True,
+        averaging_round: bool = False,
+        averaging_opts: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict | None:
+        """The parts of ``TrainingStateAverager.step`` that fit an optimizer's own averager:
+        apply the delayed work that finished, or (``wait_for_delayed_updates=True``) wait for
+        all of it first; ``averaging_round=True``: one state round now, waited for and applied
+        (``averaging_opts``: only ``timeout``), returning the group's ``{peer_id: epoch}`` or
+        None. Optimizer steps and delayed rounds are the optimizer's own."""
+        opts = dict(averaging_opts or {})
+        unsupported = [k for k, v in kwargs.items() if v] + [k for k in opts if k != "timeout"]
+        if unsupported:
+            raise NotImplementedError(
+                f"opt.state_averager.step({', '.join(unsupported)}=...): the Optimizer steps "
+                "and averages its state itself; use a TrainingStateAverager of your own for that"
+            )
+        if averaging_round:
+            return self._owner.average_state(opts.get("timeout"))
+        if wait_for_delayed_updates:
+            self._owner.wait_for_delayed_updates()
+        elif apply_delayed_updates:
+            self._owner._apply_delayed_updates()
+        return None
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Nothing to stop here: ``Optimizer.shutdown`` stops the averager."""
+
+    def __repr__(self) -> str:
+        return f"<state averager of {self._owner!r}>"
+
+
+_FORWARDED_READS = (
+    "run_id",
+    "target_batch_size",
+    "batch_size_per_step",
+    "matchmaking_time",
+    "averaging_timeout",
+    "load_state_timeout",
+    "average_state_every",
+    "use_local_updates",
+    "client_mode",
+    "auxiliary",
+    "reuse_grad_buffers",
+    "offload_optimizer",
+    "delay_optimizer_step",
+    "delay_grad_averaging",
+    "delay_state_averaging",
+    "status_loglevel",
+    "local_samples_accumulated",
+    "last_epoch_samples",
+    "state_rounds_averaged",
+    "health",
+    "optimizer",
+    "main_parameters",
+    "param_groups",
+    "state",
+    "epochs_averaged",
+    "epochs_alone",
+    "skipped_batches",
+    "_epoch_core",
+)
+
+
+def _read(name: str) -> property:
+    def get(self: Optimizer) -> Any:
+        return getattr(self._opt, name)
+
+    return property(get, doc=f"As ``AsyncOptimizer.{name}``.")
+
+
+class Optimizer(BackgroundService):
     """Trains with peers in epochs of ``target_batch_size`` samples; see the module docstring.
 
     :param dht: a running blocking ``DHT``
@@ -183,329 +335,76 @@ class Optimizer(EpochUpdates):
       (``swarmtrain.utils.logs``)
     """
 
-    def __init__(
-        self,
-        *,
-        dht,
-        run_id: str,
-        target_batch_size: int,
-        batch_size_per_step: int | None = None,
-        optimizer: Union[torch.optim.Optimizer, OptimizerFactory],
-        params: Iterable[Any] | None = None,
-        scheduler: Union[LRScheduler, SchedulerFactory, None] = None,
-        matchmaking_time: float = 5.0,
-        averaging_timeout: float = 60.0,
-        allreduce_timeout: float | None = None,
-        next_chunk_timeout: float | None = None,
-        load_state_timeout: float = 60.0,
-        reuse_grad_buffers: bool = False,
-        offload_optimizer: bool | None = None,
-        delay_optimizer_step: bool | None = None,
-        delay_grad_averaging: bool = False,
-        delay_state_averaging: bool = True,
-        average_state_every: int = 1,
-        use_local_updates: bool = False,
-        client_mode: bool | None = None,
-        auxiliary: bool = False,
-        grad_compression: Any = None,
-        state_averaging_compression: Any = None,
-        load_state_compression: Any = None,
-        grad_averager_factory: GradientAveragerFactory | None = None,
-        average_opt_statistics: Sequence[str] = (),
-        extra_tensors: Sequence[torch.Tensor] = (),
-        aggregation: str = "mean",
-        averager_opts: dict[str, Any] | None = None,
-        tracker_opts: dict[str, Any] | None = None,
-        trusted_peers: Sequence[Any] = (),
-        verbose: bool = False,
-    ):
-        check_keywords(
-            run_id=run_id,
-            target_batch_size=target_batch_size,
-            batch_size_per_step=batch_size_per_step,
-            matchmaking_time=matchmaking_time,
-            averaging_timeout=averaging_timeout,
-            allreduce_timeout=allreduce_timeout,
-            next_chunk_timeout=next_chunk_timeout,
-            load_state_timeout=load_state_timeout,
-            average_state_every=average_state_every,
-            averager_opts=averager_opts,
-            tracker_opts=tracker_opts,
+    _service_name = "this Optimizer"
+
+    def __init__(self, *, dht: DHT, **kwargs: Any):
+        _check_arguments(dht, kwargs)
+        factory = kwargs.get("grad_averager_factory")
+        if factory is not None and _builds_a_helper_process(factory):
+            kwargs["grad_averager_factory"] = _on_blocking_dht(factory, dht)
+
+        async def get_async_dht(async_dht: AsyncDHT, node: DHTNode) -> AsyncDHT:
+            return async_dht
+
+        async_dht = dht.run_coroutine(get_async_dht)
+        self.dht = dht
+        self._calls = threading.Lock()  # the facade's calls, one at a time
+        self._opt: AsyncOptimizer = self._start_in_background(
+            lambda: AsyncOptimizer.create(dht=async_dht, **kwargs)
         )
-        if client_mode is None:
-            _check_dht(dht)
-            client_mode = bool(dht.client_mode)
-        offload_optimizer, delay_optimizer_step = resolve_modes(
-            optimizer=optimizer,
-            use_local_updates=use_local_updates,
-            auxiliary=auxiliary,
-            client_mode=client_mode,
-            batch_size_per_step=batch_size_per_step,
-            reuse_grad_buffers=reuse_grad_buffers,
-            offload_optimizer=offload_optimizer,
-            delay_optimizer_step=delay_optimizer_step,
-            delay_grad_averaging=delay_grad_averaging,
-            delay_state_averaging=delay_state_averaging,
-            grad_averager_factory=grad_averager_factory,
-        )
-        _check_dht(dht)
+        runtime, opt = self._running()
+        assert opt._tracker_service is not None
+        self.tracker: ProgressTracker = _TrackerView(dht, runtime, opt._tracker_service)
+        self.state_averager = _StateAveragerView(self, opt._state)
+        self.grad_averager = opt._grads
 
-        self.dht, self.run_id = dht, run_id
-        self.target_batch_size = target_batch_size
-        self.batch_size_per_step = batch_size_per_step
-        self.matchmaking_time = float(matchmaking_time)
-        self.averaging_timeout = float(averaging_timeout)
-        self.load_state_timeout = float(load_state_timeout)
-        self.average_state_every = average_state_every
-        self.use_local_updates = bool(use_local_updates)
-        self.client_mode, self.auxiliary = client_mode, bool(auxiliary)
-        self.reuse_grad_buffers = bool(reuse_grad_buffers)
-        self.offload_optimizer = offload_optimizer
-        self.delay_optimizer_step = delay_optimizer_step and not self.auxiliary
-        self.delay_grad_averaging = bool(delay_grad_averaging) and not self.auxiliary
-        self.delay_state_averaging = bool(delay_state_averaging)
-        self.status_loglevel = logging.INFO if verbose else logging.DEBUG
-        if verbose:
-            show_logs()
-        self.local_samples_accumulated = 0.0  #: this epoch, this peer
-        self.last_epoch_samples = 0.0  #: samples this peer contributed to its last epoch
-        self._epoch_core = EpochCore(  # decides what each step and epoch end does
-            EpochModes(
-                auxiliary=self.auxiliary,
-                client_mode=self.client_mode,
-                use_local_updates=self.use_local_updates,
-                offload_optimizer=self.offload_optimizer,
-                delay_optimizer_step=self.delay_optimizer_step,
-                delay_grad_averaging=self.delay_grad_averaging,
-                delay_state_averaging=self.delay_state_averaging,
-                reuse_grad_buffers=self.reuse_grad_buffers,
-                average_state_every=self.average_state_every,
-                matchmaking_time=self.matchmaking_time,
-            )
-        )
-
-        common = averager_options(
-            matchmaking_time=self.matchmaking_time,
-            averaging_timeout=self.averaging_timeout,
-            allreduce_timeout=allreduce_timeout,
-            next_chunk_timeout=next_chunk_timeout,
-            averager_opts=averager_opts,
-        )
-        self.state_averager: TrainingStateAverager | None = None
-        self.grad_averager: GradientAverager | None = None
-        self.tracker: ProgressTracker | None = None
-        self._shut_down = False  # shutdown() keeps the components to inspect (hivemind's)
-        self._rounds: GradientRounds | None = None
-        #: warnings with what to do: peers with another model, state downloads that keep failing
-        self.health = SwarmHealth(self.run_id)
-        self._last_progress: GlobalProgress | None = None  # the tracker's, at the last step
-        self._gradients_consumed = threading.Event()  # the optimizer took the last round's result
-        self._gradients_consumed.set()
-        try:
-            state_opts = state_averager_options(
-                common,
-                state_averaging_compression=state_averaging_compression,
-                load_state_compression=load_state_compression,
-                use_local_updates=self.use_local_updates,
-                aggregation=aggregation,
-            )
-            self.state_averager = TrainingStateAverager(
-                dht=dht,
-                optimizer=optimizer,
-                params=params,
-                scheduler=scheduler,
-                prefix=f"{run_id}_state_averager",
-                client_mode=client_mode,
-                status_loglevel=self.status_loglevel,
-                offload_optimizer=offload_optimizer,
-                custom_gradients=offload_optimizer and not self.use_local_updates,
-                # a delayed round must not overwrite the steps taken while it ran (the optimizer's
-                # copies, with offload_optimizer, are averaged in place instead)
-                delta_rule_averaging=self.delay_state_averaging
-                and (self.use_local_updates or not offload_optimizer),
-                average_opt_statistics=average_opt_statistics,
-                extra_tensors=extra_tensors,
-                **state_opts,
-            )
-            if not self.use_local_updates:
-                grad_opts = grad_averager_options(
-                    common, aggregation=aggregation, grad_compression=grad_compression
-                )
-                self._make_grad_averager(grad_averager_factory, grad_opts)
-            self.tracker = ProgressTracker(
-                dht,
-                run_id,
-                target_batch_size,
-                client_mode=client_mode,
-                status_loglevel=self.status_loglevel,
-                **{
-                    "partner_window": max(4, 2 * self.average_state_every),
-                    "trusted_peers": trusted_peers,
-                    **(tracker_opts or {}),
-                },
-            )
-            self.state_averager.round_observer = self._note_round_partners
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def _make_grad_averager(
-        self,
-        factory: GradientAveragerFactory | None,
-        grad_opts: dict[str, Any],
-    ) -> None:
-        self.grad_averager = (factory or GradientAverager)(
-            self._state_averager.main_parameters,
-            dht=self.dht,
-            prefix=f"{self.run_id}_grad_averager",
-            reuse_grad_buffers=self.reuse_grad_buffers,
-            client_mode=self.client_mode,
-            **grad_opts,
-        )
-        with self.grad_averager.get_tensors() as averaged:
-            params = self.main_parameters
-            self._grad_buffers_match = len(averaged) == len(params) and all(
-                a.shape == p.shape for a, p in zip(averaged, params, strict=False)
-            )
-        if self.delay_optimizer_step and not self._grad_buffers_match:
-            raise ValueError(
-                "delay_optimizer_step needs a gradient averager whose averaged tensors are one "
-                "gradient per parameter; this one averages other tensors (e.g. PowerSGD factors)"
-            )
-        self._rounds = GradientRounds(
-            self.grad_averager,
-            run_id=self.run_id,
-            matchmaking_time=self.matchmaking_time,
-            averaging_timeout=self.averaging_timeout,
-            status_loglevel=self.status_loglevel,
-            health=self.health,
-            swarm_epoch=lambda: self._tracker.global_epoch,
-        )
-        self.health.model = describe_parameters(self.main_parameters)
-
-    # ------------------------------------------------------------------ torch.optim-like
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The wrapped torch optimizer (on CPU copies with ``offload_optimizer``)."""
-        return self._state_averager.optimizer
-
-    @property
-    def main_parameters(self) -> tuple[torch.Tensor, ...]:
-        """The model's parameters, whose ``.grad`` autograd writes."""
-        return self._state_averager.main_parameters
-
-    @property
-    def _state_averager(self) -> TrainingStateAverager:
-        if self.state_averager is None or self._shut_down:
-            raise RuntimeError("this Optimizer was shut down")
-        return self.state_averager
-
-    def _check_dht_alive(self) -> None:
-        """Raise if the DHT was shut down: the averagers would go on without peers, silently."""
-        if not self.dht.is_alive():
-            raise RuntimeError(
-                f"{self.run_id}: the DHT of this Optimizer was shut down, so it cannot reach its "
-                "peers: shut the Optimizer down before its DHT"
-            )
-
-    @property
-    def _tracker(self) -> ProgressTracker:
-        if self.tracker is None or self._shut_down:
-            raise RuntimeError("this Optimizer was shut down")
-        return self.tracker
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
+    # ------------------------------------------------------------------ reads
+    # (plus those of _FORWARDED_READS, set below)
 
     @property
     def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
+        return self._opt.optimizer.defaults
 
     @property
     def scheduler(self) -> LRScheduler | None:
-        return self._state_averager.scheduler
+        return self._opt.scheduler
 
     @property
     def local_epoch(self) -> int:
         """This peer's epoch: the number of optimizer steps of the swarm it took part in."""
-        if self._shut_down and self.state_averager is not None:
-            return self.state_averager.local_epoch  # the last one, also after shutdown()
-        return self._state_averager.local_epoch
+        return self._opt.local_epoch
 
     @property
     def global_epoch(self) -> int:
-        if self._shut_down and self.tracker is not None:
-            return self.tracker.global_epoch
-        return self._tracker.global_epoch
-
-    @property
-    def epochs_averaged(self) -> int:
-        """Epochs whose gradients were averaged with a group."""
-        return self._rounds.averaged if self._rounds is not None else 0
+        return self.tracker.global_epoch
 
     @property
     def scheduled_grads(self) -> StepControl | None:
-        """The gradient round pre-scheduled for the end of this epoch (hivemind's name), if
-        any: matchmaking for it is under way; None without gradient averaging."""
-        return self._rounds.scheduled if self._rounds is not None else None
+        """The gradient round pre-scheduled for the end of this epoch (hivemind's name)."""
+        return self._opt.scheduled_grads
 
     @property
-    def epochs_alone(self) -> int:
-        """Epochs that used the local gradients (no peers seen, or the round failed)."""
-        return self._rounds.alone if self._rounds is not None else 0
+    def state_averaging_in_progress(self) -> bool:
+        return self._opt.state_averaging_in_progress
 
     def is_synchronized_with_peers(self) -> bool:
-        """Whether this peer is at most one epoch behind the swarm (hivemind's test; a peer one
-        epoch behind may still have to catch up, see ``swarmtrain.optim._epoch_sync``)."""
-        return self.local_epoch >= self._tracker.global_epoch - 1
+        """Whether this peer is at most one epoch behind the swarm (hivemind's test)."""
+        return self.local_epoch >= self.tracker.global_epoch - 1
 
-    def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> int:
-        """Announce this peer and wait until the tracker sees ``num_peers`` peers (this one
-        counted, unless it is auxiliary) or ``timeout`` seconds pass; return how many it sees.
-        Call it before training when several peers start together: a peer that sees no one
-        steps alone, and its first epochs (milliseconds each for a small model) leave the
-        swarm out of step."""
-        check_positive("num_peers", num_peers)
-        check_positive("timeout", timeout)
-        tracker = self._tracker
+    # ------------------------------------------------------------------ calls
+
+    def _check_dht_alive(self) -> None:
+        if not self.dht.is_alive():
+            raise RuntimeError(
+                f"{self._opt.run_id}: the DHT of this Optimizer was shut down, so it cannot "
+                "reach its peers: shut the Optimizer down before its DHT"
+            )
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``await fn(*args)`` on the loop (the optimizer must be running)."""
+        runtime, _ = self._running()
         self._check_dht_alive()
-        if not self.auxiliary:  # an auxiliary peer publishes no progress and is not counted
-            tracker.announce()
-        try:  # woken by each change (gossip brings announcements at once); DHT as fallback
-            seen = tracker.wait_num_peers(num_peers, timeout=timeout).num_peers
-        except TimeoutError:
-            seen = tracker.global_progress.num_peers
-        if seen < num_peers:
-            logger.warning(
-                "%s: saw %d of %d peers within %.0f s: training with those",
-                self.run_id,
-                seen,
-                num_peers,
-                timeout,
-            )
-        return seen
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the model's gradients (the accumulators are not touched)."""
-        if self.reuse_grad_buffers:
-            raise ValueError(
-                "with reuse_grad_buffers=True the gradients are the accumulators: do not call "
-                "zero_grad(); the Optimizer resets them after each epoch"
-            )
-        for param in self.main_parameters:
-            if param.grad is None:
-                continue
-            if set_to_none:
-                param.grad = None
-            else:
-                param.grad.detach_()
-                param.grad.zero_()
+        return runtime.call(fn, *args)
 
     def step(
         self,
@@ -513,218 +412,98 @@ class Optimizer(EpochUpdates):
         batch_size: int | None = None,
         grad_scaler: Any = None,
     ) -> Any:
-        """Accumulate this batch and, when the swarm is ready, take a collaborative step (see
-        the module docstring). ``grad_scaler``: a ``swarmtrain.optim.GradScaler`` when training
-        with AMP. Returns the closure's loss (None without a closure)."""
-        if self.auxiliary and (
-            closure is not None or batch_size is not None or grad_scaler is not None
-        ):
-            raise ValueError("an auxiliary peer has no batches: call step() without arguments")
-        if grad_scaler is not None:
-            scaler_method(grad_scaler, "unscale_swarm_grads_")
-            scaler_method(grad_scaler, "on_swarm_epoch_end_")
-        state_averager = self._state_averager
+        """Accumulate this batch and, when the swarm is ready, take a collaborative step.
+        ``grad_scaler``: a ``swarmtrain.optim.GradScaler`` when training with AMP. Returns the
+        closure's loss (None without a closure)."""
+        _, opt = self._running()
         self._check_dht_alive()
-        state_averager.step(apply_delayed_updates=True)  # what finished in the background
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.auxiliary:
-            batch_size = self.batch_size_per_step if batch_size is None else batch_size
-            if batch_size is None:
-                raise ValueError("pass step(batch_size=...) or Optimizer(batch_size_per_step=...)")
-            check_positive("batch_size", batch_size)
-
-        tracker, core = self._tracker, self._epoch_core  # two calls into the tracker per step
-        progress = self._last_progress or tracker.global_progress
-        if core.is_behind(self.local_epoch, progress.epoch) and core.is_behind(
-            self.local_epoch, tracker.global_epoch
-        ):
-            self._catch_up()
+        with self._calls:
+            batch_size = opt.check_step_arguments(closure, batch_size, grad_scaler)
+            if opt.delayed_updates_finished:
+                self._call(opt.apply_delayed_updates)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            work = opt.on_batch(batch_size, grad_scaler)  # here: no loop hop per batch
+            if work is not None:
+                self._call(opt.do_step_work, work, grad_scaler)
             return loss
 
-        if not self.auxiliary:
-            assert batch_size is not None
-            if not self._accumulate(batch_size, grad_scaler):
-                return loss
-        progress = self._last_progress = tracker.global_progress
-        plan = core.on_progress(self.local_epoch, progress, get_dht_time())
-        if plan.schedule_round:
-            assert self._rounds is not None
-            self._rounds.maybe_schedule(plan.seconds_left, self.local_epoch, plan.num_peers_present)
-        if plan.end_epoch:
-            self._last_progress = None
-            self._update_global_epoch(grad_scaler)
-        return loss
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the model's gradients (the accumulators are not touched)."""
+        self._opt.zero_grad(set_to_none)
 
-    # ------------------------------------------------------------------ state
+    def _apply_delayed_updates(self) -> None:
+        _, opt = self._running()
+        with self._calls:
+            if opt.delayed_updates_finished:
+                self._call(opt.apply_delayed_updates)
 
-    def _catch_up(self) -> None:
-        """Load the state from peers; if none could serve it and the swarm is one epoch ahead
-        (or no peer shares a state at all), take the swarm's epoch with this peer's own state
-        (its next state round pulls it in), rather than stay behind and average no gradients
-        ever again. After a catch-up that left us behind, the next waits for a back-off
-        (``EpochCore.catch_up_due``): until then a step only skips its batch."""
-        if not self._epoch_core.catch_up_due(time.monotonic()):
-            return
-        logger.warning(
-            "%s: local epoch %d is behind the swarm's epoch %d: loading state from peers",
-            self.run_id,
-            self.local_epoch,
-            self._tracker.global_epoch,
-        )
-        self._last_progress = None
-        if self.load_state_from_peers():
-            return
-        failure = self._state_averager.state_download_failure
-        no_donor = failure is not None and not failure.donors
-        enter = self._epoch_core.after_failed_catch_up(
-            self.local_epoch, self._tracker.global_epoch, no_donor, now=time.monotonic()
-        )
-        if enter is None:
-            logger.warning(
-                "%s: still behind the swarm; the next try to catch up is in %.0f s",
-                self.run_id,
-                self._epoch_core.retry_in,
-            )
-        else:
-            logger.warning(
-                "%s: no peer served its state: moving to the swarm's epoch %d with this peer's "
-                "own parameters",
-                self.run_id,
-                enter.epoch,
-            )
-            self._enter_epoch(enter.epoch)
+    def wait_for_delayed_updates(self) -> None:
+        """Wait for the delayed work still running (optimizer steps, gradient and state rounds
+        of ``delay_*``), then apply it to the model, e.g. before evaluating or saving."""
+        _, opt = self._running()
+        with self._calls:
+            self._call(opt.wait_for_delayed_updates)
 
-    def _enter_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` afresh: drop the accumulated gradients, tell the tracker, serve the
-        state with that priority."""
-        self._state_averager.local_epoch = epoch
-        if self.grad_averager is not None:
-            self.grad_averager.reset_accumulated_grads_()
-        self.local_samples_accumulated = 0.0
-        self._tracker.update_epoch(epoch)
-        if not self.client_mode:
-            self._state_averager.state_sharing_priority = epoch
+    def average_state(self, timeout: float | None = None) -> dict | None:
+        """One state round now, waited for and applied (after the delayed work), e.g. a final
+        sync of the models after training: the group's ``{peer_id: epoch}``, None if it did
+        not average (logged). ``timeout``: of the round (default ``averaging_timeout``)."""
+        _, opt = self._running()
+        with self._calls:
+            return self._call(opt.average_state, timeout)
 
-    def _vouched_epoch(self) -> int | None:
-        """The swarm's epoch as its progress records show it (None: no other peer seen yet);
-        a donor's state may be at most ``EPOCH_MARGIN`` epochs ahead of it."""
-        progress = self._tracker.global_progress
-        others_seen = progress.num_peers >= 2 or progress.epoch > self.local_epoch
-        return progress.epoch if others_seen else None
+    def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> int:
+        """Announce this peer and wait until the tracker sees ``num_peers`` peers (this one
+        counted, unless it is auxiliary) or ``timeout`` seconds pass; return how many it sees."""
+        _, opt = self._running()
+        return self._call(opt.wait_for_peers, num_peers, timeout)
 
     def load_state_from_peers(self, timeout: float | None = None) -> bool:
         """Download the training state (parameters, optimizer and scheduler state, epoch) from
         a peer, retrying until ``timeout`` (default ``load_state_timeout``) while some peer
-        declares a state to share; returns False at once when none does (a lone first peer).
-        The accumulated gradients are dropped. Returns whether a state was loaded."""
-        return self._load_state(timeout)
-
-    def _load_state(self, timeout: float | None, min_epoch: int | None = None) -> bool:
-        """:meth:`load_state_from_peers`; ``min_epoch``: skip donors whose state is older
-        (they are retried until ``timeout``)."""
-        timeout = self.load_state_timeout if timeout is None else timeout
-        check_positive("timeout", timeout)
-        state_averager, tracker = self._state_averager, self._tracker
-        self._check_dht_alive()
-        if self._rounds is not None:
-            self._rounds.tag_along()
-        state_averager.step(wait_for_delayed_updates=True)
-        deadline = time.monotonic() + timeout
-        loaded, detail = False, "no peer served a state in time"
-        errors: set[str] = set()  # each distinct error is logged once
-        while not loaded:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                loaded = state_averager.load_state_from_peers(
-                    timeout=remaining, swarm_epoch=self._vouched_epoch(), min_epoch=min_epoch
-                )
-            except Exception as e:
-                detail = repr(e)
-                if detail not in errors:
-                    errors.add(detail)
-                    logger.warning("%s: loading state from peers failed: %s", self.run_id, detail)
-            else:
-                failure = state_averager.state_download_failure
-                if not loaded and failure is not None:
-                    if not failure.donors:  # as hivemind: nothing to wait for
-                        logger.info(
-                            "%s: no peer shares a training state: nothing to load", self.run_id
-                        )
-                        return False
-                    detail = str(failure)
-            self.health.observe_state_download(bool(loaded), "" if loaded else detail)
-            if not loaded:
-                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        if not loaded:
-            logger.warning(
-                "%s: could not load the training state from peers in %.0f s (%s)",
-                self.run_id,
-                timeout,
-                detail,
-            )
-            return False
-        enter = self._epoch_core.after_load(state_averager.local_epoch, tracker.global_epoch)
-        self._enter_epoch(enter.epoch)  # the swarm's, if the donor was about to move on
-        logger.log(
-            self.status_loglevel,
-            "%s: loaded the training state, now at epoch %d",
-            self.run_id,
-            self.local_epoch,
-        )
-        return True
+        declares a state to share; False at once when none does. Returns whether it loaded."""
+        _, opt = self._running()
+        with self._calls:
+            return self._call(opt.load_state_from_peers, timeout)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, plus the epoch and the scheduler's state."""
-        return make_checkpoint(self._state_averager)
+        _, opt = self._running()
+        with self._calls:
+            return self._call(opt.state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (a plain torch optimizer state works too)."""
-        state_averager = self._state_averager
-        state_averager.step(wait_for_delayed_updates=True)
-        epoch = load_checkpoint(state_averager, state_dict)
-        if epoch is not None:
-            self._tracker.update_epoch(epoch)
-            self.local_samples_accumulated = 0.0
-            if self.grad_averager is not None:
-                self.grad_averager.reset_accumulated_grads_()
+        _, opt = self._running()
+        with self._calls:
+            self._call(opt.load_state_dict, state_dict)
 
     # ------------------------------------------------------------------ lifetime
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the tracker (it says goodbye), the gradient averager, then the state averager
-        (after its background thread). They stay readable (``local_epoch``, ``tracker``,
-        ``state_averager.is_alive()``); ``step()`` and the other calls raise RuntimeError.
-
-        ``timeout``: return after about this many seconds (plus at most a few seconds for
-        cancelled closes to unwind) even if a goodbye or close hangs, e.g. when this peer's
-        network is gone; None waits for each close."""
+        """Stop the optimizer on the loop: the tracker says goodbye, the averagers stop (a
+        running round fails). It stays readable (``local_epoch``, ``tracker``); ``step()`` and
+        the other calls raise RuntimeError. ``timeout``: cut the close short after about this
+        many seconds (e.g. when this peer's network is gone); None waits for it."""
         if self._shut_down:
             return
         close_aio_worker(self)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._rounds is not None:
-            self._rounds.cancel()
-        errors = []
-        try:  # the attributes stay set until the state averager's worker thread has ended
-            for component in (self.tracker, self.grad_averager, self.state_averager):
-                if component is None:
-                    continue
-                try:
-                    component.shutdown(_time_left(deadline))
-                except Exception as e:  # stop the others anyway
-                    errors.append(e)
+        try:
+            super().shutdown(timeout)
         finally:
-            self._shut_down = True  # the stopped components stay readable
-        if errors:
-            raise errors[0]
+            tracker = self.__dict__.get("tracker")
+            if tracker is not None:
+                tracker.shutdown()
 
-    #: the trio way in: ``async with Optimizer.create(dht=async_dht, ...) as opt:`` and
-    #: ``await opt.step()`` in the trainer's own trio loop (``swarmtrain.optim.async_optimizer``)
+    def _running(self) -> tuple[BackgroundRuntime, AsyncOptimizer]:
+        if self._shut_down:
+            raise RuntimeError("this Optimizer was shut down")
+        return super()._running()
+
+    #: the trio way in: ``async with Optimizer.create(dht=async_dht, ...) as opt:``
     create = AsyncOptimizer.create
 
     #: asyncio awaitables, e.g. ``await opt.aio.step()``: each runs the blocking method in
@@ -734,15 +513,28 @@ class Optimizer(EpochUpdates):
     @classmethod
     async def aio_create(cls, *args: Any, **kwargs: Any) -> Optimizer:
         """From asyncio: ``opt = await Optimizer.aio_create(dht=..., ...)`` builds the optimizer
-        (seconds: averagers start, state may load) in a worker thread, so the loop goes on."""
+        (seconds: averagers start) in a worker thread, so the loop goes on."""
         return await run_in_worker_thread(cls, *args, **kwargs)
 
     def __enter__(self) -> Optimizer:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.shutdown()
-
     def __repr__(self) -> str:
-        epoch = self.state_averager.local_epoch if self.state_averager is not None else None
-        return f"{type(self).__name__}(run_id={self.run_id!r}, local_epoch={epoch})"
+        opt = self.__dict__.get("_opt")
+        epoch = opt.local_epoch if opt is not None else None
+        run_id = opt.run_id if opt is not None else None
+        return f"{type(self).__name__}(run_id={run_id!r}, local_epoch={epoch})"
+
+
+for _name in _FORWARDED_READS:
+    setattr(Optimizer, _name, _read(_name))
+
+
+def _show_keywords() -> None:
+    """``inspect.signature(Optimizer)`` lists ``AsyncOptimizer``'s keywords."""
+    init = inspect.signature(AsyncOptimizer.__init__)
+    target: Any = Optimizer.__init__
+    target.__signature__ = init
+
+
+_show_keywords()
