@@ -132,6 +132,21 @@ def assert_same_params(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
 
 
+def agree_after_a_state_round(peers: list) -> None:
+    """All ``peers`` average their states in one synchronous round (``average_state``), which
+    must gather every one of them; then they hold the same model. Whether every training
+    round averaged (a loaded machine may make one fail, logged) does not matter here."""
+    groups: list = [None] * len(peers)
+
+    def average(i: int) -> None:
+        groups[i] = peers[i].opt.average_state()
+
+    in_threads(*(lambda i=i: average(i) for i in range(len(peers))))
+    assert all(group is not None and len(group) == len(peers) for group in groups), groups
+    for peer in peers[1:]:
+        assert_same_params(params_of(peers[0].model), params_of(peer.model))
+
+
 def test_peers_advance_together_and_learn(dhts):
     # Synchronous state rounds: a background round snapshots each peer whenever its worker
     # gets to it, so with delay_state_averaging peers agree only approximately (as in
@@ -140,22 +155,18 @@ def test_peers_advance_together_and_learn(dhts):
     try:
         initial_loss = full_loss(peers[0].model)
         in_threads(*(lambda p=p: p.train_until(4) for p in peers))
-        all_rounds_averaged = all(p.opt.epochs_alone == 0 for p in peers)
         common = set.intersection(*(set(p.snapshots) for p in peers))
         assert len(common) >= 3, [sorted(p.snapshots) for p in peers]
         # Where epochs end (how many samples) depends on the box's load (the ETA extrapolates
         # through stalls): tests/test_optim_epoch_core.py checks that logic on simulated
         # swarms, deterministically; here only what holds under any load.
-        if all_rounds_averaged:  # a round that failed under load logged why
-            for epoch in sorted(common):
-                for peer in peers[1:]:
-                    assert_same_params(peers[0].snapshots[epoch], peer.snapshots[epoch])
         assert all(sum(p.samples[epoch] for p in peers) > 0 for epoch in common)
         assert {p.opt.local_epoch for p in peers} == {4}
         assert peers[0].opt.offload_optimizer  # the default with an optimizer factory
         assert all(p.opt.epochs_averaged >= 2 for p in peers)
         assert all(p.opt.is_synchronized_with_peers() for p in peers)
         assert full_loss(peers[0].model) < 0.5 * initial_loss
+        agree_after_a_state_round(peers)
     finally:
         for peer in peers:
             peer.opt.shutdown()
@@ -224,21 +235,11 @@ def test_late_joiner_loads_state_and_catches_up(dhts):
         assert joiner.opt.is_synchronized_with_peers()
 
         peers = [*first, joiner]
-        alone_before = sum(p.opt.epochs_alone for p in peers)
         in_threads(*(lambda p=p: p.train_until(5) for p in peers))
         for peer in peers[1:]:
             assert peer.opt.local_epoch == 5
-        if sum(p.opt.epochs_alone for p in peers) == alone_before:
-            # every round averaged with the whole group: the three peers hold the same model
-            for peer in peers[1:]:
-                assert_same_params(peers[0].snapshots[5], peer.snapshots[5])
-        else:
-            # a loaded machine made a round fail (logged; that peer used its local gradients):
-            # the peers still agree on the epoch and stay close
-            for peer in peers[1:]:
-                for a, b in zip(peers[0].snapshots[5], peer.snapshots[5], strict=True):
-                    assert torch.isfinite(b).all()
-                    assert (a - b).abs().max() < 1.0
+        assert all(torch.isfinite(t).all() for p in peers for t in p.snapshots[5])
+        agree_after_a_state_round(peers)
     finally:
         for peer in [*first, *([joiner] if joiner else [])]:
             peer.opt.shutdown()

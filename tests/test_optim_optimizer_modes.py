@@ -18,6 +18,7 @@ from test_optim_optimizer import (
     HOST,
     Peer,
     X,
+    agree_after_a_state_round,
     assert_same_params,
     dhts,  # noqa: F401 (fixture)
     full_loss,
@@ -78,11 +79,8 @@ def test_modes_train_together(dhts, mode):  # noqa: F811
         if opts.get("use_local_updates"):
             for a, b in zip(*final, strict=True):  # local steps since the last state round
                 assert (a - b).abs().max() < 0.5
-        elif all(p.opt.epochs_alone == 0 for p in peers):
-            assert_same_params(final[0], final[1])
-        # else a round failed under load (logged); the same seed keeps the models close
-        # whether or not they averaged, so closeness would prove nothing
         assert full_loss(peers[0].model) < 0.7 * initial_loss
+        agree_after_a_state_round(peers)
         if opt.reuse_grad_buffers:
             with pytest.raises(ValueError, match="zero_grad"):
                 opt.zero_grad()
@@ -164,9 +162,8 @@ def test_client_mode_peer_trains_with_a_normal_one(dhts):  # noqa: F811
         land(peers)
         assert {p.opt.local_epoch for p in peers} == {3}
         assert peers[1].opt.epochs_averaged >= 1
-        if all(p.opt.epochs_alone == 0 for p in peers):
-            assert_same_params(params_of(peers[0].model), params_of(peers[1].model))
         assert full_loss(peers[1].model) < 0.7 * initial_loss
+        agree_after_a_state_round(peers)
     finally:
         shutdown(peers)
         client_dht.shutdown()
@@ -195,9 +192,8 @@ def test_others_go_on_when_a_peer_is_killed(dhts):  # noqa: F811
         land(survivors)
         assert {p.opt.local_epoch for p in survivors} == {3}
         assert survivors[0].opt.epochs_averaged >= 2
-        if survivors[0].opt.epochs_alone == survivors[1].opt.epochs_alone == 0:
-            assert_same_params(params_of(survivors[0].model), params_of(survivors[1].model))
         assert all(torch.isfinite(p).all() for p in survivors[0].model.parameters())
+        agree_after_a_state_round(survivors)
     finally:
         shutdown(peers)
 
@@ -229,9 +225,8 @@ def test_grad_scaler_drops_non_finite_gradients(dhts, reuse):  # noqa: F811
         assert scalers[1].get_scale() < 64.0  # the bad batch backed the scale off
         final = [params_of(p.model) for p in peers]
         assert all(torch.isfinite(t).all() for t in final[1])
-        if all(p.opt.epochs_alone == 0 for p in peers):
-            assert_same_params(final[0], final[1])
         assert full_loss(peers[0].model) < 0.8 * initial_loss
+        agree_after_a_state_round(peers)
     finally:
         shutdown(peers)
 
