@@ -85,7 +85,7 @@ import inspect
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -360,6 +360,35 @@ class Optimizer(BackgroundService):
 
     # ------------------------------------------------------------------ reads
     # (plus those of _FORWARDED_READS, set below)
+    if TYPE_CHECKING:  # the reads _FORWARDED_READS sets, for type checkers
+        run_id: Any
+        target_batch_size: Any
+        batch_size_per_step: Any
+        matchmaking_time: Any
+        averaging_timeout: Any
+        load_state_timeout: Any
+        average_state_every: Any
+        use_local_updates: Any
+        client_mode: Any
+        auxiliary: Any
+        reuse_grad_buffers: Any
+        offload_optimizer: Any
+        delay_optimizer_step: Any
+        delay_grad_averaging: Any
+        delay_state_averaging: Any
+        status_loglevel: Any
+        local_samples_accumulated: Any
+        last_epoch_samples: Any
+        state_rounds_averaged: Any
+        health: Any
+        optimizer: Any
+        main_parameters: Any
+        param_groups: Any
+        state: Any
+        epochs_averaged: Any
+        epochs_alone: Any
+        skipped_batches: Any
+        _epoch_core: Any
 
     @property
     def defaults(self) -> dict[str, Any]:
