@@ -285,7 +285,8 @@ async def test_a_peer_waiting_in_a_round_the_others_finished_gives_up_at_once(da
                     nursery.start_soon(peer.train, opt, 2)  # the 2nd step starts the round
                     with trio.fail_after(30):
                         await wait_until(lambda: 0 in opt._pending)
-                    await trio.sleep(1.0)  # waiting in matchmaking for the other peer
+                    with trio.fail_after(30):  # launched: waiting in matchmaking for the other
+                        await wait_until(lambda: opt._pending[0].control is not None)
                     started = trio.current_time()
                     # ... which finished this round
                     other.declare_step(opt._pending[0].start_step)
