@@ -158,11 +158,14 @@ class AsyncEpochUpdates:
             return averaged, _PendingGradients(control, plan.others_seen, plan.epoch, wait=False)
         return averaged, None
 
-    async def _await_gradients(self, control: StepControl | None, others: bool, epoch: int) -> bool:
+    async def _await_gradients(
+        self, control: StepControl | None, others: bool, epoch: int, peers_moved_on: bool = False
+    ) -> bool:
         """Wait for the gradient round: whether the group averaged (for an auxiliary peer: this
-        epoch's gradients). Else the averaged buffers hold the local mean gradient."""
+        epoch's gradients). Else the averaged buffers hold the local mean gradient.
+        ``peers_moved_on``: see :meth:`AsyncGradientRounds.finish`."""
         assert self._rounds is not None
-        gathered = await self._rounds.finish(control, others, epoch)
+        gathered = await self._rounds.finish(control, others, epoch, peers_moved_on=peers_moved_on)
         averaged = self._epoch_core.round_averaged(
             epoch, None if gathered is None else gathered.values()
         )
@@ -240,7 +243,11 @@ class AsyncEpochUpdates:
         gradients = None
         if pending is not None and pending.wait:
             gradients = partial(
-                self._await_gradients, pending.control, pending.others_seen, pending.epoch
+                self._await_gradients,
+                pending.control,
+                pending.others_seen,
+                pending.epoch,
+                peers_moved_on=True,
             )
         self._delayed_updates().start(
             gradients=gradients,

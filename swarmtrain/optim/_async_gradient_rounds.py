@@ -192,16 +192,24 @@ class AsyncGradientRounds:
         return control
 
     async def finish(
-        self, control: StepControl | None, others_seen: bool = True, epoch: int | None = None
+        self,
+        control: StepControl | None,
+        others_seen: bool = True,
+        epoch: int | None = None,
+        *,
+        peers_moved_on: bool = False,
     ) -> dict | None:
         """Wait for the round :meth:`begin` started: the group's ``{peer_id: epoch}``, or None
         if it did not average (the buffers then hold the local mean gradient: all-reduce only
-        adds deltas when it completes)."""
+        adds deltas when it completes). ``peers_moved_on``: the round's peers entered the next
+        epoch before waiting for it (delayed updates), so the swarm is one epoch past ``epoch``
+        while the round still runs."""
         if control is None:
             self.alone += 1
             return None
         try:
-            gathered = await self._wait(control, epoch)
+            left_at = None if epoch is None else epoch + int(peers_moved_on)
+            gathered = await self._wait(control, epoch, left_at)
         except Exception as e:
             control.cancel()
             self.alone += 1
@@ -226,13 +234,13 @@ class AsyncGradientRounds:
         )
         return gathered
 
-    async def _wait(self, control: StepControl, epoch: int | None) -> Any:
+    async def _wait(self, control: StepControl, epoch: int | None, left_at: int | None) -> Any:
         """The round's result; a round still looking for a group ``matchmaking_time`` after
-        the swarm went past ``epoch`` is given up (within ``_LATE_START_GRACE`` for a round
-        begun after the swarm had left)."""
+        the swarm went past ``left_at`` (the last epoch in which its peers may still run it)
+        is given up (within ``_LATE_START_GRACE`` for a round begun after the swarm had left)."""
         grace = self.matchmaking_time
         swarm_epoch = self.swarm_epoch
-        if epoch is not None and swarm_epoch is not None and swarm_epoch() > epoch:
+        if left_at is not None and swarm_epoch is not None and swarm_epoch() > left_at:
             grace = min(grace, _LATE_START_GRACE)
         moved_on_at: float | None = None
         with trio.move_on_after(self.averaging_timeout) as waited:
@@ -240,10 +248,10 @@ class AsyncGradientRounds:
                 with trio.move_on_after(_POLL_INTERVAL):
                     return await control.wait_result()
                 left_behind = (
-                    epoch is not None
+                    left_at is not None
                     and swarm_epoch is not None
                     and control.stage == AveragingStage.LOOKING_FOR_GROUP
-                    and swarm_epoch() > epoch
+                    and swarm_epoch() > left_at
                 )
                 if not left_behind:
                     moved_on_at = None
