@@ -6,6 +6,7 @@ import asyncio
 import copy
 import dataclasses
 import functools
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from torch import nn
 from swarmtrain.compression import Float16Compression, NoCompression
 from swarmtrain.dht import DHT
 from swarmtrain.optim._textdata import stdlib_text
+from swarmtrain.optim.async_diloco import AsyncDiLoCoOptimizer
 from swarmtrain.optim.diloco import DiLoCoOptimizer, pack_state, unpack_state
 from swarmtrain.optim.diloco_core import OuterState
 from swarmtrain.optim.diloco_simulation import (
@@ -494,6 +496,15 @@ def test_constructor_validates_before_touching_the_network():
         )
     with pytest.raises(TypeError, match="codec"):
         DiLoCoOptimizer(params, **base, pseudo_grad_compression="fp16")
+    with pytest.raises(TypeError, match="inner_stepz"):  # a misspelt keyword names itself
+        DiLoCoOptimizer(params, **base, inner_stepz=4)
+
+
+def test_the_blocking_class_shows_the_implementations_keywords():
+    shown = inspect.signature(DiLoCoOptimizer)
+    implementation = inspect.signature(AsyncDiLoCoOptimizer)
+    assert list(shown.parameters) == list(implementation.parameters)
+    assert shown.parameters["matchmaking_time"].default == 15.0
 
 
 # ------------------------------------------------------------------------ defaults, edges

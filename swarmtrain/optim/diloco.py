@@ -96,16 +96,16 @@ belongs to the caller. Call :meth:`step` and the other methods from one training
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from swarmtrain.averaging import DecentralizedAverager
-from swarmtrain.compression import CompressionBase
 from swarmtrain.optim._diloco_rounds import ROUND_BITS, ROUND_KEYS
 from swarmtrain.optim.async_diloco import AsyncDiLoCoOptimizer, InnerOptimizer
-from swarmtrain.optim.diloco_core import Fragments, OuterOptimizerFactory, StreamingSchedule
+from swarmtrain.optim.diloco_core import Fragments, StreamingSchedule
 from swarmtrain.optim.diloco_peers import Present, RunPresence
 from swarmtrain.optim.diloco_records import DiLoCoStatistics, RoundStatistics
 from swarmtrain.optim.diloco_state import STATE_FORMAT, pack_state, unpack_state
@@ -176,53 +176,12 @@ class DiLoCoOptimizer(BackgroundService):
     #: the trio way in: ``async with DiLoCoOptimizer.create(params, dht=async_dht, ...)``
     create = AsyncDiLoCoOptimizer.create
 
-    def __init__(
-        self,
-        params: Iterable[Any] | None,
-        *,
-        dht,
-        run_id: str,
-        inner_optimizer: InnerOptimizer | None = None,
-        inner_steps: int,
-        outer_optimizer: OuterOptimizerFactory | None = None,
-        pseudo_grad_compression: CompressionBase | None = None,
-        batch_size_per_step: int | None = None,
-        aggregation: str = "mean",
-        averager_opts: dict[str, Any] | None = None,
-        matchmaking_time: float = 15.0,
-        averaging_timeout: float = 60.0,
-        min_group_size: int = 2,
-        target_group_size: int | None = None,
-        num_fragments: int = 1,
-        delay: int = 0,
-        alpha: float = 0.0,
-        load_state_timeout: float = 60.0,
-        verbose: bool = False,
-    ):
+    def __init__(self, params: Iterable[Any] | None, *, dht: Any, **kwargs: Any):
         running = getattr(dht, "_running", None)
         dht_runtime, async_dht = running() if running is not None else (None, dht)
-        #: the implementation (its torch side is built here, in the caller's thread)
-        self._impl = self._implementation(
-            params,
-            dht=async_dht,
-            run_id=run_id,
-            inner_optimizer=inner_optimizer,
-            inner_steps=inner_steps,
-            outer_optimizer=outer_optimizer,
-            pseudo_grad_compression=pseudo_grad_compression,
-            batch_size_per_step=batch_size_per_step,
-            aggregation=aggregation,
-            averager_opts=averager_opts,
-            matchmaking_time=matchmaking_time,
-            averaging_timeout=averaging_timeout,
-            min_group_size=min_group_size,
-            target_group_size=target_group_size,
-            num_fragments=num_fragments,
-            delay=delay,
-            alpha=alpha,
-            load_state_timeout=load_state_timeout,
-            verbose=verbose,
-        )
+        #: the implementation (its torch side is built here, in the caller's thread; it
+        #: checks the keywords: the signature shown is ``AsyncDiLoCoOptimizer.__init__``'s)
+        self._impl = self._implementation(params, dht=async_dht, **kwargs)
         if dht_runtime is None:
             raise TypeError(
                 "DiLoCoOptimizer(dht=...) needs a running blocking swarmtrain DHT; with a trio "
@@ -428,3 +387,12 @@ class _PresenceView:
     @property
     def donor(self) -> bool:
         return self._runtime_presence[1].donor
+
+
+def _show_keywords() -> None:
+    """``inspect.signature(DiLoCoOptimizer)`` lists ``AsyncDiLoCoOptimizer``'s keywords."""
+    target: Any = DiLoCoOptimizer.__init__
+    target.__signature__ = inspect.signature(AsyncDiLoCoOptimizer.__init__)
+
+
+_show_keywords()
