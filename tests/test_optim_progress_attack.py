@@ -16,7 +16,7 @@ from test_optim_optimizer import HOST, TARGET, Peer, dhts, in_threads  # noqa: F
 
 from swarmtrain.dht import DHT
 from swarmtrain.optim import ProgressTracker
-from swarmtrain.optim.progress_core import short_peer_id
+from swarmtrain.optim.progress_types import short_peer_id
 
 
 def test_forged_progress_neither_stops_nor_desyncs_honest_peers(dhts, caplog):  # noqa: F811

@@ -21,18 +21,18 @@ from swarmtrain.optim.process_grad_averager import (
 )
 from swarmtrain.optim.state_averager import TrainingStateAverager as TrainingStateAverager
 
-from .progress_core import ClockSkewDetected as ClockSkewDetected
-from .progress_core import GlobalProgress as GlobalProgress
-from .progress_core import ImplausibleProgress as ImplausibleProgress
-from .progress_core import LocalProgress as LocalProgress
-from .progress_core import LonePeer as LonePeer
-from .progress_core import PerformanceEMA as PerformanceEMA
-from .progress_core import ProgressConfig as ProgressConfig
 from .progress_core import ProgressCore as ProgressCore
-from .progress_core import ProgressWarning as ProgressWarning
-from .progress_core import TargetNotReached as TargetNotReached
 from .progress_records import LocalProgressSchema as LocalProgressSchema
 from .progress_records import ProgressTrackerStatistics as ProgressTrackerStatistics
 from .progress_records import TrainingProgressSchema as TrainingProgressSchema
 from .progress_tracker import AsyncProgressTracker as AsyncProgressTracker
 from .progress_tracker_blocking import ProgressTracker as ProgressTracker
+from .progress_types import ClockSkewDetected as ClockSkewDetected
+from .progress_types import GlobalProgress as GlobalProgress
+from .progress_types import ImplausibleProgress as ImplausibleProgress
+from .progress_types import LocalProgress as LocalProgress
+from .progress_types import LonePeer as LonePeer
+from .progress_types import PerformanceEMA as PerformanceEMA
+from .progress_types import ProgressConfig as ProgressConfig
+from .progress_types import ProgressWarning as ProgressWarning
+from .progress_types import TargetNotReached as TargetNotReached

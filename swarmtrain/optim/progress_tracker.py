@@ -88,16 +88,7 @@ from swarmtrain.proto.progress_pb2 import ProgressRecord
 from swarmtrain.utils.change_signal import ChangeSignal
 
 from ._owner_probe import dial_owner
-from .progress_core import (
-    GlobalProgress,
-    LocalProgress,
-    PerformanceEMA,
-    ProgressConfig,
-    ProgressCore,
-    ProgressWarning,
-    describe_eta,
-    short_peer_id,
-)
+from .progress_core import ProgressCore
 from .progress_liveness import Probe, ProbeOutcome
 from .progress_records import (
     _INVALID,
@@ -107,6 +98,15 @@ from .progress_records import (
     _parse_progress,
     progress_key,
     progress_record_validator,
+)
+from .progress_types import (
+    GlobalProgress,
+    LocalProgress,
+    PerformanceEMA,
+    ProgressConfig,
+    ProgressWarning,
+    describe_eta,
+    short_peer_id,
 )
 
 __all__ = [

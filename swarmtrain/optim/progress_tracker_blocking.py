@@ -15,9 +15,9 @@ from swarmtrain.p2p.pubsub import PubSub
 from swarmtrain.utils.background import BackgroundService
 from swarmtrain.utils.facade import aio_property
 
-from .progress_core import GlobalProgress, LocalProgress, PerformanceEMA
 from .progress_records import ProgressTrackerStatistics
 from .progress_tracker import AsyncProgressTracker
+from .progress_types import GlobalProgress, LocalProgress, PerformanceEMA
 
 T = TypeVar("T")
 
