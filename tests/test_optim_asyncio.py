@@ -129,3 +129,69 @@ async def test_two_asyncio_peers_train_through_aio_without_blocking_the_loop():
             await asyncio.to_thread(dht.shutdown)
         ticking.cancel()
     assert BackgroundRuntime.active_references() == 0
+
+
+async def _until(condition, timeout: float, what: str) -> None:
+    """asyncio: poll ``condition`` (no event to wait on: another thread's state)."""
+    async with asyncio.timeout(timeout):
+        while not condition():  # noqa: ASYNC110 (a lock of another thread: no event)
+            await asyncio.sleep(0.01)
+    assert condition(), what
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_aio_step_finishes_on_the_loop_and_frees_the_optimizer():
+    """A trainer task cancelled while ``aio.step`` waits for an epoch end (an averaging round)
+    does not cut the step short: the epoch ends without another call, the optimizer is free
+    again, and both peers go on to agree exactly."""
+    dhts: list[DHT] = []
+    opts: list[Optimizer] = []
+    models = [make_model(), make_model()]
+    try:
+        dhts.append(await DHT.aio_create(**HOST))
+        dhts.append(await DHT.aio_create(dhts[0].get_visible_maddrs(), **HOST))
+        for dht, model in zip(dhts, models, strict=True):
+            opts.append(
+                await Optimizer.aio_create(
+                    dht=dht,
+                    run_id="aio_cancel",
+                    target_batch_size=TARGET,
+                    batch_size_per_step=BATCH,
+                    params=model.parameters(),
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+                    **FAST,
+                )
+            )
+        assert await asyncio.gather(*(o.aio.wait_for_peers(2, timeout=20) for o in opts)) == [2, 2]
+        other = asyncio.create_task(train(opts[1], models[1], 1, []))
+        opt, model = opts[0], models[0]
+        ended_by_a_cancelled_call = None
+        for position in range(0, 40 * BATCH, BATCH):
+            rows = torch.arange(0, len(X), 2)[position % 128 : position % 128 + BATCH]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(X[rows]), Y[rows]).backward()
+            epoch = opt.local_epoch
+            try:
+                await asyncio.wait_for(opt.aio.step(), 0.02)
+                continue
+            except TimeoutError:
+                pass
+            # cancelled while its loop part ran: that part goes on and then frees the facade
+            await _until(lambda: not opt._calls.locked(), 30, "the optimizer is free again")
+            if opt.local_epoch > epoch:
+                ended_by_a_cancelled_call = epoch
+                break
+        assert ended_by_a_cancelled_call is not None, "no call was cancelled at an epoch end"
+        await train(opt, model, 0, [])
+        await asyncio.wait_for(other, 60)
+        # a final synchronous state round of both peers
+        groups = await asyncio.gather(*(asyncio.to_thread(o.average_state) for o in opts))
+        assert all(group is not None and len(group) == 2 for group in groups), groups
+        for a, b in zip(*(m.parameters() for m in models), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    finally:
+        for o in opts:
+            await o.aio.shutdown()
+        for dht in reversed(dhts):
+            await asyncio.to_thread(dht.shutdown)
+    assert BackgroundRuntime.active_references() == 0
