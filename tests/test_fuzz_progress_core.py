@@ -12,14 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from swarmtrain.optim.progress_core import (
+from swarmtrain.optim.progress_core import ProgressCore
+from swarmtrain.optim.progress_records import _INVALID, _parse_progress
+from swarmtrain.optim.progress_types import (
     ClockSkewDetected,
     ImplausibleProgress,
     LocalProgress,
     ProgressConfig,
-    ProgressCore,
 )
-from swarmtrain.optim.progress_records import _INVALID, _parse_progress
 
 KEYS = [f"peer{i}".encode() for i in range(5)]  # peer ids: the verified subkeys
 LOCAL_KEY = b"local"

@@ -78,6 +78,27 @@ async def train(
         await asyncio.sleep(0.01)
 
 
+async def start_two_peers(
+    run_id: str, models: list[torch.nn.Module], dhts: list[DHT], opts: list[Optimizer]
+) -> None:
+    """Two DHTs and Optimizers made from asyncio, appended to ``dhts`` and ``opts`` as they
+    start (so that the caller shuts down whatever started)."""
+    dhts.append(await DHT.aio_create(**HOST))
+    dhts.append(await DHT.aio_create(dhts[0].get_visible_maddrs(), **HOST))
+    for dht, model in zip(dhts, models, strict=True):
+        opts.append(
+            await Optimizer.aio_create(
+                dht=dht,
+                run_id=run_id,
+                target_batch_size=TARGET,
+                batch_size_per_step=BATCH,
+                params=model.parameters(),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
+                **FAST,
+            )
+        )
+
+
 @pytest.mark.anyio
 async def test_two_asyncio_peers_train_through_aio_without_blocking_the_loop():
     ticker = Ticker()
@@ -87,20 +108,7 @@ async def test_two_asyncio_peers_train_through_aio_without_blocking_the_loop():
     models = [make_model(), make_model()]
     try:
         created = time.perf_counter()
-        dhts.append(await DHT.aio_create(**HOST))
-        dhts.append(await DHT.aio_create(dhts[0].get_visible_maddrs(), **HOST))
-        for dht, model in zip(dhts, models, strict=True):
-            opts.append(
-                await Optimizer.aio_create(
-                    dht=dht,
-                    run_id="aio_regression",
-                    target_batch_size=TARGET,
-                    batch_size_per_step=BATCH,
-                    params=model.parameters(),
-                    optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
-                    **FAST,
-                )
-            )
+        await start_two_peers("aio_regression", models, dhts, opts)
         startup = (created, time.perf_counter())
         seen = await asyncio.gather(*(opt.aio.wait_for_peers(2, timeout=20) for opt in opts))
         assert seen == [2, 2]
@@ -148,20 +156,7 @@ async def test_a_cancelled_aio_step_finishes_on_the_loop_and_frees_the_optimizer
     opts: list[Optimizer] = []
     models = [make_model(), make_model()]
     try:
-        dhts.append(await DHT.aio_create(**HOST))
-        dhts.append(await DHT.aio_create(dhts[0].get_visible_maddrs(), **HOST))
-        for dht, model in zip(dhts, models, strict=True):
-            opts.append(
-                await Optimizer.aio_create(
-                    dht=dht,
-                    run_id="aio_cancel",
-                    target_batch_size=TARGET,
-                    batch_size_per_step=BATCH,
-                    params=model.parameters(),
-                    optimizer=lambda params: torch.optim.SGD(params, lr=0.05),
-                    **FAST,
-                )
-            )
+        await start_two_peers("aio_cancel", models, dhts, opts)
         assert await asyncio.gather(*(o.aio.wait_for_peers(2, timeout=20) for o in opts)) == [2, 2]
         other = asyncio.create_task(train(opts[1], models[1], 1, []))
         opt, model = opts[0], models[0]

@@ -28,7 +28,8 @@ from swarmtrain.optim.epoch_core import (
     SkipBatch,
     SwarmView,
 )
-from swarmtrain.optim.progress_core import ProgressConfig, ProgressCore
+from swarmtrain.optim.progress_core import ProgressCore
+from swarmtrain.optim.progress_types import ProgressConfig
 
 TARGET = 96
 INF = math.inf

@@ -20,7 +20,7 @@ from swarmtrain.optim import (
     ProgressCore,
     TargetNotReached,
 )
-from swarmtrain.optim.progress_core import describe_eta
+from swarmtrain.optim.progress_types import describe_eta
 
 T0 = 1_000_000.0
 

@@ -81,8 +81,8 @@ from swarmtrain.optim.epoch_core import (
 )
 from swarmtrain.optim.grad_averager import GradientAverager
 from swarmtrain.optim.grad_scaler import scaler_method
-from swarmtrain.optim.progress_core import GlobalProgress
 from swarmtrain.optim.progress_tracker import AsyncProgressTracker
+from swarmtrain.optim.progress_types import GlobalProgress
 from swarmtrain.optim.state_averager import (
     LRScheduler,
     OptimizerFactory,

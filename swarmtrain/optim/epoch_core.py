@@ -78,7 +78,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from swarmtrain.optim._epoch_sync import CatchUpBackoff, EpochSync
-from swarmtrain.optim.progress_core import GlobalProgress
+from swarmtrain.optim.progress_types import GlobalProgress
 
 __all__ = [
     "AccumulateBatch",

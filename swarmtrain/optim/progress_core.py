@@ -84,7 +84,6 @@ from .progress_types import (
     ProgressConfig,
     ProgressWarning,
     TargetNotReached,
-    describe_eta,
 )
 from .progress_votes import (
     MIN_KNOWN_RATE,
@@ -93,19 +92,7 @@ from .progress_votes import (
     reference_rate,
 )
 
-__all__ = [
-    "ClockSkewDetected",
-    "GlobalProgress",
-    "ImplausibleProgress",
-    "LocalProgress",
-    "LonePeer",
-    "PerformanceEMA",
-    "ProgressConfig",
-    "ProgressCore",
-    "ProgressWarning",
-    "TargetNotReached",
-    "describe_eta",
-]
+__all__ = ["ProgressCore"]
 
 
 @dataclass(frozen=True)

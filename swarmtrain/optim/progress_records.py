@@ -18,10 +18,7 @@ import pydantic
 from swarmtrain.dht import PeerRecordValidator
 from swarmtrain.dht.owned_keys import PROGRESS_KEY_PATTERN
 
-from .progress_core import (
-    GlobalProgress,
-    LocalProgress,
-)
+from .progress_types import GlobalProgress, LocalProgress
 from .progress_votes import MAX_LISTED_PARTNERS, MAX_PEER_ID_BYTES
 
 __all__ = [

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .progress_core import LocalProgress
+    from .progress_types import LocalProgress
 
 __all__ = ["Carry", "Credit", "ProgressVotes", "SampleCredits", "reference_rate"]
 
