@@ -13,6 +13,14 @@ hosts one configured from ``ResourceLimits``:
   (``max_inbound_calls_per_peer``), and our own outbound calls never queue behind streams
   other peers opened to us.
 
+py-libp2p's connection manager has limits of its own that must agree
+(``build_connection_config``): its inbound cap (``max_connections - min_connections``, 300 by
+default, which silently bound before ours) is set above ours, and its pruner, which closes
+connections without open streams older than a grace period once the host holds more than a
+high watermark, gets a watermark of 3/4 of our inbound cap. A host at its cap also asks the
+pruner to run when it refuses a connection, so that a crowd of identities holding idle
+connections loses them to newcomers (py-libp2p runs it only when a connection is added).
+
 ``AddressCounter`` is the sans-IO per-address count.
 """
 
@@ -21,8 +29,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
+from libp2p.network.config import ConnectionConfig
 from libp2p.rcmgr import ResourceManager
 from libp2p.rcmgr.connection_limits import ConnectionLimits
 from libp2p.rcmgr.manager import ResourceLimits as Libp2pLimits
@@ -113,6 +123,10 @@ class SwarmResourceManager(ResourceManager):
     the first refuses an address already at its limit, before any handshake work."""
 
     cidr_limiter: Any
+    #: called before each inbound handshake (the host asks py-libp2p's pruner to look, at
+    #: most once a second: a host at its cap never adds a connection, which is what else
+    #: triggers it)
+    on_inbound: Callable[[], None] | None = None
 
     def open_connection(
         self, peer_id: Any | None = None, endpoint_ip: str | None = None, direction: str = "inbound"
@@ -120,6 +134,8 @@ class SwarmResourceManager(ResourceManager):
         if str(direction).lower().endswith("outbound"):
             endpoint_ip = None
         elif peer_id is None:  # before the handshake: check, do not count
+            if self.on_inbound is not None:
+                self.on_inbound()
             if endpoint_ip and not self.addresses.allow(endpoint_ip):
                 return None
             endpoint_ip = None
@@ -154,3 +170,44 @@ def build_resource_manager(
     )
     manager.cidr_limiter = AddressCounter(max_inbound_connections_per_ip)
     return manager
+
+
+def build_connection_config(
+    max_inbound_connections: int, auto_connect: bool, grace_period: float
+) -> ConnectionConfig:
+    """py-libp2p's connection-manager settings for a host whose inbound cap is
+    ``max_inbound_connections`` (see the module docstring). Without ``auto_connect`` nothing
+    dials to keep a minimum (py-libp2p's auto-connector would dial half the swarm from the
+    peerstore the DHT fills), so crowded hosts trim idle connections toward none; with it,
+    py-libp2p's own watermarks (100-300) stay, within the cap."""
+    defaults = ConnectionConfig()
+    minimum = defaults.min_connections if auto_connect else 0
+    low = defaults.low_watermark if auto_connect else 0
+    high = max_inbound_connections * 3 // 4
+    if auto_connect:
+        high = min(defaults.high_watermark, high)
+    high = max(low, high)
+    return ConnectionConfig(
+        # its own inbound cap (max - min) and its check of all connections before a handshake
+        # stay above ours: the resource manager enforces the inbound cap
+        max_connections=max_inbound_connections + MAX_OUTBOUND_CONNECTIONS + minimum,
+        min_connections=minimum,
+        low_watermark=low,
+        high_watermark=high,
+        grace_period=grace_period,
+    )
+
+
+def keep_auto_connector_idle(swarm: Any) -> None:
+    """py-libp2p's auto-connector dials peers from the peerstore (which the DHT fills) until a
+    host holds the midpoint of its watermarks, even with a low watermark of 0 (150
+    connections with its default high watermark): this swarm's (the instance's) never dials;
+    swarmtrain connects to the peers it talks to."""
+    connector = getattr(swarm, "auto_connector", None)
+    if connector is None or not hasattr(connector, "maybe_connect"):
+        raise RuntimeError("libp2p internals changed: the swarm has no auto_connector")
+
+    async def maybe_connect() -> None:
+        return None
+
+    connector.maybe_connect = maybe_connect

@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 from libp2p import new_host
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
-from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.config import RetryConfig
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -44,8 +44,10 @@ from swarmtrain.p2p.addresses import expand_unspecified
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
 from swarmtrain.p2p.connection_limits import (
     SwarmResourceManager,
+    build_connection_config,
     build_resource_manager,
     connections_within_fd_limit,
+    keep_auto_connector_idle,
 )
 from swarmtrain.p2p.dialling import Dialling, as_peer_id
 from swarmtrain.p2p.errors import (
@@ -186,13 +188,14 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
     transport_kinds = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
     if use_websocket:
         transport_kinds.append(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0/ws"))
-    if not config.auto_connect:
-        # py-libp2p's auto-connector dials peers from the peerstore until a host holds 50
-        # connections; the DHT fills the peerstore, so that would dial half the swarm.
-        kwargs["connection_config"] = ConnectionConfig(min_connections=0, low_watermark=0)
+    max_inbound = connections_within_fd_limit(
+        config.limits.max_inbound_connections, fd_soft_limit()
+    )
+    kwargs["connection_config"] = build_connection_config(
+        max_inbound, config.auto_connect, config.limits.connection_grace_period
+    )
     resource_manager = build_resource_manager(
-        connections_within_fd_limit(config.limits.max_inbound_connections, fd_soft_limit()),
-        config.limits.max_inbound_connections_per_ip,
+        max_inbound, config.limits.max_inbound_connections_per_ip
     )
     host = new_host(
         key_pair=key_pair,
@@ -213,6 +216,12 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
     swarm.retry_config = RetryConfig(max_retries=DIAL_RETRIES, initial_delay=DIAL_RETRY_DELAY)
     # the same manager without py-libp2p's host-wide stream semaphore (connection_limits.py)
     swarm.set_resource_manager(resource_manager, enable_stream_semaphore=False)
+    schedule_prune = getattr(swarm, "_schedule_prune", None)
+    if not callable(schedule_prune):
+        raise RuntimeError("libp2p internals changed: the swarm has no _schedule_prune")
+    resource_manager.on_inbound = schedule_prune
+    if not config.auto_connect:
+        keep_auto_connector_idle(swarm)
     tune_host(host)
     return host
 

@@ -61,6 +61,11 @@ class ResourceLimits:
     :param max_inbound_connections_per_ip: inbound libp2p connections from one source address
       (an IPv6 /64 counts as one), so that identities made on one machine cannot take every
       slot; volunteers behind one NAT share it.
+    :param connection_grace_period: once a host holds more than 3/4 of
+      ``max_inbound_connections`` connections, those without an open stream that are older
+      than this (s) are closed, oldest and least valued first (py-libp2p's pruner, up to 20 a
+      second), so that idle identities cannot keep newcomers out; their peers redial when
+      they need us.
     """
 
     max_inbound_calls_per_peer: int = 256
@@ -72,6 +77,7 @@ class ResourceLimits:
     max_pending_handshakes_per_ip: int = 8
     max_inbound_connections: int = 1024
     max_inbound_connections_per_ip: int = 128
+    connection_grace_period: float = 20.0
 
     def __post_init__(self):
         for name in (
@@ -90,6 +96,12 @@ class ResourceLimits:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ResourceLimits.{name} must be a positive int, got {value!r}")
+        grace = self.connection_grace_period
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise ValueError(
+                f"ResourceLimits.connection_grace_period must be a non-negative number of "
+                f"seconds, got {grace!r}"
+            )
         per_peer = self.max_bytes_in_flight_per_peer
         if per_peer is not None and per_peer > self.max_bytes_in_flight:
             raise ValueError(
