@@ -52,6 +52,36 @@ FACTS: list[tuple[str, str, object, str]] = [
         "p2p/host.py (_build_host)",
     ),
     (
+        "an accepted connection's handler is a swarm method that upgrades, then waits for the "
+        "swarm's end",
+        "all(n in Swarm._do_handle_inbound_connection.__code__.co_names for n in "
+        "('upgrade_inbound_raw_conn', 'wait_finished')) and "
+        "'_do_handle_inbound_connection' in Swarm._handle_inbound_connection.__code__.co_names",
+        True,
+        "p2p/_inbound_handler.py (our swarm's handler waits for its connection instead)",
+    ),
+    (
+        "connections and muxers signal their close with an event",
+        "'event_closed' in SwarmConn.__init__.__code__.co_names and "
+        "'event_closed' in Yamux.__init__.__code__.co_names",
+        True,
+        "p2p/_inbound_handler.py",
+    ),
+    (
+        "the swarm's own inbound cap is max_connections - min_connections",
+        "'_inbound_limiter' in Swarm._init_connection_management.__code__.co_names and "
+        "'min_connections' in Swarm._init_connection_management.__code__.co_names",
+        True,
+        "p2p/connection_limits.py (build_connection_config)",
+    ),
+    (
+        "the pruner runs on request and the auto-connector calls its own maybe_connect",
+        "callable(getattr(Swarm, '_schedule_prune', None)) and 'maybe_connect' in "
+        "AutoConnector._periodic_check_task.__code__.co_names",
+        True,
+        "p2p/host.py (on_inbound), p2p/connection_limits.py (keep_auto_connector_idle)",
+    ),
+    (
         "the swarm lists connections per peer",
         "'connections' in Swarm.__init__.__code__.co_names",
         True,
@@ -359,6 +389,7 @@ from libp2p.transport.tcp import tcp
 from libp2p.transport.manager import TransportManager
 from libp2p.transport.upgrader import TransportUpgrader
 from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.network.auto_connector import AutoConnector
 import libp2p.security.noise.patterns as noise_patterns
 from libp2p.security.secure_session import SecureSession
 from libp2p.security.security_multistream import SecurityMultistream
