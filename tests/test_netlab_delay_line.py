@@ -43,6 +43,7 @@ def probe(host, *args: str, timeout: float = 60) -> dict:
 
 def binomial_interval(n: int, p: float, tail: float = 1e-6) -> tuple[int, int]:
     """The smallest and largest k with P(X <= k) > tail and P(X >= k) > tail, X ~ B(n, p)."""
+
     def log_pmf(k: int) -> float:
         choose = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
         return choose + k * math.log(p) + (n - k) * math.log1p(-p)
