@@ -3,7 +3,7 @@ butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root onl
 
     sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
         [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE] [--latency packet|proxy]
-        [--mtu 1500]
+        [--mtu 1500] [--log LOGGER ...]
 
 A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a ``tc
 tbf`` rate limit on its link (both directions) and the delay and loss of ``--latency``:
@@ -25,8 +25,10 @@ traffic pattern on the same paths (every host sends ``2 size / N`` to each other
 i.e. what TCP itself gets out of these links with N-1 flows per direction
 (``ratio_to_tcp_butterfly``).
 ``--trace FILE``: every peer records its rounds' part timelines (``AllReduceTrace``) and its
-interface counters; a summary per round is printed (link busy shares, reducer waits,
-per-flow throughput), the raw events go to FILE.
+interface counters; a summary per round (the warm-up round 0 included) is printed (link busy
+shares, reducer waits, per-flow throughput), the raw events go to FILE. ``--log LOGGER ...``:
+those loggers at DEBUG in every peer; each peer's log goes to ``FILE.<delay>.p<i>.log``
+(FILE: ``--trace``'s, else ``wan``).
 
 Limitation of the proxy delay model: the proxy terminates TCP on the opener's host, so the
 kernel's TCP window does not see the delay (the proxy's 16 MiB buffer holds the bytes in
@@ -156,12 +158,15 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
         if delay == args.delays[0]:
             report(kernel_tcp_limits_in_a_namespace=kernel_tcp_limits(hosts[0]))
         started = time.monotonic()
-        first = lab.spawn(hosts[0], PEER_SCRIPT, json.dumps({"dht": {"host_maddrs": LISTEN_ALL}}))
+        log = {"log": args.log} if args.log else {}
+        first = lab.spawn(
+            hosts[0], PEER_SCRIPT, json.dumps({"dht": {"host_maddrs": LISTEN_ALL}, **log})
+        )
         info = first.recv(120)
         boot = next(a for a in info["maddrs"] if f"/ip4/{hosts[0].ip}/" in a)
         peers = [first]
         for host in hosts[1:]:
-            options = {"dht": {"host_maddrs": LISTEN_ALL, "initial_peers": [boot]}}
+            options = {"dht": {"host_maddrs": LISTEN_ALL, "initial_peers": [boot]}, **log}
             peers.append(lab.spawn(host, PEER_SCRIPT, json.dumps(options)))
         for peer in peers[1:]:
             peer.recv(120)
@@ -196,7 +201,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 for i, peer in enumerate(peers):
                     peer.send({**message, "value": float(i)})
                 results = [peer.recv(args.timeout + 30)["rounds"][0] for peer in peers]
-                if args.trace and number:
+                if args.trace:  # the warm-up round too (it opens connections and lanes)
                     summary = summarize_round(results, mbit)
                     report(trace_of_round=number, delay_ms=int(delay * 1000), mbit=mbit, **summary)
                     with open(args.trace, "a") as out:
@@ -252,6 +257,10 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                 **pair,
                 **delay_line_counters(lab, hosts),
             )
+        if args.log:
+            for i, peer in enumerate(peers):
+                with open(f"{args.trace or 'wan'}.{delay}.p{i}.log", "w") as out:
+                    out.write(peer.stderr(limit=None))
 
 
 def main() -> None:
@@ -300,6 +309,13 @@ def main() -> None:
         metavar="FILE",
         help="record every measured round's part timeline and link counters: a summary per "
         "round is printed, the raw events are appended to FILE (JSON lines)",
+    )
+    parser.add_argument(
+        "--log",
+        nargs="+",
+        metavar="LOGGER",
+        help="these loggers at DEBUG in every peer (e.g. swarmtrain.p2p.lane), one file per "
+        "peer and lab next to --trace's FILE",
     )
     args = parser.parse_args()
     if args.latency == "packet":
