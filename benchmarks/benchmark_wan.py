@@ -176,91 +176,97 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
             for host in hosts:
                 lab.spawn(host, PROBE_SCRIPT, "sink", str(SINK_PORT)).recv(30)
         report(delay=delay, startup_seconds=round(time.monotonic() - started, 1))
-        for index, (mbit, loss, codec) in enumerate(configs):
-            for host in hosts:
-                lab.limit_rate(host, mbit)
-                if args.latency == "packet":
-                    lab.set_delay_line(host, loss=link_loss(loss))
-                else:
-                    lab.set_loss(host, loss)
-            message = {
-                "op": "average",
-                "prefix": f"wan{index}",
-                "rounds": 1,
-                "floats": args.floats,
-                "group_size": args.peers,
-                "timeout": args.timeout,
-                "matchmaking_time": 3.0,
-                "request_timeout": max(1.0, 8 * delay),
-                "averager": {"next_chunk_timeout": 30.0, "float16": codec == "float16"},
-                "trace": bool(args.trace),
-                "part_layout": args.part_layout,
-            }
-            spans, steps, layouts = [], [], []
-            for number in range(args.rounds + 1):  # round 0 opens the connections and lanes
-                for i, peer in enumerate(peers):
-                    peer.send({**message, "value": float(i)})
-                results = [peer.recv(args.timeout + 30)["rounds"][0] for peer in peers]
-                if args.trace:  # the warm-up round too (it opens connections and lanes)
-                    summary = summarize_round(results, mbit)
-                    report(trace_of_round=number, delay_ms=int(delay * 1000), mbit=mbit, **summary)
-                    with open(args.trace, "a") as out:
-                        key = {"delay": delay, "mbit": mbit, "loss": loss, "round": number}
-                        raw = [{k: r.get(k) for k in ("trace", "link")} for r in results]
-                        out.write(json.dumps({**key, "peers": raw}) + "\n")
-                assert all(r["group"] == args.peers for r in results), results
-                expected = (args.peers - 1) / 2
-                assert all(abs(r["value"] - expected) < 1e-4 for r in results), results
-                began = min(r["allreduce_began"] for r in results)
-                spans.append(max(r["ended"] for r in results) - began)
-                layouts.append(min(r.get("part_layout", -1) for r in results))
-                steps.append(max(r["seconds"] for r in results))
-            size = args.floats * (2 if codec == "float16" else 4)
-            bound = butterfly_seconds(args.peers, size, mbit, 2 * delay)
-            median = statistics.median(spans[1:])
-            tcp = {}
-            if args.tcp_butterfly:
-                raw = [tcp_butterfly_seconds(lab, hosts, size) for _ in range(args.tcp_butterfly)]
-                tcp = {
-                    "tcp_butterfly_seconds": [round(s, 2) for s in raw],
-                    "ratio_to_tcp_butterfly": round(median / statistics.median(raw), 2),
+        try:
+            for index, (mbit, loss, codec) in enumerate(configs):
+                for host in hosts:
+                    lab.limit_rate(host, mbit)
+                    if args.latency == "packet":
+                        lab.set_delay_line(host, loss=link_loss(loss))
+                    else:
+                        lab.set_loss(host, loss)
+                message = {
+                    "op": "average",
+                    "prefix": f"wan{index}",
+                    "rounds": 1,
+                    "floats": args.floats,
+                    "group_size": args.peers,
+                    "timeout": args.timeout,
+                    "matchmaking_time": 3.0,
+                    "request_timeout": max(1.0, 8 * delay),
+                    "averager": {"next_chunk_timeout": 30.0, "float16": codec == "float16"},
+                    "trace": bool(args.trace),
+                    "part_layout": args.part_layout,
                 }
-            pair = bulk_calls(peers, mbit, delay, args) if args.bulk_mib else {}
-            if args.bulk_mib:
-                # the link's real goodput (L2 headers, ACKs, tbf): the measured butterfly
-                echo = tcp_echo_seconds(lab, hosts, args.bulk_mib)
-                goodput = args.bulk_mib * (1 << 20) * 8 / 1e6 / (echo - 2 * delay)
-                measured = butterfly_seconds(args.peers, size, goodput, 2 * delay)
-                pair.update(
-                    tcp_goodput_mbit=round(goodput, 1),
-                    butterfly_measured_seconds=round(measured, 2),
-                    ratio_to_measured=round(median / measured, 2),
+                spans, steps, layouts = [], [], []
+                for number in range(args.rounds + 1):  # round 0 opens the connections and lanes
+                    for i, peer in enumerate(peers):
+                        peer.send({**message, "value": float(i)})
+                    results = [peer.recv(args.timeout + 30)["rounds"][0] for peer in peers]
+                    if args.trace:  # the warm-up round too (it opens connections and lanes)
+                        summary = summarize_round(results, mbit)
+                        report(
+                            trace_of_round=number, delay_ms=int(delay * 1000), mbit=mbit, **summary
+                        )
+                        with open(args.trace, "a") as out:
+                            key = {"delay": delay, "mbit": mbit, "loss": loss, "round": number}
+                            raw = [{k: r.get(k) for k in ("trace", "link")} for r in results]
+                            out.write(json.dumps({**key, "peers": raw}) + "\n")
+                    assert all(r["group"] == args.peers for r in results), results
+                    expected = (args.peers - 1) / 2
+                    assert all(abs(r["value"] - expected) < 1e-4 for r in results), results
+                    began = min(r["allreduce_began"] for r in results)
+                    spans.append(max(r["ended"] for r in results) - began)
+                    layouts.append(min(r.get("part_layout", -1) for r in results))
+                    steps.append(max(r["seconds"] for r in results))
+                size = args.floats * (2 if codec == "float16" else 4)
+                bound = butterfly_seconds(args.peers, size, mbit, 2 * delay)
+                median = statistics.median(spans[1:])
+                tcp = {}
+                if args.tcp_butterfly:
+                    raw = [
+                        tcp_butterfly_seconds(lab, hosts, size) for _ in range(args.tcp_butterfly)
+                    ]
+                    tcp = {
+                        "tcp_butterfly_seconds": [round(s, 2) for s in raw],
+                        "ratio_to_tcp_butterfly": round(median / statistics.median(raw), 2),
+                    }
+                pair = bulk_calls(peers, mbit, delay, args) if args.bulk_mib else {}
+                if args.bulk_mib:
+                    # the link's real goodput (L2 headers, ACKs, tbf): the measured butterfly
+                    echo = tcp_echo_seconds(lab, hosts, args.bulk_mib)
+                    goodput = args.bulk_mib * (1 << 20) * 8 / 1e6 / (echo - 2 * delay)
+                    measured = butterfly_seconds(args.peers, size, goodput, 2 * delay)
+                    pair.update(
+                        tcp_goodput_mbit=round(goodput, 1),
+                        butterfly_measured_seconds=round(measured, 2),
+                        ratio_to_measured=round(median / measured, 2),
+                    )
+                report(
+                    delay_ms=int(delay * 1000),
+                    rtt_ms=int(2 * delay * 1000),
+                    mbit=mbit,
+                    loss=loss,
+                    latency=args.latency,
+                    mtu=args.mtu if args.latency == "packet" else None,
+                    codec=codec,
+                    floats=args.floats,
+                    peers=args.peers,
+                    butterfly_seconds=round(bound, 2),
+                    allreduce_seconds_median=round(median, 2),
+                    ratio=round(median / bound, 2),
+                    allreduce_seconds=[round(s, 2) for s in spans],
+                    step_seconds=[round(s, 2) for s in steps],
+                    part_layout_offered_after=layouts,
+                    load=os.getloadavg()[0],
+                    **tcp,
+                    **pair,
+                    **delay_line_counters(lab, hosts),
                 )
-            report(
-                delay_ms=int(delay * 1000),
-                rtt_ms=int(2 * delay * 1000),
-                mbit=mbit,
-                loss=loss,
-                latency=args.latency,
-                mtu=args.mtu if args.latency == "packet" else None,
-                codec=codec,
-                floats=args.floats,
-                peers=args.peers,
-                butterfly_seconds=round(bound, 2),
-                allreduce_seconds_median=round(median, 2),
-                ratio=round(median / bound, 2),
-                allreduce_seconds=[round(s, 2) for s in spans],
-                step_seconds=[round(s, 2) for s in steps],
-                part_layout_offered_after=layouts,
-                load=os.getloadavg()[0],
-                **tcp,
-                **pair,
-                **delay_line_counters(lab, hosts),
-            )
-        if args.log:
-            for i, peer in enumerate(peers):
-                with open(f"{args.trace or 'wan'}.{delay}.p{i}.log", "w") as out:
-                    out.write(peer.stderr(limit=None))
+        finally:
+            if args.log:
+                for i, peer in enumerate(peers):
+                    with open(f"{args.trace or 'wan'}.{delay}.p{i}.log", "w") as out:
+                        out.write(peer.stderr(limit=None))
 
 
 def main() -> None:
