@@ -154,59 +154,64 @@ async def test_a_writer_without_credit_times_out(monkeypatch):
         never_read.set()
 
 
-def _shrink_socket_buffers(p2p: P2P, peer_id, size: int) -> None:
-    """Small kernel buffers on ``p2p``'s TCP connection to ``peer_id``: what a long fat
-    pipe's TCP gives a connection at first (windows not yet grown), here on loopback."""
+async def count_bytes(requests, context):
+    total = 0
+    async for request in requests:
+        total += len(request.value)
+    return Int64Value(value=total)
+
+
+def _shrink_send_buffers(p2p: P2P, peer_id, size: int) -> None:
+    """A small kernel send buffer on ``p2p``'s TCP connections to ``peer_id``: what TCP gives
+    a connection on a long fat pipe at first (windows not grown yet), here on loopback."""
     import socket
 
-    conns = p2p._host.get_network().connections[peer_id]
-    for conn in conns if isinstance(conns, list) else [conns]:
-        sock = conn.muxed_conn.secured_conn.conn.conn.stream.stream  # noise, raw, trio
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    for conn in p2p._host.get_network().connections[peer_id]:
+        tcp = conn.muxed_conn.secured_conn.conn.conn.stream.stream  # noise, raw, trio
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
 
 async def test_read_loops_answer_new_streams_while_both_sockets_are_full():
-    """Both peers send bulk data to each other and open new streams meanwhile, over sockets
-    with tiny buffers. Each read loop must answer the other's new streams (ACK frames)
-    without waiting for its own writer, which is blocked on the full socket: py-libp2p's
-    loop wrote the ACK itself, and both loops then waited for sockets neither side read
-    (the all-reduce stall at 300 ms RTT, docs/reliability.md)."""
-    received: dict[str, int] = {}
-
-    async def drain(stream):
-        total = 0
-        while chunk := await stream.read(MIB):
-            total += len(chunk)
-        received[str(stream.muxed_conn.peer_id)] = received.get(
-            str(stream.muxed_conn.peer_id), 0
-        ) + total
-        await stream.close()
-
-    async def bulk(src: P2P, dst: P2P) -> None:
-        stream = await src.new_stream(dst.peer_id, RAW_PROTOCOL)
-        await stream.write(bytes(4 * MIB))
-        await stream.close()
-
-    async def open_streams(src: P2P, dst: P2P) -> None:
-        for _ in range(30):
-            stream = await src.new_stream(dst.peer_id, RAW_PROTOCOL)
-            await stream.write(b"x")
-            await stream.close()
-
+    """Both peers stream bulk data to each other and open new streams (calls) meanwhile, over
+    sockets with small send buffers. py-libp2p's read loop wrote each new stream's ACK itself,
+    behind its own data writer blocked on the full socket; with both loops waiting so, neither
+    side read and the connection froze until FRAME_WRITE_TIMEOUT (60 s; the all-reduce stall
+    at 300 ms RTT, docs/reliability.md). Our read loop queues such frames."""
     async with (
         P2P.create(use_data_lanes=False, **QUIET) as a,
         P2P.create(a.get_visible_maddrs(), use_data_lanes=False, **QUIET) as b,
     ):
         for host in (a, b):
-            host.host.set_stream_handler(RAW_PROTOCOL, drain)
-        _shrink_socket_buffers(a, b.peer_id, 4096)
-        _shrink_socket_buffers(b, a.peer_id, 4096)
-        with trio.fail_after(30):  # frozen: FRAME_WRITE_TIMEOUT (60 s) would end it
+            host.add_protobuf_handler(
+                "test::Yamux.count", count_bytes, BytesValue, stream_input=True
+            )
+            host.add_protobuf_handler("test::Yamux.echo", echo_bytes, BytesValue)
+        small = BytesValue(value=b"y")
+        await a.call_protobuf_handler(b.peer_id, "test::Yamux.echo", small, BytesValue)
+        _shrink_send_buffers(a, b.peer_id, 4096)
+        _shrink_send_buffers(b, a.peer_id, 4096)
+
+        async def bulk(src: P2P, dst: P2P) -> None:
+            chunks = [BytesValue(value=bytes(MIB))] * 16
+            reply = await src.call_protobuf_handler(
+                dst.peer_id, "test::Yamux.count", chunks, Int64Value, stream_input=True
+            )
+            assert reply.value == 16 * MIB
+
+        async def calls(src: P2P, dst: P2P) -> None:
+            for _ in range(10):  # 8 at once: new streams while the bulk calls run
+                async with trio.open_nursery() as wave:
+                    for _ in range(8):
+                        wave.start_soon(
+                            src.call_protobuf_handler,
+                            dst.peer_id,
+                            "test::Yamux.echo",
+                            small,
+                            BytesValue,
+                        )
+
+        with trio.fail_after(40):  # frozen: the 60 s frame write timeout would end it
             async with trio.open_nursery() as nursery:
                 for src, dst in ((a, b), (b, a)):
                     nursery.start_soon(bulk, src, dst)
-                    nursery.start_soon(open_streams, src, dst)
-            while sum(received.values()) < 2 * (4 * MIB + 30):  # noqa: ASYNC110
-                await trio.sleep(0.01)  # the last reads after the writers' close
-        assert received == {str(b.peer_id): 4 * MIB + 30, str(a.peer_id): 4 * MIB + 30}
+                    nursery.start_soon(calls, src, dst)
