@@ -145,13 +145,6 @@ class Dialling:
             errors: list[str] = []
             rejected = False  # a handshake failed as a swarm-key mismatch makes it fail
             if direct:
-                # py-libp2p fails every dial at once for 60 s after one that failed (its
-                # negative cache): one failure on a slow link cut two peers off for a minute
-                # (their all-reduce streams never started). Our dials are bounded by this lock
-                # and dial_timeout instead.
-                unblock = getattr(self._host.get_network(), "unblock_peer", None)
-                if unblock is not None:
-                    unblock(peer_id)
                 try:
                     with trio.fail_after(self.config.dial_timeout):
                         await self._host.connect(PeerInfo(peer_id, direct))
