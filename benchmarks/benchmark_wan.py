@@ -2,31 +2,41 @@
 butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root only.
 
     sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
-        [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE]
+        [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE] [--latency packet|proxy]
+        [--mtu 1500] [--log LOGGER ...]
 
-A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a
-``tc tbf`` rate limit on its link (both directions), a delay proxy (every TCP connection a
-host opens is delayed ``delay`` each way: RTT = 2 x delay) and ``iptables -m statistic`` loss
-on packets arriving at it. One ``peer.py`` per host (a ``DHT`` and a
-``DecentralizedAverager`` over ``--floats`` float32), every peer with the same group of
-``--peers``. Per configuration, ``--rounds`` rounds; a round's all-reduce time is the span
-from the first member entering all-reduce to the last one finishing (matchmaking excluded;
-the whole step is printed too). Baseline from the same script: the butterfly lower bound
-``2 (N-1)/N x size / rate + 2 RTT`` (each peer sends and receives (N-1)/N of its tensor in
-reduce-scatter and again in all-gather; one RTT per phase). The ratio is the figure. A
-second, measured baseline (``--tcp-butterfly``): raw TCP with the round's traffic pattern on
-the same paths (every host sends ``2 size / N`` to each other host at once), i.e. what TCP
-itself gets out of these links with N-1 flows per direction (``ratio_to_tcp_butterfly``).
+A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a ``tc
+tbf`` rate limit on its link (both directions) and the delay and loss of ``--latency``:
+``packet`` (default): each host sits behind a packet-level delay line
+(``Lab.add_delayed_host``: a TUN forwarder in an access router) holding every packet ``delay /
+2`` and dropping it with probability ``1 - sqrt(1 - loss)`` each way on each host's link, so a
+packet between two hosts is delayed ``delay`` and lost with probability ``loss``, and
+end-to-end TCP sees RTT = 2 x delay (``--mtu`` sets every link's MTU on those paths);
+``proxy``: a delay proxy per host (every TCP connection a host opens is delayed ``delay`` each
+way, TCP ends at the proxy) and ``iptables -m statistic`` loss on packets arriving at it. One
+``peer.py`` per host (a ``DHT`` and a ``DecentralizedAverager`` over ``--floats`` float32),
+every peer with the same group of ``--peers``. Per configuration, ``--rounds`` rounds; a
+round's all-reduce time is the span from the first member entering all-reduce to the last one
+finishing (matchmaking excluded; the whole step is printed too). Baseline from the same script:
+the butterfly lower bound ``2 (N-1)/N x size / rate + 2 RTT`` (each peer sends and receives
+(N-1)/N of its tensor in reduce-scatter and again in all-gather; one RTT per phase). The ratio
+is the figure. A second, measured baseline (``--tcp-butterfly``): raw TCP with the round's
+traffic pattern on the same paths (every host sends ``2 size / N`` to each other host at once),
+i.e. what TCP itself gets out of these links with N-1 flows per direction
+(``ratio_to_tcp_butterfly``).
 ``--trace FILE``: every peer records its rounds' part timelines (``AllReduceTrace``) and its
-interface counters; a summary per round is printed (link busy shares, reducer waits,
-per-flow throughput), the raw events go to FILE.
+interface counters; a summary per round (the warm-up round 0 included) is printed (link busy
+shares, reducer waits, per-flow throughput), the raw events go to FILE. ``--log LOGGER ...``:
+those loggers at DEBUG in every peer; each peer's log goes to ``FILE.<delay>.p<i>.log``
+(FILE: ``--trace``'s, else ``wan``).
 
-Limitation of the delay model: the proxy terminates TCP on the opener's host, so the kernel's
-TCP window does not see the delay (the proxy's 16 MiB buffer holds the bytes in flight);
-what sees the full RTT is end-to-end flow control above TCP (yamux windows) and request/
-response turns; slow start and loss recovery at the full RTT are not modelled either (this
-kernel has no netem/fq/etf qdisc for a packet-level delay). The raw-TCP butterfly crosses the
-same proxies. The kernel's TCP limits for a real long fat pipe are printed for reference.
+Limitation of the proxy delay model: the proxy terminates TCP on the opener's host, so the
+kernel's TCP window does not see the delay (the proxy's 16 MiB buffer holds the bytes in
+flight); what sees the full RTT is end-to-end flow control above TCP (yamux windows) and
+request/response turns; slow start and loss recovery at the full RTT are not modelled either
+(this kernel has no netem/fq/etf qdisc: hence the packet-level line). The raw-TCP
+butterfly crosses the same proxies or delay lines. The kernel's TCP limits for a real long
+fat pipe are printed for reference.
 """
 
 from __future__ import annotations
@@ -115,21 +125,48 @@ def bulk_calls(peers, mbit: float, delay: float, args) -> dict:
     }
 
 
+def link_loss(loss: float) -> float:
+    """The loss on each of a path's two delay lines that makes ``loss`` on the path."""
+    return 1 - (1 - loss) ** 0.5
+
+
+def delay_line_counters(lab, hosts) -> dict:
+    """Totals over the hosts' delay lines (packet mode): packets seen, lost, overflowed, and
+    the largest lateness of a write past its due time (the forwarder's own delay)."""
+    if not hosts[0].delay_line:
+        return {}
+    stats = [lab.delay_line_statistics(h) for h in hosts]
+    total = {
+        key: sum(s[f"{key}_{way}"] for s in stats for way in ("in", "out"))
+        for key in ("seen", "lost", "overflow")
+    }
+    return {"delay_line_so_far": {**total, "max_late": max(s["max_late"] for s in stats)}}
+
+
 def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
     with netlab.Lab() as lab:
-        hosts = [lab.add_public_host(f"p{i}") for i in range(args.peers)]
-        if delay:
-            for host in hosts:
-                lab.add_latency(host, delay)  # before any connection opens
+        if args.latency == "packet":
+            hosts = [
+                lab.add_delayed_host(f"p{i}", delay=delay / 2, mtu=args.mtu)
+                for i in range(args.peers)
+            ]
+        else:
+            hosts = [lab.add_public_host(f"p{i}") for i in range(args.peers)]
+            if delay:
+                for host in hosts:
+                    lab.add_latency(host, delay)  # before any connection opens
         if delay == args.delays[0]:
             report(kernel_tcp_limits_in_a_namespace=kernel_tcp_limits(hosts[0]))
         started = time.monotonic()
-        first = lab.spawn(hosts[0], PEER_SCRIPT, json.dumps({"dht": {"host_maddrs": LISTEN_ALL}}))
+        log = {"log": args.log} if args.log else {}
+        first = lab.spawn(
+            hosts[0], PEER_SCRIPT, json.dumps({"dht": {"host_maddrs": LISTEN_ALL}, **log})
+        )
         info = first.recv(120)
         boot = next(a for a in info["maddrs"] if f"/ip4/{hosts[0].ip}/" in a)
         peers = [first]
         for host in hosts[1:]:
-            options = {"dht": {"host_maddrs": LISTEN_ALL, "initial_peers": [boot]}}
+            options = {"dht": {"host_maddrs": LISTEN_ALL, "initial_peers": [boot]}, **log}
             peers.append(lab.spawn(host, PEER_SCRIPT, json.dumps(options)))
         for peer in peers[1:]:
             peer.recv(120)
@@ -139,81 +176,97 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
             for host in hosts:
                 lab.spawn(host, PROBE_SCRIPT, "sink", str(SINK_PORT)).recv(30)
         report(delay=delay, startup_seconds=round(time.monotonic() - started, 1))
-        for index, (mbit, loss, codec) in enumerate(configs):
-            for host in hosts:
-                lab.limit_rate(host, mbit)
-                lab.set_loss(host, loss)
-            message = {
-                "op": "average",
-                "prefix": f"wan{index}",
-                "rounds": 1,
-                "floats": args.floats,
-                "group_size": args.peers,
-                "timeout": args.timeout,
-                "matchmaking_time": 3.0,
-                "request_timeout": max(1.0, 8 * delay),
-                "averager": {"next_chunk_timeout": 30.0, "float16": codec == "float16"},
-                "trace": bool(args.trace),
-                "part_layout": args.part_layout,
-            }
-            spans, steps, layouts = [], [], []
-            for number in range(args.rounds + 1):  # round 0 opens the connections and lanes
-                for i, peer in enumerate(peers):
-                    peer.send({**message, "value": float(i)})
-                results = [peer.recv(args.timeout + 30)["rounds"][0] for peer in peers]
-                if args.trace and number:
-                    summary = summarize_round(results, mbit)
-                    report(trace_of_round=number, delay_ms=int(delay * 1000), mbit=mbit, **summary)
-                    with open(args.trace, "a") as out:
-                        key = {"delay": delay, "mbit": mbit, "loss": loss, "round": number}
-                        raw = [{k: r.get(k) for k in ("trace", "link")} for r in results]
-                        out.write(json.dumps({**key, "peers": raw}) + "\n")
-                assert all(r["group"] == args.peers for r in results), results
-                expected = (args.peers - 1) / 2
-                assert all(abs(r["value"] - expected) < 1e-4 for r in results), results
-                began = min(r["allreduce_began"] for r in results)
-                spans.append(max(r["ended"] for r in results) - began)
-                layouts.append(min(r.get("part_layout", -1) for r in results))
-                steps.append(max(r["seconds"] for r in results))
-            size = args.floats * (2 if codec == "float16" else 4)
-            bound = butterfly_seconds(args.peers, size, mbit, 2 * delay)
-            median = statistics.median(spans[1:])
-            tcp = {}
-            if args.tcp_butterfly:
-                raw = [tcp_butterfly_seconds(lab, hosts, size) for _ in range(args.tcp_butterfly)]
-                tcp = {
-                    "tcp_butterfly_seconds": [round(s, 2) for s in raw],
-                    "ratio_to_tcp_butterfly": round(median / statistics.median(raw), 2),
+        try:
+            for index, (mbit, loss, codec) in enumerate(configs):
+                for host in hosts:
+                    lab.limit_rate(host, mbit)
+                    if args.latency == "packet":
+                        lab.set_delay_line(host, loss=link_loss(loss))
+                    else:
+                        lab.set_loss(host, loss)
+                message = {
+                    "op": "average",
+                    "prefix": f"wan{index}",
+                    "rounds": 1,
+                    "floats": args.floats,
+                    "group_size": args.peers,
+                    "timeout": args.timeout,
+                    "matchmaking_time": 3.0,
+                    "request_timeout": max(1.0, 8 * delay),
+                    "averager": {"next_chunk_timeout": 30.0, "float16": codec == "float16"},
+                    "trace": bool(args.trace),
+                    "part_layout": args.part_layout,
                 }
-            pair = bulk_calls(peers, mbit, delay, args) if args.bulk_mib else {}
-            if args.bulk_mib:
-                # the link's real goodput (L2 headers, ACKs, tbf): the measured butterfly
-                echo = tcp_echo_seconds(lab, hosts, args.bulk_mib)
-                goodput = args.bulk_mib * (1 << 20) * 8 / 1e6 / (echo - 2 * delay)
-                measured = butterfly_seconds(args.peers, size, goodput, 2 * delay)
-                pair.update(
-                    tcp_goodput_mbit=round(goodput, 1),
-                    butterfly_measured_seconds=round(measured, 2),
-                    ratio_to_measured=round(median / measured, 2),
+                spans, steps, layouts = [], [], []
+                for number in range(args.rounds + 1):  # round 0 opens the connections and lanes
+                    for i, peer in enumerate(peers):
+                        peer.send({**message, "value": float(i)})
+                    results = [peer.recv(args.timeout + 30)["rounds"][0] for peer in peers]
+                    if args.trace:  # the warm-up round too (it opens connections and lanes)
+                        summary = summarize_round(results, mbit)
+                        report(
+                            trace_of_round=number, delay_ms=int(delay * 1000), mbit=mbit, **summary
+                        )
+                        with open(args.trace, "a") as out:
+                            key = {"delay": delay, "mbit": mbit, "loss": loss, "round": number}
+                            raw = [{k: r.get(k) for k in ("trace", "link")} for r in results]
+                            out.write(json.dumps({**key, "peers": raw}) + "\n")
+                    assert all(r["group"] == args.peers for r in results), results
+                    expected = (args.peers - 1) / 2
+                    assert all(abs(r["value"] - expected) < 1e-4 for r in results), results
+                    began = min(r["allreduce_began"] for r in results)
+                    spans.append(max(r["ended"] for r in results) - began)
+                    layouts.append(min(r.get("part_layout", -1) for r in results))
+                    steps.append(max(r["seconds"] for r in results))
+                size = args.floats * (2 if codec == "float16" else 4)
+                bound = butterfly_seconds(args.peers, size, mbit, 2 * delay)
+                median = statistics.median(spans[1:])
+                tcp = {}
+                if args.tcp_butterfly:
+                    raw = [
+                        tcp_butterfly_seconds(lab, hosts, size) for _ in range(args.tcp_butterfly)
+                    ]
+                    tcp = {
+                        "tcp_butterfly_seconds": [round(s, 2) for s in raw],
+                        "ratio_to_tcp_butterfly": round(median / statistics.median(raw), 2),
+                    }
+                pair = bulk_calls(peers, mbit, delay, args) if args.bulk_mib else {}
+                if args.bulk_mib:
+                    # the link's real goodput (L2 headers, ACKs, tbf): the measured butterfly
+                    echo = tcp_echo_seconds(lab, hosts, args.bulk_mib)
+                    goodput = args.bulk_mib * (1 << 20) * 8 / 1e6 / (echo - 2 * delay)
+                    measured = butterfly_seconds(args.peers, size, goodput, 2 * delay)
+                    pair.update(
+                        tcp_goodput_mbit=round(goodput, 1),
+                        butterfly_measured_seconds=round(measured, 2),
+                        ratio_to_measured=round(median / measured, 2),
+                    )
+                report(
+                    delay_ms=int(delay * 1000),
+                    rtt_ms=int(2 * delay * 1000),
+                    mbit=mbit,
+                    loss=loss,
+                    latency=args.latency,
+                    mtu=args.mtu if args.latency == "packet" else None,
+                    codec=codec,
+                    floats=args.floats,
+                    peers=args.peers,
+                    butterfly_seconds=round(bound, 2),
+                    allreduce_seconds_median=round(median, 2),
+                    ratio=round(median / bound, 2),
+                    allreduce_seconds=[round(s, 2) for s in spans],
+                    step_seconds=[round(s, 2) for s in steps],
+                    part_layout_offered_after=layouts,
+                    load=os.getloadavg()[0],
+                    **tcp,
+                    **pair,
+                    **delay_line_counters(lab, hosts),
                 )
-            report(
-                delay_ms=int(delay * 1000),
-                rtt_ms=int(2 * delay * 1000),
-                mbit=mbit,
-                loss=loss,
-                codec=codec,
-                floats=args.floats,
-                peers=args.peers,
-                butterfly_seconds=round(bound, 2),
-                allreduce_seconds_median=round(median, 2),
-                ratio=round(median / bound, 2),
-                allreduce_seconds=[round(s, 2) for s in spans],
-                step_seconds=[round(s, 2) for s in steps],
-                part_layout_offered_after=layouts,
-                load=os.getloadavg()[0],
-                **tcp,
-                **pair,
-            )
+        finally:
+            if args.log:
+                for i, peer in enumerate(peers):
+                    with open(f"{args.trace or 'wan'}.{delay}.p{i}.log", "w") as out:
+                        out.write(peer.stderr(limit=None))
 
 
 def main() -> None:
@@ -231,6 +284,16 @@ def main() -> None:
         choices=("none", "float16"),
         default=["none"],
         help="float16: DiLoCo's round (its pseudo-gradient codec)",
+    )
+    parser.add_argument(
+        "--latency",
+        choices=("packet", "proxy"),
+        default="packet",
+        help="packet: a packet-level delay line per host (TCP sees the RTT and the loss); "
+        "proxy: the TCP delay proxy and iptables loss (TCP ends at the proxy)",
+    )
+    parser.add_argument(
+        "--mtu", type=int, default=1500, help="MTU of every link on the paths (packet mode)"
     )
     parser.add_argument("--bulk-mib", type=int, default=8, help="pair throughput (0: skip)")
     parser.add_argument(
@@ -253,8 +316,20 @@ def main() -> None:
         help="record every measured round's part timeline and link counters: a summary per "
         "round is printed, the raw events are appended to FILE (JSON lines)",
     )
+    parser.add_argument(
+        "--log",
+        nargs="+",
+        metavar="LOGGER",
+        help="these loggers at DEBUG in every peer (e.g. swarmtrain.p2p.lane), one file per "
+        "peer and lab next to --trace's FILE",
+    )
     args = parser.parse_args()
-    reason = netlab.iptables_unavailable_reason()
+    if args.latency == "packet":
+        reason = netlab.delay_line_unavailable_reason()
+        if reason is None and not netlab.system.tc_available():
+            reason = "the rate limits need tc (iproute2)"
+    else:
+        reason = netlab.iptables_unavailable_reason()
     if reason:
         sys.exit(reason)
     report(load_at_start=os.getloadavg())

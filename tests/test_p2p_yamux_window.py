@@ -152,3 +152,66 @@ async def test_a_writer_without_credit_times_out(monkeypatch):
             await _blocked_writer(a, b, hold)
         assert "window update" in str(raised.value.__cause__)
         never_read.set()
+
+
+async def count_bytes(requests, context):
+    total = 0
+    async for request in requests:
+        total += len(request.value)
+    return Int64Value(value=total)
+
+
+def _shrink_send_buffers(p2p: P2P, peer_id, size: int) -> None:
+    """A small kernel send buffer on ``p2p``'s TCP connections to ``peer_id``: what TCP gives
+    a connection on a long fat pipe at first (windows not grown yet), here on loopback."""
+    import socket
+
+    for conn in p2p._host.get_network().connections[peer_id]:
+        tcp = conn.muxed_conn.secured_conn.conn.conn.stream.stream  # noise, raw, trio
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+
+
+async def test_read_loops_answer_new_streams_while_both_sockets_are_full():
+    """Both peers stream bulk data to each other and open new streams (calls) meanwhile, over
+    sockets with small send buffers. py-libp2p's read loop wrote each new stream's ACK itself,
+    behind its own data writer blocked on the full socket; with both loops waiting so, neither
+    side read and the connection froze until FRAME_WRITE_TIMEOUT (60 s; the all-reduce stall
+    at 300 ms RTT, docs/reliability.md). Our read loop queues such frames."""
+    async with (
+        P2P.create(use_data_lanes=False, **QUIET) as a,
+        P2P.create(a.get_visible_maddrs(), use_data_lanes=False, **QUIET) as b,
+    ):
+        for host in (a, b):
+            host.add_protobuf_handler(
+                "test::Yamux.count", count_bytes, BytesValue, stream_input=True
+            )
+            host.add_protobuf_handler("test::Yamux.echo", echo_bytes, BytesValue)
+        small = BytesValue(value=b"y")
+        await a.call_protobuf_handler(b.peer_id, "test::Yamux.echo", small, BytesValue)
+        _shrink_send_buffers(a, b.peer_id, 4096)
+        _shrink_send_buffers(b, a.peer_id, 4096)
+
+        async def bulk(src: P2P, dst: P2P) -> None:
+            chunks = [BytesValue(value=bytes(MIB))] * 16
+            reply = await src.call_protobuf_handler(
+                dst.peer_id, "test::Yamux.count", chunks, Int64Value, stream_input=True
+            )
+            assert reply.value == 16 * MIB
+
+        async def calls(src: P2P, dst: P2P) -> None:
+            for _ in range(10):  # 8 at once: new streams while the bulk calls run
+                async with trio.open_nursery() as wave:
+                    for _ in range(8):
+                        wave.start_soon(
+                            src.call_protobuf_handler,
+                            dst.peer_id,
+                            "test::Yamux.echo",
+                            small,
+                            BytesValue,
+                        )
+
+        with trio.fail_after(40):  # frozen: the 60 s frame write timeout would end it
+            async with trio.open_nursery() as nursery:
+                for src, dst in ((a, b), (b, a)):
+                    nursery.start_soon(bulk, src, dst)
+                    nursery.start_soon(calls, src, dst)

@@ -20,10 +20,19 @@ as imported, so a stock host in the same process behaves as stock py-libp2p. The
   amount on a stream nobody reads (one the callee half-closed after refusing a call, say).
   Here each stream's buffer (``_WindowedBuffer``) refuses data past the window (plus
   ``WINDOW_SLACK``): the data is dropped and the connection closed, as go-yamux does.
+- The read loop never waits for a write: py-libp2p's read loop writes the ACK of each new
+  stream (and RSTs, ping replies) itself, under the connection's write lock. When both
+  peers' socket buffers are full (bulk data both ways, a long RTT: TCP windows still small),
+  each read loop waited behind its own blocked data writer for a socket the other side had
+  stopped reading, and the connection froze until ``FRAME_WRITE_TIMEOUT`` (seen at 300 ms
+  RTT through the netlab's packet-level delay line: every all-reduce stream stalled). Here
+  the read loop queues those frames (at most ``MAX_QUEUED_CONTROL_FRAMES``; more: the peer is
+  flooding, the connection is closed) and a task of the connection writes them.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import struct
@@ -43,6 +52,9 @@ WINDOW_WAIT_TIMEOUT = 5.0
 #: bytes a peer may send past a stream's receive window, in all (leniency), before the
 #: connection is closed; a stream never buffers more than its window plus this
 WINDOW_SLACK = 64 * 1024
+#: control frames (ACK, RST, ping replies, 12 bytes each) the read loop may queue for writing;
+#: more: the peer opens streams or pings faster than the socket takes our answers (closed)
+MAX_QUEUED_CONTROL_FRAMES = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +288,64 @@ class TunedYamux(Yamux):
         if nursery is not None:
             nursery.start_soon(self.close)
 
+    #: the task running the read loop (``handle_incoming``): it queues, never writes
+    _reader: trio.lowlevel.Task | None = None
+    _control_frames: collections.deque[bytes] | None = None
+    _control_ready: trio.Event | None = None
+
+    async def handle_incoming(self) -> None:
+        self._reader = trio.lowlevel.current_task()
+        await super().handle_incoming()
+
     async def _write_frame(self, data: bytes) -> None:
+        if self._reader is not None and trio.lowlevel.current_task() is self._reader:
+            self._queue_control_frame(data)
+            await trio.lowlevel.checkpoint()
+            return
+        await self._write_frame_now(data)
+
+    def _queue_control_frame(self, data: bytes) -> None:
+        """Queue a frame of the read loop for ``_send_control_frames`` (started on first use in
+        the connection's nursery)."""
+        if self.flow_control_broken:
+            return
+        if self._nursery is None:
+            raise MuxedConnUnavailable("the yamux connection is not running")
+        if self._control_frames is None:
+            self._control_frames = collections.deque()
+            self._control_ready = trio.Event()
+            self._nursery.start_soon(self._send_control_frames)
+        if len(self._control_frames) >= MAX_QUEUED_CONTROL_FRAMES:
+            self.flow_control_broken = True
+            logger.warning(
+                "peer %s: %d yamux control frames wait for the socket (stream opens or pings "
+                "faster than it reads our answers): closing the connection",
+                self.peer_id,
+                len(self._control_frames),
+            )
+            self._nursery.start_soon(self.close)
+            return
+        self._control_frames.append(data)
+        assert self._control_ready is not None
+        self._control_ready.set()
+
+    async def _send_control_frames(self) -> None:
+        """Write the read loop's queued frames, in order, all that wait in one write."""
+        frames, ready = self._control_frames, self._control_ready
+        assert frames is not None and ready is not None
+        while True:
+            await ready.wait()
+            self._control_ready = ready = trio.Event()
+            while frames:
+                batch = b"".join(frames)
+                frames.clear()
+                try:
+                    await self._write_frame_now(batch)
+                except Exception as e:  # the connection is failing: the read loop ends it
+                    logger.debug("peer %s: control frames not sent: %r", self.peer_id, e)
+                    return
+
+    async def _write_frame_now(self, data: bytes) -> None:
         """Write one frame all-or-nothing under cancellation.
 
         py-libp2p writes with ``await secured_conn.write(frame)``: Noise encrypts the frame

@@ -2,9 +2,10 @@
 
 - ``serve PORT``: a TCP server; each connection gets its peer address as a first line, then
   everything it sends echoed back. Prints ``{"ready": PORT}``; runs until stdin closes.
-- ``connect IP PORT [--bind PORT] [--send BYTES] [--timeout S]``: prints ``{"peer": <the
-  address the server saw>, "rtt": <seconds for a one-byte echo>, "echo_ok": <BYTES random
-  bytes came back intact>, "seconds": <time for that>}`` (or ``{"connect_error": ...}``).
+- ``connect IP PORT [--bind PORT] [--send BYTES] [--pings N] [--timeout S]``: prints
+  ``{"peer": <the address the server saw>, "rtt": <seconds for a one-byte echo>, "rtts":
+  <N more of them, one after the other>, "echo_ok": <BYTES random bytes came back intact>,
+  "seconds": <time for that>}`` (or ``{"connect_error": ...}``).
 - ``sink PORT``: a TCP server that reads each connection to its end, then answers one byte
   (the sender's proof that everything arrived). Prints ``{"ready": PORT}``; runs until stdin
   closes.
@@ -59,7 +60,9 @@ def recv_exactly(conn: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def connect(ip: str, port: int, bind: int | None, send: int, timeout: float) -> None:
+def connect(
+    ip: str, port: int, bind: int | None, send: int, timeout: float, pings: int = 0
+) -> None:
     conn = socket.socket()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn.settimeout(timeout)
@@ -79,6 +82,13 @@ def connect(ip: str, port: int, bind: int | None, send: int, timeout: float) -> 
     conn.sendall(b"x")
     recv_exactly(conn, 1)
     result["rtt"] = time.perf_counter() - started
+    if pings:
+        result["rtts"] = []
+        for _ in range(pings):
+            started = time.perf_counter()
+            conn.sendall(b"x")
+            recv_exactly(conn, 1)
+            result["rtts"].append(time.perf_counter() - started)
     if send:
         payload = os.urandom(send)
         started = time.perf_counter()
@@ -171,7 +181,8 @@ if __name__ == "__main__":
         bind = int(args[args.index("--bind") + 1]) if "--bind" in args else None
         send = int(args[args.index("--send") + 1]) if "--send" in args else 0
         timeout = float(args[args.index("--timeout") + 1]) if "--timeout" in args else 20.0
-        connect(args[0], int(args[1]), bind, send, timeout)
+        pings = int(args[args.index("--pings") + 1]) if "--pings" in args else 0
+        connect(args[0], int(args[1]), bind, send, timeout, pings)
     elif command == "sink":
         sink(int(args[0]))
     elif command == "spray":

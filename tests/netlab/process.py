@@ -56,9 +56,11 @@ class PeerProcess:
             self._lines.put(line)
         self._lines.put(None)
 
-    def stderr(self) -> str:
+    def stderr(self, limit: int | None = 4000) -> str:
+        """The child's stderr so far: its last ``limit`` characters (None: all of it)."""
         self._stderr.seek(0)
-        return self._stderr.read()[-4000:]
+        text = self._stderr.read()
+        return text if limit is None else text[-limit:]
 
     def recv(self, timeout: float) -> dict:
         while True:

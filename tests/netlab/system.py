@@ -26,6 +26,19 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def delay_line_unavailable_reason() -> str | None:
+    """Like ``unavailable_reason``, and TUN devices can be opened (``/dev/net/tun``: the
+    packet-level delay line, ``Lab.add_delayed_host``)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    try:
+        os.close(os.open("/dev/net/tun", os.O_RDWR))
+    except OSError as e:
+        return f"the packet-level delay line needs TUN devices (/dev/net/tun: {e.strerror})"
+    return None
+
+
 def iptables_unavailable_reason() -> str | None:
     """Like ``unavailable_reason``, and iptables is installed: if it is missing, try once per
     process to install it (``apt-get install -y iptables``, as CI may on a fresh machine)."""

@@ -43,6 +43,9 @@ HOME_LAN = "10.231.250"  # every home: 10.231.250.0/24, the NAT box at .1
 LAB_SUBNET = "10.231.0.0/16"  # everything the lab owns (delay proxies intercept this)
 NAT_KINDS = ("cone", "symmetric")
 DELAY_PROXY_PORT = 47000  # inside each delayed host's namespace
+DELAY_LINE_TUN = "dl0"  # the TUN device in a delayed host's access router
+DELAY_LINE_TABLE = "100"  # the router's routing table that sends forwarded packets into it
+DELAY_LINE_MTU = 1500
 QUIT_GRACE = 5.0  # seconds the lab's processes get to exit on their own when it closes
 _labs = itertools.count()
 
@@ -59,6 +62,7 @@ class Host:
     uplink_ns: str  # namespace of the other end of the link (a bridge or a NAT box)
     uplink_if: str
     home: Home | None = None
+    delay_line: PeerProcess | None = None  # ``Lab.add_delayed_host``: its forwarder
 
     def exec(self, *command: str, timeout: float = 10.0, check: bool = True) -> str:
         return self.lab.exec(self.ns, *command, timeout=timeout, check=check)
@@ -194,6 +198,101 @@ class Lab:
         self.hosts[name] = host
         return host
 
+    def add_delayed_host(
+        self,
+        name: str,
+        delay: float = 0.0,
+        jitter: float = 0.0,
+        loss: float = 0.0,
+        mtu: int = DELAY_LINE_MTU,
+    ) -> Host:
+        """A public host (10.231.<run>.k, like ``add_public_host``) behind its own access
+        router (namespace ``<name>dl``) whose forwarding path runs through a packet-level
+        delay line (``delay_line.py``): every packet to or from the host is held ``delay`` s
+        (+ up to ``jitter`` s, order kept) and dropped with probability ``loss``, each way.
+        A path between two delayed hosts crosses two lines (one-way delay ``2 x delay``);
+        change the settings with ``set_delay_line``. ``mtu`` applies to every link of the
+        host's path (the bridge port included): larger packets, fewer for the forwarder.
+        ``limit_rate`` then shapes the host's veth and the router's veth towards it.
+
+        How: the router answers ARP for the host on the bridge and for everything else on the
+        host's side (proxy ARP), and policy routing sends what arrives on either veth into a
+        TUN device; the forwarder writes each packet back into it, and packets arriving from
+        the TUN device take the main table (host /32 on one side, the public /24 on the other).
+        """
+        if len(name) > 10:
+            raise ValueError(f"a delayed host's name has at most 10 characters, not {name!r}")
+        self._public_count += 1
+        ip = f"{self.public_prefix}.{self._public_count}"
+        ns = self._new_ns(name)
+        router = self._new_ns(f"{name}dl")
+        host_if, router_host_if = self._ifnames()
+        self._veth(ns, host_if, router, router_host_if)
+        router_wan_if, bridge_port = self._ifnames()
+        self._veth(router, router_wan_if, self.net_ns, bridge_port)
+        for side_ns, ifname in (
+            (ns, host_if),
+            (router, router_host_if),
+            (router, router_wan_if),
+            (self.net_ns, bridge_port),
+        ):
+            self.exec(side_ns, "ip", "link", "set", ifname, "mtu", str(mtu))
+        self.exec(self.net_ns, "ip", "link", "set", bridge_port, "master", "br0")
+        self.exec(self.net_ns, "ip", "link", "set", bridge_port, "up")
+        self._address(ns, host_if, f"{ip}/24")
+        self.exec(ns, "ip", "route", "add", "default", "dev", host_if)
+        # the router: an address of its own (ARP requests need a source), no route of its own
+        # through the line; forwarding, no reverse-path filter (packets from the TUN device
+        # carry other interfaces' sources), immediate proxy ARP answers
+        router_ip = f"{self.public_prefix}.{200 + self._public_count}"
+        self.exec(router, "ip", "addr", "add", f"{router_ip}/32", "dev", "lo")
+        tun = DELAY_LINE_TUN
+        self.exec(router, "ip", "tuntap", "add", "dev", tun, "mode", "tun")
+        self.exec(router, "ip", "link", "set", tun, "mtu", str(mtu), "txqueuelen", "10000")
+        for ifname in (router_host_if, router_wan_if, tun):
+            self.exec(router, "ip", "link", "set", ifname, "up")
+        sysctls = ["net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0"]
+        for ifname in (router_host_if, router_wan_if, tun):
+            sysctls.append(f"net.ipv4.conf.{ifname}.rp_filter=0")
+        for ifname in (router_host_if, router_wan_if):
+            sysctls.append(f"net.ipv4.neigh.{ifname}.proxy_delay=0")
+        sysctls.append(f"net.ipv4.conf.{router_host_if}.proxy_arp=1")
+        self.exec(router, "sysctl", "-q", "-w", *sysctls)
+        self.exec(router, "ip", "neigh", "add", "proxy", ip, "dev", router_wan_if)
+        self.exec(router, "ip", "route", "add", f"{ip}/32", "dev", router_host_if)
+        self.exec(router, "ip", "route", "add", f"{self.public_prefix}.0/24", "dev", router_wan_if)
+        script = os.path.join(os.path.dirname(__file__), "delay_line.py")
+        line = self.spawn_in(
+            router,
+            script,
+            *("--tun", tun, "--host", ip, "--delay", str(delay), "--jitter", str(jitter)),
+            *("--loss", str(loss)),
+        )
+        line.recv(timeout=10)
+        self.exec(router, "ip", "route", "add", "default", "dev", tun, "table", DELAY_LINE_TABLE)
+        for pref, ifname in (("100", router_host_if), ("101", router_wan_if)):
+            self.exec(
+                *(router, "ip", "rule", "add", "iif", ifname),
+                *("lookup", DELAY_LINE_TABLE, "pref", pref),
+            )
+        host = Host(self, name, ns, ip, host_if, router, router_host_if, delay_line=line)
+        self.hosts[name] = host
+        return host
+
+    def set_delay_line(self, host: Host, **settings: float) -> None:
+        """Change ``host``'s delay line: any of ``delay``, ``jitter``, ``loss`` (packets read
+        from now on)."""
+        if host.delay_line is None:
+            raise ValueError(f"{host.name} has no delay line (use add_delayed_host)")
+        host.delay_line.ask({"op": "set", **settings}, timeout=10)
+
+    def delay_line_statistics(self, host: Host) -> dict:
+        """``host``'s delay line counters: packets seen, lost, overflowed, forwarded per
+        direction (``_in``: towards the host), the largest lateness of a write (s)."""
+        if host.delay_line is None:
+            raise ValueError(f"{host.name} has no delay line (use add_delayed_host)")
+        return host.delay_line.ask({"op": "stats"}, timeout=10)
+
     def add_home(self, name: str, nat: str = "cone") -> Home:
         """A NAT box on the internet segment (WAN 10.231.<run>.(100+k)) with an empty LAN."""
         if nat not in NAT_KINDS:
@@ -273,7 +372,11 @@ class Lab:
     def spawn(self, host: Host, script: str, *args: str, env: dict | None = None) -> PeerProcess:
         """``python script *args`` inside ``host``'s namespace (JSON lines over stdio); stopped
         when the lab closes."""
-        process = PeerProcess(host.ns, script, *args, env=env)
+        return self.spawn_in(host.ns, script, *args, env=env)
+
+    def spawn_in(self, ns: str, script: str, *args: str, env: dict | None = None) -> PeerProcess:
+        """``spawn`` in one of the lab's namespaces that is not a host (a router)."""
+        process = PeerProcess(ns, script, *args, env=env)
         self.processes.append(process)
         return process
 
