@@ -82,6 +82,13 @@ FACTS: list[tuple[str, str, object, str]] = [
         "p2p/host.py (on_inbound), p2p/connection_limits.py (keep_auto_connector_idle)",
     ),
     (
+        "the swarm remembers failed dials in a cache whose entries live _ttl seconds",
+        "'_negative_peer_cache' in Swarm.__init__.__code__.co_names and "
+        "'_ttl' in swarm._NegativePeerCache.__init__.__code__.co_names",
+        True,
+        "p2p/host.py (FAILED_DIAL_MEMORY)",
+    ),
+    (
         "the swarm lists connections per peer",
         "'connections' in Swarm.__init__.__code__.co_names",
         True,

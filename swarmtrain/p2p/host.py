@@ -75,6 +75,10 @@ logger = logging.getLogger(__name__)
 TOut = TypeVar("TOut", bound=Message)
 DIAL_RETRIES = 1
 DIAL_RETRY_DELAY = 0.05
+#: how long py-libp2p refuses to dial a peer whose every address just failed (its default is
+#: 60 s: one dial lost to packet loss on a long link kept two peers of an all-reduce from
+#: reaching each other for the rest of the round)
+FAILED_DIAL_MEMORY = 10.0
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,10 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
     ):
         raise RuntimeError("libp2p internals changed: the swarm has no retry_config")
     swarm.retry_config = RetryConfig(max_retries=DIAL_RETRIES, initial_delay=DIAL_RETRY_DELAY)
+    failed_dials = getattr(swarm, "_negative_peer_cache", None)
+    if failed_dials is None or not isinstance(getattr(failed_dials, "_ttl", None), float):
+        raise RuntimeError("libp2p internals changed: the swarm has no negative peer cache")
+    failed_dials._ttl = FAILED_DIAL_MEMORY
     # the same manager without py-libp2p's host-wide stream semaphore (connection_limits.py)
     swarm.set_resource_manager(resource_manager, enable_stream_semaphore=False)
     schedule_prune = getattr(swarm, "_schedule_prune", None)
