@@ -364,7 +364,12 @@ class FrameDecoder:
 
     def next_frame(self) -> Frame | None:
         if self._attachment_wanted is not None:
-            raise RuntimeError("the attachment of the previous frame was not taken")
+            # a receive of the attachment failed or was cancelled part-way (a timeout on a slow
+            # link, say): the stream's position is lost, the call cannot go on
+            raise RPCProtocolError(
+                "the attachment of the previous frame was not taken: after a failed or cancelled "
+                "receive of it the stream cannot be read further"
+            )
         if self._payload is not None:
             if not self._payload.complete:
                 return None
