@@ -20,16 +20,53 @@ found none) is not retried at the next step: :class:`CatchUpBackoff` waits
 ``CATCH_UP_FIRST_DELAY`` seconds, doubling after each failure up to ``CATCH_UP_MAX_DELAY``, so a
 peer whose donors all fail neither retries in a busy loop nor warns at every step (it warns once
 per attempt). A success, or no longer being behind, ends the back-off.
+
+A gradient round still looking for a group after the swarm moved past its epoch is given up
+(:func:`left_behind_grace` says when). It used to look on for ``matchmaking_time`` in every
+case: a peer that missed one round then entered the next epoch that long after the others, too
+late for their next round (its matchmaking had started seconds earlier), failed it the same
+way, and stayed one epoch behind for good (seen behind NATs: 5 of 22 epochs). It now gives up
+at once when every other peer present is past the round's epoch (nobody is left to meet), so
+it enters the next epoch with the others and joins their next round.
 """
 
 from __future__ import annotations
 
-__all__ = ["CATCH_UP_FIRST_DELAY", "CATCH_UP_MAX_DELAY", "CatchUpBackoff", "EpochSync"]
+from collections.abc import Collection
+
+__all__ = [
+    "CATCH_UP_FIRST_DELAY",
+    "CATCH_UP_MAX_DELAY",
+    "LATE_START_GRACE",
+    "CatchUpBackoff",
+    "EpochSync",
+    "left_behind_grace",
+]
 
 #: seconds before the first retry of a failed catch-up
 CATCH_UP_FIRST_DELAY = 1.0
 #: the longest wait between two catch-up attempts
 CATCH_UP_MAX_DELAY = 60.0
+#: how long a round begun after the swarm had left its epoch may look for a group
+LATE_START_GRACE = 0.3
+
+
+def left_behind_grace(
+    matchmaking_time: float,
+    left_at: int,
+    other_epochs: Collection[int] | None,
+    begun_after_left: bool,
+) -> float:
+    """Seconds a gradient round still looking for a group may go on looking once the swarm's
+    epoch is past ``left_at`` (the last epoch in which its peers may still run it).
+
+    ``other_epochs``: the epochs the other peers present last published (None: unknown). When
+    none of them is at ``left_at`` or before, every peer that could join this round has left
+    it: 0, give up now. Else other late peers may still meet here: ``matchmaking_time``, or
+    ``LATE_START_GRACE`` for a round begun after the swarm had left."""
+    if other_epochs is not None and all(epoch > left_at for epoch in other_epochs):
+        return 0.0
+    return min(matchmaking_time, LATE_START_GRACE) if begun_after_left else matchmaking_time
 
 
 class EpochSync:
