@@ -15,7 +15,9 @@
 - after the first successful round, every round tells matchmaking how many peers to expect
   (the tracker's count, or the last group's size if larger: auxiliary peers publish no
   progress), so a leader assembles as soon as they are all in instead of waiting out
-  ``matchmaking_time``;
+  ``matchmaking_time``; the first round expects one more than the peers seen in its epoch (a
+  leader then holds for a late declaration, and never assembles early on a count that may
+  still grow);
 - a round still looking for a group once the swarm went past its epoch gives up at once when
   every other peer present is past it too (``_epoch_sync.left_behind_grace``), so a peer that
   missed one round enters the next epoch with the others and joins their next round;
@@ -45,7 +47,7 @@ from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.control import AveragingStage
 from swarmtrain.dht import deserialize
-from swarmtrain.optim._epoch_sync import left_behind_grace
+from swarmtrain.optim._epoch_sync import expected_round_size, left_behind_grace
 from swarmtrain.optim.grad_averager import GradientAverager
 
 __all__ = ["AsyncGradientRounds", "epoch_group_bits"]
@@ -99,14 +101,12 @@ class AsyncGradientRounds:
         self.alone = 0  #: epochs that used the local gradients
         self.last_group_size = 0
 
-    def expected_group_size(self, num_peers: int) -> int | None:
-        """Peers to expect in a round: ``num_peers`` (present, counting us) or the last group's
-        size, if larger (auxiliary peers are not counted by the tracker). None (no early
-        assembly) until a round succeeded: at start-up the trackers' counts still grow, and a
-        leader that assembled on a low count would leave the late peers out of step."""
-        if not self.last_group_size:
-            return None
-        return max(num_peers, self.last_group_size)
+    def expected_group_size(self, num_peers: int, epoch: int | None = None) -> int | None:
+        """Peers to expect in the round that ends ``epoch`` (``_epoch_sync.expected_round_size``):
+        ``num_peers`` (present, counting us) or the last group's size, if larger; before a round
+        succeeded, one more than the peers seen in ``epoch`` (a hold, never an early assembly on
+        a count that may still grow)."""
+        return expected_round_size(num_peers, self.last_group_size, epoch, self._other_epochs())
 
     @staticmethod
     def _usable(control: StepControl | None) -> bool:
@@ -117,7 +117,7 @@ class AsyncGradientRounds:
             gather=epoch,
             timeout=self.averaging_timeout,
             require_trigger=True,
-            expected_group_size=self.expected_group_size(num_peers),
+            expected_group_size=self.expected_group_size(num_peers, epoch),
             group_bits=epoch_group_bits(epoch),
         )
 

@@ -40,6 +40,7 @@ __all__ = [
     "LATE_START_GRACE",
     "CatchUpBackoff",
     "EpochSync",
+    "expected_round_size",
     "left_behind_grace",
 ]
 
@@ -111,3 +112,32 @@ class CatchUpBackoff:
     def reset(self) -> None:
         """Caught up (or no longer behind): the next attempt may start at once."""
         self._delay, self._next = self.first, None
+
+
+def expected_round_size(
+    num_peers: int,
+    last_group_size: int,
+    epoch: int | None = None,
+    other_epochs: Collection[int] | None = None,
+) -> int | None:
+    """How many peers a gradient round tells matchmaking to expect (``expected_group_size``: a
+    leader assembles once that many are in, and at its expiration holds a smaller group open
+    once while its followers wait); None: no expectation.
+
+    After a round succeeded (``last_group_size``): the tracker's count ``num_peers`` (counting
+    this peer), or the last group's size if larger (auxiliary peers publish no progress).
+
+    The first round (epoch 0, or a newcomer's first): the trackers' counts may still grow, so
+    the count must not let a leader assemble early (a peer whose record arrives later would be
+    left out). One more than the peers seen in this round's epoch (``other_epochs``: the other
+    peers' epochs, if known) is an upper estimate: a leader assembles before its expiration
+    only when a peer beyond those seen joins, and at its expiration it holds for the peers it
+    has not heard from yet (a declaration that reached it late: the epoch-0 miss behind NATs).
+    None when no other peer is seen in this epoch."""
+    if last_group_size:
+        return max(num_peers, last_group_size)
+    if other_epochs is None or epoch is None:
+        seen = num_peers
+    else:
+        seen = 1 + sum(1 for other in other_epochs if other == epoch)
+    return seen + 1 if seen >= 2 else None
