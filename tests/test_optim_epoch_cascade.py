@@ -84,7 +84,7 @@ def run_late_peer(epochs: int, missed: int, knows_other_epochs: bool) -> list[in
         others_left = swarm.enter(epoch + 1) + t.gossip
         other_epochs = [epoch + 1, epoch + 1] if knows_other_epochs else None
         begun_after_left = swarm.epoch_seen_at(begins) > epoch
-        grace = left_behind_grace(t.matchmaking_time, epoch, other_epochs, begun_after_left)
+        grace = left_behind_grace(t.matchmaking_time, epoch, epoch, other_epochs, begun_after_left)
         now = max(begins, others_left) + grace + t.step  # gives up, steps alone
         epoch += 1
     return in_group
@@ -110,15 +110,18 @@ def test_one_missed_round_costs_one_round_wherever_it_falls(missed):
 
 def test_the_grace_is_kept_while_another_peer_may_still_be_in_the_round():
     # another late peer is still in epoch 7: the two may still meet in its round
-    assert left_behind_grace(5.0, 7, [8, 7], begun_after_left=False) == 5.0
-    assert left_behind_grace(5.0, 7, [8, 7], begun_after_left=True) == LATE_START_GRACE
+    assert left_behind_grace(5.0, 7, 7, [8, 7], begun_after_left=False) == 5.0
+    assert left_behind_grace(5.0, 7, 7, [8, 7], begun_after_left=True) == LATE_START_GRACE
     # unknown (no tracker records): the old rule
-    assert left_behind_grace(5.0, 7, None, begun_after_left=False) == 5.0
-    assert left_behind_grace(0.1, 7, None, begun_after_left=True) == 0.1
+    assert left_behind_grace(5.0, 7, 7, None, begun_after_left=False) == 5.0
+    assert left_behind_grace(0.1, 7, 7, None, begun_after_left=True) == 0.1
+    # delayed updates: peers in epoch 8 may still run the round of 7 (left_at is 8)
+    assert left_behind_grace(5.0, 7, 8, [8, 8], begun_after_left=False) == 5.0
 
 
-def test_the_round_is_given_up_at_once_when_every_other_peer_left_its_epoch():
-    assert left_behind_grace(5.0, 7, [8, 9], begun_after_left=False) == 0.0
-    assert left_behind_grace(5.0, 7, [8], begun_after_left=True) == 0.0
-    # delayed updates: peers in epoch 8 still run the round of 7 (left_at is 8)
-    assert left_behind_grace(5.0, 8, [8, 8], begun_after_left=False) == 5.0
+def test_the_round_is_given_up_at_once_when_nobody_else_can_join_it():
+    assert left_behind_grace(5.0, 7, 7, [8, 9], begun_after_left=False) == 0.0
+    assert left_behind_grace(5.0, 7, 7, [8], begun_after_left=True) == 0.0
+    assert left_behind_grace(5.0, 7, 8, [9, 9], begun_after_left=False) == 0.0
+    # a peer behind (loading the state, say) will not join this round either
+    assert left_behind_grace(5.0, 7, 7, [8, 4], begun_after_left=False) == 0.0

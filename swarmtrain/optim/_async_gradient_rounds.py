@@ -19,7 +19,7 @@
   leader then holds for a late declaration, and never assembles early on a count that may
   still grow);
 - a round still looking for a group once the swarm went past its epoch gives up at once when
-  every other peer present is past it too (``_epoch_sync.left_behind_grace``), so a peer that
+  no other peer present is in that epoch any more (``_epoch_sync.left_behind_grace``), so a peer that
   missed one round enters the next epoch with the others and joins their next round;
 - every round matches under group bits made from its epoch (``epoch_group_bits``), so a late
   peer still finishing epoch ``e`` never averages with peers already in ``e + 1``'s round;
@@ -242,7 +242,7 @@ class AsyncGradientRounds:
     async def _wait(self, control: StepControl, epoch: int | None, left_at: int | None) -> Any:
         """The round's result; a round still looking for a group after the swarm went past
         ``left_at`` (the last epoch in which its peers may still run it) is given up after
-        ``left_behind_grace`` (at once when every other peer present is past it too)."""
+        ``left_behind_grace`` (at once when no other peer present is in its epoch any more)."""
         swarm_epoch = self.swarm_epoch
         begun_after_left = (
             left_at is not None and swarm_epoch is not None and swarm_epoch() > left_at
@@ -261,11 +261,11 @@ class AsyncGradientRounds:
                 if not left_behind:
                     moved_on_at = None
                     continue
-                assert left_at is not None
+                assert left_at is not None and epoch is not None
                 now = trio.current_time()
                 moved_on_at = now if moved_on_at is None else moved_on_at
                 grace = left_behind_grace(
-                    self.matchmaking_time, left_at, self._other_epochs(), begun_after_left
+                    self.matchmaking_time, epoch, left_at, self._other_epochs(), begun_after_left
                 )
                 if now - moved_on_at >= grace:
                     raise TimeoutError(f"the swarm moved past epoch {epoch} without this peer")

@@ -26,8 +26,8 @@ A gradient round still looking for a group after the swarm moved past its epoch 
 case: a peer that missed one round then entered the next epoch that long after the others, too
 late for their next round (its matchmaking had started seconds earlier), failed it the same
 way, and stayed one epoch behind for good (seen behind NATs: 5 of 22 epochs). It now gives up
-at once when every other peer present is past the round's epoch (nobody is left to meet), so
-it enters the next epoch with the others and joins their next round.
+at once when no other peer present is in the round's epoch any more (nobody is left to meet),
+so it enters the next epoch with the others and joins their next round.
 """
 
 from __future__ import annotations
@@ -54,18 +54,21 @@ LATE_START_GRACE = 0.3
 
 def left_behind_grace(
     matchmaking_time: float,
+    round_epoch: int,
     left_at: int,
     other_epochs: Collection[int] | None,
     begun_after_left: bool,
 ) -> float:
-    """Seconds a gradient round still looking for a group may go on looking once the swarm's
-    epoch is past ``left_at`` (the last epoch in which its peers may still run it).
+    """Seconds the gradient round that ends ``round_epoch`` may go on looking for a group once
+    the swarm's epoch is past ``left_at`` (the last epoch in which its peers may still run it:
+    ``round_epoch``, or the next one with delayed updates).
 
     ``other_epochs``: the epochs the other peers present last published (None: unknown). When
-    none of them is at ``left_at`` or before, every peer that could join this round has left
-    it: 0, give up now. Else other late peers may still meet here: ``matchmaking_time``, or
+    none of them is from ``round_epoch`` to ``left_at``, no peer that could still join this
+    round is left (those ahead finished it; those behind catch up by loading the state): 0,
+    give up now. Else other late peers may still meet here: ``matchmaking_time``, or
     ``LATE_START_GRACE`` for a round begun after the swarm had left."""
-    if other_epochs is not None and all(epoch > left_at for epoch in other_epochs):
+    if other_epochs is not None and not any(round_epoch <= e <= left_at for e in other_epochs):
         return 0.0
     return min(matchmaking_time, LATE_START_GRACE) if begun_after_left else matchmaking_time
 
