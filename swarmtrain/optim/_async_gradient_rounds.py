@@ -19,8 +19,8 @@
   leader then holds for a late declaration, and never assembles early on a count that may
   still grow);
 - a round still looking for a group once the swarm went past its epoch gives up at once when
-  no other peer present is in that epoch any more (``_epoch_sync.left_behind_grace``), so a peer that
-  missed one round enters the next epoch with the others and joins their next round;
+  no other peer present is in that epoch any more (``_epoch_sync.left_behind_grace``), so a
+  peer that missed one round enters the next epoch with the others and joins their next round;
 - every round matches under group bits made from its epoch (``epoch_group_bits``), so a late
   peer still finishing epoch ``e`` never averages with peers already in ``e + 1``'s round;
 - :meth:`tag_along` lets a scheduled round whose group is already assembled run with weight 0
