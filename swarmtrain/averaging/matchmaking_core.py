@@ -193,7 +193,7 @@ class MatchmakingCore:
         # leader side
         self._followers: dict[PeerId, JoinRequest] = {}
         # per follower that said its patience: the DHT time it stops waiting for our group, and
-        # how long its request took to arrive (the start message may take as long)
+        # how long our start message may take to reach it (``_answer_time``)
         self._follower_gives_up: dict[PeerId, tuple[float, float]] = {}
         self._joiners_past_patience = 0
         # for statistics and failure reasons
@@ -401,7 +401,7 @@ class MatchmakingCore:
                 self._schema_mismatches.add(peer)
             return [*actions, SendToFollower(peer, Rejected(reason, suggestion))]
         self._followers[peer] = request
-        delay = _request_delay(request, now)
+        delay = _answer_time(request, now)
         if request.patience is not None and delay is not None:
             gives_up = max(request.expiration, now) + request.patience
             self._follower_gives_up[peer] = (gives_up, delay)
@@ -427,7 +427,7 @@ class MatchmakingCore:
 
     def _forget_followers_past_patience(self, now: float) -> list[Action]:
         """Followers that said how long they wait and would give up before our start message
-        reached them (it may take as long as their request took) are not counted: they get a
+        reached them (``_answer_time``) are not counted: they get a
         ``Disbanded`` (if one still listens, it looks on). Followers that did not say (older
         peers) are kept, as before."""
         if self._phase not in _LOOKING or not self._follower_gives_up:
@@ -435,7 +435,7 @@ class MatchmakingCore:
         gone = [
             peer
             for peer, (gives_up, delay) in self._follower_gives_up.items()
-            if now + delay >= gives_up
+            if now + delay > gives_up
         ]
         for peer in gone:
             del self._followers[peer], self._follower_gives_up[peer]
@@ -459,10 +459,9 @@ class MatchmakingCore:
             return RejectReason.NOT_A_LEADER, self._leader
         if peer == self.peer_id or peer in self._followers:
             return RejectReason.DUPLICATE, None
-        delay = _request_delay(request, now)
-        if request.answer_by is not None and delay is not None and now + delay >= request.answer_by:
-            # it stops waiting before our answer could reach it (as slow as its request): do
-            # not count it
+        delay = _answer_time(request, now)
+        if request.answer_by is not None and delay is not None and now + delay > request.answer_by:
+            # it may stop waiting before our answer reaches it: do not count it
             self._joiners_past_patience += 1
             return RejectReason.NOT_LOOKING, None
         if not may_lead(self.peer_id, self._expiration, peer, request.expiration, request.mode):
@@ -795,13 +794,19 @@ class MatchmakingCore:
         )
 
 
-def _request_delay(request: JoinRequest, now: float) -> float | None:
-    """How long ``request`` took to arrive (DHT times; clamped to its patience), None when the
-    joiner did not say (an older peer)."""
+#: a message to a joiner may take this many times as long as its join request took (paths
+#: under load vary: a NAT run saw a request take 2.2 s and the answer over 2.9 s)
+ANSWER_TIME_FACTOR = 1.5
+
+
+def _answer_time(request: JoinRequest, now: float) -> float | None:
+    """How long our messages may take to reach the joiner of ``request``: ``ANSWER_TIME_FACTOR``
+    times what the request took (DHT times; clamped to its patience), None when the joiner did
+    not say (an older peer)."""
     if request.patience is None or request.answer_by is None:
         return None
     sent_at = request.answer_by - request.patience
-    return min(max(now - sent_at, 0.0), request.patience)
+    return min(ANSWER_TIME_FACTOR * max(now - sent_at, 0.0), request.patience)
 
 
 def _assemble_at(config: MatchmakingConfig, expected_group_size: int | None) -> int | None:
