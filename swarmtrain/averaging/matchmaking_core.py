@@ -427,9 +427,8 @@ class MatchmakingCore:
 
     def _forget_followers_past_patience(self, now: float) -> list[Action]:
         """Followers that said how long they wait and would give up before our start message
-        reached them (``_answer_time``) are not counted: they get a
-        ``Disbanded`` (if one still listens, it looks on). Followers that did not say (older
-        peers) are kept, as before."""
+        reached them (``_answer_time``) are not counted: they get a ``Disbanded`` (if one still
+        listens, it looks on). Followers that did not say (older peers) are kept, as before."""
         if self._phase not in _LOOKING or not self._follower_gives_up:
             return []
         gone = [
@@ -611,9 +610,9 @@ class MatchmakingCore:
     def _request(self, leader: PeerId, now: float) -> list[Action]:
         self._phase = Phase.REQUESTING
         self._leader = leader
-        self._request_deadline = now + self._timeout_for(leader)
+        patience = self._timeout_for(leader)  # told to the leader: it counts us only so long
+        self._request_deadline = now + patience
         self._requests_sent += 1
-        patience = self._timeout_for(leader)
         request = JoinRequest(
             self.group_key,
             self.schema_hash,
