@@ -193,7 +193,7 @@ class MatchmakingCore:
         # leader side
         self._followers: dict[PeerId, JoinRequest] = {}
         # per follower that said its patience: the DHT time it stops waiting for our group, and
-        # how long our start message may take to reach it (``_answer_time``)
+        # how long its request took (``_request_time``)
         self._follower_gives_up: dict[PeerId, tuple[float, float]] = {}
         self._joiners_past_patience = 0
         # for statistics and failure reasons
@@ -401,7 +401,7 @@ class MatchmakingCore:
                 self._schema_mismatches.add(peer)
             return [*actions, SendToFollower(peer, Rejected(reason, suggestion))]
         self._followers[peer] = request
-        delay = _answer_time(request, now)
+        delay = _request_time(request, now)
         if request.patience is not None and delay is not None:
             gives_up = max(request.expiration, now) + request.patience
             self._follower_gives_up[peer] = (gives_up, delay)
@@ -427,8 +427,10 @@ class MatchmakingCore:
 
     def _forget_followers_past_patience(self, now: float) -> list[Action]:
         """Followers that said how long they wait and would give up before our start message
-        reached them (``_answer_time``) are not counted: they get a ``Disbanded`` (if one still
-        listens, it looks on). Followers that did not say (older peers) are kept, as before."""
+        reached them, even as fast as their request, are not counted: they get a ``Disbanded``
+        (if one still listens, it looks on). Followers that did not say (older peers) are kept,
+        as before. (A hold ends earlier, allowing ``ANSWER_TIME_FACTOR`` times the request's
+        time: a tick that comes late under load does not drop the followers it held for.)"""
         if self._phase not in _LOOKING or not self._follower_gives_up:
             return []
         gone = [
@@ -458,9 +460,12 @@ class MatchmakingCore:
             return RejectReason.NOT_A_LEADER, self._leader
         if peer == self.peer_id or peer in self._followers:
             return RejectReason.DUPLICATE, None
-        delay = _answer_time(request, now)
-        if request.answer_by is not None and delay is not None and now + delay > request.answer_by:
-            # it may stop waiting before our answer reaches it: do not count it
+        delay = _request_time(request, now)
+        if (
+            request.answer_by is not None
+            and delay is not None
+            and now + ANSWER_TIME_FACTOR * delay > request.answer_by
+        ):  # it may stop waiting before our answer reaches it: do not count it
             self._joiners_past_patience += 1
             return RejectReason.NOT_LOOKING, None
         if not may_lead(self.peer_id, self._expiration, peer, request.expiration, request.mode):
@@ -718,7 +723,7 @@ class MatchmakingCore:
         if said is None:  # an older joiner: it waits at least request_timeout
             return request.expiration + self.config.request_timeout / 2
         gives_up, delay = said
-        return gives_up - max(delay, self.config.request_timeout / 2)
+        return gives_up - max(ANSWER_TIME_FACTOR * delay, self.config.request_timeout / 2)
 
     def _renew_expiration(self, now: float, actions: list[Action]) -> None:
         self._declare(self._expiration_at(now), actions)
@@ -798,14 +803,14 @@ class MatchmakingCore:
 ANSWER_TIME_FACTOR = 1.5
 
 
-def _answer_time(request: JoinRequest, now: float) -> float | None:
-    """How long our messages may take to reach the joiner of ``request``: ``ANSWER_TIME_FACTOR``
-    times what the request took (DHT times; clamped to its patience), None when the joiner did
-    not say (an older peer)."""
+def _request_time(request: JoinRequest, now: float) -> float | None:
+    """How long ``request`` took to arrive (DHT times; clamped to its patience), None when the
+    joiner did not say (an older peer). Our messages to the joiner may take
+    ``ANSWER_TIME_FACTOR`` times as long."""
     if request.patience is None or request.answer_by is None:
         return None
     sent_at = request.answer_by - request.patience
-    return min(ANSWER_TIME_FACTOR * max(now - sent_at, 0.0), request.patience)
+    return min(max(now - sent_at, 0.0), request.patience)
 
 
 def _assemble_at(config: MatchmakingConfig, expected_group_size: int | None) -> int | None:
