@@ -61,6 +61,7 @@ class Swarm:
     ``hide`` maps a peer to peers whose declarations it cannot see. ``latency`` maps a pair of
     peers (``frozenset``) to the one-way delay of their messages (a slow or relayed path; a
     closed stream is noticed after the same delay); a DHT read answers after ``read_delay``.
+    The join requests of ``old_joiners`` go without the joiner's patience (an older peer's).
     """
 
     def __init__(self, config: MatchmakingConfig):
@@ -81,6 +82,7 @@ class Swarm:
         self.blank_schema = False
         self.latency: dict[frozenset, float] = {}
         self.read_delay = 0.0
+        self.old_joiners: set[bytes] = set()
         self.in_flight: list[tuple[float, int, bytes, object]] = []  # (due, n, target, fn)
 
     def add(self, peer: bytes, *, start: float = 0.0, config=None, deadline=30.0, **kwargs):
@@ -119,6 +121,9 @@ class Swarm:
                 else:
                     self.queue.append(answer)
             elif isinstance(action, SendJoinRequest):
+                if src in self.old_joiners:
+                    request = dataclasses.replace(action.request, patience=None, answer_by=None)
+                    action = SendJoinRequest(action.leader, request)
                 self.stream_counter += 1
                 stream = (src, action.leader)
                 self.streams[stream] = self.stream_counter
@@ -864,7 +869,10 @@ def test_follower_ignores_stale_and_invalid_messages():
     core = MatchmakingCore(config(first_refresh_interval=0.1), pid(5), SCHEMA, deadline=30.0)
     core.start(0.0)
     actions = core.receive_declarations([Declaration(pid(1), 3.0, schema_hash=SCHEMA)], 0.0)
-    assert actions == [SendJoinRequest(pid(1), request(5.0, gather=b""))]
+    # the joiner says how long it waits (request_timeout 2.0, asked at 0.0)
+    assert actions == [
+        SendJoinRequest(pid(1), request(5.0, gather=b"", patience=2.0, answer_by=2.0))
+    ]
     assert core.handle_leader_message(pid(2), Accepted(), 0.1) == []  # not our leader
     assert core.handle_leader_message(pid(1), Accepted(), 0.1) == []
     assert core.phase == Phase.FOLLOWING
@@ -970,10 +978,15 @@ def test_moshpit_8_peers_2_bits_groups_of_2_average_in_3_rounds():
 # ---------------------------------------------------------------------------------- slow paths
 
 
-def _slow_path_swarm(timeouts: dict[bytes, float] | None, expected: int | None) -> Swarm:
+def _slow_path_swarm(
+    timeouts: dict[bytes, float] | None, expected: int | None, old: bool = False
+) -> Swarm:
     """Leader pid(0), a follower on a fast path (pid(1)) and one on a slow path (pid(2): 1.5 s
-    each way, as through a relay on a loaded machine; ``request_timeout`` is 2 s)."""
+    each way, as through a relay on a loaded machine; ``request_timeout`` is 2 s); ``old``:
+    the joiners send no patience (older peers)."""
     swarm = Swarm(config(request_timeout=2.0, min_matchmaking_time=5.0))
+    if old:
+        swarm.old_joiners = {pid(1), pid(2)}
     swarm.latency[frozenset((pid(0), pid(2)))] = 1.5
     swarm.add(pid(0), expected_group_size=expected)
     swarm.add(pid(1), start=0.01, expected_group_size=expected)
@@ -988,8 +1001,10 @@ def test_a_joiner_on_a_slow_path_waits_as_long_as_the_path_needs(expected):
     the group with it (at once when ``expected_group_size`` is reached, else at its expiration:
     the joiner asked again through the leader's other follower, and its late request is
     counted too): the group's all-reduce runs a member short. With the path's answer time
-    learned (``request_timeouts``, from ``AnswerTimes``) all three average together."""
-    swarm = _slow_path_swarm(None, expected)
+    learned (``request_timeouts``, from ``AnswerTimes``) all three average together. (Since the
+    joiners send their patience, the leader no longer counts the one that gave up:
+    ``test_a_leader_does_not_count_a_joiner_that_gave_up``; older joiners as before.)"""
+    swarm = _slow_path_swarm(None, expected, old=True)
     results = swarm.run()
     assert isinstance(results[pid(2)], MatchmakingFailed)  # it gave up on its leader ...
     assert pid(2) in results[pid(0)].group.peer_ids  # ... which started a group with it in it
@@ -1084,3 +1099,140 @@ def test_a_leader_holds_for_expected_peers_only_while_its_followers_wait():
     # the held declaration was renewed (visible to late peers) with the hold's end
     declared = [a.declaration.expiration for a in swarm.sent(Declare, pid(0))]
     assert declared == [pytest.approx(5.0), pytest.approx(7.0)]
+
+
+# ---------------------------------------------------------------------------------- patience
+
+
+@pytest.mark.parametrize("expected", [3, None])
+def test_a_leader_does_not_count_a_joiner_that_gave_up(expected):
+    """The leader's side of the slow-path race: the joiner's request says how long it waits
+    (``patience``, ``answer_by``); it took 1.5 s to arrive, so an answer taking as long would
+    come after the joiner's 2 s: the leader does not count it. No group lists a member whose
+    own round failed (with older joiners it does: the test above)."""
+    swarm = _slow_path_swarm(None, expected)
+    results = swarm.run()
+    groups = swarm.check_consistent()  # no member whose own round failed
+    assert pid(2) not in results[pid(0)].group.peer_ids
+    assert set(results[pid(0)].group.peer_ids) == {pid(0), pid(1)}
+    assert swarm.cores[pid(0)].statistics().joiners_past_patience >= 1
+    assert all(pid(2) not in g.peer_ids for g in groups)
+
+
+def test_a_held_group_drops_a_follower_past_its_patience():
+    """A leader holding for an expected peer assembles before its follower's patience runs out
+    (less the time the follower's request took); a follower accepted but already past its
+    patience at the assembly is not counted (it gets ``Disbanded``)."""
+    leader = make_leader(target_group_size=None, request_timeout=2.0)  # expiration 5.0
+    # an old joiner (no patience): counted as before
+    old = request(6.0, group_key=leader.group_key)
+    assert isinstance(leader.handle_join_request(pid(1), old, 1.0)[-1].message, Accepted)
+    # a new joiner sent at 0.5 with 3 s of patience, arrived at 0.75 (0.25 s on the way)
+    new = request(6.0, group_key=leader.group_key, patience=3.0, answer_by=3.5)
+    assert isinstance(leader.handle_join_request(pid(2), new, 0.75)[-1].message, Accepted)
+    assert leader.statistics().num_followers == 2
+    # it waits for the group until 6.0 + 3.0; the start message may take 0.5 s: counted
+    actions = leader.tick(5.0)
+    assert any(isinstance(a, GroupAssembled) for a in actions)
+    (assembled,) = [a for a in actions if isinstance(a, GroupAssembled)]
+    assert set(assembled.group.peer_ids) == {pid(0), pid(1), pid(2)}
+
+    held = MatchmakingCore(
+        config(target_group_size=None, request_timeout=2.0),
+        pid(0),
+        SCHEMA,
+        deadline=30.0,
+        expected_group_size=3,
+    )
+    held.start(0.0)
+    late = request(6.0, group_key=held.group_key, patience=3.0, answer_by=3.5)
+    held.handle_join_request(pid(2), late, 0.75)
+    # holds (3 expected) until the follower's give-up time less its path: 9.0 - 1.0 (half a
+    # request_timeout is the least margin)
+    held.tick(5.0)
+    assert held.next_deadline() == pytest.approx(8.0)
+    (assembled,) = [a for a in held.tick(8.0) if isinstance(a, GroupAssembled)]
+    assert set(assembled.group.peer_ids) == {pid(0), pid(2)}
+
+
+def test_a_follower_past_its_patience_is_disbanded_not_counted():
+    """(The holds above end in time, so this guards the rule itself.)"""
+    leader = make_leader(target_group_size=None, request_timeout=2.0)  # expiration 5.0
+    # sent at 1.5 with 1 s of patience, arrived at 1.7 (0.2 s on the way): it waits for the
+    # group until 6.0 + 1.0
+    joiner = request(6.0, group_key=leader.group_key, patience=1.0, answer_by=2.5)
+    other = request(6.0, group_key=leader.group_key, patience=3.0, answer_by=4.0)
+    leader.handle_join_request(pid(1), joiner, 1.7)
+    leader.handle_join_request(pid(2), other, 1.5)
+    # a start message sent at 6.75 may reach pid(1) at 6.95, in time; one sent at 6.85 cannot
+    assert leader._forget_followers_past_patience(6.75) == []
+    actions = leader._forget_followers_past_patience(6.85)
+    assert actions == [SendToFollower(pid(1), Disbanded())]
+    assert leader.statistics().num_followers == 1
+    assert leader.statistics().joiners_past_patience == 1
+
+
+def test_a_request_arriving_too_late_for_its_answer_is_not_counted():
+    leader = make_leader(target_group_size=None, request_timeout=2.0)
+    # sent at 0.0 with 2 s of patience, arrived at 0.9: an answer may take 1.5 times as long
+    # (the paths of a loaded machine vary) and come at 2.25 > 2.0
+    late = request(6.0, group_key=leader.group_key, patience=2.0, answer_by=2.0)
+    assert reject_reason(leader.handle_join_request(pid(1), late, 0.9)) == RejectReason.NOT_LOOKING
+    # arrived at 0.6: the answer comes by 1.5, in time
+    ok = request(6.0, group_key=leader.group_key, patience=2.0, answer_by=2.0)
+    assert isinstance(leader.handle_join_request(pid(2), ok, 0.6)[-1].message, Accepted)
+    stats = leader.statistics()
+    assert stats.num_followers == 1 and stats.joiners_past_patience == 1
+
+
+def test_patience_must_be_positive_and_come_with_answer_by():
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="patience"):
+            request(patience=bad, answer_by=1.0)
+    with pytest.raises(ValueError, match="together"):
+        request(patience=1.0)
+    with pytest.raises(ValueError, match="answer_by"):
+        request(patience=1.0, answer_by=math.nan)
+
+
+def test_patience_survives_the_wire_and_older_joiners_send_none():
+    from swarmtrain.averaging.matchmaking import decode_join_request, encode_join_request
+
+    request = JoinRequest("p.0b", SCHEMA, 7.0, patience=2.5, answer_by=3.5)
+    wire = encode_join_request(request)
+    assert decode_join_request(wire) == request
+    # an older joiner's request has neither field: the leader reads None (and counts it as
+    # before); one field without the other is malformed
+    wire.ClearField("patience")
+    with pytest.raises(ValueError, match="together"):
+        decode_join_request(wire)
+    wire.ClearField("answer_by")
+    old = decode_join_request(wire)
+    assert old.patience is None and old.answer_by is None
+    leader = make_leader(target_group_size=None)
+    old = dataclasses.replace(old, group_key=leader.group_key, expiration=6.0)
+    assert isinstance(leader.handle_join_request(pid(1), old, 1.0)[-1].message, Accepted)
+    (assembled,) = [a for a in leader.tick(5.0) if isinstance(a, GroupAssembled)]
+    assert set(assembled.group.peer_ids) == {pid(0), pid(1)}
+
+
+def test_a_hold_whose_tick_comes_late_keeps_the_follower_it_held_for():
+    """Seen in a NAT run at load ~20: the hold ended where the follower's patience, less 1.5
+    times its request's time, ran out; the tick came 70 ms late and the follower was dropped
+    as past its patience (the leader assembled without it). The drop allows only the request's
+    own time, so a late tick keeps it."""
+    held = MatchmakingCore(
+        config(target_group_size=None, request_timeout=2.0),
+        pid(0),
+        SCHEMA,
+        deadline=30.0,
+        expected_group_size=3,
+    )
+    held.start(0.0)  # expiration 5.0
+    # sent at 0.0 with 6 s of patience, arrived at 1.4: it waits for the group until 12.0
+    slow = request(6.0, group_key=held.group_key, patience=6.0, answer_by=6.0)
+    held.handle_join_request(pid(1), slow, 1.4)
+    held.tick(5.0)
+    assert held.next_deadline() == pytest.approx(12.0 - 1.5 * 1.4)
+    (assembled,) = [a for a in held.tick(9.9 + 0.3) if isinstance(a, GroupAssembled)]
+    assert set(assembled.group.peer_ids) == {pid(0), pid(1)}

@@ -113,3 +113,38 @@ async def test_a_round_with_a_group_is_never_given_up_for_the_swarm_epoch(autoju
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_finish_after, control, 5 * MATCHMAKING_TIME)
         assert await rounds.finish(control, True, 5) == {"a": 5, "b": 5}
+
+
+@pytest.mark.parametrize(
+    ("other_epochs", "waits"),
+    [([6, 6], 0.0), ([6, 5], MATCHMAKING_TIME)],
+    ids=["every-other-peer-left", "another-peer-still-in-the-epoch"],
+)
+async def test_a_round_nobody_else_is_in_is_given_up_at_once(autojump_clock, other_epochs, waits):
+    """The one-epoch-behind cascade's fix (``test_optim_epoch_cascade.py``) in the shell: once
+    every other peer present published a later epoch, nobody is left to meet in this round."""
+    swarm_epoch, epochs = [5], [5, 5]
+    rounds = AsyncGradientRounds(
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        run_id="watch",
+        matchmaking_time=MATCHMAKING_TIME,
+        averaging_timeout=60.0,
+        status_loglevel=logging.DEBUG,
+        swarm_epoch=lambda: swarm_epoch[0],
+        peer_epochs=lambda: list(epochs),
+    )
+    control = _looking_for_group()
+
+    async def swarm_moves_on() -> None:
+        await trio.sleep(1.0)
+        swarm_epoch[0] = 6
+        epochs[:] = other_epochs
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(swarm_moves_on)
+        started = trio.current_time()
+        assert await rounds.finish(control, True, 5) is None
+        waited = trio.current_time() - started
+    assert rounds.alone == 1 and control.cancelled()
+    assert 1.0 + waits <= waited <= 1.0 + waits + 0.2

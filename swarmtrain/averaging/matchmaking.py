@@ -189,6 +189,8 @@ def encode_join_request(r: JoinRequest) -> pb.MatchmakingJoinRequest:
     )
     if r.bandwidth is not None:
         message.bandwidth = r.bandwidth
+    if r.patience is not None and r.answer_by is not None:
+        message.patience, message.answer_by = r.patience, r.answer_by
     return message
 
 
@@ -202,6 +204,8 @@ def decode_join_request(m: pb.MatchmakingJoinRequest) -> JoinRequest:
         m.bandwidth if m.HasField("bandwidth") else None,
         m.gather,
         m.part_layout,
+        patience=m.patience if m.HasField("patience") else None,
+        answer_by=m.answer_by if m.HasField("answer_by") else None,
     )
 
 

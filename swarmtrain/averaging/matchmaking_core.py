@@ -192,6 +192,10 @@ class MatchmakingCore:
         self._refresh_wait = self.config.first_refresh_interval  # doubles to refresh_interval
         # leader side
         self._followers: dict[PeerId, JoinRequest] = {}
+        # per follower that said its patience: the DHT time it stops waiting for our group, and
+        # how long its request took (``_request_time``)
+        self._follower_gives_up: dict[PeerId, tuple[float, float]] = {}
+        self._joiners_past_patience = 0
         # for statistics and failure reasons
         self._window_end = math.inf  # our first expiration: the fast failures are judged then
         self._window_checked = False
@@ -264,6 +268,7 @@ class MatchmakingCore:
             schema_mismatches=len(self._schema_mismatches),
             rejections_received=MappingProxyType(dict(self._rejections_received)),
             rejections_sent=MappingProxyType(dict(self._rejections_sent)),
+            joiners_past_patience=self._joiners_past_patience,
         )
 
     def __repr__(self) -> str:
@@ -299,7 +304,7 @@ class MatchmakingCore:
         """Handle whatever became due at ``now`` (timeouts, our expiration, the deadline)."""
         if self._phase not in _LOOKING:
             return []
-        actions: list[Action] = []
+        actions: list[Action] = self._forget_followers_past_patience(now)
         # 1. an answer or a group that is overdue
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING) and now >= self._request_deadline:
             if self._phase == Phase.REQUESTING:
@@ -381,20 +386,25 @@ class MatchmakingCore:
 
     def handle_join_request(self, peer: PeerId, request: JoinRequest, now: float) -> list[Action]:
         """``peer`` (authenticated by the transport) asks us to lead it."""
+        actions = self._forget_followers_past_patience(now)
         reason, suggestion = self._reason_to_reject(peer, request, now)
-        actions: list[Action] = []
         if reason == RejectReason.GROUP_FULL:
             evicted = self._auxiliary_to_evict_for(request)
             if evicted is not None:  # a full group of auxiliary peers makes room for a sender
                 del self._followers[evicted]
+                self._follower_gives_up.pop(evicted, None)
                 actions.append(SendToFollower(evicted, Disbanded()))
                 reason = None
         if reason is not None:
             self._rejections_sent[reason] += 1
             if reason == RejectReason.BAD_SCHEMA_HASH:
                 self._schema_mismatches.add(peer)
-            return [SendToFollower(peer, Rejected(reason, suggestion))]
+            return [*actions, SendToFollower(peer, Rejected(reason, suggestion))]
         self._followers[peer] = request
+        delay = _request_time(request, now)
+        if request.patience is not None and delay is not None:
+            gives_up = max(request.expiration, now) + request.patience
+            self._follower_gives_up[peer] = (gives_up, delay)
         self._compatible_seen.add(peer)
         if request.mode != AveragingMode.AUX:
             self._senders_seen.add(peer)
@@ -412,7 +422,26 @@ class MatchmakingCore:
     def follower_left(self, peer: PeerId, now: float) -> list[Action]:
         """The join stream of an accepted follower closed or failed before a final message."""
         self._followers.pop(peer, None)
+        self._follower_gives_up.pop(peer, None)
         return []
+
+    def _forget_followers_past_patience(self, now: float) -> list[Action]:
+        """Followers that said how long they wait and would give up before our start message
+        reached them, even as fast as their request, are not counted: they get a ``Disbanded``
+        (if one still listens, it looks on). Followers that did not say (older peers) are kept,
+        as before. (A hold ends earlier, allowing ``ANSWER_TIME_FACTOR`` times the request's
+        time: a tick that comes late under load does not drop the followers it held for.)"""
+        if self._phase not in _LOOKING or not self._follower_gives_up:
+            return []
+        gone = [
+            peer
+            for peer, (gives_up, delay) in self._follower_gives_up.items()
+            if now + delay > gives_up
+        ]
+        for peer in gone:
+            del self._followers[peer], self._follower_gives_up[peer]
+        self._joiners_past_patience += len(gone)
+        return [SendToFollower(peer, Disbanded()) for peer in gone]
 
     def _reason_to_reject(
         self, peer: PeerId, request: JoinRequest, now: float
@@ -431,6 +460,14 @@ class MatchmakingCore:
             return RejectReason.NOT_A_LEADER, self._leader
         if peer == self.peer_id or peer in self._followers:
             return RejectReason.DUPLICATE, None
+        delay = _request_time(request, now)
+        if (
+            request.answer_by is not None
+            and delay is not None
+            and now + ANSWER_TIME_FACTOR * delay > request.answer_by
+        ):  # it may stop waiting before our answer reaches it: do not count it
+            self._joiners_past_patience += 1
+            return RejectReason.NOT_LOOKING, None
         if not may_lead(self.peer_id, self._expiration, peer, request.expiration, request.mode):
             return RejectReason.BAD_EXPIRATION, None
         target = self.config.target_group_size
@@ -482,6 +519,7 @@ class MatchmakingCore:
         for follower in self._followers:
             actions.append(SendToFollower(follower, BeginAllReduce(group)))
         self._followers.clear()
+        self._follower_gives_up.clear()
         return actions + self._finish(GroupAssembled(group, is_leader=True))
 
     def _disband(self, suggested_leader: PeerId | None) -> list[Action]:
@@ -489,6 +527,7 @@ class MatchmakingCore:
             SendToFollower(f, Disbanded(suggested_leader)) for f in self._followers
         ]
         self._followers.clear()
+        self._follower_gives_up.clear()
         return actions
 
     # ------------------------------------------------------------------ follower side
@@ -576,7 +615,8 @@ class MatchmakingCore:
     def _request(self, leader: PeerId, now: float) -> list[Action]:
         self._phase = Phase.REQUESTING
         self._leader = leader
-        self._request_deadline = now + self._timeout_for(leader)
+        patience = self._timeout_for(leader)  # told to the leader: it counts us only so long
+        self._request_deadline = now + patience
         self._requests_sent += 1
         request = JoinRequest(
             self.group_key,
@@ -586,6 +626,8 @@ class MatchmakingCore:
             self.bandwidth,
             self.gather,
             self.part_layout,
+            patience=patience,
+            answer_by=now + patience,
         )
         return [SendJoinRequest(leader, request)]
 
@@ -663,16 +705,25 @@ class MatchmakingCore:
         """When a leader at its expiration with fewer members than ``expected_peers`` should
         assemble instead (None: now). It holds once, while its followers still wait for it (a
         follower waits at least ``request_timeout`` past its own expiration; half of that is
-        left for the start message to reach it): under load a peer may see our declaration
-        only seconds after we see its one."""
+        left for the start message to reach it; a follower that sent its patience waits that
+        long, less the time its request took): under load a peer may see our declaration only
+        seconds after we see its one."""
         expected = self.expected_peers
         if self._held or expected is None or not self._followers:
             return None
         if len(self._followers) + 1 >= expected:
             return None
-        patience = min(request.expiration for request in self._followers.values())
-        hold_until = min(patience + self.config.request_timeout / 2, self.deadline)
+        patience = min(self._hold_limit(peer, request) for peer, request in self._followers.items())
+        hold_until = min(patience, self.deadline)
         return hold_until if hold_until > now else None
+
+    def _hold_limit(self, peer: PeerId, request: JoinRequest) -> float:
+        """The latest time to send ``peer`` the start message while we hold."""
+        said = self._follower_gives_up.get(peer)
+        if said is None:  # an older joiner: it waits at least request_timeout
+            return request.expiration + self.config.request_timeout / 2
+        gives_up, delay = said
+        return gives_up - max(ANSWER_TIME_FACTOR * delay, self.config.request_timeout / 2)
 
     def _renew_expiration(self, now: float, actions: list[Action]) -> None:
         self._declare(self._expiration_at(now), actions)
@@ -745,6 +796,21 @@ class MatchmakingCore:
         return FailureReason.DEADLINE, (
             f"saw {seen - 1} other peer(s) under {key} but formed no group before the deadline"
         )
+
+
+#: a message to a joiner may take this many times as long as its join request took (paths
+#: under load vary: a NAT run saw a request take 2.2 s and the answer over 2.9 s)
+ANSWER_TIME_FACTOR = 1.5
+
+
+def _request_time(request: JoinRequest, now: float) -> float | None:
+    """How long ``request`` took to arrive (DHT times; clamped to its patience), None when the
+    joiner did not say (an older peer). Our messages to the joiner may take
+    ``ANSWER_TIME_FACTOR`` times as long."""
+    if request.patience is None or request.answer_by is None:
+        return None
+    sent_at = request.answer_by - request.patience
+    return min(max(now - sent_at, 0.0), request.patience)
 
 
 def _assemble_at(config: MatchmakingConfig, expected_group_size: int | None) -> int | None:

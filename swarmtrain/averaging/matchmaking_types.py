@@ -275,6 +275,11 @@ class JoinRequest:
     :param gather: opaque bytes the leader hands to every member (``data_for_gather``)
     :param part_layout: the newest all-reduce part layout the joiner speaks (0: unknown, an
       older version)
+    :param patience: seconds the joiner waits for the leader's first answer, and for its group
+      past the later of its own expiration and the acceptance (None: an older joiner that does
+      not say; it waits at least ``MatchmakingConfig.request_timeout``)
+    :param answer_by: the DHT time at which the joiner stops waiting for the first answer (its
+      request's send time plus ``patience``; None with ``patience``)
     """
 
     group_key: str
@@ -284,6 +289,8 @@ class JoinRequest:
     bandwidth: float | None = None
     gather: bytes = b""
     part_layout: int = 0
+    patience: float | None = None
+    answer_by: float | None = None
 
     def __post_init__(self):
         if not is_valid_group_key(self.group_key):
@@ -297,6 +304,13 @@ class JoinRequest:
         if not isinstance(self.gather, bytes):
             raise TypeError("gather must be bytes")
         _check_part_layout(self.part_layout)
+        if (self.patience is None) != (self.answer_by is None):
+            raise ValueError("patience and answer_by come together")
+        if self.patience is not None:
+            if not isinstance(self.patience, (int, float)) or not 0 < self.patience < math.inf:
+                raise ValueError(f"patience must be a positive number, got {self.patience!r}")
+            if not isinstance(self.answer_by, (int, float)) or not math.isfinite(self.answer_by):
+                raise ValueError(f"answer_by must be a finite number, got {self.answer_by!r}")
 
 
 @dataclass(frozen=True)
@@ -521,3 +535,5 @@ class MatchmakingStatistics:
     rejections_sent: Mapping[RejectReason, int] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    #: joiners not counted because they had stopped waiting (past the patience they sent)
+    joiners_past_patience: int = 0

@@ -15,7 +15,12 @@
 - after the first successful round, every round tells matchmaking how many peers to expect
   (the tracker's count, or the last group's size if larger: auxiliary peers publish no
   progress), so a leader assembles as soon as they are all in instead of waiting out
-  ``matchmaking_time``;
+  ``matchmaking_time``; the first round expects one more than the peers seen in its epoch (a
+  leader then holds for a late declaration, and never assembles early on a count that may
+  still grow);
+- a round still looking for a group once the swarm went past its epoch gives up at once when
+  no other peer present is in that epoch any more (``_epoch_sync.left_behind_grace``), so a
+  peer that missed one round enters the next epoch with the others and joins their next round;
 - every round matches under group bits made from its epoch (``epoch_group_bits``), so a late
   peer still finishing epoch ``e`` never averages with peers already in ``e + 1``'s round;
 - :meth:`tag_along` lets a scheduled round whose group is already assembled run with weight 0
@@ -33,7 +38,7 @@ used.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import trio
@@ -42,6 +47,7 @@ from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.control import AveragingStage
 from swarmtrain.dht import deserialize
+from swarmtrain.optim._epoch_sync import expected_round_size, left_behind_grace
 from swarmtrain.optim.grad_averager import GradientAverager
 
 __all__ = ["AsyncGradientRounds", "epoch_group_bits"]
@@ -49,7 +55,6 @@ __all__ = ["AsyncGradientRounds", "epoch_group_bits"]
 logger = logging.getLogger("swarmtrain.optim.optimizer")
 
 _POLL_INTERVAL = 0.1  # seconds between looks at the swarm's epoch while a round runs
-_LATE_START_GRACE = 0.3  # how long a round started after the swarm left its epoch may look
 
 #: gradient rounds are told apart in the matchmaking key by their epoch modulo 2 ** EPOCH_BITS
 EPOCH_BITS = 8
@@ -81,6 +86,7 @@ class AsyncGradientRounds:
         status_loglevel: int,
         health: Any = None,
         swarm_epoch: Callable[[], int] | None = None,
+        peer_epochs: Callable[[], Collection[int]] | None = None,
     ):
         self.averager, self.buffers = averager, buffers
         self.run_id = run_id
@@ -89,19 +95,18 @@ class AsyncGradientRounds:
         self.status_loglevel = status_loglevel
         self.health = health
         self.swarm_epoch = swarm_epoch
+        self.peer_epochs = peer_epochs  #: the epochs the other peers present published
         self.scheduled: StepControl | None = None
         self.averaged = 0  #: rounds that averaged with a group
         self.alone = 0  #: epochs that used the local gradients
         self.last_group_size = 0
 
-    def expected_group_size(self, num_peers: int) -> int | None:
-        """Peers to expect in a round: ``num_peers`` (present, counting us) or the last group's
-        size, if larger (auxiliary peers are not counted by the tracker). None (no early
-        assembly) until a round succeeded: at start-up the trackers' counts still grow, and a
-        leader that assembled on a low count would leave the late peers out of step."""
-        if not self.last_group_size:
-            return None
-        return max(num_peers, self.last_group_size)
+    def expected_group_size(self, num_peers: int, epoch: int | None = None) -> int | None:
+        """Peers to expect in the round that ends ``epoch`` (``_epoch_sync.expected_round_size``):
+        ``num_peers`` (present, counting us) or the last group's size, if larger; before a round
+        succeeded, one more than the peers seen in ``epoch`` (a hold, never an early assembly on
+        a count that may still grow)."""
+        return expected_round_size(num_peers, self.last_group_size, epoch, self._other_epochs())
 
     @staticmethod
     def _usable(control: StepControl | None) -> bool:
@@ -112,7 +117,7 @@ class AsyncGradientRounds:
             gather=epoch,
             timeout=self.averaging_timeout,
             require_trigger=True,
-            expected_group_size=self.expected_group_size(num_peers),
+            expected_group_size=self.expected_group_size(num_peers, epoch),
             group_bits=epoch_group_bits(epoch),
         )
 
@@ -235,13 +240,13 @@ class AsyncGradientRounds:
         return gathered
 
     async def _wait(self, control: StepControl, epoch: int | None, left_at: int | None) -> Any:
-        """The round's result; a round still looking for a group ``matchmaking_time`` after
-        the swarm went past ``left_at`` (the last epoch in which its peers may still run it)
-        is given up (within ``_LATE_START_GRACE`` for a round begun after the swarm had left)."""
-        grace = self.matchmaking_time
+        """The round's result; a round still looking for a group after the swarm went past
+        ``left_at`` (the last epoch in which its peers may still run it) is given up after
+        ``left_behind_grace`` (at once when no other peer present is in its epoch any more)."""
         swarm_epoch = self.swarm_epoch
-        if left_at is not None and swarm_epoch is not None and swarm_epoch() > left_at:
-            grace = min(grace, _LATE_START_GRACE)
+        begun_after_left = (
+            left_at is not None and swarm_epoch is not None and swarm_epoch() > left_at
+        )
         moved_on_at: float | None = None
         with trio.move_on_after(self.averaging_timeout) as waited:
             while True:
@@ -256,12 +261,24 @@ class AsyncGradientRounds:
                 if not left_behind:
                     moved_on_at = None
                     continue
+                assert left_at is not None and epoch is not None
                 now = trio.current_time()
                 moved_on_at = now if moved_on_at is None else moved_on_at
+                grace = left_behind_grace(
+                    self.matchmaking_time, epoch, left_at, self._other_epochs(), begun_after_left
+                )
                 if now - moved_on_at >= grace:
                     raise TimeoutError(f"the swarm moved past epoch {epoch} without this peer")
         assert waited.cancelled_caught
         raise TimeoutError(f"no result within averaging_timeout={self.averaging_timeout} s")
+
+    def _other_epochs(self) -> Collection[int] | None:
+        if self.peer_epochs is None:
+            return None
+        try:
+            return self.peer_epochs()
+        except Exception:  # e.g. the tracker closed meanwhile: as if unknown
+            return None
 
     async def tag_along(self) -> None:
         """Leave the scheduled round without disrupting its group: weight 0 if its group is

@@ -314,6 +314,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
                     status_loglevel=self.status_loglevel,
                     health=self.health,
                     swarm_epoch=self._swarm_epoch,
+                    peer_epochs=self._peer_epochs,
                 )
             self._tracker_service = await stack.enter_async_context(
                 AsyncProgressTracker.create(
@@ -348,6 +349,11 @@ class AsyncOptimizer(AsyncEpochUpdates):
         """The tracker's epoch of the swarm (also while closing, for a job still waiting)."""
         assert self._tracker_service is not None
         return self._tracker_service.global_epoch
+
+    def _peer_epochs(self) -> list[int]:
+        """The epochs the other peers present last published (the tracker's records)."""
+        assert self._tracker_service is not None
+        return [record.epoch for record in self._tracker_service.peers().values()]
 
     def _current_state(self) -> Any:
         """What newcomers download (in a worker thread): the state averager's state, with the
