@@ -42,6 +42,7 @@ from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.control import AveragingStage
 from swarmtrain.dht import deserialize
+from swarmtrain.optim._torch_work import run_torch_work
 from swarmtrain.optim.grad_averager import GradientAverager
 
 __all__ = ["AsyncGradientRounds", "epoch_group_bits"]
@@ -81,6 +82,7 @@ class AsyncGradientRounds:
         status_loglevel: int,
         health: Any = None,
         swarm_epoch: Callable[[], int] | None = None,
+        torch_on_loop: bool = False,
     ):
         self.averager, self.buffers = averager, buffers
         self.run_id = run_id
@@ -89,6 +91,7 @@ class AsyncGradientRounds:
         self.status_loglevel = status_loglevel
         self.health = health
         self.swarm_epoch = swarm_epoch
+        self.torch_on_loop = torch_on_loop  #: load the buffers in place (``_torch_work``)
         self.scheduled: StepControl | None = None
         self.averaged = 0  #: rounds that averaged with a group
         self.alone = 0  #: epochs that used the local gradients
@@ -142,7 +145,7 @@ class AsyncGradientRounds:
             self.buffers.load_accumulators_into_averager_()
             self.buffers.reset_accumulated_grads_()
 
-        await trio.to_thread.run_sync(load)
+        await run_torch_work(self.torch_on_loop, load)
 
     async def begin(
         self, weight: float | None, others_seen: bool, epoch: int, num_peers: int
@@ -172,7 +175,7 @@ class AsyncGradientRounds:
                 buffers.reset_accumulated_grads_()
                 return samples
 
-            samples = await trio.to_thread.run_sync(load)
+            samples = await run_torch_work(self.torch_on_loop, load)
             control.weight = samples if weight is None else weight
         except Exception as e:
             logger.warning(

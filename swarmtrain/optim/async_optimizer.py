@@ -23,7 +23,8 @@ their buffers, accumulators, optimizer and locks), and the network from their tr
 (``DecentralizedAverager.open_async``) on the caller's loop. No background loop thread, no
 worker thread that waits: every wait is an await, and every touch of tensors guarded by a
 ``threading`` lock (the optimizer step, copies in and out of the averaged buffers, loading a
-state) runs in ``trio.to_thread``, so the trainer's loop keeps serving the swarm meanwhile.
+state) runs in ``trio.to_thread``, so the trainer's loop keeps serving the swarm meanwhile
+(small CPU work runs in place: a thread hop would cost more; ``swarmtrain.optim._torch_work``).
 
 Modes: gradient averaging (default), ``use_local_updates``, ``offload_optimizer``,
 ``delay_state_averaging`` (the state round is a task of this optimizer's nursery; its result is
@@ -73,6 +74,7 @@ from swarmtrain.optim._optimizer_options import (
     resolve_modes,
     state_averager_options,
 )
+from swarmtrain.optim._torch_work import torch_work_on_loop
 from swarmtrain.optim.epoch_core import (
     BatchCheck,
     EpochCore,
@@ -256,6 +258,8 @@ class AsyncOptimizer(AsyncEpochUpdates):
         )
         self._grads: GradientAverager | None = None
         self._grad_buffers_match = True
+        opt_tensors = [p for group in self._state.optimizer.param_groups for p in group["params"]]
+        self._torch_on_loop = torch_work_on_loop([*self._state.main_parameters, *opt_tensors])
         #: check and accumulate batches on the loop: CPU parameters of at most
         #: INLINE_COPY_MAX_BYTES, accumulated (a local optimizer step takes a lock: a thread)
         self._batches_on_loop = not self.use_local_updates and _copies_on_loop(
@@ -314,6 +318,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
                     status_loglevel=self.status_loglevel,
                     health=self.health,
                     swarm_epoch=self._swarm_epoch,
+                    torch_on_loop=self._torch_on_loop,
                 )
             self._tracker_service = await stack.enter_async_context(
                 AsyncProgressTracker.create(
@@ -335,6 +340,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
                 run_id=self.run_id,
                 status_loglevel=self.status_loglevel,
                 wait_state_round=self._wait_state_round,
+                torch_on_loop=self._torch_on_loop,
             )
             try:
                 yield self
@@ -685,7 +691,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
     async def _enter_epoch(self, epoch: int) -> None:
         self._state.local_epoch = epoch
         if self._grads is not None:
-            await trio.to_thread.run_sync(self._grads.reset_accumulated_grads_)
+            await self._torch_work(self._grads.reset_accumulated_grads_)
         self.local_samples_accumulated = 0.0
         self._tracker.update_epoch(epoch)
         if not self.client_mode:
