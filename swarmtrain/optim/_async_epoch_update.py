@@ -26,7 +26,7 @@ from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
-from swarmtrain.optim._torch_work import run_torch_work
+from swarmtrain.optim._torch_work import TorchWork
 from swarmtrain.optim.epoch_core import (
     AuxiliaryCatchUp,
     EpochAdvanced,
@@ -71,7 +71,7 @@ class AsyncEpochUpdates:
     _state: TrainingStateAverager
     _grads: GradientAverager | None
     _grad_buffers_match: bool
-    _torch_on_loop: bool  #: small CPU torch work runs on the loop (``_torch_work``)
+    _torch: TorchWork  #: runs the torch work (small CPU work in place: ``_torch_work``)
     _rounds: AsyncGradientRounds | None
     _state_service: AsyncDecentralizedAverager | None
     _delayed: DelayedUpdates | None
@@ -99,7 +99,7 @@ class AsyncEpochUpdates:
 
     async def _torch_work(self, fn: Callable[..., T], *args: Any) -> T:
         """Torch work under the state averager's locks: in place or in a worker thread."""
-        return await run_torch_work(self._torch_on_loop, fn, *args)
+        return await self._torch.run(fn, *args)
 
     @staticmethod
     def _now() -> float:

@@ -42,7 +42,7 @@ from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.control import AveragingStage
 from swarmtrain.dht import deserialize
-from swarmtrain.optim._torch_work import run_torch_work
+from swarmtrain.optim._torch_work import TorchWork
 from swarmtrain.optim.grad_averager import GradientAverager
 
 __all__ = ["AsyncGradientRounds", "epoch_group_bits"]
@@ -82,7 +82,7 @@ class AsyncGradientRounds:
         status_loglevel: int,
         health: Any = None,
         swarm_epoch: Callable[[], int] | None = None,
-        torch_on_loop: bool = False,
+        torch_work: TorchWork | None = None,
     ):
         self.averager, self.buffers = averager, buffers
         self.run_id = run_id
@@ -91,7 +91,7 @@ class AsyncGradientRounds:
         self.status_loglevel = status_loglevel
         self.health = health
         self.swarm_epoch = swarm_epoch
-        self.torch_on_loop = torch_on_loop  #: load the buffers in place (``_torch_work``)
+        self.torch_work = torch_work or TorchWork()  #: loads the buffers (``_torch_work``)
         self.scheduled: StepControl | None = None
         self.averaged = 0  #: rounds that averaged with a group
         self.alone = 0  #: epochs that used the local gradients
@@ -145,7 +145,7 @@ class AsyncGradientRounds:
             self.buffers.load_accumulators_into_averager_()
             self.buffers.reset_accumulated_grads_()
 
-        await run_torch_work(self.torch_on_loop, load)
+        await self.torch_work.run(load)
 
     async def begin(
         self, weight: float | None, others_seen: bool, epoch: int, num_peers: int
@@ -175,7 +175,7 @@ class AsyncGradientRounds:
                 buffers.reset_accumulated_grads_()
                 return samples
 
-            samples = await run_torch_work(self.torch_on_loop, load)
+            samples = await self.torch_work.run(load)
             control.weight = samples if weight is None else weight
         except Exception as e:
             logger.warning(

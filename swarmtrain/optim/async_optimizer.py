@@ -74,7 +74,7 @@ from swarmtrain.optim._optimizer_options import (
     resolve_modes,
     state_averager_options,
 )
-from swarmtrain.optim._torch_work import torch_work_on_loop
+from swarmtrain.optim._torch_work import TorchWork, small_cpu_tensors
 from swarmtrain.optim.epoch_core import (
     BatchCheck,
     EpochCore,
@@ -258,8 +258,6 @@ class AsyncOptimizer(AsyncEpochUpdates):
         )
         self._grads: GradientAverager | None = None
         self._grad_buffers_match = True
-        opt_tensors = [p for group in self._state.optimizer.param_groups for p in group["params"]]
-        self._torch_on_loop = torch_work_on_loop([*self._state.main_parameters, *opt_tensors])
         #: check and accumulate batches on the loop: CPU parameters of at most
         #: INLINE_COPY_MAX_BYTES, accumulated (a local optimizer step takes a lock: a thread)
         self._batches_on_loop = not self.use_local_updates and _copies_on_loop(
@@ -289,6 +287,14 @@ class AsyncOptimizer(AsyncEpochUpdates):
                     "factors)"
                 )
             self.health.model = describe_parameters(self.main_parameters)
+        #: the epoch end's torch work: in place for a small CPU model whose locks are free
+        opt_tensors = [p for group in self._state.optimizer.param_groups for p in group["params"]]
+        locks = [self._state.lock_optimizer, self._state.lock_averaged_tensors]
+        if self._grads is not None:
+            locks.append(self._grads.lock_averaged_tensors)
+        self._torch = TorchWork(
+            small_cpu_tensors([*self._state.main_parameters, *opt_tensors]), locks
+        )
         # set by create()
         self._state_service: AsyncDecentralizedAverager | None = None
         self._tracker_service: AsyncProgressTracker | None = None
@@ -318,7 +324,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
                     status_loglevel=self.status_loglevel,
                     health=self.health,
                     swarm_epoch=self._swarm_epoch,
-                    torch_on_loop=self._torch_on_loop,
+                    torch_work=self._torch,
                 )
             self._tracker_service = await stack.enter_async_context(
                 AsyncProgressTracker.create(
@@ -340,7 +346,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
                 run_id=self.run_id,
                 status_loglevel=self.status_loglevel,
                 wait_state_round=self._wait_state_round,
-                torch_on_loop=self._torch_on_loop,
+                torch_work=self._torch,
             )
             try:
                 yield self
