@@ -6,8 +6,10 @@ a trio trainer (``async with DHT.create(...)``, ``async with Optimizer.create(..
 wakes up. Its loop also runs peer 0's host, DHT, averagers and tracker. The two helper peers
 are blocking trainers (``benchmark_asyncio_lag.helper_peer``). ``idle`` is the ticker alone in
 the same run (the lag the machine's load gives any loop): the baseline of the ratios.
-``--step-time`` also times a lone peer's steps that only accumulate, blocking ``Optimizer``
-(baseline) vs trio, in the same run. Usage::
+``--process``: peer 0's gradient rounds run in a helper process (``ProcessGradientAverager``,
+whose round starts and controls are pipe messages from the loop). ``--step-time`` also times
+a lone peer's steps that only accumulate, blocking ``Optimizer`` (baseline) vs trio, in the
+same run. Usage::
 
     PYTHONPATH=. nice -n 5 python benchmarks/benchmark_trio_lag.py --epochs 6 --step-time
 """
@@ -39,6 +41,7 @@ from benchmark_asyncio_lag import (
 )
 
 from swarmtrain import DHT, Optimizer
+from swarmtrain.optim import ProcessGradientAverager
 from swarmtrain.utils import freeze_startup_objects
 
 
@@ -182,6 +185,8 @@ async def trainer(args) -> dict:
                 )
                 helpers[-1].start()
             options = optimizer_options(run_id, target)
+            if args.process:  # peer 0's gradient rounds in a helper process
+                options["grad_averager_factory"] = ProcessGradientAverager
             async with Optimizer.create(dht=dht, params=model.parameters(), **options) as opt:
                 await trio.to_thread.run_sync(lambda: all(r.wait(120) for r in ready))
                 await opt.wait_for_peers(3, timeout=30)
@@ -286,6 +291,11 @@ def main() -> None:
     parser.add_argument("--epoch-seconds", type=float, default=1.0)
     parser.add_argument("--tick", type=float, default=0.005)
     parser.add_argument("--step-time", action="store_true", help="also time accumulating steps")
+    parser.add_argument(
+        "--process",
+        action="store_true",
+        help="peer 0's gradient rounds in a helper process (ProcessGradientAverager)",
+    )
     parser.add_argument(
         "--slow-steps",
         action="store_true",

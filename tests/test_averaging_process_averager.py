@@ -51,6 +51,12 @@ def process_gone(pid: int) -> bool:
         return f.read().split(") ", 1)[1].startswith("Z")
 
 
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (R running, S sleeping, T stopped, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ", 1)[1][0]
+
+
 def test_gpu_or_meta_tensors_are_refused_before_any_process_starts():
     with pytest.raises(TypeError, match="CPU tensors"):
         ProcessAverager([torch.zeros(3, device="meta")], prefix="p", start=False)
@@ -139,6 +145,43 @@ def test_a_helper_process_peer_averages_with_an_in_process_peer():
     with pytest.raises(RuntimeError, match="shut down"):
         helper.get_group_bits()
     assert BackgroundRuntime.active_references() == 0
+
+
+def test_a_loop_starts_and_drives_a_step_without_waiting_for_the_helper():
+    """What a trio loop calls (``start_step``, the weight before the trigger, the trigger, the
+    stage) sends without waiting for an answer: all of it returns while the helper is stopped
+    (SIGSTOP; a call that waited would time out after ``call_timeout``), and once it runs
+    again the helper applies them in order (the weight reaches the average)."""
+    dht = DHT(**HOST)
+    mine, theirs = random_tensors(3), random_tensors(4)
+    want = [(2 * x + y) / 3 for x, y in zip(mine, theirs, strict=True)]
+    local = DecentralizedAverager(theirs, dht, prefix="nowait", **FAST)
+    helper = ProcessAverager(mine, dht, prefix="nowait", call_timeout=5.0, **FAST)
+    try:
+        refused = helper.start_step(timeout=-1.0)  # the helper's ValueError fails the step
+        with pytest.raises(ValueError, match="timeout must be positive"):
+            refused.result(30)
+        os.kill(helper.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: process_state(helper.pid) == "T", 10, "the helper to stop")
+            control = helper.start_step(require_trigger=True, expected_group_size=2, timeout=30)
+            assert control.stage == AveragingStage.IDLE  # nothing reported yet
+            control.weight = 2.0
+            control.allow_allreduce()
+            assert control.triggered and control.weight == 2.0 and not control.done()
+            assert process_state(helper.pid) == "T"  # still stopped: nothing waited for it
+        finally:
+            os.kill(helper.pid, signal.SIGCONT)
+        other = local.step(wait=False, expected_group_size=2, timeout=30)
+        assert control.result(30) == {helper.peer_id: None, local.peer_id: None}
+        other.result(30)
+        with helper.get_tensors() as tensors:
+            for got, expected in zip(tensors, want, strict=True):
+                torch.testing.assert_close(got, expected)
+    finally:
+        helper.shutdown()
+        local.shutdown()
+        dht.shutdown()
 
 
 def test_a_crashed_helper_fails_waiting_steps_and_calls_with_a_clear_error():

@@ -607,3 +607,29 @@ def test_messages_name_the_optimizer_keyword_for_the_matchmaking_time(dhts):
     with Optimizer(dht=dht, run_id="keywords", target_batch_size=8, optimizer=sgd) as opt:
         for averager in (opt.state_averager, opt.grad_averager):
             assert averager.config.matchmaking_time_keyword == "matchmaking_time"
+
+
+def test_the_state_averager_view_passes_switches_and_refuses_other_sets(dhts):
+    """``opt.state_averager``: its switches reach the trio averager; any other attribute set
+    raises (it would change only the view, or a torch side the optimizer does not consult)."""
+    (dht,) = dhts(1)
+    model = make_model()
+    with Optimizer(
+        dht=dht,
+        run_id="view",
+        target_batch_size=8,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        **FAST,
+    ) as opt:
+        view = opt.state_averager
+        view.allow_state_sharing = False
+        assert view.allow_state_sharing is False
+        assert opt._opt._state_service.allow_state_sharing is False
+        view.state_sharing_priority = 5.0
+        assert opt._opt._state_service.state_sharing_priority == 5.0
+        with pytest.raises(AttributeError, match="round_observer cannot be set"):
+            view.round_observer = lambda gathered, epoch: None
+        assert view.round_observer is None
+        with pytest.raises(AttributeError, match="local_epoch cannot be set"):
+            view.local_epoch = 3
+        assert opt.local_epoch == 0 and "round_observer" not in vars(view)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from polling import wait_for
 from swarm_util import group_of, swarm
 from test_optim_averagers import backward, make_model, run_all
 from test_optim_optimizer import Peer, dhts, full_loss, in_threads  # noqa: F401 (dhts: fixture)
@@ -39,13 +40,12 @@ def test_gradients_average_between_a_helper_process_and_an_in_process_peer():
             want = [total / 5 for total in sums]
             if round_index == 0:
                 run_all(*(lambda a=a: a.step(timeout=30) for a in averagers))
-            else:  # scheduled: the trigger, stage and weight travel to the helper
+            else:  # scheduled: the trigger and weight travel to the helper, its stage back
                 controls = [a.schedule_step(timeout=30) for a in averagers]
                 assert not controls[1].triggered
-                assert controls[1].stage in (
-                    AveragingStage.LOOKING_FOR_GROUP,
-                    AveragingStage.AWAITING_TRIGGER,
-                )
+                looking = (AveragingStage.LOOKING_FOR_GROUP, AveragingStage.AWAITING_TRIGGER)
+                helper_control = controls[1]
+                wait_for(lambda c=helper_control, s=looking: c.stage in s, 10, "the stage report")
                 run_all(
                     *(
                         lambda a=a, c=c: a.step(control=c)

@@ -29,6 +29,8 @@ from typing import Any
 
 import trio
 
+from swarmtrain.averaging.control import AveragingStage
+
 logger = logging.getLogger(__name__)
 
 
@@ -109,7 +111,10 @@ class _Child:
                 logger.info("the parent closed the pipe (or died): the averager's helper stops")
                 self.stop.set()
                 return
-            self.nursery.start_soon(self.serve_call, call_id, op, args)
+            if op in _IN_ORDER:  # never await: served here, in the order they were sent
+                await self.serve_call(call_id, op, args)
+            else:
+                self.nursery.start_soon(self.serve_call, call_id, op, args)
 
     async def serve_call(self, call_id: int, op: str, args: tuple) -> None:
         try:
@@ -124,6 +129,13 @@ class _Child:
     async def start_step(self, step_id: int, kwargs: dict) -> None:
         control = self.averager.start_step(**kwargs)
         self.controls[step_id] = control
+
+        def report_stage(stage: Any) -> None:
+            self.send(("step_stage", step_id, stage))
+
+        control._on_stage = report_stage  # the parent reads the stage without asking
+        if control.stage is not AveragingStage.IDLE and not control.done():
+            report_stage(control.stage)
         self.nursery.start_soon(self._report_step, step_id, control)
 
     async def _report_step(self, step_id: int, control: Any) -> None:
@@ -183,6 +195,8 @@ class _Child:
         os._exit(exit_code)
 
 
+#: ops that never await (a parent that does not wait for their answers relies on the order)
+_IN_ORDER = frozenset({"start_step", "control"})
 _METHODS = frozenset({"get_group_bits", "set_group_bits", "load_state_from_peers"})
 _SETTABLE = frozenset({"allow_state_sharing", "state_sharing_priority"})
 _ATTRIBUTES = _SETTABLE | {

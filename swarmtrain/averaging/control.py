@@ -87,6 +87,8 @@ class StepControl(Future):
         self._finished = trio.Event()
         self._cancel_scope = trio.CancelScope()
         self._on_scheduled_time: Callable[[float], None] | None = None
+        #: called with each new stage before FINISHED (a helper process reports them)
+        self._on_stage: Callable[[AveragingStage], None] | None = None
         #: all-reduce attempts this step began (a step whose group failed and that found
         #: another one has several), and how many of them failed
         self.attempts = self.failed_attempts = 0
@@ -204,6 +206,8 @@ class StepControl(Future):
 
     def _set_stage(self, stage: AveragingStage) -> None:
         self._stage = stage
+        if self._on_stage is not None:
+            self._on_stage(stage)
 
     async def _wait_for_trigger(self) -> None:
         await self._trigger.wait()
@@ -214,7 +218,10 @@ class StepControl(Future):
             self._stage = AveragingStage.RUNNING_ALLREDUCE
             self.attempts += 1
             self._attempt_bytes = (0, 0)
-            return self._weight
+            weight = self._weight
+        if self._on_stage is not None:
+            self._on_stage(AveragingStage.RUNNING_ALLREDUCE)
+        return weight
 
     def _count_bytes(self, parts: int, deltas: int) -> None:
         """The attempt under way sent these bytes (once per attempt, when its all-reduce ends)."""

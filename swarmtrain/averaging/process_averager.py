@@ -59,7 +59,7 @@ from swarmtrain.averaging.averager_config import (
     check_averaged_tensors,
     compute_schema_hash,
 )
-from swarmtrain.averaging.control import AveragingStage
+from swarmtrain.averaging.control import AveragingStage, _check_weight
 from swarmtrain.averaging.state_sharing import StateDownloadFailure
 from swarmtrain.dht import serialize
 from swarmtrain.p2p import PeerID
@@ -95,18 +95,36 @@ class ProcessStepControl(Future):
         self._averager, self._step_id = averager, step_id
         self._weight = weight
         self._triggered = False
+        self._stage = AveragingStage.IDLE  # as the helper reports it
         #: the serialized ``gather`` of this step (as ``StepControl.data_for_gather``)
         self.data_for_gather: bytes = serialize(gather)
 
     def _control(self, action: str, value: Any = None) -> Any:
         return self._averager._call("control", self._step_id, action, value)
 
+    def _control_nowait(self, action: str, value: Any = None) -> None:
+        """Send a control without waiting for the answer (the helper applies controls in the
+        order they were sent); an error in the helper fails this step."""
+        self._averager._send("control", self._step_id, action, value).add_done_callback(
+            self._fail_on_error
+        )
+
+    def _fail_on_error(self, answer: Future) -> None:
+        """(The pipe's reader thread) the helper refused a start or a control: fail here, and
+        stop the step there if it runs."""
+        error = answer.exception()
+        if error is None:
+            return
+        self._averager._steps.pop(self._step_id, None)
+        self._finish(False, error)
+        with contextlib.suppress(HelperProcessError, RuntimeError):
+            self._averager._send("control", self._step_id, "cancel", None)
+
     @property
     def stage(self) -> AveragingStage:
-        if self.done():
-            return AveragingStage.FINISHED
-        stage = self._control("stage")
-        return AveragingStage.FINISHED if stage is None else stage
+        """The step's stage as the helper last reported it (each change is sent to this
+        process: reading it asks nothing)."""
+        return AveragingStage.FINISHED if self.done() else self._stage
 
     @property
     def weight(self) -> float | None:
@@ -114,7 +132,11 @@ class ProcessStepControl(Future):
 
     @weight.setter
     def weight(self, weight: float) -> None:
-        self._control("weight", weight)
+        weight = _check_weight(weight)
+        if self._triggered:  # all-reduce may have begun: the helper says whether it took it
+            self._control("weight", weight)
+        else:  # before the trigger the helper always takes it: no wait (never blocks a loop)
+            self._control_nowait("weight", weight)
         self._weight = weight
 
     @property
@@ -131,8 +153,9 @@ class ProcessStepControl(Future):
         return self._triggered
 
     def allow_allreduce(self) -> None:
-        """Let a step started with ``require_trigger=True`` run all-reduce once it has a group."""
-        self._control("allow_allreduce")
+        """Let a step started with ``require_trigger=True`` run all-reduce once it has a group
+        (sent without waiting for the helper's answer)."""
+        self._control_nowait("allow_allreduce")
         self._triggered = True
 
     def cancel(self) -> bool:
@@ -354,6 +377,11 @@ class ProcessAverager:
                     future = self._pending.pop(call_id, None)
                     if future is not None and not future.done():
                         (future.set_result if ok else future.set_exception)(value)
+                elif message[0] == "step_stage":
+                    _, step_id, stage = message
+                    control = self._steps.get(step_id)
+                    if control is not None:
+                        control._stage = stage
                 elif message[0] == "step_done":
                     _, step_id, ok, value = message
                     control = self._steps.pop(step_id, None)
@@ -469,6 +497,33 @@ class ProcessAverager:
         except BaseException:
             control.cancel()  # Ctrl-C: do not leave the step running
             raise
+
+    def start_step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+        expected_group_size: int | None = None,
+        group_bits: str | None = None,
+    ) -> ProcessStepControl:
+        """Start a step in the helper without waiting for its acknowledgement (a trio loop
+        calls this: ``step(wait=False)`` would block it for a pipe round trip): its control at
+        once; a step the helper refuses fails (``wait_result`` raises)."""
+        control, started = self._start_step(
+            gather=gather,
+            scheduled_time=scheduled_time,
+            weight=weight,
+            timeout=timeout,
+            allow_retries=allow_retries,
+            require_trigger=require_trigger,
+            expected_group_size=expected_group_size,
+            group_bits=group_bits,
+        )
+        started.add_done_callback(control._fail_on_error)
+        return control
 
     def _start_step(self, **kwargs: Any) -> tuple[ProcessStepControl, Future]:
         """Send a step to the helper: its control, and the future of the helper's ack."""

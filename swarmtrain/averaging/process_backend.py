@@ -100,9 +100,10 @@ class HelperProcessBackend(DecentralizedAverager):
                 await trio.to_thread.run_sync(self.shutdown)
 
     def start_step(self, **kwargs: Any) -> Any:
-        """Start a step in the helper (``step(wait=False, ...)``): its ``ProcessStepControl``
-        (as ``AsyncDecentralizedAverager.start_step``; waits for the helper's ack)."""
-        return self._helper.step(wait=False, **kwargs)
+        """Start a step in the helper: its ``ProcessStepControl`` at once (as
+        ``AsyncDecentralizedAverager.start_step``; a trio loop calls this, so it does not wait
+        for the helper's acknowledgement: ``ProcessAverager.start_step``)."""
+        return self._helper.start_step(**kwargs)
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._helper.shutdown(timeout)

@@ -14,7 +14,8 @@ order. A job does, each part optionally:
 Nothing a job computes reaches the model until the trainer's next ``step`` calls
 :meth:`DelayedUpdates.apply_finished` (hivemind's "apply delayed updates"): a finished state
 round is applied (``TrainingStateAverager._apply_round``), or the finished optimizer step's
-parameters are copied into the model. Torch work runs in ``trio.to_thread``, never on the loop.
+parameters are copied into the model. Torch work runs in ``trio.to_thread``, or in place when it
+is small CPU work (``torch_work``: see ``swarmtrain.optim._torch_work``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import trio
 
 from swarmtrain.averaging import StepControl
+from swarmtrain.optim._torch_work import TorchWork
 from swarmtrain.optim.state_averager import TrainingStateAverager
 
 __all__ = ["DelayedUpdates"]
@@ -41,6 +43,7 @@ class DelayedUpdates:
     :param state: the torch side of the state averager (optimizer, locks, copies)
     :param wait_state_round: waits for a state round's control: the gathered data, or None
       if it failed (logged)
+    :param torch_work: runs the torch work (default: always in a worker thread)
     """
 
     def __init__(
@@ -51,10 +54,12 @@ class DelayedUpdates:
         run_id: str,
         status_loglevel: int,
         wait_state_round: Callable[[StepControl], Awaitable[dict | None]],
+        torch_work: TorchWork | None = None,
     ):
         self._nursery, self._state = nursery, state
         self.run_id, self.status_loglevel = run_id, status_loglevel
         self._wait_state_round = wait_state_round
+        self._torch_work = torch_work or TorchWork()
         self._last_done: trio.Event | None = None  # the last job's
         self._round_done: trio.Event | None = None  # the last job with a state round's
         self._round_averaged = False  # finished, not applied yet
@@ -140,12 +145,12 @@ class DelayedUpdates:
                 if gradients is not None:
                     await gradients()
                 if consume is not None:
-                    await trio.to_thread.run_sync(consume)
+                    await self._torch_work.run(consume)
             finally:
                 self._gradients_consumed.set()
         if optimizer_step:
             try:
-                await trio.to_thread.run_sync(self._state._optimizer_phase, None, True, False)
+                await self._torch_work.run(self._state._optimizer_phase, None, True, False)
             except Exception:
                 logger.exception(
                     "%s: a delayed optimizer step failed; its state round is dropped", self.run_id
@@ -156,7 +161,7 @@ class DelayedUpdates:
             self._step_finished = True
         if state_round is not None:
             if not inputs_loaded:
-                await trio.to_thread.run_sync(self._state._load_round_inputs, state_round)
+                await self._torch_work.run(self._state._load_round_inputs, state_round)
                 state_round.allow_allreduce()
             if await self._wait_state_round(state_round) is not None:
                 self._round_averaged = True
@@ -167,12 +172,12 @@ class DelayedUpdates:
         state = self._state
         if self._round_averaged and not self.round_in_progress:
             self._round_averaged = self._step_finished = False  # _apply_round copies both
-            await trio.to_thread.run_sync(state._apply_round)
+            await self._torch_work.run(state._apply_round)
             logger.log(self.status_loglevel, "%s: applied a delayed state round", self.run_id)
         if self._step_finished:
             self._step_finished = False
             if state.offload_optimizer:
-                await trio.to_thread.run_sync(self._copy_parameters)
+                await self._torch_work.run(self._copy_parameters)
 
     def _copy_parameters(self) -> None:
         state = self._state

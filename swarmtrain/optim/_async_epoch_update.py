@@ -6,26 +6,27 @@ gradient round (or tag along), wait for it here or hand it to a delayed job
 (``swarmtrain.optim._async_delayed``), step the optimizer (in a worker thread, or in the job
 with ``delay_optimizer_step``), average the state (here, or in a job with
 ``delay_state_averaging``), move the tracker to the new epoch. Every touch of tensors guarded by
-a ``threading`` lock runs in ``trio.to_thread``. The attributes used here are set by
-``AsyncOptimizer``.
+a ``threading`` lock runs in ``trio.to_thread``, or in place when it is small CPU work
+(``swarmtrain.optim._torch_work``: a thread hop costs more than the work). The attributes used
+here are set by ``AsyncOptimizer``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-import trio
 
 from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
+from swarmtrain.optim._torch_work import TorchWork
 from swarmtrain.optim.epoch_core import (
     AuxiliaryCatchUp,
     EpochAdvanced,
@@ -42,6 +43,8 @@ from swarmtrain.optim.state_averager import TrainingStateAverager
 __all__ = ["AsyncEpochUpdates"]
 
 logger = logging.getLogger("swarmtrain.optim.optimizer")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class AsyncEpochUpdates:
     _state: TrainingStateAverager
     _grads: GradientAverager | None
     _grad_buffers_match: bool
+    _torch: TorchWork  #: runs the torch work (small CPU work in place: ``_torch_work``)
     _rounds: AsyncGradientRounds | None
     _state_service: AsyncDecentralizedAverager | None
     _delayed: DelayedUpdates | None
@@ -92,6 +96,10 @@ class AsyncEpochUpdates:
         async def _load_state_from_peers(
             self, seconds: float | None, min_epoch: int | None = None
         ) -> bool: ...
+
+    async def _torch_work(self, fn: Callable[..., T], *args: Any) -> T:
+        """Torch work under the state averager's locks: in place or in a worker thread."""
+        return await self._torch.run(fn, *args)
 
     @staticmethod
     def _now() -> float:
@@ -142,13 +150,13 @@ class AsyncEpochUpdates:
         if plan.unscale_before_round:
             params = self.main_parameters
             unscale = scaler_method(grad_scaler, "unscale_swarm_grads_")
-            if not await trio.to_thread.run_sync(unscale, params):
+            if not await self._torch_work(unscale, params):
                 logger.log(
                     self.status_loglevel,
                     "%s: non-finite gradients: this peer contributes weight 0 this epoch",
                     self.run_id,
                 )
-                await trio.to_thread.run_sync(grads.reset_accumulated_grads_)
+                await self._torch_work(grads.reset_accumulated_grads_)
                 weight = 0.0
         control = await rounds.begin(weight, plan.others_seen, plan.epoch, plan.num_peers_present)
         if plan.wait is RoundWait.IN_WORKER:
@@ -215,7 +223,7 @@ class AsyncEpochUpdates:
                     self._load_averaged_gradients_into_optimizer()
                     state.step(increment_epoch=True, optimizer_step=True)
 
-            await trio.to_thread.run_sync(step)
+            await self._torch_work(step)
         else:
             state.local_epoch += 1
         if not decision.average_state:
@@ -303,7 +311,7 @@ class AsyncEpochUpdates:
             gather=state.local_epoch, weight=weight, timeout=round_timeout, require_trigger=True
         )
         try:
-            await trio.to_thread.run_sync(state._load_round_inputs, control)
+            await self._torch_work(state._load_round_inputs, control)
         except BaseException:
             control.cancel()
             raise
@@ -314,7 +322,7 @@ class AsyncEpochUpdates:
         """Wait for a state round and apply its result: the gathered data, None if it failed."""
         gathered = await self._wait_state_round(control)
         if gathered is not None:
-            await trio.to_thread.run_sync(self._state._apply_round)
+            await self._torch_work(self._state._apply_round)
         return gathered
 
     async def _wait_state_round(self, control: StepControl) -> dict | None:

@@ -48,6 +48,7 @@ from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.averaging.control import AveragingStage
 from swarmtrain.dht import deserialize
 from swarmtrain.optim._epoch_sync import expected_round_size, left_behind_grace
+from swarmtrain.optim._torch_work import TorchWork
 from swarmtrain.optim.grad_averager import GradientAverager
 
 __all__ = ["AsyncGradientRounds", "epoch_group_bits"]
@@ -87,6 +88,7 @@ class AsyncGradientRounds:
         health: Any = None,
         swarm_epoch: Callable[[], int] | None = None,
         peer_epochs: Callable[[], Collection[int]] | None = None,
+        torch_work: TorchWork | None = None,
     ):
         self.averager, self.buffers = averager, buffers
         self.run_id = run_id
@@ -96,6 +98,7 @@ class AsyncGradientRounds:
         self.health = health
         self.swarm_epoch = swarm_epoch
         self.peer_epochs = peer_epochs  #: the epochs the other peers present published
+        self.torch_work = torch_work or TorchWork()  #: loads the buffers (``_torch_work``)
         self.scheduled: StepControl | None = None
         self.averaged = 0  #: rounds that averaged with a group
         self.alone = 0  #: epochs that used the local gradients
@@ -147,7 +150,7 @@ class AsyncGradientRounds:
             self.buffers.load_accumulators_into_averager_()
             self.buffers.reset_accumulated_grads_()
 
-        await trio.to_thread.run_sync(load)
+        await self.torch_work.run(load)
 
     async def begin(
         self, weight: float | None, others_seen: bool, epoch: int, num_peers: int
@@ -177,7 +180,7 @@ class AsyncGradientRounds:
                 buffers.reset_accumulated_grads_()
                 return samples
 
-            samples = await trio.to_thread.run_sync(load)
+            samples = await self.torch_work.run(load)
             control.weight = samples if weight is None else weight
         except Exception as e:
             logger.warning(

@@ -23,7 +23,8 @@ their buffers, accumulators, optimizer and locks), and the network from their tr
 (``DecentralizedAverager.open_async``) on the caller's loop. No background loop thread, no
 worker thread that waits: every wait is an await, and every touch of tensors guarded by a
 ``threading`` lock (the optimizer step, copies in and out of the averaged buffers, loading a
-state) runs in ``trio.to_thread``, so the trainer's loop keeps serving the swarm meanwhile.
+state) runs in ``trio.to_thread``, so the trainer's loop keeps serving the swarm meanwhile
+(small CPU work runs in place: a thread hop would cost more; ``swarmtrain.optim._torch_work``).
 
 Modes: gradient averaging (default), ``use_local_updates``, ``offload_optimizer``,
 ``delay_state_averaging`` (the state round is a task of this optimizer's nursery; its result is
@@ -73,6 +74,7 @@ from swarmtrain.optim._optimizer_options import (
     resolve_modes,
     state_averager_options,
 )
+from swarmtrain.optim._torch_work import TorchWork, small_cpu_tensors
 from swarmtrain.optim.epoch_core import (
     BatchCheck,
     EpochCore,
@@ -285,6 +287,14 @@ class AsyncOptimizer(AsyncEpochUpdates):
                     "factors)"
                 )
             self.health.model = describe_parameters(self.main_parameters)
+        #: the epoch end's torch work: in place for a small CPU model whose locks are free
+        opt_tensors = [p for group in self._state.optimizer.param_groups for p in group["params"]]
+        locks = [self._state.lock_optimizer, self._state.lock_averaged_tensors]
+        if self._grads is not None:
+            locks.append(self._grads.lock_averaged_tensors)
+        self._torch = TorchWork(
+            small_cpu_tensors([*self._state.main_parameters, *opt_tensors]), locks
+        )
         # set by create()
         self._state_service: AsyncDecentralizedAverager | None = None
         self._tracker_service: AsyncProgressTracker | None = None
@@ -315,6 +325,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
                     health=self.health,
                     swarm_epoch=self._swarm_epoch,
                     peer_epochs=self._peer_epochs,
+                    torch_work=self._torch,
                 )
             self._tracker_service = await stack.enter_async_context(
                 AsyncProgressTracker.create(
@@ -336,6 +347,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
                 run_id=self.run_id,
                 status_loglevel=self.status_loglevel,
                 wait_state_round=self._wait_state_round,
+                torch_work=self._torch,
             )
             try:
                 yield self
@@ -691,7 +703,7 @@ class AsyncOptimizer(AsyncEpochUpdates):
     async def _enter_epoch(self, epoch: int) -> None:
         self._state.local_epoch = epoch
         if self._grads is not None:
-            await trio.to_thread.run_sync(self._grads.reset_accumulated_grads_)
+            await self._torch_work(self._grads.reset_accumulated_grads_)
         self.local_samples_accumulated = 0.0
         self._tracker.update_epoch(epoch)
         if not self.client_mode:

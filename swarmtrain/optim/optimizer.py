@@ -160,13 +160,27 @@ class _TrackerView(ProgressTracker):
 class _StateAveragerView:
     """``opt.state_averager``: the optimizer's ``TrainingStateAverager`` (its torch side:
     optimizer, copies, locks; built with ``start=False``), whose switches reach the trio
-    averager that serves and averages its state, and whose waits are the optimizer's."""
+    averager that serves and averages its state, and whose waits are the optimizer's. Reads
+    of other attributes are the torch side's; setting one raises (the Optimizer drives its
+    state averager: a value set on the torch side would be ignored, e.g. ``round_observer``)."""
+
+    _SETTABLE = ("allow_state_sharing", "state_sharing_priority")
 
     def __init__(self, owner: Optimizer, state: TrainingStateAverager):
-        self._owner, self._state = owner, state
+        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_state", state)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._state, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._SETTABLE:
+            raise AttributeError(
+                f"opt.state_averager.{name} cannot be set: the Optimizer runs its state "
+                f"averager itself (settable here: {', '.join(self._SETTABLE)}); for other "
+                "settings use the Optimizer's keywords or a TrainingStateAverager of your own"
+            )
+        object.__setattr__(self, name, value)
 
     def _service_attr(self, name: str) -> Any:
         runtime, opt = self._owner._running()
