@@ -41,6 +41,8 @@ from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
 from swarmtrain.optim._async_delayed import DelayedUpdates, call_trigger
 from swarmtrain.optim.state_step_core import (
     AveragingPlace,
+    StateAveragerTraits,
+    StatePhases,
     StateStepRequest,
     plan_state_step,
 )
@@ -49,12 +51,37 @@ from swarmtrain.p2p import PeerID
 if TYPE_CHECKING:
     from swarmtrain.optim.state_averager import TrainingStateAverager
 
-__all__ = ["ZERO_GRAD_SET_TO_NONE_DEFAULT", "AsyncTrainingStateAverager"]
+__all__ = ["ZERO_GRAD_SET_TO_NONE_DEFAULT", "AsyncTrainingStateAverager", "plan_step"]
 
 logger = logging.getLogger("swarmtrain.optim.state_averager")
 
 #: hivemind's name: ``zero_grad`` sets gradients to None by default (torch >= 2.0's default)
 ZERO_GRAD_SET_TO_NONE_DEFAULT = True
+
+
+def plan_step(
+    traits: StateAveragerTraits,
+    *,
+    averaging_control: StepControl | None,
+    wait_for_trigger: Callable[[], Any] | None,
+    averaging_opts: dict[str, Any] | None,
+    set_to_none: bool = ZERO_GRAD_SET_TO_NONE_DEFAULT,
+    **flags: Any,
+) -> StatePhases:
+    """The phases of a ``step`` with these keywords (``state_step_core.plan_state_step``);
+    ``flags``: the boolean ones. ``averaging_opts`` unused: a warning."""
+    phases = plan_state_step(
+        StateStepRequest(
+            **flags,
+            has_averaging_control=averaging_control is not None,
+            has_wait_for_trigger=wait_for_trigger is not None,
+            has_averaging_opts=bool(averaging_opts),
+        ),
+        traits,
+    )
+    if phases.warn_unused_averaging_opts:
+        logger.warning("averaging_opts %s are unused: averaging_round=False", averaging_opts)
+    return phases
 
 
 class AsyncTrainingStateAverager:
@@ -178,24 +205,20 @@ class AsyncTrainingStateAverager:
         :returns: the round's ``{peer_id: epoch}`` if it ran here and succeeded, else None
         """
         state = self.state
-        phases = plan_state_step(
-            StateStepRequest(
-                wait_for_delayed_updates=wait_for_delayed_updates,
-                apply_delayed_updates=apply_delayed_updates,
-                increment_epoch=increment_epoch,
-                optimizer_step=optimizer_step,
-                zero_grad=zero_grad,
-                delay_optimizer_step=delay_optimizer_step,
-                averaging_round=averaging_round,
-                delay_averaging=delay_averaging,
-                has_averaging_control=averaging_control is not None,
-                has_wait_for_trigger=wait_for_trigger is not None,
-                has_averaging_opts=bool(averaging_opts),
-            ),
+        phases = plan_step(
             state._traits,
+            wait_for_delayed_updates=wait_for_delayed_updates,
+            apply_delayed_updates=apply_delayed_updates,
+            increment_epoch=increment_epoch,
+            optimizer_step=optimizer_step,
+            zero_grad=zero_grad,
+            delay_optimizer_step=delay_optimizer_step,
+            averaging_round=averaging_round,
+            delay_averaging=delay_averaging,
+            averaging_control=averaging_control,
+            wait_for_trigger=wait_for_trigger,
+            averaging_opts=averaging_opts,
         )
-        if phases.warn_unused_averaging_opts:
-            logger.warning("averaging_opts %s are unused: averaging_round=False", averaging_opts)
         async with self._busy:
             if phases.wait_for_delayed_updates:
                 await self._delayed.wait_jobs()

@@ -86,8 +86,8 @@ from swarmtrain.optim._tensor_infos import tag_compression
 from swarmtrain.optim.async_state_averager import (
     ZERO_GRAD_SET_TO_NONE_DEFAULT,
     AsyncTrainingStateAverager,
+    plan_step,
 )
-from swarmtrain.optim.state_step_core import StateStepRequest, plan_state_step
 from swarmtrain.utils.background import BackgroundRuntime
 from swarmtrain.utils.facade import aio_property
 
@@ -356,41 +356,14 @@ class TrainingStateAverager(TrainingStateSharing, DecentralizedAverager):
         wait_for_trigger: Callable[[], Any] | None = None,
         averaging_opts: dict[str, Any] | None = None,
     ) -> Any:
+        keywords = dict(locals())  # the keywords above, for the one implementation
+        del keywords["self"]
         if self._runtime is None:  # not started: the torch side alone (no round, no delay)
-            request = StateStepRequest(
-                wait_for_delayed_updates=wait_for_delayed_updates,
-                apply_delayed_updates=apply_delayed_updates,
-                increment_epoch=increment_epoch,
-                optimizer_step=optimizer_step,
-                zero_grad=zero_grad,
-                delay_optimizer_step=delay_optimizer_step,
-                averaging_round=averaging_round,
-                delay_averaging=delay_averaging,
-                has_averaging_control=averaging_control is not None,
-                has_wait_for_trigger=wait_for_trigger is not None,
-                has_averaging_opts=bool(averaging_opts),
-            )
-            phases = plan_state_step(request, self._traits)
+            phases = plan_step(self._traits, **keywords)
             self._step_in_place(phases, wait_for_trigger, optimizer_step, zero_grad, set_to_none)
             return None
         runtime, averager = self._trio_form()
-        return runtime.call(
-            functools.partial(
-                averager.step,
-                wait_for_delayed_updates=wait_for_delayed_updates,
-                apply_delayed_updates=apply_delayed_updates,
-                increment_epoch=increment_epoch,
-                optimizer_step=optimizer_step,
-                zero_grad=zero_grad,
-                set_to_none=set_to_none,
-                delay_optimizer_step=delay_optimizer_step,
-                averaging_round=averaging_round,
-                delay_averaging=delay_averaging,
-                averaging_control=averaging_control,
-                wait_for_trigger=wait_for_trigger,
-                averaging_opts=averaging_opts,
-            )
-        )
+        return runtime.call(functools.partial(averager.step, **keywords))
 
     step.__doc__ = AsyncTrainingStateAverager.step.__doc__
 
