@@ -8,6 +8,7 @@ averager's nursery, and what they compute reaches the model only at a later ``st
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -303,3 +304,39 @@ def test_a_torch_side_that_was_not_started_steps_in_place_but_cannot_average():
         torch.testing.assert_close(got.detach(), want)
     with pytest.raises(RuntimeError, match="not running"):
         state.step(averaging_round=True)
+
+
+def test_a_plain_blocking_step_stays_in_the_callers_thread_and_a_delayed_one_does_not():
+    """The facade enters the loop only for rounds and delayed work: an optimizer step alone
+    runs in the caller's thread (no loop hop), a delayed one in a worker thread."""
+    threads: list[threading.Thread] = []
+
+    class RecordingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            threads.append(threading.current_thread())
+            return super().step(closure)
+
+    model = make_model(200)
+    dht = DHT(**HOST)
+    try:
+        averager = TrainingStateAverager(
+            dht=dht,
+            optimizer=lambda params: RecordingSGD(params, lr=LR),
+            params=model.parameters(),
+            offload_optimizer=True,
+            prefix="threads",
+            **FAST,
+        )
+        try:
+            threads.clear()  # initialize_optimizer's step
+            backward(model, 4, seed=11)
+            averager.step(optimizer_step=True)
+            assert threads == [threading.current_thread()]
+            averager.step(optimizer_step=True, delay_optimizer_step=True, delay_averaging=True)
+            averager.wait_for_delayed_updates()
+            assert len(threads) == 2 and threads[1] is not threading.current_thread()
+            averager.step()  # applies it
+        finally:
+            averager.shutdown()
+    finally:
+        dht.shutdown()

@@ -51,7 +51,12 @@ from swarmtrain.p2p import PeerID
 if TYPE_CHECKING:
     from swarmtrain.optim.state_averager import TrainingStateAverager
 
-__all__ = ["ZERO_GRAD_SET_TO_NONE_DEFAULT", "AsyncTrainingStateAverager", "plan_step"]
+__all__ = [
+    "ZERO_GRAD_SET_TO_NONE_DEFAULT",
+    "AsyncTrainingStateAverager",
+    "plan_step",
+    "warn_unused_opts",
+]
 
 logger = logging.getLogger("swarmtrain.optim.state_averager")
 
@@ -66,10 +71,11 @@ def plan_step(
     wait_for_trigger: Callable[[], Any] | None,
     averaging_opts: dict[str, Any] | None,
     set_to_none: bool = ZERO_GRAD_SET_TO_NONE_DEFAULT,
+    warn: bool = True,
     **flags: Any,
 ) -> StatePhases:
     """The phases of a ``step`` with these keywords (``state_step_core.plan_state_step``);
-    ``flags``: the boolean ones. ``averaging_opts`` unused: a warning."""
+    ``flags``: the boolean ones. ``averaging_opts`` unused: a warning (if ``warn``)."""
     phases = plan_state_step(
         StateStepRequest(
             **flags,
@@ -79,9 +85,14 @@ def plan_step(
         ),
         traits,
     )
+    if warn:
+        warn_unused_opts(phases, averaging_opts)
+    return phases
+
+
+def warn_unused_opts(phases: StatePhases, averaging_opts: dict[str, Any] | None) -> None:
     if phases.warn_unused_averaging_opts:
         logger.warning("averaging_opts %s are unused: averaging_round=False", averaging_opts)
-    return phases
 
 
 class AsyncTrainingStateAverager:
@@ -150,6 +161,17 @@ class AsyncTrainingStateAverager:
         """Whether a delayed averaging round is still running (a delayed optimizer step
         alone does not count)."""
         return self._delayed.round_in_progress
+
+    def needs_loop(self, phases: StatePhases) -> bool:
+        """Whether a step with these phases needs the loop: a round, delayed work to start,
+        wait for or apply. If not, the blocking facade runs it in the caller's thread
+        (``StateTensors._step_in_place``: the optimizer's lock orders it with delayed work)."""
+        return (
+            phases.prepare_round
+            or phases.optimizer_in_worker
+            or phases.wait_for_delayed_updates
+            or (phases.apply_delayed_updates and self._delayed.finished_unapplied)
+        )
 
     # ------------------------------------------------------------------ steps
 

@@ -87,6 +87,7 @@ from swarmtrain.optim.async_state_averager import (
     ZERO_GRAD_SET_TO_NONE_DEFAULT,
     AsyncTrainingStateAverager,
     plan_step,
+    warn_unused_opts,
 )
 from swarmtrain.utils.background import BackgroundRuntime
 from swarmtrain.utils.facade import aio_property
@@ -363,6 +364,11 @@ class TrainingStateAverager(TrainingStateSharing, DecentralizedAverager):
             self._step_in_place(phases, wait_for_trigger, optimizer_step, zero_grad, set_to_none)
             return None
         runtime, averager = self._trio_form()
+        phases = plan_step(self._traits, warn=False, **keywords)
+        if not averager.needs_loop(phases):  # no loop hop for a plain optimizer step
+            warn_unused_opts(phases, averaging_opts)
+            self._step_in_place(phases, wait_for_trigger, optimizer_step, zero_grad, set_to_none)
+            return None
         return runtime.call(functools.partial(averager.step, **keywords))
 
     step.__doc__ = AsyncTrainingStateAverager.step.__doc__
