@@ -2,6 +2,9 @@
 
 from swarmtrain.optim.async_diloco import AsyncDiLoCoOptimizer as AsyncDiLoCoOptimizer
 from swarmtrain.optim.async_optimizer import AsyncOptimizer as AsyncOptimizer
+from swarmtrain.optim.async_state_averager import (
+    AsyncTrainingStateAverager as AsyncTrainingStateAverager,
+)
 from swarmtrain.optim.diloco import DiLoCoOptimizer as DiLoCoOptimizer
 from swarmtrain.optim.diloco import DiLoCoStatistics as DiLoCoStatistics
 from swarmtrain.optim.diloco import RoundStatistics as RoundStatistics

@@ -1,14 +1,15 @@
 """The delayed work of ``AsyncOptimizer``'s epoch ends: tasks of its nursery, one at a time.
 
-Delayed work (what a standalone ``TrainingStateAverager`` runs in its worker thread) runs as a
-*job* in the optimizer's own task group; a job waits for the previous one, so jobs run in
+Delayed work runs as a *job* in the task group of its owner (the optimizer's, or a standalone
+``AsyncTrainingStateAverager``'s); a job waits for the previous one, so jobs run in
 order. A job does, each part optionally:
 
 1. wait for the epoch's gradient round (``delay_grad_averaging``), then put the averaged
    gradients into the optimizer's copies (``delay_optimizer_step``); the trainer's next round
    waits for that (:meth:`DelayedUpdates.wait_gradients_consumed`), since it reloads the
    averaged buffers;
-2. the optimizer step (in a worker thread, under the state averager's locks);
+2. ``wait_for_trigger`` (awaited, or a plain callable run in a worker thread), then the optimizer
+   step and/or ``zero_grad`` (in a worker thread, under the state averager's locks);
 3. a state round: its inputs are loaded (after the step), all-reduce runs, it is waited for.
 
 Nothing a job computes reaches the model until the trainer's next ``step`` calls
@@ -20,15 +21,18 @@ is small CPU work (``torch_work``: see ``swarmtrain.optim._torch_work``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from swarmtrain.averaging import StepControl
 from swarmtrain.optim._torch_work import TorchWork
-from swarmtrain.optim.state_averager import TrainingStateAverager
+
+if TYPE_CHECKING:  # the state averager's trio form uses this class too
+    from swarmtrain.optim._state_phases import StateTensors
 
 __all__ = ["DelayedUpdates"]
 
@@ -49,7 +53,7 @@ class DelayedUpdates:
     def __init__(
         self,
         nursery: trio.Nursery,
-        state: TrainingStateAverager,
+        state: StateTensors,
         *,
         run_id: str,
         status_loglevel: int,
@@ -86,10 +90,15 @@ class DelayedUpdates:
         optimizer_step: bool = False,
         state_round: StepControl | None = None,
         inputs_loaded: bool = False,
+        zero_grad: bool = False,
+        set_to_none: bool = True,
+        wait_for_trigger: Callable[[], Any] | None = None,
     ) -> None:
-        """Queue a job: wait for ``gradients()``, run ``consume`` (in a worker thread), the
-        optimizer step, then the state round of ``state_round`` (its inputs loaded first,
-        unless ``inputs_loaded``: it averages the state as of the epoch's end)."""
+        """Queue a job: wait for ``gradients()``, run ``consume`` (in a worker thread), wait
+        for ``wait_for_trigger``, the optimizer step and/or ``zero_grad``, then the state round
+        of ``state_round`` (its inputs loaded first, unless ``inputs_loaded``: then all-reduce
+        was allowed by the caller, and the round averages the state as of then)."""
+        step = _StepPhase(optimizer_step, zero_grad, set_to_none, wait_for_trigger)
         previous = self._last_done
         done = self._last_done = trio.Event()
         if state_round is not None:
@@ -102,7 +111,7 @@ class DelayedUpdates:
             done,
             gradients,
             consume,
-            optimizer_step,
+            step,
             state_round,
             inputs_loaded,
         )
@@ -113,14 +122,14 @@ class DelayedUpdates:
         done: trio.Event,
         gradients: Callable[[], Awaitable[Any]] | None,
         consume: Callable[[], None] | None,
-        optimizer_step: bool,
+        step: _StepPhase,
         state_round: StepControl | None,
         inputs_loaded: bool,
     ) -> None:
         try:
             if previous is not None:
                 await previous.wait()
-            await self._run(gradients, consume, optimizer_step, state_round, inputs_loaded)
+            await self._run(gradients, consume, step, state_round, inputs_loaded)
         except Exception:
             logger.exception("%s: delayed work of an epoch failed", self.run_id)
             if state_round is not None:
@@ -136,7 +145,7 @@ class DelayedUpdates:
         self,
         gradients: Callable[[], Awaitable[Any]] | None,
         consume: Callable[[], None] | None,
-        optimizer_step: bool,
+        step: _StepPhase,
         state_round: StepControl | None,
         inputs_loaded: bool,
     ) -> None:
@@ -148,9 +157,9 @@ class DelayedUpdates:
                     await self._torch_work.run(consume)
             finally:
                 self._gradients_consumed.set()
-        if optimizer_step:
+        if step.runs:
             try:
-                await self._torch_work.run(self._state._optimizer_phase, None, True, False)
+                await step.run(self._state, self._torch_work)
             except Exception:
                 logger.exception(
                     "%s: a delayed optimizer step failed; its state round is dropped", self.run_id
@@ -184,10 +193,14 @@ class DelayedUpdates:
         with state.lock_optimizer, state.lock_averaged_tensors:
             state._apply_optimizer_parameters_()
 
-    async def wait_all(self) -> None:
-        """Wait for every queued job, then apply what they computed."""
+    async def wait_jobs(self) -> None:
+        """Wait for every queued job (their errors were logged); apply nothing."""
         if self._last_done is not None:
             await self._last_done.wait()
+
+    async def wait_all(self) -> None:
+        """Wait for every queued job, then apply what they computed."""
+        await self.wait_jobs()
         await self.apply_finished()
 
     async def wait_gradients_consumed(self, timeout: float) -> None:  # noqa: ASYNC109
@@ -200,3 +213,43 @@ class DelayedUpdates:
             self.run_id,
             timeout,
         )
+
+
+class _StepPhase:
+    """The optimizer part of a job: ``wait_for_trigger``, then an optimizer step and/or
+    ``zero_grad`` in a worker thread."""
+
+    __slots__ = ("optimizer_step", "set_to_none", "wait_for_trigger", "zero_grad")
+
+    def __init__(
+        self,
+        optimizer_step: bool,
+        zero_grad: bool,
+        set_to_none: bool,
+        wait_for_trigger: Callable[[], Any] | None,
+    ):
+        self.optimizer_step, self.zero_grad = optimizer_step, zero_grad
+        self.set_to_none, self.wait_for_trigger = set_to_none, wait_for_trigger
+
+    @property
+    def runs(self) -> bool:
+        return self.optimizer_step or self.zero_grad or self.wait_for_trigger is not None
+
+    async def run(self, state: StateTensors, torch_work: TorchWork) -> None:
+        await call_trigger(self.wait_for_trigger)
+        await torch_work.run(
+            state._optimizer_phase, None, self.optimizer_step, self.zero_grad, self.set_to_none
+        )
+
+
+async def call_trigger(trigger: Callable[[], Any] | None) -> None:
+    """Wait for ``trigger``: awaited if it is an async function (or returns an awaitable),
+    else called in a worker thread (a blocking wait must not hold the loop)."""
+    if trigger is None:
+        return
+    if inspect.iscoroutinefunction(trigger):
+        await trigger()
+        return
+    result = await trio.to_thread.run_sync(trigger)
+    if inspect.isawaitable(result):
+        await result
