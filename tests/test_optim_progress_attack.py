@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
+from polling import wait_for
 from test_optim_optimizer import HOST, TARGET, Peer, dhts, in_threads  # noqa: F401
 
 from swarmtrain.dht import DHT
@@ -22,12 +22,15 @@ from swarmtrain.optim.progress_types import short_peer_id
 def test_forged_progress_neither_stops_nor_desyncs_honest_peers(dhts, caplog):  # noqa: F811
     caplog.set_level(logging.WARNING, logger="swarmtrain")
     honest = [Peer(dht, i, delay_state_averaging=False) for i, dht in enumerate(dhts(2))]
+    liar_dhts: list[DHT] = []
     liars: list[ProgressTracker] = []
     stop = threading.Event()
     try:
         in_threads(*(lambda p=p: p.train_until(2) for p in honest))
-        liar_dhts = [DHT(honest[0].opt.dht.get_visible_maddrs(), **HOST) for _ in range(2)]
-        liars = [ProgressTracker(dht, "regression", TARGET) for dht in liar_dhts]
+        for _ in range(2):  # appended one by one: a failed start still closes the others
+            liar_dhts.append(DHT(honest[0].opt.dht.get_visible_maddrs(), **HOST))
+        for dht in liar_dhts:
+            liars.append(ProgressTracker(dht, "regression", TARGET))
         far_ahead, many_samples = liars
         far_ahead.report_local_progress(10**9, 1)
 
@@ -39,10 +42,11 @@ def test_forged_progress_neither_stops_nor_desyncs_honest_peers(dhts, caplog):  
 
         claimer = threading.Thread(target=keep_claiming_samples, daemon=True)
         claimer.start()
-        deadline = time.monotonic() + 20  # the liars' records reach the honest peers
-        while not all(len(p.opt.tracker.peers()) >= len(honest) + 1 for p in honest):
-            assert time.monotonic() < deadline, [len(p.opt.tracker.peers()) for p in honest]
-            time.sleep(0.05)
+        wait_for(  # the liars' records reach the honest peers
+            lambda: all(len(p.opt.tracker.peers()) >= len(honest) + 1 for p in honest),
+            timeout=20,
+            what="every honest peer seeing a liar's record",
+        )
         seen = {p.opt.global_epoch for p in honest}
         in_threads(*(lambda p=p: p.train_until(6) for p in honest))
         stop.set()
@@ -62,5 +66,5 @@ def test_forged_progress_neither_stops_nor_desyncs_honest_peers(dhts, caplog):  
             liar.shutdown()
         for peer in honest:
             peer.opt.shutdown()
-        for liar_dht in locals().get("liar_dhts", []):
+        for liar_dht in liar_dhts:
             liar_dht.shutdown()

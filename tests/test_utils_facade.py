@@ -251,3 +251,39 @@ def test_shutdown_timeout_cancels_a_close_that_hangs(caplog):
     assert service.close_cancelled.is_set()  # cut short (and waited for), not left running
     assert "cancelled it" in caplog.text
     assert BackgroundRuntime.active_references() == 0
+
+
+class Serving(BackgroundService):
+    """A service that runs until stopped, and says when its task ended."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+
+        @asynccontextmanager
+        async def serve() -> AsyncIterator[None]:
+            try:
+                yield None
+            finally:
+                self.ended.set()
+
+        self._start_in_background(serve)
+
+
+def test_the_last_release_cancels_a_service_whose_shutdown_was_interrupted():
+    # An exception that lands inside shutdown() (pytest-timeout's signal, Ctrl-C) after the
+    # reference is dropped but before the service was told to stop: the loop's last release
+    # used to wait for that service forever (a hung test teardown).
+    orphan = Serving()
+    runtime = orphan._runtime
+    assert runtime is not None
+    orphan._shut_down = True  # what shutdown() did before the exception
+    done = threading.Event()
+
+    def release() -> None:
+        runtime.release()  # the shutdown's `finally`, without the stop
+        done.set()
+
+    threading.Thread(target=release, daemon=True).start()
+    assert done.wait(10), "the last release waited for the orphaned service"
+    assert orphan.ended.is_set()
+    assert BackgroundRuntime.active_references() == 0

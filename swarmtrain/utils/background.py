@@ -74,6 +74,13 @@ class BackgroundRuntime:
             if BackgroundRuntime._instance is self:
                 BackgroundRuntime._instance = None
         if os.getpid() == self._pid:
+            # Nothing holds the loop now, so a task still on it is orphaned (a shutdown that an
+            # exception interrupted before it stopped its service, e.g. pytest-timeout's signal):
+            # cancel it instead of waiting for it forever.
+            try:
+                self.portal.call(self.portal.stop, True)
+            except RuntimeError:
+                pass  # the loop already stopped
             self._stack.close()
 
     @classmethod

@@ -24,15 +24,20 @@ def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
 def collapse_exception_groups() -> Iterator[None]:
     """Re-raise a group that holds a single error (however deeply nested) as that error.
 
-    A group of only ``trio.Cancelled`` becomes one ``Cancelled``. Groups of several real
-    errors are re-raised unchanged, so nothing is hidden.
+    ``trio.Cancelled`` leaves do not count as errors: a group of one error and cancellations
+    (a task failed while its scope was being cancelled, e.g. a reply to a reset connection as
+    the host shuts down) is that error, which the caller's ``except`` clauses then see (the
+    cancellation is raised again at the caller's next checkpoint). A group of only
+    ``Cancelled`` becomes one ``Cancelled``. Groups of several real errors are re-raised
+    unchanged, so nothing is hidden.
     """
     try:
         yield
     except BaseExceptionGroup as group:
         leaves = list(_leaves(group))
-        if len(leaves) == 1:
-            raise leaves[0] from None
-        if all(isinstance(leaf, trio.Cancelled) for leaf in leaves):
+        errors = [leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)]
+        if len(errors) == 1:
+            raise errors[0] from None
+        if not errors:
             raise leaves[0] from None  # several tasks cancelled by the same scope
         raise
