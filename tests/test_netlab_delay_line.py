@@ -107,8 +107,12 @@ def test_random_loss_drops_the_configured_share_of_packets(lab):
         if count + lost >= sent or time.monotonic() > deadline:
             break
         time.sleep(0.05)  # polling for the condition, bounded by the deadline
-    assert low <= lost <= high
-    assert count + lost == sent  # the line dropped them, nothing else did
+    missing = sent - count
+    assert low <= missing <= high
+    # the line dropped every missing datagram, nothing else did; it may also have dropped a
+    # few other packets that left the host meanwhile (a previous test's TCP teardown: a CI
+    # run lost 154 datagrams and 1 such packet)
+    assert missing <= lost <= missing + 5
     assert after["overflow_out"] == before["overflow_out"]
 
 
