@@ -183,6 +183,13 @@ def test_alone_or_with_local_updates_nothing_is_scheduled():
     assert not local.schedule_round and local.end_epoch
 
 
+def test_a_lone_peer_at_the_target_waits_for_its_confirming_fetch():
+    core = EpochCore(EpochModes())
+    confirming = SwarmView(0, 1, TARGET, TARGET, 0.0, confirming_alone=True)
+    assert not core.on_progress(0, confirming, 1.0).end_epoch
+    assert core.on_progress(0, SwarmView(0, 1, TARGET, TARGET, 0.0), 1.0).end_epoch
+
+
 def test_an_auxiliary_peer_counts_itself_and_leaves_a_finished_round_alone():
     core = EpochCore(MODES["auxiliary"])
     now = 10.0

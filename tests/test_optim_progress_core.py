@@ -231,6 +231,67 @@ def test_fetch_failure_retries_after_default_period():
     assert core.num_fetches == 0
 
 
+def test_a_peer_alone_at_the_target_fetches_once_before_it_ends_the_epoch():
+    # peers that start together publish their first records with their first steps: a peer
+    # whose last fetch saw nobody must look again before it ends an epoch alone
+    core = make_core(target=100)
+    fetch(core, T0)  # the first fetch, before anyone trained: nobody
+    core.report_local_progress(0, 60, now=T0 + 1)
+    assert not core.global_progress.confirming_alone
+    core.report_local_progress(0, 100, now=T0 + 2)  # alone at the target
+    progress = core.global_progress
+    assert progress.confirming_alone and progress.samples_accumulated == 100
+    assert progress.next_fetch_time == T0 + 2  # at once
+    assert not core.ready_to_update_epoch(T0 + 2)
+    core.report_local_progress(0, 130, now=T0 + 2.01)  # still confirming while it trains on
+    assert core.global_progress.confirming_alone
+    assert not core.ready_to_update_epoch(T0 + 2.01)
+    fetch(core, T0 + 2.05)  # nobody else: the epoch ends alone
+    assert not core.global_progress.confirming_alone
+    assert core.ready_to_update_epoch(T0 + 2.05)
+    # the next epoch asks again
+    core.update_epoch(None, now=T0 + 3)
+    core.report_local_progress(1, 100, now=T0 + 4)
+    assert core.global_progress.confirming_alone
+    assert not core.ready_to_update_epoch(T0 + 4)
+
+
+def test_the_confirming_fetch_finds_the_peers_that_started_together():
+    core = make_core(target=100)
+    fetch(core, T0)
+    core.report_local_progress(0, 100, now=T0 + 1)
+    assert not core.ready_to_update_epoch(T0 + 1)
+    # two peers that started with us: 32 samples each, at 64 samples/s like us
+    progress = fetch(
+        core,
+        T0 + 1.1,
+        record(b"a", 0, 32, sps=64.0, time=T0 + 1.1),
+        record(b"b", 0, 32, sps=64.0, time=T0 + 1.1),
+    )
+    assert not progress.confirming_alone
+    assert (progress.epoch, progress.num_peers) == (0, 3)
+    assert progress.samples_accumulated == 164
+    assert core.ready_to_update_epoch(T0 + 1.1)  # together: one epoch, one round
+
+
+def test_a_failed_fetch_does_not_hold_a_lone_peer_back():
+    core = make_core(target=100)
+    core.report_local_progress(0, 100, now=T0 + 1)
+    assert not core.ready_to_update_epoch(T0 + 1)
+    core.on_fetch_failed(T0 + 1.5)  # the DHT cannot tell: train on alone
+    assert core.ready_to_update_epoch(T0 + 1.5)
+
+
+def test_a_fetch_that_ended_before_the_target_does_not_confirm():
+    core = make_core(target=100)
+    core.report_local_progress(0, 90, now=T0 + 1)
+    fetch(core, T0 + 1)  # 10 samples short (the estimate too)
+    core.report_local_progress(0, 100, now=T0 + 2)
+    assert core.global_progress.confirming_alone
+    fetch(core, T0 + 2)  # a fetch that ends at that moment counts
+    assert core.ready_to_update_epoch(T0 + 2)
+
+
 # ------------------------------------------------ lying peers (audit 3) and honest ones
 
 

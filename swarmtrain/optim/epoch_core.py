@@ -148,6 +148,7 @@ class SwarmView:
     samples_accumulated: int = 0
     target_batch_size: int = 1
     eta_next_epoch: float = float("inf")
+    confirming_alone: bool = False  #: alone at the target, a fetch still due (``GlobalProgress``)
 
 
 #: what the core reads of the swarm: a ``SwarmView`` or the tracker's ``GlobalProgress``
@@ -352,7 +353,7 @@ class EpochCore:
             and others
             and seconds_left <= self.modes.matchmaking_time
         )
-        end_epoch = (
+        end_epoch = not swarm.confirming_alone and (
             swarm.epoch > local_epoch
             or swarm.samples_accumulated >= swarm.target_batch_size
             or now >= swarm.eta_next_epoch

@@ -55,7 +55,9 @@ is ignored until its owner stores a newer one (see :mod:`swarmtrain.optim.progre
 A peer publishes only while it is active: it reported samples during the global epoch or the
 one before (hivemind's rule, so auxiliary peers that never accumulate samples stay out of the
 counts). ``ready_to_update_epoch`` holds when the swarm is ahead of us, the target was reached,
-or the ETA passed.
+or the ETA passed. A peer that sees nobody else and reaches the target first fetches once more
+(at once): peers that start together publish their first records only with their first steps,
+and a peer that ended epochs alone before seeing them would run ahead of its swarm.
 
 Warnings are decisions, returned once each by :meth:`ProgressCore.warnings`:
 :class:`ImplausibleProgress` (a peer's record was ignored or its samples capped, once per peer),
@@ -140,6 +142,7 @@ class ProgressCore:
         self._last_active_epoch = -math.inf
         self._last_fetch_time: float | None = None
         self._fetched_this_epoch = False
+        self._alone_at_target_since: float | None = None  # see ``GlobalProgress.confirming_alone``
         self._num_fetches = self._num_merged = self._num_unbound = 0
         # publishing
         self._store_pending = self._gossip_pending = self._epoch_changed = False
@@ -230,9 +233,10 @@ class ProgressCore:
         }
 
     def ready_to_update_epoch(self, now: float) -> bool:
-        """The swarm is ahead of us, reached the target, or its ETA passed."""
+        """The swarm is ahead of us, reached the target, or its ETA passed (alone: confirmed by
+        a fetch, ``GlobalProgress.confirming_alone``)."""
         progress = self._global
-        return (
+        return not progress.confirming_alone and (
             progress.epoch > self._local.epoch
             or progress.samples_accumulated >= self.config.target_batch_size
             or now >= progress.eta_next_epoch
@@ -581,6 +585,20 @@ class ProgressCore:
         eta = max(0.0, config.target_batch_size - estimated) / (rate + EPS)
 
         num_peers = len(participants)
+        # alone at the target: confirm with a fetch that ends after we got there (a peer that
+        # started with the others has not seen their first reports yet, and would otherwise
+        # run epochs alone ahead of them)
+        at_target = not others and (samples >= config.target_batch_size or eta <= 0)
+        if not at_target or epoch != self._global.epoch:
+            self._alone_at_target_since = None
+        if at_target and self._alone_at_target_since is None:
+            self._alone_at_target_since = now
+        confirming_alone = at_target and (
+            self._last_fetch_time is None
+            or self._last_fetch_time < (self._alone_at_target_since or now)
+        )
+        if confirming_alone and next_fetch_time is None:
+            next_fetch_time = now
         if not others:
             period = config.default_refresh_period
         else:
@@ -614,4 +632,5 @@ class ProgressCore:
             eta_next_epoch=now + eta,
             next_fetch_time=next_fetch_time,
             samples_per_second=rate,
+            confirming_alone=confirming_alone,
         )

@@ -293,6 +293,9 @@ class GlobalProgress:
     eta_next_epoch: float  #: DHT time at which the swarm should reach the target
     next_fetch_time: float  #: DHT time of the next DHT fetch
     samples_per_second: float = 0.0  #: the swarm's reported speed in this epoch (0: unknown)
+    #: no other peer is seen and this one reached the target: the epoch ends (alone) only after
+    #: a DHT fetch that ended since then finds nobody either (one fetch per lone epoch)
+    confirming_alone: bool = False
 
 
 def describe_eta(progress: GlobalProgress, now: float) -> str:
