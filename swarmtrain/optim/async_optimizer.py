@@ -47,6 +47,7 @@ is the caller's.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -99,6 +100,11 @@ __all__ = ["AsyncOptimizer", "StepWork"]
 logger = logging.getLogger("swarmtrain.optim.optimizer")
 
 
+CONFIRM_ALONE_TIMEOUT = 3.0
+"""How long a peer alone at the target waits for its confirming DHT fetch (s) before it ends
+the epoch alone anyway."""
+
+
 @dataclass(frozen=True)
 class StepWork:
     """What a step still has to do on the loop after its batch part (``on_batch``)."""
@@ -108,6 +114,7 @@ class StepWork:
     seconds_left: float = 0.0  #: until the swarm's expected end of the epoch
     num_peers_present: int = 0
     end_epoch: bool = False  #: the swarm reached the target: end the epoch
+    confirm_alone: bool = False  #: alone at the target: fetch once more, then decide
 
 
 class AsyncOptimizer(AsyncEpochUpdates):
@@ -606,7 +613,12 @@ class AsyncOptimizer(AsyncEpochUpdates):
         if batch_size is not None and not self._accumulate(batch_size, grad_scaler):
             return None
         progress = self._last_progress = tracker.global_progress
-        plan = core.on_progress(self.local_epoch, progress, get_dht_time())
+        if progress.confirming_alone:
+            return StepWork(confirm_alone=True)
+        return self._plan_step_work(progress)
+
+    def _plan_step_work(self, progress: GlobalProgress) -> StepWork | None:
+        plan = self._epoch_core.on_progress(self.local_epoch, progress, get_dht_time())
         schedule = plan.schedule_round and self._rounds is not None and self._rounds.needs_schedule
         if not (schedule or plan.end_epoch):
             return None
@@ -624,7 +636,11 @@ class AsyncOptimizer(AsyncEpochUpdates):
         async with self._busy:
             await self._do_step_work(work, grad_scaler)
 
-    async def _do_step_work(self, work: StepWork, grad_scaler: Any) -> None:
+    async def _do_step_work(self, work: StepWork | None, grad_scaler: Any) -> None:
+        if work is not None and work.confirm_alone:
+            work = await self._confirm_alone()
+        if work is None:
+            return
         if work.catch_up:
             await self._catch_up()
             return
@@ -633,6 +649,17 @@ class AsyncOptimizer(AsyncEpochUpdates):
             self._rounds.maybe_schedule(work.seconds_left, self.local_epoch, work.num_peers_present)
         if work.end_epoch:
             await self._end_epoch(grad_scaler)
+
+    async def _confirm_alone(self) -> StepWork | None:
+        """Alone at the target: wait for a fresh fetch (peers that started with us publish
+        with their first step), then plan as usual; if the DHT does not answer in time, the
+        epoch ends alone."""
+        with trio.move_on_after(CONFIRM_ALONE_TIMEOUT):
+            await self._tracker.wait_for_fetch()
+        progress = self._tracker.global_progress
+        if progress.confirming_alone:
+            progress = dataclasses.replace(progress, confirming_alone=False)
+        return self._plan_step_work(progress)
 
     def _accumulate(self, batch_size: int, grad_scaler: Any) -> bool:
         """Check the batch and take it (the caller's thread); False if it was dropped."""

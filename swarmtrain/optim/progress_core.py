@@ -175,6 +175,11 @@ class ProgressCore:
         return self._global
 
     @property
+    def last_fetch_time(self) -> float | None:
+        """When the last DHT fetch (or failed attempt) ended; None before the first."""
+        return self._last_fetch_time
+
+    @property
     def fetched_this_epoch(self) -> bool:
         """Whether the DHT was fetched since the last :meth:`update_epoch`."""
         return self._fetched_this_epoch

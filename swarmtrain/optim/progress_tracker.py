@@ -385,6 +385,18 @@ class AsyncProgressTracker:
         with self._lock:
             return self._core.ready_to_update_epoch(get_dht_time())
 
+    async def wait_for_fetch(self) -> GlobalProgress:
+        """Wait for a DHT fetch that ends after this call (a fetch due at once, such as the
+        one a peer alone at the target asks for, ``GlobalProgress.confirming_alone``; bound the
+        wait with a cancel scope); returns the progress then."""
+        asked_at = get_dht_time()
+        while True:
+            with self._lock:
+                last = self._core.last_fetch_time
+            if last is not None and last >= asked_at:
+                return self.global_progress
+            await self._changed.wait()
+
     @property
     def estimated_next_update_time(self) -> float:
         """DHT time at which this peer should move to the next epoch (now if ready)."""
