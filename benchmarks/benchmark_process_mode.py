@@ -1,7 +1,7 @@
 """All-reduce round time next to a busy pure-Python main thread: in-process vs helper process.
 
     python benchmarks/benchmark_process_mode.py [--numel 8M] [--rounds 6] [--repeats 1]
-        [--modes thread,thread-1ms,thread-0.1ms,process]
+        [--modes thread,thread-1ms,thread-0.1ms,process] [--pin off|on|both]
 
 Two peers, one process each (started by this script, ``--worker``; the parent sends commands
 over stdin and reads JSON replies), average ``--numel`` float32 values per round. Modes:
@@ -28,6 +28,19 @@ overhead of the mode); also the median time to start a peer's averager (and DHT)
 helper process's resident memory. With ``spin-elsewhere`` among the modes, each mode's busy
 speed vs that control's: the same CPU load, so what is left is what the shared GIL costs (on
 a machine without a free core the busy loop also slows every mode, control included).
+
+``--pin on`` gives the busy and the idle rounds the same CPU placement (``sched_setaffinity``,
+Linux, 2 cores or more): peer 0's main thread alone on core 0 (the ``spin-elsewhere`` spinner
+too); everything else on core 1: peer 0's other threads (the ``thread`` modes' trio loop and
+its worker threads, ``process``'s pipe reader), its helper process, and peer 1 (all of its
+threads and its helper). Busy and idle rounds then differ only in whether core 0 spins, never
+in the cores the swarm has, so busy/idle shows what the spin costs through the GIL alone
+(``spin-elsewhere`` pinned: ~1x if the placement holds). It says nothing about a machine with
+fewer cores than busy threads (the unpinned rows show that), and the swarm of both peers has
+one core, so pinned idle rounds are slower than unpinned ones. Only the workers (and the
+processes and threads they start) are pinned, each placement checked from
+``/proc/<pid>/task/*/status``; they exit after each block, the parent is never pinned.
+``--pin both`` runs each mode unpinned, then pinned, then the next mode.
 """
 
 from __future__ import annotations
@@ -53,6 +66,8 @@ AVERAGER = {
     "min_matchmaking_time": 1.0,
     "request_timeout": 0.5,
 }
+#: with ``--pin on``: peer 0's main thread (the "trainer") / everything else (the swarm)
+TRAINER_CORE, SWARM_CORE = 0, 1
 SWITCH_INTERVALS = {
     "thread": None,
     "thread-1ms": 1e-3,
@@ -76,6 +91,29 @@ def spin_until(done) -> int:
     return spins
 
 
+def thread_cpus(pid: int) -> dict[str, str]:
+    """``{thread id: allowed CPUs}`` of every thread of process ``pid`` (Linux)."""
+    cpus = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+        except (OSError, StopIteration):
+            continue  # the thread ended meanwhile
+        cpus[tid] = line.split(":", 1)[1].strip()
+    return cpus
+
+
+def placement(main_pid: int, other_pids: list[int]) -> dict[str, list[str]]:
+    """Where this worker's threads may run: its main thread, its other threads, and every
+    thread of ``other_pids`` (its helper process, its spinner)."""
+    own = thread_cpus(main_pid)
+    main = own.pop(str(main_pid))
+    others = sorted(set(own.values()))
+    helpers = sorted({c for pid in other_pids for c in thread_cpus(pid).values()})
+    return {"main": [main], "threads": others, "helpers": helpers}
+
+
 def spinner(conn) -> None:
     """``spin-elsewhere``: spin (as ``spin_until``) between a "spin" and a "stop" message."""
     while conn.recv() == "spin":
@@ -85,6 +123,8 @@ def spinner(conn) -> None:
 
 
 def worker(args) -> None:
+    if args.pinned:  # this thread, and every thread and process it starts from now on
+        os.sched_setaffinity(0, {SWARM_CORE})
     import torch
 
     interval = SWITCH_INTERVALS[args.mode]
@@ -115,27 +155,41 @@ def worker(args) -> None:
         dht = DHT(args.initial_peer, **HOST)
         averager = DecentralizedAverager(tensors, dht, prefix=PREFIX, **AVERAGER)
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    if args.pinned and args.index == 0:  # the trainer's main thread alone (Linux: per thread)
+        os.sched_setaffinity(0, {TRAINER_CORE})
     spin_conn = None
+    other_pids = [averager.pid] if args.mode == "process" else []
     if args.mode == "spin-elsewhere":  # the same busy loop, in a process of its own
         import multiprocessing
 
         spin_conn, child_conn = multiprocessing.get_context("spawn").Pipe()
-        multiprocessing.get_context("spawn").Process(
+        spin_process = multiprocessing.get_context("spawn").Process(
             target=spinner, args=(child_conn,), daemon=True
-        ).start()
+        )
+        spin_process.start()
+        other_pids.append(spin_process.pid)
     start_s = time.perf_counter() - started
     helper_rss_mb = None
     if args.mode == "process":
         with open(f"/proc/{averager.pid}/status") as f:
             rss = next(line for line in f if line.startswith("VmRSS:"))
         helper_rss_mb = int(rss.split()[1]) / 1024
-    reply({"maddrs": maddrs, "start_s": start_s, "helper_rss_mb": helper_rss_mb})
+    reply(
+        {
+            "maddrs": maddrs,
+            "start_s": start_s,
+            "helper_rss_mb": helper_rss_mb,
+            "placement": placement(os.getpid(), other_pids),
+        }
+    )
     control = None
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd["op"] == "exit":
                 break
+            if cmd["op"] == "placement":  # after the rounds: the threads started meanwhile too
+                reply({"placement": placement(os.getpid(), other_pids)})
             if cmd["op"] == "prepare":
                 with averager.get_tensors() as local:
                     local[0].fill_(args.index + cmd["round"])
@@ -180,20 +234,45 @@ def worker(args) -> None:
 # --------------------------------------------------------------------------- parent
 
 
-def run_mode(mode: str, args, tmpdir: str, block: int) -> dict:
+def expected_placement(index: int, mode: str, pinned: bool) -> dict[str, str]:
+    """The CPUs each part of worker ``index`` may use (``--pin``; else the parent's)."""
+    if not pinned:
+        everywhere = thread_cpus(os.getpid())[str(os.getpid())]
+        return {"main": everywhere, "threads": everywhere, "helpers": everywhere}
+    trainer, swarm = str(TRAINER_CORE), str(SWARM_CORE)
+    spinner_core = trainer if index == 0 else swarm
+    return {
+        "main": trainer if index == 0 else swarm,
+        "threads": swarm,
+        "helpers": spinner_core if mode == "spin-elsewhere" else swarm,
+    }
+
+
+def check_placement(label: str, index: int, mode: str, pinned: bool, found: dict) -> None:
+    expected = expected_placement(index, mode, pinned)
+    wrong = {k: v for k, v in found.items() if any(c != expected[k] for c in v)}
+    if wrong:
+        raise RuntimeError(f"{label}: peer {index} runs on {found}, expected {expected}")
+
+
+def run_mode(mode: str, args, tmpdir: str, block: int, pinned: bool) -> dict:
+    label = f"{mode} pinned" if pinned else mode
     base = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode]
-    base += ["--numel", str(args.numel_value)]
+    base += ["--numel", str(args.numel_value)] + (["--pinned"] if pinned else [])
     workers: list[Worker] = []
     times: dict[str, list[float]] = {"idle": [], "busy": []}
     failed = 0
     try:
-        log = os.path.join(tmpdir, f"{mode}_{block}_0.log")
+        tag = f"{mode}_{'pinned' if pinned else 'free'}_{block}"
+        log = os.path.join(tmpdir, f"{tag}_0.log")
         workers.append(Worker([*base, "--index", "0"], log))
         first = workers[0].receive(args.start_timeout)
         extra = [x for m in first["maddrs"] for x in ("--initial-peer", m)]
-        log = os.path.join(tmpdir, f"{mode}_{block}_1.log")
+        log = os.path.join(tmpdir, f"{tag}_1.log")
         workers.append(Worker([*base, "--index", "1", *extra], log))
         second = workers[1].receive(args.start_timeout)
+        for index, reply in enumerate((first, second)):
+            check_placement(label, index, mode, pinned, reply["placement"])
         starts = [first["start_s"], second["start_s"]]
         rss = [first["helper_rss_mb"], second["helper_rss_mb"]]
         for r in range(2 * args.rounds):
@@ -209,7 +288,7 @@ def run_mode(mode: str, args, tmpdir: str, block: int) -> dict:
             round_s = max(x["s"] for x in replies)
             if args.verbose:
                 print(
-                    f"    {mode} round {r} {kind}: {round_s:.3f} s, stages {stages}, "
+                    f"    {label} round {r} {kind}: {round_s:.3f} s, stages {stages}, "
                     f"spins {replies[0]['spins']}" + ("" if ok else f" FAILED {errors}"),
                     flush=True,
                 )
@@ -217,6 +296,12 @@ def run_mode(mode: str, args, tmpdir: str, block: int) -> dict:
                 failed += 1
             elif r >= 2:  # the first round of each kind is warm-up
                 times[kind].append(round_s)
+        for index, w in enumerate(workers):
+            w.send(op="placement")
+            found = w.receive(30)["placement"]
+            check_placement(label, index, mode, pinned, found)
+            if args.verbose:
+                print(f"    {label} peer {index} CPUs after the rounds: {found}", flush=True)
     finally:
         for w in workers:
             w.close()
@@ -230,38 +315,50 @@ def median(values: list[float]) -> float:
 def parent(args) -> None:
     args.numel_value = parse_config(f"1x{args.numel}")[1]
     modes = args.modes.split(",")
+    placements = {"off": [False], "on": [True], "both": [False, True]}[args.pin]
+    if True in placements and not {TRAINER_CORE, SWARM_CORE} <= os.sched_getaffinity(0):
+        raise SystemExit(f"--pin needs cores {TRAINER_CORE} and {SWARM_CORE}")
+    runs = [(m, p) for m in modes for p in placements]  # each mode both ways in turn
+    labels = {run: f"{run[0]} pinned" if run[1] else run[0] for run in runs}
+    own_cpus = os.sched_getaffinity(0)
     print(f"# {args.numel} float32 per peer, 2 peers, {args.rounds} idle + {args.rounds} busy")
     print(f"# load before: {load_text()}  (os.getloadavg, 1/5/15 min)")
-    results = {m: {"idle": [], "busy": [], "failed": 0, "start_s": [], "rss": []} for m in modes}
+    results = {run: {"idle": [], "busy": [], "failed": 0, "start_s": [], "rss": []} for run in runs}
     with tempfile.TemporaryDirectory() as tmpdir:
         for block in range(args.repeats):
-            for mode in modes:
-                result = run_mode(mode, args, tmpdir, block)
+            for mode, pinned in runs:
+                result = run_mode(mode, args, tmpdir, block, pinned)
+                totals = results[mode, pinned]
                 for key in ("idle", "busy"):
-                    results[mode][key] += result[key]
-                results[mode]["failed"] += result["failed"]
-                results[mode]["start_s"] += result["start_s"]
-                results[mode]["rss"] += [x for x in result["helper_rss_mb"] if x is not None]
+                    totals[key] += result[key]
+                totals["failed"] += result["failed"]
+                totals["start_s"] += result["start_s"]
+                totals["rss"] += [x for x in result["helper_rss_mb"] if x is not None]
     print(f"# load after: {load_text()}")
-    base_idle = median(results[modes[0]]["idle"])
+    if os.sched_getaffinity(0) != own_cpus:  # never expected: only the workers pin themselves
+        raise RuntimeError(f"the parent's CPUs changed: {own_cpus} -> {os.sched_getaffinity(0)}")
     control = "spin-elsewhere"
-    control_busy = median(results[control]["busy"]) if control in results else float("nan")
+    width = max(len(label) for label in labels.values()) + 2
     print(
-        f"{'mode':<14}{'idle s':>9}{'busy s':>9}{'busy/idle speed':>17}"
+        f"{'mode':<{width}}{'idle s':>9}{'busy s':>9}{'busy/idle speed':>17}"
         f"{'  idle speed vs ' + modes[0]:>28}{'busy vs ' + control:>24}"
         f"{'failed':>8}{'start s':>9}{'helper MiB':>12}"
     )
-    for mode in modes:
-        idle, busy = median(results[mode]["idle"]), median(results[mode]["busy"])
+    for mode, pinned in runs:  # the baselines: the same placement's first mode and control
+        totals = results[mode, pinned]
+        base_idle = median(results[modes[0], pinned]["idle"])
+        control_run = results.get((control, pinned))
+        control_busy = median(control_run["busy"]) if control_run else float("nan")
+        idle, busy = median(totals["idle"]), median(totals["busy"])
         print(
-            f"{mode:<14}{idle:>9.3f}{busy:>9.3f}{idle / busy:>16.2f}x"
-            f"{base_idle / idle:>27.2f}x{control_busy / busy:>23.2f}x{results[mode]['failed']:>8}"
-            f"{median(results[mode]['start_s']):>9.1f}"
-            + (f"{median(results[mode]['rss']):>12.0f}" if results[mode]["rss"] else f"{'':>12}")
+            f"{labels[mode, pinned]:<{width}}{idle:>9.3f}{busy:>9.3f}{idle / busy:>16.2f}x"
+            f"{base_idle / idle:>27.2f}x{control_busy / busy:>23.2f}x{totals['failed']:>8}"
+            f"{median(totals['start_s']):>9.1f}"
+            + (f"{median(totals['rss']):>12.0f}" if totals["rss"] else f"{'':>12}")
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f)
+            json.dump({labels[run]: totals for run, totals in results.items()}, f)
 
 
 def main() -> None:
@@ -270,12 +367,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="idle and busy rounds, each")
     parser.add_argument("--repeats", type=int, default=1, help="alternating blocks of modes")
     parser.add_argument("--modes", default="thread,thread-1ms,thread-0.1ms,process")
+    parser.add_argument(
+        "--pin",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the same CPU placement for busy and idle rounds (see the docstring)",
+    )
     parser.add_argument("--start-timeout", type=float, default=180.0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="thread", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--pinned", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--initial-peer", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -2,12 +2,13 @@
 
 The parent (``process_averager.py``) spawns this with the averaged tensors (in shared memory:
 the child adds its deltas to the very pages the trainer reads), a cross-process lock around
-them, and one end of a pipe. Messages on the pipe are small tuples:
+them, and one end of a pipe (the parent's end: ``process_pipe.py``). Messages on the pipe are
+small tuples:
 
 - parent -> child: ``(call_id, op, args)``; ``op`` is one of ``_OPS``;
-- child -> parent: ``("ready", info)`` once, then ``("reply", call_id, ok, value)`` per call and
-  ``("step_done", step_id, ok, value)`` when a step started with ``start_step`` ends;
-  ``("failed", error)`` if the start failed.
+- child -> parent: ``("ready", info)`` once, then ``("reply", call_id, ok, value)`` per call,
+  ``("step_stage", step_id, stage)`` when a step started with ``start_step`` changes stage and
+  ``("step_done", step_id, ok, value)`` when it ends; ``("failed", error)`` if the start failed.
 
 Errors travel pickled (``_portable``): the parent re-raises the same type, even for exception
 classes whose ``__init__`` does not take their ``args``.

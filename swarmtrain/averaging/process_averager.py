@@ -41,10 +41,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import contextmanager
 from typing import Any
 
@@ -60,6 +58,7 @@ from swarmtrain.averaging.averager_config import (
     compute_schema_hash,
 )
 from swarmtrain.averaging.control import AveragingStage, _check_weight
+from swarmtrain.averaging.process_pipe import HelperPipe, HelperProcessError
 from swarmtrain.averaging.state_sharing import StateDownloadFailure
 from swarmtrain.dht import serialize
 from swarmtrain.p2p import PeerID
@@ -80,8 +79,10 @@ INHERITED_DHT_KEYWORDS = (
 _LOCK_SLICE = 0.5
 
 
-class HelperProcessError(RuntimeError):
-    """The averager's helper process is gone (crashed, killed, or failed to start)."""
+def _step_keywords(arguments: dict[str, Any], **fixed: Any) -> dict[str, Any]:
+    """The helper's ``start_step`` keywords: a step method's arguments (its ``locals()`` on
+    entry) but ``self`` and ``wait``, and ``fixed``."""
+    return {k: v for k, v in {**arguments, **fixed}.items() if k not in ("self", "wait")}
 
 
 class ProcessStepControl(Future):
@@ -89,10 +90,15 @@ class ProcessStepControl(Future):
     the gathered data with :class:`StepControl`'s controls, each forwarded to the helper."""
 
     def __init__(
-        self, averager: ProcessAverager, step_id: int, weight: float | None, gather: Any = None
+        self,
+        pipe: HelperPipe,
+        step_id: int,
+        weight: float | None,
+        gather: Any = None,
+        call_timeout: float | None = None,
     ):
         super().__init__()
-        self._averager, self._step_id = averager, step_id
+        self._pipe, self._step_id, self._call_timeout = pipe, step_id, call_timeout
         self._weight = weight
         self._triggered = False
         self._stage = AveragingStage.IDLE  # as the helper reports it
@@ -100,12 +106,12 @@ class ProcessStepControl(Future):
         self.data_for_gather: bytes = serialize(gather)
 
     def _control(self, action: str, value: Any = None) -> Any:
-        return self._averager._call("control", self._step_id, action, value)
+        return self._pipe.call("control", self._step_id, action, value, timeout=self._call_timeout)
 
     def _control_nowait(self, action: str, value: Any = None) -> None:
         """Send a control without waiting for the answer (the helper applies controls in the
         order they were sent); an error in the helper fails this step."""
-        self._averager._send("control", self._step_id, action, value).add_done_callback(
+        self._pipe.send("control", self._step_id, action, value).add_done_callback(
             self._fail_on_error
         )
 
@@ -115,10 +121,10 @@ class ProcessStepControl(Future):
         error = answer.exception()
         if error is None:
             return
-        self._averager._steps.pop(self._step_id, None)
+        self._forget()
         self._finish(False, error)
         with contextlib.suppress(HelperProcessError, RuntimeError):
-            self._averager._send("control", self._step_id, "cancel", None)
+            self._pipe.send("control", self._step_id, "cancel", None)
 
     @property
     def stage(self) -> AveragingStage:
@@ -164,7 +170,7 @@ class ProcessStepControl(Future):
         if not super().cancel():
             return False
         try:
-            self._averager._send("control", self._step_id, "cancel", None)
+            self._pipe.send("control", self._step_id, "cancel", None)
         except (HelperProcessError, RuntimeError):
             pass  # the helper is gone or going: the step ends with it
         return True
@@ -186,7 +192,16 @@ class ProcessStepControl(Future):
     def __repr__(self) -> str:
         return f"<ProcessStepControl step={self._step_id} done={self.done()}>"
 
+    def _forget(self) -> None:
+        """Take no more reports of this step from the helper (it failed here)."""
+        self._pipe.forget_step(self._step_id)
+
+    def _on_stage(self, stage: AveragingStage) -> None:
+        """(The pipe's reader thread) the helper reports the step's new stage."""
+        self._stage = stage
+
     def _finish(self, ok: bool, value: Any) -> None:
+        """(The pipe's reader thread) the helper reports the step's end."""
         try:
             if ok:
                 self.set_result(value)
@@ -251,13 +266,8 @@ class ProcessAverager:
         self._context = torch.multiprocessing.get_context("spawn")
         self.lock_averaged_tensors = self._context.Lock()
         self._process: Any = None
-        self._conn: Any = None
-        self._reader: threading.Thread | None = None
-        self._send_lock = threading.Lock()
-        self._ids = itertools.count()
-        self._pending: dict[int, Future] = {}
-        self._steps: dict[int, ProcessStepControl] = {}
-        self._gone: BaseException | None = None  # why calls fail now (helper gone, shut down)
+        self._pipe: HelperPipe | None = None
+        self._step_ids = itertools.count()
         self._info: dict[str, Any] = {}
         self._shut_down = False
         if start:
@@ -288,30 +298,14 @@ class ProcessAverager:
         )
         process.start()
         child_conn.close()  # only the child holds its end now: EOF when either side dies
-        self._process, self._conn = process, parent_conn
+        self._process, self._pipe = process, HelperPipe(parent_conn, self._exit_text)
         try:
-            self._info = self._wait_ready(self.start_timeout if timeout is None else timeout)
+            self._info = self._pipe.wait_ready(self.start_timeout if timeout is None else timeout)
         except BaseException:
             self._kill()
             raise
-        self._reader = threading.Thread(
-            target=self._read_loop, name="swarmtrain-averager-pipe", daemon=True
-        )
-        self._reader.start()
+        self._pipe.start_reading()
         exit_shutdown.track(self)
-
-    def _wait_ready(self, timeout: float) -> dict[str, Any]:
-        if not self._conn.poll(timeout):
-            raise HelperProcessError(
-                f"the averager's helper process did not start within {timeout} s"
-            )
-        try:
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            raise HelperProcessError(self._exit_text("died while starting")) from None
-        if message[0] == "failed":
-            raise message[1]
-        return message[1]
 
     def _kill(self) -> None:
         process = self._process
@@ -319,8 +313,8 @@ class ProcessAverager:
             process.kill()
         if process is not None:
             process.join(5)
-        if self._conn is not None:
-            self._conn.close()
+        if self._pipe is not None:
+            self._pipe.close()
 
     def _exit_text(self, what: str) -> str:
         process = self._process
@@ -330,7 +324,7 @@ class ProcessAverager:
         return f"the averager's helper process (pid {process.pid}) {what} ({how})"
 
     def is_alive(self) -> bool:
-        return self._process is not None and self._gone is None and self._process.is_alive()
+        return self._pipe is not None and self._pipe.gone is None and self._process.is_alive()
 
     @property
     def pid(self) -> int | None:
@@ -344,20 +338,19 @@ class ProcessAverager:
             return
         self._shut_down = True
         exit_shutdown.forget(self)
-        if self._process is None:
+        if self._pipe is None:
             return
+        self._pipe.begin_shutdown()
         wait = 30.0 if timeout is None else timeout
         try:
-            self._call("shutdown", timeout=wait)
+            self._pipe.call("shutdown", timeout=wait)
         except (HelperProcessError, TimeoutError, RuntimeError):
             pass
         self._process.join(wait)
         if self._process.is_alive():
             logger.warning("the averager's helper did not exit within %s s: killing it", wait)
         self._kill()
-        if self._reader is not None:
-            self._reader.join(5)
-        self._fail_all(RuntimeError("the averager was shut down"))
+        self._pipe.close(RuntimeError("the averager was shut down"))
 
     def __enter__(self) -> ProcessAverager:
         return self
@@ -367,82 +360,19 @@ class ProcessAverager:
 
     # ------------------------------------------------------------------ the pipe
 
-    def _read_loop(self) -> None:
-        failure: BaseException | None = None
-        try:
-            while True:
-                message = self._conn.recv()
-                if message[0] == "reply":
-                    _, call_id, ok, value = message
-                    future = self._pending.pop(call_id, None)
-                    if future is not None and not future.done():
-                        (future.set_result if ok else future.set_exception)(value)
-                elif message[0] == "step_stage":
-                    _, step_id, stage = message
-                    control = self._steps.get(step_id)
-                    if control is not None:
-                        control._stage = stage
-                elif message[0] == "step_done":
-                    _, step_id, ok, value = message
-                    control = self._steps.pop(step_id, None)
-                    if control is not None:
-                        control._finish(ok, value)
-                elif message[0] == "failed":
-                    failure = message[1]
-        except (EOFError, OSError):
-            pass
-        if self._shut_down:
-            self._fail_all(RuntimeError("the averager was shut down"))
-            return
-        error = HelperProcessError(self._exit_text("exited"))
-        if failure is not None:
-            error.__cause__ = failure
-            error.args = (f"{error.args[0]}: {type(failure).__name__}: {failure}",)
-        logger.error("%s", error)
-        self._fail_all(error)
+    def _running_pipe(self) -> HelperPipe:
+        if self._pipe is None:
+            raise RuntimeError("the averager is not running: start it first")
+        return self._pipe
 
-    def _fail_all(self, error: BaseException) -> None:
-        with self._send_lock:
-            if self._gone is None:
-                self._gone = error
-            pending, self._pending = self._pending, {}
-            steps, self._steps = self._steps, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(self._gone)
-        for control in steps.values():
-            control._finish(False, self._gone)
-
-    def _send(self, op: str, *args: Any, step: ProcessStepControl | None = None) -> Future:
-        future: Future = Future()
-        with self._send_lock:
-            if self._process is None:
-                raise RuntimeError("the averager is not running: start it first")
-            if self._shut_down and op != "shutdown":
-                raise RuntimeError("the averager was shut down")
-            if self._gone is not None:
-                raise self._gone
-            call_id = next(self._ids)
-            self._pending[call_id] = future
-            if step is not None:
-                self._steps[step._step_id] = step
-            try:
-                self._conn.send((call_id, op, args))
-            except (OSError, ValueError) as e:  # ValueError: the connection was closed
-                self._pending.pop(call_id, None)
-                raise HelperProcessError(f"the averager's helper process is gone ({e})") from e
-        return future
+    def _send(self, op: str, *args: Any) -> Future:
+        """Send ``op`` to the helper: the future of its answer."""
+        return self._running_pipe().send(op, *args)
 
     def _call(self, op: str, *args: Any, timeout: float | None = -1.0) -> Any:
         """Run ``op`` in the helper and wait for its answer (``timeout`` -1: ``call_timeout``)."""
-        future = self._send(op, *args)
         wait = self.call_timeout if timeout == -1.0 else timeout
-        try:
-            return future.result(wait)
-        except FutureTimeoutError:
-            raise TimeoutError(
-                f"the averager's helper process did not answer {op!r} within {wait} s"
-            ) from None
+        return self._running_pipe().call(op, *args, timeout=wait)
 
     # ------------------------------------------------------------------ hivemind's API
 
@@ -475,20 +405,11 @@ class ProcessAverager:
         or with ``wait=False`` a :class:`ProcessStepControl`."""
         if wait and require_trigger:
             raise ValueError("a step that waits cannot also wait for a trigger: use wait=False")
-        control, started = self._start_step(
-            gather=gather,
-            scheduled_time=scheduled_time,
-            weight=weight,
-            timeout=timeout,
-            allow_retries=allow_retries,
-            require_trigger=require_trigger,
-            expected_group_size=expected_group_size,
-            group_bits=group_bits,
-        )
+        control, started = self._start_step(_step_keywords(locals()))
         try:
             started.result(self.call_timeout)
         except BaseException:
-            self._steps.pop(control._step_id, None)
+            control._forget()
             raise
         if not wait:
             return control
@@ -512,24 +433,20 @@ class ProcessAverager:
         """Start a step in the helper without waiting for its acknowledgement (a trio loop
         calls this: ``step(wait=False)`` would block it for a pipe round trip): its control at
         once; a step the helper refuses fails (``wait_result`` raises)."""
-        control, started = self._start_step(
-            gather=gather,
-            scheduled_time=scheduled_time,
-            weight=weight,
-            timeout=timeout,
-            allow_retries=allow_retries,
-            require_trigger=require_trigger,
-            expected_group_size=expected_group_size,
-            group_bits=group_bits,
-        )
+        control, started = self._start_step(_step_keywords(locals()))
         started.add_done_callback(control._fail_on_error)
         return control
 
-    def _start_step(self, **kwargs: Any) -> tuple[ProcessStepControl, Future]:
-        """Send a step to the helper: its control, and the future of the helper's ack."""
-        control = ProcessStepControl(self, next(self._ids), kwargs["weight"], kwargs["gather"])
+    def _start_step(self, kwargs: dict[str, Any]) -> tuple[ProcessStepControl, Future]:
+        """Send a step (the helper's ``start_step`` keywords) to the helper: its control, and
+        the future of the helper's ack."""
+        pipe = self._running_pipe()
+        step_id = next(self._step_ids)
+        control = ProcessStepControl(
+            pipe, step_id, kwargs["weight"], kwargs["gather"], self.call_timeout
+        )
         control._triggered = not kwargs["require_trigger"]
-        return control, self._send("start_step", control._step_id, kwargs, step=control)
+        return control, pipe.send("start_step", step_id, kwargs, step=control)
 
     @contextmanager
     def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
@@ -623,20 +540,12 @@ class _ProcessAio:
         group_bits: str | None = None,
     ) -> GatheredData:
         """As ``ProcessAverager.step``; cancelling the awaiting task cancels the step."""
-        control, started = self._averager._start_step(
-            gather=gather,
-            scheduled_time=scheduled_time,
-            weight=weight,
-            timeout=timeout,
-            allow_retries=allow_retries,
-            require_trigger=False,
-            expected_group_size=expected_group_size,
-            group_bits=group_bits,
-        )
+        keywords = _step_keywords(locals(), require_trigger=False)
+        control, started = self._averager._start_step(keywords)
         try:
             await asyncio.wrap_future(started)
         except BaseException:
-            self._averager._steps.pop(control._step_id, None)
+            control._forget()
             control.cancel()
             raise
         try:
