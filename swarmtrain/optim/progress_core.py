@@ -21,7 +21,12 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   *round partners* (peers that averaged with it lately, :meth:`ProgressCore.on_round_partners`)
   only they vote (the rules: :mod:`swarmtrain.optim.progress_votes`). hivemind takes the
   largest epoch of any record, so one record claiming epoch 1e9 sent every peer into state
-  downloads;
+  downloads. A peer two or more epochs behind a quorum of its partners follows them past its
+  own vote when a peer known independently of them agrees, or once its epoch has lasted
+  :meth:`ProgressCore.stall_bound` (it stalled) and a quorum of everyone else agrees, at most
+  as far as the time since it entered its epoch makes plausible
+  (:meth:`ProgressCore.plausible_lead`); its ``Optimizer`` then catches up (``_epoch_sync``:
+  it loads the state);
 - a record claiming an epoch more than one ahead of the global epoch is ignored (not counted
   at all) and reported once by :class:`ImplausibleProgress`; a peer one epoch ahead just
   stepped: it counts as a peer, its samples toward the next epoch, and the samples it
@@ -129,6 +134,7 @@ class ProgressCore:
         self._trained = False  # this peer votes on the epoch once it trained
         self._epoch_witnessed = False  # we saw the global epoch begin (not joined it midway)
         self._local_epoch_started_at = now
+        self._last_epoch_took: float | None = None  # our last epoch that ended with a step
         self._ignored: set[bytes] = set()  # keys whose records the last recompute ignored
         self._votes = ProgressVotes(
             peer_id,
@@ -141,6 +147,7 @@ class ProgressCore:
         self._last_fetch_time: float | None = None
         self._fetched_this_epoch = False
         self._num_fetches = self._num_merged = self._num_unbound = 0
+        self._num_followed = {"seconded": 0, "stalled": 0}
         # publishing
         self._store_pending = self._gossip_pending = self._epoch_changed = False
         self._last_store_time = self._last_gossip_time = -math.inf
@@ -214,6 +221,42 @@ class ProgressCore:
         return len(self._votes.unvouched)
 
     @property
+    def num_followed_seconded(self) -> int:
+        """Times this peer, two or more epochs behind a quorum of its partners, followed them
+        past its own vote because a peer known independently of them was there too."""
+        return self._num_followed["seconded"]
+
+    @property
+    def num_followed_stalled(self) -> int:
+        """Times this peer followed its partners past its own vote after its epoch had lasted
+        the stall bound (:meth:`stall_bound`)."""
+        return self._num_followed["stalled"]
+
+    def epoch_duration(self) -> float:
+        """How long an epoch lasts, as this peer saw: its last epoch that ended with a step to
+        the next one, else the duration the first ETA of the swarm's epoch promised (at least
+        ``min_refresh_period``)."""
+        took = self._last_epoch_took
+        if took is None:
+            took = self._expected_epoch_duration or 0.0
+        return max(took, self.config.min_refresh_period)
+
+    def stall_bound(self) -> float:
+        """Seconds after which this peer's epoch counts as stalled: ``stall_factor`` times
+        :meth:`epoch_duration`, and at least ``min_stall_time`` (a floor that holds whatever
+        samples and speeds peers claim)."""
+        config = self.config
+        return max(config.min_stall_time, config.stall_factor * self.epoch_duration())
+
+    def plausible_lead(self, in_epoch: float) -> int:
+        """How many epochs the swarm can have gone past ours ``in_epoch`` seconds after we
+        entered it: one, plus one per ``1 / max_rate_factor`` of :meth:`epoch_duration` (a swarm
+        that grew meanwhile is faster). A peer behind follows its partners at most this far
+        (the rest when it looks again)."""
+        rate = self.config.max_rate_factor / self.epoch_duration()
+        return 1 + int(min(in_epoch * rate, 2**31))
+
+    @property
     def num_unvouched_peers(self) -> int:
         """Live records whose samples and speed did not count at the last recompute: nobody
         this peer trusts vouches for their owners (see ``progress_votes``)."""
@@ -269,6 +312,8 @@ class ProgressCore:
         if samples_accumulated > 0:
             self._last_active_epoch = max(self._global.epoch, epoch)
             self._trained = True
+        if epoch == previous.epoch + 1:
+            self._last_epoch_took = now - self._local_epoch_started_at
         if epoch != previous.epoch:
             self._epoch_changed = True
             self._trained = True
@@ -516,7 +561,16 @@ class ProgressCore:
             if record.progress is not None and self._liveness.counts(key, record.expiration_time)
         }
         self._credits.keep_only(live)
-        epoch = self._votes.tally(live, self._local.epoch, trained=self._trained)
+        in_epoch = max(0.0, now - self._local_epoch_started_at)
+        epoch = self._votes.tally(
+            live,
+            self._local.epoch,
+            trained=self._trained,
+            stalled=in_epoch >= self.stall_bound(),
+            max_lead=self.plausible_lead(in_epoch),
+        )
+        if epoch != self._global.epoch and self._votes.followed is not None:
+            self._num_followed[self._votes.followed] += 1
         self._ignored = {key for key, peer in live.items() if peer.epoch > epoch + 1}
         for key in self._ignored:
             peer = live[key]

@@ -410,6 +410,7 @@ class AsyncProgressTracker:
             unbound_refused = core.num_unbound_refused
             live_partners, unvouched_ahead = core.num_live_partners, core.num_unvouched_ahead
             unvouched_peers = core.num_unvouched_peers
+            followed = core.num_followed_seconded, core.num_followed_stalled
         return ProgressTrackerStatistics(
             global_progress=global_progress,
             local_progress=local_progress,
@@ -426,6 +427,8 @@ class AsyncProgressTracker:
             live_partners=live_partners,
             unvouched_ahead=unvouched_ahead,
             unvouched_peers=unvouched_peers,
+            followed_seconded=followed[0],
+            followed_stalled=followed[1],
         )
 
     # --------------------------------------------------------- local events
