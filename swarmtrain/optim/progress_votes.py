@@ -36,7 +36,10 @@ Votes (the global epoch):
     peer, or a partner of ours in an earlier round; :attr:`ProgressVotes.sources`) and a
     quorum of every live non-client peer, us included, is there; or
   * *stalled*: once our epoch has lasted the stall bound (``ProgressCore`` decides: at least
-    ``min_stall_time``), if a quorum of every live non-client peer *but us* is there.
+    ``min_stall_time``), if a quorum of every live non-client peer *but us* is there;
+
+  in both cases at most ``max_lead`` epochs ahead of ours (``ProgressCore`` decides what the
+  time since we entered our epoch makes plausible; the rest when we look again).
 
   A lying partner's own Sybils are not witnesses (it vouches for them, nobody else does), and
   a lone partner never outvotes the peers that are with us (both rules need the open quorum);
