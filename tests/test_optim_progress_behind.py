@@ -125,9 +125,9 @@ def test_a_stalled_single_partner_peer_follows_the_swarm(lead, seen_first):
     # the box stalls: no report, no fetch, while the swarm goes on `lead` epochs
     resumed = T0 + lead * EPOCH + EPOCH / 2
     assert honest_swarm(resumed)[0].epoch == 3 + lead
-    # seen first: b and c second a at once; else (only a vouches for them) it waits until its
-    # epoch has lasted the stall bound
-    followed_at = resumed if seen_first else max(resumed, T0 + bound)
+    # seen first: b and c second a at once; else (only a vouches for them) it waits until it
+    # has been behind for the stall bound: since its last look in step (T0 + 2; the stall counts)
+    followed_at = resumed if seen_first else max(resumed, T0 + 2 + bound)
     now = resumed
     while now < followed_at:
         assert fetch(core, now, *honest_swarm(now)) == 3
@@ -145,6 +145,38 @@ def test_a_stalled_single_partner_peer_follows_the_swarm(lead, seen_first):
     core.on_round_partners([b"a", b"b"], enter.epoch, followed_at + 2)
     assert fetch(core, followed_at + 2, *honest_swarm(followed_at + 2)) == swarm_epoch
     assert not epochs.is_behind(enter.epoch, core.global_progress.epoch)
+
+
+def at(epoch: int, now: float) -> list[LocalProgress]:
+    """The honest peers in ``epoch`` (a swarm that stays there for this test)."""
+    lists = {b"a": [b"me", b"b"], b"b": [b"a", b"c"], b"c": [b"b"]}
+    return [record(key, epoch, 10, partners=lists[key], now=now) for key in HONEST]
+
+
+@pytest.mark.parametrize("stepped_at", [26.0, 40.0], ids=["before-the-bound", "after-the-bound"])
+def test_stepping_alone_from_two_behind_keeps_the_clock_and_the_bound(stepped_at):
+    # the flake of test_late_joiner_loads_state_and_catches_up: the peer's round of epoch 3
+    # waited long while the swarm went two ahead; it then stepped alone, one behind
+    core = in_step_at_3(seen_first=False)
+    bound = core.stall_bound()
+    epochs = EpochCore(EpochModes())
+    assert not epochs.is_behind(3, core.global_progress.epoch)
+    assert fetch(core, T0 + 25, *at(5, T0 + 25)) == 3  # b is vouched for by a alone: no witness
+    core.update_epoch(4, T0 + stepped_at)  # its own round failed: it steps alone
+    # an epoch stepped alone while behind is no measure of the swarm's epochs
+    assert core.epoch_duration() == EPOCH and core.stall_bound() == bound
+    first_look = core.global_progress.epoch
+    if T0 + stepped_at < T0 + 2 + bound:  # behind since its last look in step (T0 + 2)
+        assert first_look == 4
+        assert not epochs.is_behind(4, first_look)
+        now = T0 + 2 + bound
+        assert fetch(core, now, *at(5, now)) == 5  # one ahead, on the same clock: it follows
+        plan = epochs.on_progress(4, core.global_progress, now)
+        assert plan.end_epoch  # and ends its epoch at once (its round gives up: peers moved on)
+    else:  # its first look at epoch 4 sees the swarm past it: it loads the state
+        assert first_look == 5
+        assert epochs.is_behind(4, first_look)
+    assert core.num_followed_stalled == 1
 
 
 def test_a_lead_must_be_plausible_for_the_time_since_we_entered_our_epoch():
@@ -199,16 +231,17 @@ def test_sybils_alone_never_move_a_peer_with_a_partner(claim):
 def test_a_lying_partner_with_sybils_moves_a_peer_only_after_the_stall_bound(claim, seen_first):
     core = in_step_at_3(seen_first=seen_first)
     bound = core.stall_bound()
+    in_step = T0 + 2  # its last look in step: the claims arrive after it
     # its own Sybils are no witnesses (only it vouches for them), even outnumbering b and c
-    for now in (T0 + 3, T0 + bound / 2, T0 + bound - 0.5):
+    for now in (T0 + 3, in_step + bound / 2, in_step + bound - 0.5):
         assert fetch(core, now, *liar_and_sybils(claim, now, 10), *at_our_epoch(now)) == 3
     assert core.num_followed_seconded == 0
-    # the documented bound: once our epoch has lasted the stall bound, a quorum of every peer
-    # but us (the liar and 10 Sybils of 13) with a partner among it moves us, at most as far as
-    # the time since we entered our epoch makes plausible
-    now = T0 + bound
+    # the documented bound: once it has been behind for the stall bound, a quorum of every peer
+    # but it (the liar and 10 Sybils of 13) with a partner among it moves it, at most as far as
+    # the time since it entered its epoch makes plausible
+    now = in_step + bound
     moved = fetch(core, now, *liar_and_sybils(claim, now, 10), *at_our_epoch(now))
-    assert moved == min(claim, 3 + core.plausible_lead(bound))
+    assert moved == min(claim, 3 + core.plausible_lead(now - T0))
     assert core.num_followed_stalled == 1
     # with the honest peers in the majority, not even then
     core = in_step_at_3(seen_first=seen_first)

@@ -16,10 +16,10 @@ from test_optim_optimizer import FAST, Peer, dhts, in_threads, params_of  # noqa
 
 
 def test_a_stalled_peer_follows_its_only_partner_and_loads_its_state(dhts):  # noqa: F811
-    # min_stall_time 0: the stall bound is 3x the peer's last epoch (a few seconds here); a
-    # short averaging_timeout: the partner's rounds wait that long for the stalled peer
-    tracker = {**FAST["tracker_opts"], "min_stall_time": 0.0}
-    opts = {"delay_state_averaging": False, "averaging_timeout": 5.0, "tracker_opts": tracker}
+    # FAST's min_stall_time (5 s): the stall bound is that or 3x the peer's last epoch; a short
+    # averaging_timeout: the partner's rounds wait that long for the stalled peer
+    assert FAST["tracker_opts"]["min_stall_time"] == 5.0
+    opts = {"delay_state_averaging": False, "averaging_timeout": 5.0}
     peers = [Peer(dht, i, **opts) for i, dht in enumerate(dhts(2))]
     going, stalled = peers
     try:

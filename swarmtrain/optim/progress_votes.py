@@ -35,11 +35,14 @@ Votes (the global epoch):
     else -- seen while nobody vouched (our first look), listed by another partner or a trusted
     peer, or a partner of ours in an earlier round; :attr:`ProgressVotes.sources`) and a
     quorum of every live non-client peer, us included, is there; or
-  * *stalled*: once our epoch has lasted the stall bound (``ProgressCore`` decides: at least
-    ``min_stall_time``), if a quorum of every live non-client peer *but us* is there;
+  * *stalled*: once we have been that far behind them for the stall bound (``ProgressCore``
+    decides: at least ``min_stall_time``; stepping alone meanwhile does not restart it), if a
+    quorum of every live non-client peer *but us* is there;
 
   in both cases at most ``max_lead`` epochs ahead of ours (``ProgressCore`` decides what the
-  time since we entered our epoch makes plausible; the rest when we look again).
+  time since we were last in step makes plausible; the rest when we look again). A peer that
+  stepped alone from two epochs behind to one is still behind (the round of the epoch it
+  entered is over): the rules go on for a lead of one, on the same clock.
 
   A lying partner's own Sybils are not witnesses (it vouches for them, nobody else does), and
   a lone partner never outvotes the peers that are with us (both rules need the open quorum);
@@ -241,6 +244,8 @@ class ProgressVotes:
         self.sources: dict[bytes, set[bytes]] = {}
         #: how the last tally's epoch was reached past our own vote: "seconded", "stalled", None
         self.followed: str | None = None
+        #: at the last tally a quorum of our partners (without our vote) was 2+ epochs ahead
+        self.behind = False
         self._vouching = False  # someone vouched once: never again count every record
 
     def on_round_partners(self, peer_ids: Iterable[bytes], epoch: int) -> None:
@@ -335,14 +340,15 @@ class ProgressVotes:
         """The highest epoch that a quorum of the voters is at or beyond, never below ours.
         The voters: our live partners and trusted peers if there is any, else every live
         non-client peer. Two or more epochs behind a quorum of our partners, we may follow
-        them past our own vote (the "behind" rules in the module docstring; ``stalled``: our
-        epoch has lasted the stall bound; ``max_lead``: those rules take us at most this many
-        epochs ahead of ours, what the time since our epoch began allows; None: no cap)."""
+        them past our own vote (the "behind" rules in the module docstring; ``stalled``: we
+        have been behind them (:attr:`behind`) for the stall bound; ``max_lead``: those rules
+        take us at most this many epochs ahead of ours, what the time since we were last in
+        step allows; None: no cap)."""
         voters = {key: peer for key, peer in live.items() if not peer.client_mode}
         partners = {key: voters[key] for key in self.partners if key in voters}
         self.live_partners = set(partners)
         trusted = {key: voters[key] for key in self.trusted if key in voters}
-        self.unvouched, self.followed = set(), None
+        was_behind, self.unvouched, self.followed, self.behind = self.behind, set(), None, False
         own = [local_epoch] if trained else []
         if not (partners or trusted):
             epoch = quorum_epoch([*(p.epoch for p in voters.values()), *own], self.quorum_fraction)
@@ -354,7 +360,10 @@ class ProgressVotes:
         epoch = quorum_epoch([*(p.epoch for p in chosen.values()), *own], self.quorum_fraction)
         epoch = local_epoch if epoch is None else max(local_epoch, epoch)
         if trained:  # without our vote the chosen alone decide: nothing to set aside
-            behind = self._follow_when_behind(voters, chosen, local_epoch, stalled, max_lead)
+            # two epochs behind, or still one after stepping alone from there (this epoch's
+            # round was over when we entered it: the Optimizer loads the state, ``_epoch_sync``)
+            lead = 1 if was_behind else 2
+            behind = self._follow_when_behind(voters, chosen, local_epoch, lead, stalled, max_lead)
             if behind is not None and behind > epoch:
                 epoch = behind
             else:
@@ -366,18 +375,20 @@ class ProgressVotes:
         voters: Mapping[bytes, LocalProgress],
         chosen: Mapping[bytes, LocalProgress],
         local_epoch: int,
+        min_lead: int,
         stalled: bool,
         max_lead: int | None,
     ) -> int | None:
-        """The epoch two or more ahead of ours (at most ``max_lead``) that a quorum of
+        """The epoch ``min_lead`` or more ahead of ours (at most ``max_lead``) that a quorum of
         ``chosen`` (partners and trusted peers) vouches for without our vote, seconded by a
         witness, or ``stalled``; None if no rule applies (sets :attr:`followed`)."""
         ahead = quorum_epoch((peer.epoch for peer in chosen.values()), self.quorum_fraction)
         if ahead is None:
             return None
+        self.behind = ahead >= local_epoch + min_lead
         if max_lead is not None:
             ahead = min(ahead, local_epoch + max_lead)
-        if ahead < local_epoch + 2:
+        if ahead < local_epoch + min_lead:
             return None
         everyone = [peer.epoch for peer in voters.values()]  # chosen among them: not empty
         reach = min(ahead, quorum_epoch([*everyone, local_epoch], self.quorum_fraction) or 0)
@@ -386,7 +397,7 @@ class ProgressVotes:
         best: int | None = None
         for key, peer in voters.items():
             epoch = min(peer.epoch, reach)
-            floor = local_epoch + 2 if best is None else best + 1
+            floor = local_epoch + min_lead if best is None else best + 1
             if key in chosen or key not in self.known or epoch < floor:
                 continue
             if self._witness(key, {k for k, p in chosen.items() if p.epoch >= epoch}):
@@ -397,7 +408,7 @@ class ProgressVotes:
         if stalled:
             without_us = quorum_epoch(everyone, self.quorum_fraction) or 0
             epoch = min(ahead, without_us)
-            if epoch >= local_epoch + 2:
+            if epoch >= local_epoch + min_lead:
                 self.followed = "stalled"
                 return epoch
         return None
