@@ -360,8 +360,8 @@ class ProgressVotes:
         epoch = quorum_epoch([*(p.epoch for p in chosen.values()), *own], self.quorum_fraction)
         epoch = local_epoch if epoch is None else max(local_epoch, epoch)
         if trained:  # without our vote the chosen alone decide: nothing to set aside
-            # two epochs behind, or still one after stepping alone from there (this epoch's
-            # round was over when we entered it: the Optimizer loads the state, ``_epoch_sync``)
+            # two epochs behind, or still one after stepping alone from there (the round of
+            # the epoch we entered was over: following ends it at once, or loads the state)
             lead = 1 if was_behind else 2
             behind = self._follow_when_behind(voters, chosen, local_epoch, lead, stalled, max_lead)
             if behind is not None and behind > epoch:
