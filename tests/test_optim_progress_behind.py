@@ -5,8 +5,8 @@ stalled (a loaded box) in its epoch while the swarm went on: records two ahead w
 implausible, the global epoch stayed ours, so the Optimizer's catch-up (``EpochSync``) never
 triggered, and the peer trained alone until its partner expired ``partner_window`` epochs
 later. Now (``progress_votes``, the "behind" rules) it follows a quorum of its partners two or
-more ahead at once when a peer it knows independently of them is there too, or once its epoch
-has lasted ``ProgressCore.stall_bound()``; both need a quorum of every live peer. A lying
+more ahead at once when a peer it knows independently of them is there too, or once it has
+been behind for ``ProgressCore.stall_bound()``; both need a quorum of every live peer. A lying
 partner alone, Sybils alone, or a lying partner with Sybils it vouches for itself do not move
 it (the last ones only after the stall bound: docs/security.md).
 
@@ -91,7 +91,7 @@ def test_the_repro_is_followed_once_the_epoch_stalls_and_not_before():
     bound = core.stall_bound()
     assert bound == 3 * 180
     assert fetch(core, T0 + bound - 1, record(b"a", 5), record(b"b", 5)) == 3
-    # its epoch stalled: it follows, and its Optimizer catches up (EpochSync)
+    # behind for the stall bound: it follows, and its Optimizer catches up (EpochSync)
     assert fetch(core, T0 + bound, record(b"a", 5), record(b"b", 5)) == 5
     assert core.num_followed_stalled == 1 and core.num_followed_seconded == 0
     epochs = EpochCore(EpochModes())

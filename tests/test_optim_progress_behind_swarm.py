@@ -4,8 +4,8 @@ Two ``Optimizer`` peers train over real DHTs and average: each is the other's on
 partner. One of them stops stepping (its box stalled) while the other goes on alone two
 epochs. Before, the stalled peer's own vote held its epoch against the partner's ("two of
 two"), so its catch-up never triggered and it trained on alone, away from the swarm's model.
-Now its tracker follows the partner once its epoch lasted the stall bound, and its next step
-loads the partner's state. The rules themselves: tests/test_optim_progress_behind.py.
+Now its tracker follows the partner once it has been behind for the stall bound, and its
+next step loads the partner's state. The rules themselves: tests/test_optim_progress_behind.py.
 """
 
 from __future__ import annotations

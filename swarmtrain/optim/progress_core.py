@@ -229,8 +229,8 @@ class ProgressCore:
 
     @property
     def num_followed_stalled(self) -> int:
-        """Times this peer followed its partners past its own vote after its epoch had lasted
-        the stall bound (:meth:`stall_bound`)."""
+        """Times this peer followed its partners past its own vote after it had been behind
+        them for the stall bound (:meth:`stall_bound`)."""
         return self._num_followed["stalled"]
 
     def epoch_duration(self) -> float:

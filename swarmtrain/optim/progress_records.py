@@ -90,7 +90,7 @@ class ProgressTrackerStatistics:
     unvouched_ahead: int = 0  #: records ahead of us whose votes did not count (no partners)
     unvouched_peers: int = 0  #: records whose samples and speed did not count (nobody vouched)
     #: times this peer, 2+ epochs behind its partners, followed them past its own vote: seconded
-    #: by a peer known independently of them, or after its epoch stalled
+    #: by a peer known independently of them, or after it stalled behind them
     followed_seconded: int = 0
     followed_stalled: int = 0
 
