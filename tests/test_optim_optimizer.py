@@ -23,7 +23,9 @@ FAST = {
     "matchmaking_time": 1.0,
     "averaging_timeout": 15.0,
     "load_state_timeout": 15.0,
-    "tracker_opts": {"gossip_period": 0.1, "min_refresh_period": 0.2},
+    # min_stall_time: a peer 2+ epochs behind its only partner follows it after 5 s (30 s by
+    # default; epochs here last a second or two)
+    "tracker_opts": {"gossip_period": 0.1, "min_refresh_period": 0.2, "min_stall_time": 5.0},
 }
 
 _generator = torch.Generator().manual_seed(0)

@@ -21,7 +21,12 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   *round partners* (peers that averaged with it lately, :meth:`ProgressCore.on_round_partners`)
   only they vote (the rules: :mod:`swarmtrain.optim.progress_votes`). hivemind takes the
   largest epoch of any record, so one record claiming epoch 1e9 sent every peer into state
-  downloads;
+  downloads. A peer two or more epochs behind a quorum of its partners follows them past its
+  own vote when a peer known independently of them agrees, or once it has been that far
+  behind for :meth:`ProgressCore.stall_bound` (it stalled) and a quorum of everyone else
+  agrees, at most as far as the time since it was in step makes plausible
+  (:meth:`ProgressCore.plausible_lead`); its ``Optimizer`` then catches up (``_epoch_sync``:
+  it loads the state);
 - a record claiming an epoch more than one ahead of the global epoch is ignored (not counted
   at all) and reported once by :class:`ImplausibleProgress`; a peer one epoch ahead just
   stepped: it counts as a peer, its samples toward the next epoch, and the samples it
@@ -131,6 +136,8 @@ class ProgressCore:
         self._trained = False  # this peer votes on the epoch once it trained
         self._epoch_witnessed = False  # we saw the global epoch begin (not joined it midway)
         self._local_epoch_started_at = now
+        self._last_epoch_took: float | None = None  # our last epoch in step that ended with a step
+        self._in_step_at = now  # the last recompute that did not find us behind our partners
         self._ignored: set[bytes] = set()  # keys whose records the last recompute ignored
         self._votes = ProgressVotes(
             peer_id,
@@ -144,6 +151,7 @@ class ProgressCore:
         self._fetched_this_epoch = False
         self._alone_at_target_since: float | None = None  # see ``GlobalProgress.confirming_alone``
         self._num_fetches = self._num_merged = self._num_unbound = 0
+        self._num_followed = {"seconded": 0, "stalled": 0}
         # publishing
         self._store_pending = self._gossip_pending = self._epoch_changed = False
         self._last_store_time = self._last_gossip_time = -math.inf
@@ -222,6 +230,44 @@ class ProgressCore:
         return len(self._votes.unvouched)
 
     @property
+    def num_followed_seconded(self) -> int:
+        """Times this peer, two or more epochs behind a quorum of its partners, followed them
+        past its own vote because a peer known independently of them was there too."""
+        return self._num_followed["seconded"]
+
+    @property
+    def num_followed_stalled(self) -> int:
+        """Times this peer followed its partners past its own vote after it had been behind
+        them for the stall bound (:meth:`stall_bound`)."""
+        return self._num_followed["stalled"]
+
+    def epoch_duration(self) -> float:
+        """How long an epoch lasts, as this peer saw: its last epoch that ended with a step to
+        the next one while it was in step with its partners, else the duration the first ETA of
+        the swarm's epoch promised (at least ``min_refresh_period``)."""
+        took = self._last_epoch_took
+        if took is None:
+            took = self._expected_epoch_duration or 0.0
+        return max(took, self.config.min_refresh_period)
+
+    def stall_bound(self) -> float:
+        """Seconds after which a peer that is two or more epochs behind its partners counts as
+        stalled (and follows them without a witness; its own steps meanwhile do not restart
+        the clock): ``stall_factor`` times :meth:`epoch_duration`, and at least
+        ``min_stall_time`` (a floor that holds whatever samples and speeds peers claim)."""
+        config = self.config
+        return max(config.min_stall_time, config.stall_factor * self.epoch_duration())
+
+    def plausible_lead(self, out_of_step: float) -> int:
+        """How many epochs the swarm can have gone past ours ``out_of_step`` seconds after we
+        entered our epoch (or last were in step with our partners, if earlier): one, plus one
+        per ``1 / max_rate_factor`` of :meth:`epoch_duration` (a swarm that grew meanwhile is
+        faster). A peer behind follows its partners at most this far (the rest when it looks
+        again)."""
+        rate = self.config.max_rate_factor / self.epoch_duration()
+        return 1 + int(min(out_of_step * rate, 2**31))
+
+    @property
     def num_unvouched_peers(self) -> int:
         """Live records whose samples and speed did not count at the last recompute: nobody
         this peer trusts vouches for their owners (see ``progress_votes``)."""
@@ -278,6 +324,8 @@ class ProgressCore:
         if samples_accumulated > 0:
             self._last_active_epoch = max(self._global.epoch, epoch)
             self._trained = True
+        if epoch == previous.epoch + 1 and not self._votes.behind:  # not stepping alone behind
+            self._last_epoch_took = now - self._local_epoch_started_at
         if epoch != previous.epoch:
             self._epoch_changed = True
             self._trained = True
@@ -525,7 +573,20 @@ class ProgressCore:
             if record.progress is not None and self._liveness.counts(key, record.expiration_time)
         }
         self._credits.keep_only(live)
-        epoch = self._votes.tally(live, self._local.epoch, trained=self._trained)
+        # if our partners are 2+ epochs ahead now, we have been behind since the last recompute
+        # that found us in step (a stalled box recomputes nothing: the stall counts)
+        behind_for = max(0.0, now - self._in_step_at)
+        epoch = self._votes.tally(
+            live,
+            self._local.epoch,
+            trained=self._trained,
+            stalled=behind_for >= self.stall_bound(),
+            max_lead=self.plausible_lead(max(now - self._local_epoch_started_at, behind_for)),
+        )
+        if not self._votes.behind:
+            self._in_step_at = now
+        if epoch != self._global.epoch and self._votes.followed is not None:
+            self._num_followed[self._votes.followed] += 1
         self._ignored = {key for key, peer in live.items() if peer.epoch > epoch + 1}
         for key in self._ignored:
             peer = live[key]

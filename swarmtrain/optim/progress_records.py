@@ -89,6 +89,10 @@ class ProgressTrackerStatistics:
     live_partners: int = 0  #: peers that averaged with us lately, with a live record
     unvouched_ahead: int = 0  #: records ahead of us whose votes did not count (no partners)
     unvouched_peers: int = 0  #: records whose samples and speed did not count (nobody vouched)
+    #: times this peer, 2+ epochs behind its partners, followed them past its own vote: seconded
+    #: by a peer known independently of them, or after it stalled behind them
+    followed_seconded: int = 0
+    followed_stalled: int = 0
 
 
 def _parse_progress(value: Any) -> LocalProgress | object | None:

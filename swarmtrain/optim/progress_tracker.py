@@ -218,6 +218,7 @@ class AsyncProgressTracker:
         gossip_period: float = 0.5,
         max_clock_skew: float = 10.0,
         stall_factor: float = 3.0,
+        min_stall_time: float = 30.0,
         lone_peer_timeout: float = 30.0,
         quorum_fraction: float = 0.5,
         max_rate_factor: float = 8.0,
@@ -260,6 +261,7 @@ class AsyncProgressTracker:
             gossip_period=gossip_period,
             max_clock_skew=max_clock_skew,
             stall_factor=stall_factor,
+            min_stall_time=min_stall_time,
             lone_peer_timeout=lone_peer_timeout,
             quorum_fraction=quorum_fraction,
             max_rate_factor=max_rate_factor,
@@ -422,6 +424,7 @@ class AsyncProgressTracker:
             unbound_refused = core.num_unbound_refused
             live_partners, unvouched_ahead = core.num_live_partners, core.num_unvouched_ahead
             unvouched_peers = core.num_unvouched_peers
+            followed = core.num_followed_seconded, core.num_followed_stalled
         return ProgressTrackerStatistics(
             global_progress=global_progress,
             local_progress=local_progress,
@@ -438,6 +441,8 @@ class AsyncProgressTracker:
             live_partners=live_partners,
             unvouched_ahead=unvouched_ahead,
             unvouched_peers=unvouched_peers,
+            followed_seconded=followed[0],
+            followed_stalled=followed[1],
         )
 
     # --------------------------------------------------------- local events

@@ -24,6 +24,29 @@ Votes (the global epoch):
   member that failed either is not a partner), and robust aggregation bounds what its data can
   do; a signed record costs one key generation. A peer that fell behind still follows a quorum
   of its partners ahead (they keep their place: the window counts our epochs, not theirs).
+- our own vote is what keeps a lone partner (or a minority of them) from moving us; but a
+  peer that stalled (a loaded box) while its partners went on is the one that is wrong, and
+  with a single partner "two of two" held it back for ``partner_window`` epochs of training
+  alone. So when a quorum of our partners (and trusted peers) *without* our vote is two or more
+  epochs ahead (:meth:`ProgressVotes.vouched_epoch`, the "behind" rules), we follow it
+
+  * *seconded*: at once, if a peer we know independently of those partners is there too (a
+    *witness*: a live non-client record of a known peer that was vouched for by someone
+    else -- seen while nobody vouched (our first look), listed by another partner or a trusted
+    peer, or a partner of ours in an earlier round; :attr:`ProgressVotes.sources`) and a
+    quorum of every live non-client peer, us included, is there; or
+  * *stalled*: once we have been that far behind them for the stall bound (``ProgressCore``
+    decides: at least ``min_stall_time``; stepping alone meanwhile does not restart it), if a
+    quorum of every live non-client peer *but us* is there;
+
+  in both cases at most ``max_lead`` epochs ahead of ours (``ProgressCore`` decides what the
+  time since we were last in step makes plausible; the rest when we look again). A peer that
+  stepped alone from two epochs behind to one is still behind (the round of the epoch it
+  entered is over): the rules go on for a lead of one, on the same clock.
+
+  A lying partner's own Sybils are not witnesses (it vouches for them, nobody else does), and
+  a lone partner never outvotes the peers that are with us (both rules need the open quorum);
+  free identities alone never move us (both rules need our partners).
 
 Vouched samples (whose samples and speeds count toward the target and the ETA):
 
@@ -57,18 +80,20 @@ Plausibility caps (samples):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .progress_types import LocalProgress
 
-__all__ = ["Carry", "Credit", "ProgressVotes", "SampleCredits", "reference_rate"]
+__all__ = ["Carry", "Credit", "ProgressVotes", "SampleCredits", "quorum_epoch", "reference_rate"]
 
 MAX_LISTED_PARTNERS = 64  #: partner ids a progress record lists at most (most recent first)
 MAX_PEER_ID_BYTES = 128  #: longest peer id a record may list (an Ed25519 one has 38 bytes)
 MIN_KNOWN_RATE = 1e-9  #: total samples/s below this means "speed unknown" (no ETA to judge)
+FOUNDER = b""  #: the source of a peer seen while nobody vouched (no peer id is empty)
+MAX_SOURCES = 4  #: vouchers remembered per known peer (enough to find one outside a few)
 CREDIT_SLACK = 1.0  #: s of samples at the capped speed a peer may be ahead of its bound
 
 
@@ -172,6 +197,18 @@ def reference_rate(
     return max(median, local.samples_accumulated / (local_epoch_took + CREDIT_SLACK))
 
 
+def quorum_epoch(epochs: Iterable[int], quorum_fraction: float) -> int | None:
+    """The highest epoch that more than ``quorum_fraction`` of ``epochs`` (one per voter) is at
+    or beyond (at least two voters when there are two or more); None without voters."""
+    votes = sorted(epochs, reverse=True)
+    if not votes:
+        return None
+    quorum = min(len(votes), math.floor(len(votes) * quorum_fraction) + 1)
+    if len(votes) >= 2:
+        quorum = max(quorum, 2)
+    return votes[quorum - 1]
+
+
 class ProgressVotes:
     """Round partners, the quorum and the vouched set (see the module docstring).
 
@@ -201,6 +238,14 @@ class ProgressVotes:
         #: the peers whose samples and speed count (None: every record's)
         self.vouched: frozenset[bytes] | None = None
         self.unvouched_samples: set[bytes] = set()  #: live records outside ``vouched``
+        #: known peer -> who vouched for it (voucher ids, the peer itself as a partner or
+        #: trusted peer, ``FOUNDER``; at most ``MAX_SOURCES``): a witness must have a source
+        #: other than the partners it seconds
+        self.sources: dict[bytes, set[bytes]] = {}
+        #: how the last tally's epoch was reached past our own vote: "seconded", "stalled", None
+        self.followed: str | None = None
+        #: at the last tally a quorum of our partners (without our vote) was 2+ epochs ahead
+        self.behind = False
         self._vouching = False  # someone vouched once: never again count every record
 
     def on_round_partners(self, peer_ids: Iterable[bytes], epoch: int) -> None:
@@ -226,25 +271,53 @@ class ProgressVotes:
         if any(epoch < oldest for epoch in self.partners.values()):
             self.partners = {k: e for k, e in self.partners.items() if e >= oldest}
 
-    def tally(self, live: Mapping[bytes, LocalProgress], local_epoch: int, *, trained: bool) -> int:
+    def tally(
+        self,
+        live: Mapping[bytes, LocalProgress],
+        local_epoch: int,
+        *,
+        trained: bool,
+        stalled: bool = False,
+        max_lead: int | None = None,
+    ) -> int:
         """The global epoch (:meth:`vouched_epoch`), and who counts (:attr:`vouched`)."""
-        epoch = self.vouched_epoch(live, local_epoch, trained=trained)
+        epoch = self.vouched_epoch(
+            live, local_epoch, trained=trained, stalled=stalled, max_lead=max_lead
+        )
         self.known.intersection_update(live)
         self.vouched = self._vouched_set(live)
         if self.vouched is None:  # every record counts: they are known from now on
-            self.known.update(key for key, peer in live.items() if peer.epoch <= epoch + 1)
+            founders = [key for key, peer in live.items() if peer.epoch <= epoch + 1]
+            self.known.update(founders)
+            for key in founders:
+                self._add_source(key, FOUNDER)
             self.unvouched_samples = set()
         else:
             self.known.update(self.vouched - {self.local_key})
+            for voucher in self._vouchers(live):
+                self._add_source(voucher, voucher)
+                for key in live[voucher].partners:
+                    if key in self.vouched and key != self.local_key:
+                        self._add_source(key, voucher)
             self.unvouched_samples = {key for key in live if key not in self.vouched}
+        self.sources = {key: found for key, found in self.sources.items() if key in self.known}
         return epoch
+
+    def _add_source(self, key: bytes, source: bytes) -> None:
+        found = self.sources.setdefault(key, set())
+        if len(found) < MAX_SOURCES:
+            found.add(source)
+
+    def _vouchers(self, live: Mapping[bytes, LocalProgress]) -> set[bytes]:
+        """Our live partners and trusted peers: the records whose partner lists we take."""
+        return {key for key in (*self.partners, *self.trusted) if key in live}
 
     def _vouched_set(self, live: Mapping[bytes, LocalProgress]) -> frozenset[bytes] | None:
         """Us, our live partners, trusted and known peers, and the partners that the records of
         our live partners and trusted peers list (one step: a peer vouched for this way does
         not vouch in turn). None until somebody vouches: a partner of ours is live, or a live
         trusted or known peer lists a partner (then for good)."""
-        vouchers = {key for key in (*self.partners, *self.trusted) if key in live}
+        vouchers = self._vouchers(live)
         roots = vouchers | self.known
         if not self._vouching:
             if not any(key in self.partners or live[key].partners for key in roots):
@@ -256,30 +329,90 @@ class ProgressVotes:
         return frozenset(vouched)
 
     def vouched_epoch(
-        self, live: Mapping[bytes, LocalProgress], local_epoch: int, *, trained: bool
+        self,
+        live: Mapping[bytes, LocalProgress],
+        local_epoch: int,
+        *,
+        trained: bool,
+        stalled: bool = False,
+        max_lead: int | None = None,
     ) -> int:
         """The highest epoch that a quorum of the voters is at or beyond, never below ours.
         The voters: our live partners and trusted peers if there is any, else every live
-        non-client peer."""
+        non-client peer. Two or more epochs behind a quorum of our partners, we may follow
+        them past our own vote (the "behind" rules in the module docstring; ``stalled``: we
+        have been behind them (:attr:`behind`) for the stall bound; ``max_lead``: those rules
+        take us at most this many epochs ahead of ours, what the time since we were last in
+        step allows; None: no cap)."""
         voters = {key: peer for key, peer in live.items() if not peer.client_mode}
         partners = {key: voters[key] for key in self.partners if key in voters}
         self.live_partners = set(partners)
         trusted = {key: voters[key] for key in self.trusted if key in voters}
-        self.unvouched = set()
-        if partners or trusted:
-            chosen = {**partners, **trusted}
-            self.unvouched = {
-                key
-                for key, peer in voters.items()
-                if key not in chosen and peer.epoch > local_epoch
-            }
-            voters = chosen
-        votes = sorted((peer.epoch for peer in voters.values()), reverse=True)
-        if trained:
-            votes = sorted([*votes, local_epoch], reverse=True)
-        if not votes:
-            return local_epoch
-        quorum = min(len(votes), math.floor(len(votes) * self.quorum_fraction) + 1)
-        if len(votes) >= 2:
-            quorum = max(quorum, 2)
-        return max(local_epoch, votes[quorum - 1])
+        was_behind, self.unvouched, self.followed, self.behind = self.behind, set(), None, False
+        own = [local_epoch] if trained else []
+        if not (partners or trusted):
+            epoch = quorum_epoch([*(p.epoch for p in voters.values()), *own], self.quorum_fraction)
+            return local_epoch if epoch is None else max(local_epoch, epoch)
+        chosen = {**partners, **trusted}
+        self.unvouched = {
+            key for key, peer in voters.items() if key not in chosen and peer.epoch > local_epoch
+        }
+        epoch = quorum_epoch([*(p.epoch for p in chosen.values()), *own], self.quorum_fraction)
+        epoch = local_epoch if epoch is None else max(local_epoch, epoch)
+        if trained:  # without our vote the chosen alone decide: nothing to set aside
+            # two epochs behind, or still one after stepping alone from there (the round of
+            # the epoch we entered was over: following ends it at once, or loads the state)
+            lead = 1 if was_behind else 2
+            behind = self._follow_when_behind(voters, chosen, local_epoch, lead, stalled, max_lead)
+            if behind is not None and behind > epoch:
+                epoch = behind
+            else:
+                self.followed = None
+        return epoch
+
+    def _follow_when_behind(
+        self,
+        voters: Mapping[bytes, LocalProgress],
+        chosen: Mapping[bytes, LocalProgress],
+        local_epoch: int,
+        min_lead: int,
+        stalled: bool,
+        max_lead: int | None,
+    ) -> int | None:
+        """The epoch ``min_lead`` or more ahead of ours (at most ``max_lead``) that a quorum of
+        ``chosen`` (partners and trusted peers) vouches for without our vote, seconded by a
+        witness, or ``stalled``; None if no rule applies (sets :attr:`followed`)."""
+        ahead = quorum_epoch((peer.epoch for peer in chosen.values()), self.quorum_fraction)
+        if ahead is None:
+            return None
+        self.behind = ahead >= local_epoch + min_lead
+        if max_lead is not None:
+            ahead = min(ahead, local_epoch + max_lead)
+        if ahead < local_epoch + min_lead:
+            return None
+        everyone = [peer.epoch for peer in voters.values()]  # chosen among them: not empty
+        reach = min(ahead, quorum_epoch([*everyone, local_epoch], self.quorum_fraction) or 0)
+        # a witness seconds the highest epoch it is at (up to ``reach``): the higher the epoch,
+        # the fewer partners there, so the likelier it is known through someone else
+        best: int | None = None
+        for key, peer in voters.items():
+            epoch = min(peer.epoch, reach)
+            floor = local_epoch + min_lead if best is None else best + 1
+            if key in chosen or key not in self.known or epoch < floor:
+                continue
+            if self._witness(key, {k for k, p in chosen.items() if p.epoch >= epoch}):
+                best = epoch
+        if best is not None:
+            self.followed = "seconded"
+            return best
+        if stalled:
+            without_us = quorum_epoch(everyone, self.quorum_fraction) or 0
+            epoch = min(ahead, without_us)
+            if epoch >= local_epoch + min_lead:
+                self.followed = "stalled"
+                return epoch
+        return None
+
+    def _witness(self, key: bytes, seconded: Collection[bytes]) -> bool:
+        """Whether the known peer ``key`` is known through someone other than ``seconded``."""
+        return any(source not in seconded for source in self.sources.get(key, ()))
