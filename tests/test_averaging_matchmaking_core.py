@@ -62,6 +62,9 @@ class Swarm:
     peers (``frozenset``) to the one-way delay of their messages (a slow or relayed path; a
     closed stream is noticed after the same delay); a DHT read answers after ``read_delay``.
     The join requests of ``old_joiners`` go without the joiner's patience (an older peer's).
+    ``old_peers`` write and read declarations as peers before ``declaration_linger`` did: no
+    expiration in the value, so a record's DHT expiration is its expiration (give their cores
+    ``declaration_linger=0``: then they act as the older core did).
     """
 
     def __init__(self, config: MatchmakingConfig):
@@ -83,6 +86,7 @@ class Swarm:
         self.latency: dict[frozenset, float] = {}
         self.read_delay = 0.0
         self.old_joiners: set[bytes] = set()
+        self.old_peers: set[bytes] = set()
         self.in_flight: list[tuple[float, int, bytes, object]] = []  # (due, n, target, fn)
 
     def add(self, peer: bytes, *, start: float = 0.0, config=None, deadline=30.0, **kwargs):
@@ -100,16 +104,21 @@ class Swarm:
         for action in actions:
             self.log.append((self.now, src, action))
             if isinstance(action, Declare):
-                record = self.dht[action.key].get(action.declaration.peer_id)
-                if record is None or record.expiration <= action.declaration.expiration:
-                    self.dht[action.key][action.declaration.peer_id] = action.declaration
+                declaration = action.declaration
+                if src in self.old_peers:
+                    declaration = as_legacy(declaration)
+                record = self.dht[action.key].get(declaration.peer_id)
+                if record is None or record.readable_until <= declaration.readable_until:
+                    self.dht[action.key][declaration.peer_id] = declaration
             elif isinstance(action, FetchDeclarations):
                 hidden = self.hide.get(src, set())
                 snapshot = [
                     d
                     for d in self.dht[action.key].values()
-                    if d.expiration > self.now and d.peer_id not in hidden
+                    if d.readable_until > self.now and d.peer_id not in hidden
                 ]
+                if src in self.old_peers:  # they take a record's DHT expiration for its expiration
+                    snapshot = [as_legacy(d) for d in snapshot]
                 if self.blank_schema:
                     snapshot = [dataclasses.replace(d, schema_hash=b"") for d in snapshot]
                 answer = (src, lambda c, s=snapshot: c.receive_declarations(s, self.now))
@@ -246,6 +255,11 @@ class Swarm:
 
     def sent(self, kind, src=None):
         return [a for _, s, a in self.log if isinstance(a, kind) and (src is None or s == src)]
+
+
+def as_legacy(d: Declaration) -> Declaration:
+    """A declaration as an older peer writes or reads it: its DHT expiration is its expiration."""
+    return dataclasses.replace(d, expiration=d.readable_until, dht_expiration=None)
 
 
 def config(**kwargs) -> MatchmakingConfig:
@@ -742,7 +756,10 @@ def test_cancel_disbands_and_withdraws():
     assert actions[0] == SendToFollower(pid(1), Disbanded())
     withdraw = actions[1]
     assert isinstance(withdraw, Declare) and not withdraw.declaration.looking_for_group
-    assert withdraw.declaration.expiration > leader.expiration
+    # the DHT keeps the newer record: the withdrawal outlives the declaration it replaces
+    declared = leader.expiration + leader.config.declaration_linger
+    assert withdraw.declaration.readable_until > declared
+    assert withdraw.declaration.expiration == leader.expiration
     assert actions[2] == MatchmakingFailed(FailureReason.CANCELLED, "matchmaking was cancelled")
     assert leader.cancel(2.0) == [] and leader.tick(3.0) == []
 
@@ -769,9 +786,10 @@ def reject_reason(actions):
 
 def test_reject_reasons():
     leader = make_leader(target_group_size=4)  # expiration 5.0
-    assert reject_reason(leader.handle_join_request(pid(1), request(4.0), 0.1)) == (
-        RejectReason.BAD_EXPIRATION
-    )
+    # a joiner that ranks before us: refused, and (we ask nobody) asked to lead us instead
+    refused, ask = make_leader().handle_join_request(pid(1), request(4.0), 0.1)
+    assert refused.message.reason == RejectReason.BAD_EXPIRATION
+    assert isinstance(ask, SendJoinRequest) and ask.leader == pid(1)
     # equal expiration: the lower peer id has priority
     assert leader.handle_join_request(pid(1), request(5.0), 0.1)[0].message == Accepted()
     assert reject_reason(leader.handle_join_request(pid(1), request(), 0.1)) == (
@@ -868,7 +886,8 @@ def test_invalid_inputs_raise():
 def test_follower_ignores_stale_and_invalid_messages():
     core = MatchmakingCore(config(first_refresh_interval=0.1), pid(5), SCHEMA, deadline=30.0)
     core.start(0.0)
-    actions = core.receive_declarations([Declaration(pid(1), 3.0, schema_hash=SCHEMA)], 0.0)
+    found = Declaration(pid(1), 3.0, schema_hash=SCHEMA, dht_expiration=8.0)
+    actions = core.receive_declarations([found], 0.0)
     # the joiner says how long it waits (request_timeout 2.0, asked at 0.0)
     assert actions == [
         SendJoinRequest(pid(1), request(5.0, gather=b"", patience=2.0, answer_by=2.0))

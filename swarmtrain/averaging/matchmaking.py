@@ -152,27 +152,41 @@ def _mode(value: pb.MatchmakingMode) -> AveragingMode:
 
 
 def encode_declaration(d: Declaration) -> bytes:
+    """The DHT value of ``d`` (stored with DHT expiration ``d.readable_until``); a legacy
+    declaration (no ``dht_expiration``) is written as older peers wrote it, without its
+    expiration."""
     message = pb.MatchmakingDeclaration(
         looking_for_group=d.looking_for_group, schema_hash=d.schema_hash, mode=_MODES[d.mode]
     )
     if d.bandwidth is not None:
         message.bandwidth = d.bandwidth
+    if not d.legacy:
+        message.expiration = d.expiration
     return message.SerializeToString()
 
 
 def decode_declaration(peer_id: Any, value: Any, expiration: float) -> Declaration | None:
-    """A DHT record under a group key, or None if it is not a valid declaration."""
+    """A DHT record under a group key (``expiration``: its DHT expiration), or None if it is
+    not a valid declaration. A value without an expiration is an older peer's: its DHT
+    expiration is its expiration (``Declaration.legacy``); a declared expiration past the DHT
+    expiration is read as the DHT expiration (nobody starts after its record is gone)."""
     if not isinstance(peer_id, bytes) or not isinstance(value, bytes):
         return None
     try:
         m = pb.MatchmakingDeclaration.FromString(value)
+        declared, dht_expiration = expiration, None
+        if m.HasField("expiration"):
+            if math.isnan(m.expiration):
+                return None
+            declared, dht_expiration = min(m.expiration, expiration), expiration
         return Declaration(
             peer_id,
-            expiration,
+            declared,
             m.looking_for_group,
             m.schema_hash,
             _mode(m.mode),
             m.bandwidth if m.HasField("bandwidth") else None,
+            dht_expiration=dht_expiration,
         )
     except (DecodeError, ValueError, TypeError):
         return None
@@ -274,7 +288,9 @@ class Matchmaking:
     :param schema_hash: only peers with the same hash average together
     :param mode: NODE, CLIENT (never leads, serves nothing) or AUX
     :param bandwidth: ours, for load balancing (None: unknown)
-    :param dht_timeout: bound on each DHT read or store (default: ``min_matchmaking_time``)
+    :param dht_timeout: bound on each DHT read or store (default: the longer of
+      ``min_matchmaking_time`` and the config's ``declaration_linger``: a read that long still
+      finds the declarations that were current when it began)
     :param part_layout: the newest all-reduce part layout we speak (tests pass 0 to act as
       an older version)
     :param time_keyword: the keyword that set ``min_matchmaking_time``, as warnings name it
@@ -300,9 +316,15 @@ class Matchmaking:
         self.mode = mode
         self.bandwidth = bandwidth
         self.part_layout = part_layout
-        # A declaration lasts min_matchmaking_time: a store or a read slower than that is stale.
-        self.dht_timeout = dht_timeout if dht_timeout is not None else config.min_matchmaking_time
+        # A declaration stays readable declaration_linger past its expiration: a read up to that
+        # slow still finds the peers that were looking when it began (they declared again since).
+        self.dht_timeout = (
+            dht_timeout
+            if dht_timeout is not None
+            else max(config.min_matchmaking_time, config.declaration_linger)
+        )
         self._warned_slow_dht = False
+        self.slowest_read = 0.0  # seconds, the slowest read of the group key so far
         self.peer_id_bytes: PeerId = self.p2p.peer_id.to_bytes()
         self.handler_name = rpc_join_group_name(config.prefix)
         self._nursery: trio.Nursery | None = None
@@ -518,7 +540,7 @@ class Matchmaking:
         with trio.move_on_after(self.dht_timeout):
             try:
                 value = encode_declaration(d)
-                await self.dht.store(action.key, value, d.expiration, subkey=d.peer_id)
+                await self.dht.store(action.key, value, d.readable_until, subkey=d.peer_id)
             except Exception as e:  # a failed declaration is not fatal: peers just miss us
                 logger.debug("could not declare under %s: %r", action.key, e)
 
@@ -533,16 +555,20 @@ class Matchmaking:
             except Exception as e:
                 logger.debug("could not read %s: %r", key, e)
         elapsed = trio.current_time() - started
-        if elapsed > self.config.min_matchmaking_time / 2 and not self._warned_slow_dht:
-            # Declarations live min_matchmaking_time; reads this slow see peers only after their
-            # declarations expired, so groups rarely form (two peers can miss each other forever).
+        self.slowest_read = max(self.slowest_read, elapsed)
+        linger = self.config.declaration_linger
+        if elapsed > max(linger, self.dht_timeout) / 2 and not self._warned_slow_dht:
+            # A declaration current when a read begins stays readable declaration_linger longer
+            # (and reads are cut at dht_timeout): reads near that slow find peers only after
+            # they moved on, or nothing, so groups rarely form.
             self._warned_slow_dht = True
             logger.warning(
-                "reading matchmaking declarations took %.1f s, more than half of %s=%.1f s: "
-                "groups will rarely form; raise %s (or give the DHT more CPU)",
+                "reading matchmaking declarations took %.1f s (they stay readable %.1f s past "
+                "their expiration; reads are cut at %.1f s): groups will rarely form; raise %s "
+                "(or give the DHT more CPU)",
                 elapsed,
-                self.time_keyword,
-                self.config.min_matchmaking_time,
+                linger,
+                self.dht_timeout,
                 self.time_keyword,
             )
         if core is not self._core or core.done:

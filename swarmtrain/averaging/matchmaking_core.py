@@ -186,6 +186,13 @@ class MatchmakingCore:
         self._redirects = 0
         self._candidates: list[Declaration] = []
         self._last_declarations: list[Declaration] = []  # the last read, to re-rank on renewal
+        # peers whose last read record is an older peer's (no expiration in its value): they
+        # take our DHT expiration for our expiration, so we compare and ask with that one
+        self._legacy_peers: set[PeerId] = set()
+        self._request_expiration = -math.inf  # the expiration we told the leader we asked
+        self._late_seen: set[tuple[PeerId, float]] = set()  # read after their expiration
+        self._seen_current: set[PeerId] = set()  # peers of a declaration read before it expired
+        self._moved_on: set[PeerId] = set()  # known from late declarations, said NOT_LOOKING
         self._tried: set[tuple[PeerId, float]] = set()
         self._fetch_pending = False
         self._next_fetch = -math.inf
@@ -245,7 +252,7 @@ class MatchmakingCore:
         if self._phase in _TERMINAL or self._phase == Phase.NEW:
             return math.inf
         times = [self.deadline]
-        if self._phase != Phase.FOLLOWING:
+        if self._phase == Phase.SEARCHING:  # (REQUESTING: the answer or its timeout comes first)
             times.append(self._expiration)
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING):
             times.append(self._request_deadline)
@@ -269,6 +276,7 @@ class MatchmakingCore:
             rejections_received=MappingProxyType(dict(self._rejections_received)),
             rejections_sent=MappingProxyType(dict(self._rejections_sent)),
             joiners_past_patience=self._joiners_past_patience,
+            late_declarations=len(self._late_seen),
         )
 
     def __repr__(self) -> str:
@@ -313,8 +321,10 @@ class MatchmakingCore:
             self._leave_leader()
         if now >= self._window_end:
             self._window_checked = True
-        # 2. our expiration: lead what we have, or start over
-        if self._phase != Phase.FOLLOWING and now >= self._expiration:
+        # 2. our expiration: lead what we have, or start over. Not while a leader's first answer
+        # is due: it may have taken us already (its acceptance on its way) and assemble a group
+        # with us in it; we act on our expiration once it answered or its time ran out.
+        if self._phase == Phase.SEARCHING and now >= self._expiration:
             if self._can_assemble(final=True):
                 hold_until = self._hold_until(now)
                 if hold_until is None:
@@ -351,8 +361,19 @@ class MatchmakingCore:
             return []
         declarations = list(declarations)
         for d in declarations:
-            if d.peer_id == self.peer_id or not d.looking_for_group or d.expiration <= now:
+            if d.peer_id == self.peer_id or not d.looking_for_group or d.readable_until <= now:
                 continue
+            if d.legacy:
+                self._legacy_peers.add(d.peer_id)
+            else:
+                self._legacy_peers.discard(d.peer_id)
+            if d.expiration > now:
+                self._seen_current.add(d.peer_id)
+                self._moved_on.discard(d.peer_id)
+            elif d.peer_id in self._moved_on:
+                continue  # its group assembled (or its round ended) after this declaration
+            elif len(self._late_seen) < _MAX_LATE_SEEN:
+                self._late_seen.add((d.peer_id, d.expiration))
             if d.schema_hash == self.schema_hash:
                 self._compatible_seen.add(d.peer_id)
             elif d.schema_hash:  # an empty hash is unknown: a join request will tell
@@ -376,6 +397,7 @@ class MatchmakingCore:
             now,
             self._tried,
             self.mode,
+            legacy_expiration=self._expiration_seen_by_legacy_peers(),
         )
 
     def fetch_failed(self, now: float) -> list[Action]:
@@ -399,7 +421,10 @@ class MatchmakingCore:
             self._rejections_sent[reason] += 1
             if reason == RejectReason.BAD_SCHEMA_HASH:
                 self._schema_mismatches.add(peer)
-            return [*actions, SendToFollower(peer, Rejected(reason, suggestion))]
+            actions.append(SendToFollower(peer, Rejected(reason, suggestion)))
+            if reason == RejectReason.BAD_EXPIRATION:
+                actions += self._ask_joiner_that_ranks_before_us(peer, request, now)
+            return actions
         self._followers[peer] = request
         delay = _request_time(request, now)
         if request.patience is not None and delay is not None:
@@ -409,10 +434,33 @@ class MatchmakingCore:
         if request.mode != AveragingMode.AUX:
             self._senders_seen.add(peer)
         actions.append(SendToFollower(peer, Accepted()))
-        target = self.assemble_at
-        if target is not None and len(self._followers) + 1 >= target and self._can_assemble():
+        if self._phase == Phase.SEARCHING and self._full():
             actions += self._assemble(now)
         return actions
+
+    def _full(self) -> bool:
+        """Whether our group has the members to assemble at once (``assemble_at``). While we
+        wait on a leader's first answer (REQUESTING) we assemble only once it answered: its
+        acceptance may be on its way, and it may assemble a group with us in it meanwhile
+        (seen with slow paths). If it accepts us, our followers go to it."""
+        target = self.assemble_at
+        return target is not None and len(self._followers) + 1 >= target and self._can_assemble()
+
+    def _ask_joiner_that_ranks_before_us(
+        self, peer: PeerId, request: JoinRequest, now: float
+    ) -> list[Action]:
+        """A joiner we refused because it ranks before us (``BAD_EXPIRATION``) is looking for a
+        group and may lead us: ask it at once, if we are asking nobody. Each peer may have read
+        the other's declaration only after it had declared again (slow reads): each asked the
+        other, each was the later one at that moment, and the two could miss each other every
+        window until the deadline. The request told us its expiration, which is current."""
+        if self._phase != Phase.SEARCHING or request.mode == AveragingMode.CLIENT:
+            return []
+        if (peer, request.expiration) in self._tried or request.expiration <= now:
+            return []
+        self._tried.add((peer, request.expiration))
+        self._redirects = 0
+        return self._request(peer, now)
 
     def reject_malformed_request(self, peer: PeerId) -> list[Action]:
         """A join request from ``peer`` could not be decoded (or failed validation)."""
@@ -544,14 +592,20 @@ class MatchmakingCore:
             if self._phase != Phase.REQUESTING:
                 return self._drop_leader(now, cancel=True)  # accepted twice
             self._phase = Phase.FOLLOWING
-            # the leader assembles at its expiration, which is no later than ours
-            self._request_deadline = max(self._expiration, now) + self._timeout_for(leader)
+            # the leader assembles at its expiration, which is no later than the one we told it
+            self._request_deadline = max(self._request_expiration, now) + self._timeout_for(leader)
             return self._disband(leader)
         if isinstance(message, Rejected):
             self._rejections_received[message.reason] += 1
             if message.reason == RejectReason.BAD_SCHEMA_HASH:
                 self._compatible_seen.discard(leader)
                 self._schema_mismatches.add(leader)
+            elif message.reason == RejectReason.NOT_LOOKING and leader not in self._seen_current:
+                # known only from a late declaration (an assembled member leaves its own to
+                # expire) and not looking: not a peer we could have averaged with this round
+                self._moved_on.add(leader)
+                for seen in (self._compatible_seen, self._leaders_seen, self._senders_seen):
+                    seen.discard(leader)
             if self._phase == Phase.FOLLOWING:
                 return self._drop_leader(now)  # not a valid answer after Accepted
             return self._redirect_or_search(message.suggested_leader, now)
@@ -583,7 +637,16 @@ class MatchmakingCore:
     def _drop_leader(self, now: float, cancel: bool = False) -> list[Action]:
         actions: list[Action] = [CancelJoinRequest(self._asked_leader())] if cancel else []
         self._leave_leader()
-        return actions + self._advance(now)
+        return actions + self._look_on(now)
+
+    def _look_on(self, now: float) -> list[Action]:
+        """Back to SEARCHING: ask the next candidate; or, when our expiration passed while we
+        waited on a leader (an older peer's expiration may be later than ours: see
+        ``_expiration_toward``), do at once what the tick does then (lead what we have, or
+        declare again and ask the peers of the last read)."""
+        if now >= self._expiration:
+            return self.tick(now)
+        return self._advance(now)
 
     def _asked_leader(self) -> PeerId:
         """The leader we asked or follow (set in the REQUESTING and FOLLOWING phases)."""
@@ -602,15 +665,18 @@ class MatchmakingCore:
 
     def _redirect_or_search(self, suggested: PeerId | None, now: float) -> list[Action]:
         self._leave_leader()
+        if self._full():
+            return self._assemble(now)
         if (
             suggested is not None
             and suggested != self.peer_id
             and suggested not in self.banned
             and self._redirects < self.config.max_redirects
         ):
-            self._redirects += 1
-            return self._request(suggested, now)
-        return self._advance(now)
+            if now < self._expiration:
+                self._redirects += 1
+                return self._request(suggested, now)
+        return self._look_on(now)
 
     def _request(self, leader: PeerId, now: float) -> list[Action]:
         self._phase = Phase.REQUESTING
@@ -618,10 +684,11 @@ class MatchmakingCore:
         patience = self._timeout_for(leader)  # told to the leader: it counts us only so long
         self._request_deadline = now + patience
         self._requests_sent += 1
+        self._request_expiration = self._expiration_toward(leader in self._legacy_peers)
         request = JoinRequest(
             self.group_key,
             self.schema_hash,
-            self._expiration,
+            self._request_expiration,
             self.mode,
             self.bandwidth,
             self.gather,
@@ -635,11 +702,17 @@ class MatchmakingCore:
         """While SEARCHING: ask the next candidate, or re-read the key when it is time."""
         if self._phase != Phase.SEARCHING:
             return []
+        if self._full():  # filled while we waited on a leader that did not take us
+            return self._assemble(now)
         self._refresh_client_expiration(now)
         while self._candidates:
             candidate = self._candidates.pop(0)
-            if candidate.expiration <= now or not may_lead(
-                candidate.peer_id, candidate.expiration, self.peer_id, self._expiration, self.mode
+            if candidate.readable_until <= now or not may_lead(
+                candidate.peer_id,
+                candidate.expiration,
+                self.peer_id,
+                self._expiration_toward(candidate.legacy),
+                self.mode,
             ):
                 continue
             if (candidate.peer_id, candidate.expiration) in self._tried:
@@ -658,6 +731,15 @@ class MatchmakingCore:
         return actions
 
     # ------------------------------------------------------------------ shared
+
+    def _expiration_seen_by_legacy_peers(self) -> float:
+        """Our expiration as an older peer reads it: our record's DHT expiration."""
+        declared = self._declared
+        return declared.readable_until if declared is not None else self._expiration
+
+    def _expiration_toward(self, legacy: bool) -> float:
+        """The expiration we compare with, and send to, a leader (``legacy``: an older peer)."""
+        return self._expiration_seen_by_legacy_peers() if legacy else self._expiration
 
     def _expiration_at(self, now: float) -> float:
         start = now if self.scheduled_time is None else max(self.scheduled_time, now)
@@ -732,7 +814,13 @@ class MatchmakingCore:
         self._expiration = expiration
         if self.declares:
             self._declared = Declaration(
-                self.peer_id, self._expiration, True, self.schema_hash, self.mode, self.bandwidth
+                self.peer_id,
+                self._expiration,
+                True,
+                self.schema_hash,
+                self.mode,
+                self.bandwidth,
+                dht_expiration=self._expiration + self.config.declaration_linger,
             )
             actions.append(Declare(self.group_key, self._declared))
 
@@ -747,7 +835,12 @@ class MatchmakingCore:
         d = self._declared
         self._declared = None
         gone = Declaration(
-            d.peer_id, math.nextafter(d.expiration, math.inf), False, d.schema_hash, d.mode
+            d.peer_id,
+            d.expiration,
+            False,
+            d.schema_hash,
+            d.mode,
+            dht_expiration=math.nextafter(d.readable_until, math.inf),
         )
         return [Declare(self.group_key, gone)]
 
@@ -757,9 +850,10 @@ class MatchmakingCore:
         self._candidates.clear()
         if isinstance(result, GroupAssembled):
             # An assembled member leaves its declaration to expire (at its expiration, at most
-            # min_matchmaking_time after the last renewal) instead of withdrawing it: the
-            # withdrawal was one DHT store per member while the all-reduce starts (-11% round
-            # time at 8 peers x 4M), and a peer that asks to join meanwhile is told NOT_LOOKING.
+            # min_matchmaking_time after the last renewal; readable declaration_linger longer)
+            # instead of withdrawing it: the withdrawal was one DHT store per member while the
+            # all-reduce starts (-11% round time at 8 peers x 4M), and a peer that asks to join
+            # meanwhile is told NOT_LOOKING.
             self._declared = None
             return [result]
         return [*self._withdraw(), result]
@@ -797,6 +891,9 @@ class MatchmakingCore:
             f"saw {seen - 1} other peer(s) under {key} but formed no group before the deadline"
         )
 
+
+#: late declarations remembered per round (for statistics; a bound against a flood of records)
+_MAX_LATE_SEEN = 4096
 
 #: a message to a joiner may take this many times as long as its join request took (paths
 #: under load vary: a NAT run saw a request take 2.2 s and the answer over 2.9 s)

@@ -121,26 +121,34 @@ def leader_candidates(
     now: float,
     exclude: Collection[tuple[PeerId, float]] = (),
     mode: AveragingMode = AveragingMode.NODE,
+    legacy_expiration: float | None = None,
 ) -> list[Declaration]:
     """The peers we may ask to lead us, best first.
 
-    A candidate is looking for a group, alive (``expiration > now``), not a client, averages our
-    schema (or did not say which: the leader checks), was not tried at this expiration
-    (``exclude``) and :func:`may_lead` us. The best is the one with the lowest
-    ``(expiration, peer_id)``: the leader everyone converges on.
+    A candidate is looking for a group, still readable (``readable_until > now``), not a client,
+    averages our schema (or did not say which: the leader checks), was not tried at this
+    expiration (``exclude``) and :func:`may_lead` us. Current declarations (``expiration >
+    now``) come first, then late ones (their expiration passed while the DHT read was under
+    way: their peers have declared again, if still looking); each by the lowest
+    ``(expiration, peer_id)``: the leader everyone converges on. An older peer's (legacy) record
+    is compared with ``legacy_expiration`` (our DHT expiration, which it takes for our
+    expiration; default ``expiration``).
     """
+    as_seen_by_old = expiration if legacy_expiration is None else legacy_expiration
     found = [
         d
         for d in declarations
         if d.peer_id != peer_id
         and d.looking_for_group
-        and d.expiration > now
+        and d.readable_until > now
         and d.mode != AveragingMode.CLIENT
         and d.schema_hash in (schema_hash, b"")
-        and may_lead(d.peer_id, d.expiration, peer_id, expiration, mode)
+        and may_lead(
+            d.peer_id, d.expiration, peer_id, as_seen_by_old if d.legacy else expiration, mode
+        )
         and (d.peer_id, d.expiration) not in exclude
     ]
-    return sorted(found, key=lambda d: d.priority)
+    return sorted(found, key=lambda d: (d.expiration <= now, d.priority))
 
 
 def _is_viable(members: Sequence[GroupMember]) -> bool:

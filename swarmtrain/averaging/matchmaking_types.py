@@ -8,8 +8,12 @@ Protocol (hivemind's, with its gaps closed):
 
 - Every peer that can lead (NODE and AUX peers; CLIENT peers cannot be reached) *declares*
   itself under the group key ``{prefix}.0b{group_bits}``: a DHT record with subkey = its peer id,
-  value = a :class:`Declaration` and DHT expiration = the time by which it means to start
-  averaging (``expiration``, at least ``min_matchmaking_time`` from now, at most the deadline).
+  value = a :class:`Declaration` with the time by which it means to start averaging
+  (``expiration``, at least ``min_matchmaking_time`` from now, at most the deadline). The
+  record's DHT expiration is ``declaration_linger`` later: a DHT read slower than a matchmaking
+  window (a loaded machine, a relay) still finds it, and the peer, if it has not found a group,
+  has declared again meanwhile. (Older peers wrote no expiration into the value: their DHT
+  expiration was the expiration; see :class:`Declaration`.)
 - Peers are totally ordered by *priority* ``(expiration, peer_id)``: lower goes first. A peer
   asks only peers of higher priority to lead it, the highest first; a leader accepts only
   joiners of lower priority. So a peer follows leaders that expire *no later* than itself: the
@@ -27,7 +31,12 @@ Protocol (hivemind's, with its gaps closed):
   auxiliary follower (``Disbanded``) instead of answering ``GROUP_FULL``.
 - A peer waiting for its own leader's answer may still accept followers; once a leader accepts
   it, it disbands them with a redirect to that leader (``Disbanded(suggested_leader=...)``) and
-  answers later joiners ``NOT_A_LEADER`` with the same suggestion.
+  answers later joiners ``NOT_A_LEADER`` with the same suggestion. While it waits for that
+  first answer it does not assemble a group of its own (not when the group fills, not at its
+  expiration): the leader may have accepted it already and assemble with it (the acceptance on
+  its way). It acts once the answer came or its timeout ran out.
+- A leader that refuses a joiner ranking before it (``BAD_EXPIRATION``) and is asking nobody
+  asks that joiner to lead it at once (the request carried the joiner's current expiration).
 - A follower waits ``request_timeout`` for the first answer and then until its own expiration
   plus ``request_timeout`` for the group (longer for a leader on a slow path: the shell's
   ``request_timeouts``, learned from that leader's answer times); a rejection, a disband, a
@@ -38,6 +47,14 @@ Protocol (hivemind's, with its gaps closed):
   its earliest follower's expiration plus half a ``request_timeout`` (its followers still wait
   then). A peer whose expiration passed without a group declares again and at once asks the
   peers of its last read that now rank before it (a new read can take seconds under load).
+- A declaration that reaches us after its expiration but while the DHT still keeps it (a read
+  slower than a window) stays a candidate, asked after the current ones: its peer, if it found
+  no group, has declared again since, and its answer tells (it accepts us, or rejects with
+  ``BAD_EXPIRATION`` / ``NOT_LOOKING``). An older peer reads a record's DHT expiration as its
+  expiration, so against an older peer's (legacy) record we compare, and ask with, our DHT
+  expiration: the order stays the one that peer sees. A peer known only from a late
+  declaration that answers ``NOT_LOOKING`` (an assembled member leaves its declaration to
+  expire) is not counted as seen until it declares again.
 - A group needs a peer that contributes tensors (NODE or CLIENT) and one that can lead (NODE
   or AUX). By the end of its first declaration window (its first expiration) a peer that is not
   waiting on a leader fails at once with ``AUXILIARY_ONLY`` (an AUX peer that saw no NODE
@@ -80,6 +97,9 @@ _GROUP_KEY = GROUP_KEY_PATTERN
 _GROUP_ID_DOMAIN = b"swarmtrain/matchmaking/group-id/v1"
 _ORDER_DOMAIN = b"swarmtrain/matchmaking/order/v1"
 _MOSHPIT_DOMAIN = b"swarmtrain/matchmaking/moshpit/v1"
+#: seconds a declaration stays readable past its expiration (``MatchmakingConfig``): as long as
+#: the averager's DHT reads may take (``dht_timeout``, 5 s or ``min_matchmaking_time``)
+DEFAULT_DECLARATION_LINGER = 5.0
 
 
 # ---------------------------------------------------------------------------------- group keys
@@ -199,6 +219,13 @@ class MatchmakingConfig:
       ``refresh_interval`` (peers that start at once see each other's declarations only after
       their first read: this finds them in ~0.1-0.3 s instead of a whole ``refresh_interval``)
     :param max_redirects: how many ``suggested_leader`` hops to follow in a row
+    :param declaration_linger: how long our declaration stays readable in the DHT past its
+      expiration (its DHT expiration is the expiration plus this): a read that takes longer
+      than a matchmaking window, begun while the declaration was current, still finds it (reads
+      took 1.4-5.4 s on a loaded machine). Readers ask a peer whose declared expiration has
+      passed after the current ones (it has declared again if it found no group; if it has,
+      it answers ``NOT_LOOKING``). Default ``DEFAULT_DECLARATION_LINGER``; 0: the record expires
+      with the declaration, as before.
     """
 
     prefix: str
@@ -209,6 +236,7 @@ class MatchmakingConfig:
     refresh_interval: float = 1.0
     first_refresh_interval: float = 0.05
     max_redirects: int = 3
+    declaration_linger: float = DEFAULT_DECLARATION_LINGER
 
     def __post_init__(self):
         make_group_key(self.prefix, "")  # validates the prefix
@@ -237,14 +265,29 @@ class MatchmakingConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        linger = self.declaration_linger
+        if (
+            isinstance(linger, bool)
+            or not isinstance(linger, (int, float))
+            or not math.isfinite(linger)
+            or linger < 0
+        ):
+            raise ValueError(f"declaration_linger must be a non-negative number, got {linger!r}")
 
 
 @dataclass(frozen=True)
 class Declaration:
     """One peer's record under a group key: DHT subkey ``peer_id``, DHT expiration
-    ``expiration``, the other fields the value (``MatchmakingDeclaration`` on the wire).
+    ``dht_expiration``, the other fields the value (``MatchmakingDeclaration`` on the wire).
 
-    A peer that stops looking overwrites its record with ``looking_for_group=False`` and an
+    :param expiration: the time by which the peer means to start averaging (its priority; a
+      leader accepts joiners until then)
+    :param dht_expiration: until when the record can be read (``expiration`` plus the peer's
+      ``declaration_linger``); None: an older peer's record, whose value carries no expiration,
+      so its DHT expiration *is* its expiration (a *legacy* record). Older peers read our
+      records that way too: to them our expiration is our ``dht_expiration``.
+
+    A peer that stops looking overwrites its record with ``looking_for_group=False`` and a DHT
     expiration just after the one it declared (so the DHT keeps the newer record).
     """
 
@@ -254,6 +297,7 @@ class Declaration:
     schema_hash: bytes = b""
     mode: AveragingMode = AveragingMode.NODE
     bandwidth: float | None = None
+    dht_expiration: float | None = None
 
     def __post_init__(self):
         _check_peer_id(self.peer_id)
@@ -261,10 +305,29 @@ class Declaration:
         if not isinstance(self.expiration, (int, float)) or math.isnan(self.expiration):
             raise ValueError(f"expiration must be a number, got {self.expiration!r}")
         object.__setattr__(self, "bandwidth", _check_bandwidth(self.bandwidth))
+        if self.dht_expiration is not None:
+            dht = self.dht_expiration
+            if isinstance(dht, bool) or not isinstance(dht, (int, float)) or math.isnan(dht):
+                raise ValueError(f"dht_expiration must be a number, got {dht!r}")
+            if dht < self.expiration:
+                raise ValueError(
+                    f"dht_expiration ({dht!r}) must not precede expiration ({self.expiration!r})"
+                )
 
     @property
     def priority(self) -> tuple[float, PeerId]:
         return (self.expiration, self.peer_id)
+
+    @property
+    def legacy(self) -> bool:
+        """An older peer's record (no expiration in its value)."""
+        return self.dht_expiration is None
+
+    @property
+    def readable_until(self) -> float:
+        """Until when the DHT keeps the record: a peer that declared it and found no group is
+        still looking until then (having declared again meanwhile)."""
+        return self.expiration if self.dht_expiration is None else self.dht_expiration
 
 
 @dataclass(frozen=True)
@@ -537,3 +600,6 @@ class MatchmakingStatistics:
     )
     #: joiners not counted because they had stopped waiting (past the patience they sent)
     joiners_past_patience: int = 0
+    #: declarations that reached us after their expiration, still readable (a slow DHT read):
+    #: asked after the current ones instead of dropped
+    late_declarations: int = 0
