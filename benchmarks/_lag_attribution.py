@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -143,13 +144,15 @@ class LoopSteps(trio.abc.Instrument):
         self.steps: list[tuple[float, float, float, str]] = []  # (start, end, cpu, task @ where)
         self.cpu_by_task: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # every step
         self.busy: list[tuple[float, float]] = []  # stretches without a blocking wait
-        self._step_start: tuple[float, float] = (0.0, 0.0)
+        self._step_start: tuple[float, float] | None = None  # None: added mid-step
         self._busy_since: float | None = None
 
     def before_task_step(self, task) -> None:
         self._step_start = (time.perf_counter(), time.thread_time())
 
     def after_task_step(self, task) -> None:
+        if self._step_start is None:
+            return
         wall0, cpu0 = self._step_start
         cpu = time.thread_time() - cpu0
         row = self.cpu_by_task[task.name]
@@ -169,10 +172,55 @@ class LoopSteps(trio.abc.Instrument):
             self._busy_since = time.perf_counter()
 
 
+class LoopSampler:
+    """Samples the background loop thread's stack every ``interval`` s from a thread of its own
+    (one more thread wanting the GIL: use it to see what the big task steps ran, not to time)."""
+
+    def __init__(self, ident: int | None, interval: float = 0.002) -> None:
+        self.ident, self.interval = ident, interval
+        self.samples: list[tuple[float, tuple[str, ...]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lag-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self.ident)
+            stack = []
+            while frame is not None and len(stack) < 40:
+                path = "/".join(frame.f_code.co_filename.rsplit("/", 2)[-2:])
+                stack.append(f"{path}:{frame.f_lineno} {frame.f_code.co_name}")
+                frame = frame.f_back
+            self.samples.append((time.perf_counter(), tuple(stack)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, intervals: list[tuple[float, float]], top: int = 15) -> list[str]:
+        """The innermost frames outside trio and the stdlib sampled inside ``intervals``,
+        with the first swarmtrain frame above them."""
+        counts: dict[str, int] = defaultdict(int)
+        for at, stack in self.samples:
+            if not any(start <= at <= end for start, end in intervals):
+                continue
+            inner = next((e for e in stack if not e.startswith(_SKIP)), "?")
+            ours = next((e for e in stack if e.split("/")[0] in _OURS), "")
+            counts[f"{inner}  <- {ours}" if ours and ours != inner else inner] += 1
+        ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+        if not ranked:
+            return [f"    no sample inside them ({len(self.samples)} samples in all)"]
+        return [f"    {n * 1000 * self.interval:6.0f} ms sampled in {where}" for where, n in ranked]
+
+
+_SKIP = ("trio/", "_core/", "python3.11/", "concurrent/", "threading.py", "contextlib.py")
+_OURS = {"p2p", "dht", "averaging", "optim", "compression", "utils", "monitor"}
+
+
 class Attribution:
     """Per-tick records and the report over the late ones."""
 
-    def __init__(self, runtime, tick: float) -> None:
+    def __init__(self, runtime, tick: float, sample_stacks: bool = False) -> None:
         self.tick = tick
         self.runtime = runtime
         loop_thread = runtime.call_sync(threading.current_thread)
@@ -180,6 +228,7 @@ class Attribution:
         self.gc = GCRecorder(loop_thread.ident)
         self.steps = LoopSteps()
         runtime.call_sync(trio.lowlevel.add_instrument, self.steps)
+        self.sampler = LoopSampler(loop_thread.ident) if sample_stacks else None
         self.ticks: list[tuple[float, float, float, dict[str, float]]] = []
         self._last: tuple[float, dict[str, float]] | None = None
 
@@ -198,8 +247,12 @@ class Attribution:
         self.steps.steps.clear()
         self.steps.busy.clear()
         self.steps.cpu_by_task.clear()
+        if self.sampler is not None:
+            self.sampler.samples.clear()
 
     def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
         try:
             self.runtime.call_sync(trio.lowlevel.remove_instrument, self.steps)
         except (RuntimeError, KeyError):
@@ -286,6 +339,21 @@ class Attribution:
                 f"    {1000 * cpu:7.1f} ms in {n:4d} steps (max {1000 * biggest:5.1f}) {where}"
             )
         total = sum(cpu for cpu, _ in self.steps.cpu_by_task.values())
+        big = [row for row in self.steps.steps if row[2] > 0.005]
+        lines.append(f"  trio loop task steps over 5 ms CPU: {len(big)}, largest first:")
+        for start, end, cpu, where in sorted(big, key=lambda r: -r[2])[:top]:
+            in_gc = sum(
+                max(0.0, min(end, e) - max(start, s))
+                for role, _, s, e in self.gc.collections
+                if role == "trio loop"
+            )
+            lines.append(
+                f"    {1000 * cpu:6.1f} ms CPU ({1000 * (end - start):.0f} ms wall, gc "
+                f"{1000 * in_gc:.0f} ms) {where}"
+            )
+        if self.sampler is not None and big:
+            lines.append("  where the loop thread was during those steps (stack samples):")
+            lines.extend(self.sampler.report([(s, e) for s, e, _, _ in big]))
         lines.append(f"  trio loop task steps, whole run: {1000 * total:.0f} ms CPU, by task:")
         ranked = sorted(self.steps.cpu_by_task.items(), key=lambda kv: -kv[1][0])
         for name, (cpu, n) in ranked[:top]:

@@ -240,7 +240,7 @@ async def trainer(mode: str, args) -> dict:
     await asyncio.sleep(3 * args.tick)  # let a tick blocked by the last call record its lag
     startup = summary(ticker.lags)
     if args.attribute:
-        ticker.attribution = Attribution(opt._running()[0], args.tick)
+        ticker.attribution = Attribution(opt._running()[0], args.tick, args.sample_stacks)
     ticker.lags.clear()
     first_epoch, started = opt.local_epoch, time.perf_counter()
     while opt.local_epoch < first_epoch + args.epochs:
@@ -287,6 +287,11 @@ def main() -> None:
         "--attribute",
         action="store_true",
         help="attribute late ticks: per-thread CPU, run-queue waits, GC, background loop steps",
+    )
+    parser.add_argument(
+        "--sample-stacks",
+        action="store_true",
+        help="with --attribute: sample the background loop's stack every 2 ms (perturbs lag)",
     )
     parser.add_argument(
         "--freeze",
