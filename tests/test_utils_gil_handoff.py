@@ -203,6 +203,14 @@ async def test_thread_aio_methods_and_aio_create_install_it():
 
 
 @pytest.mark.anyio
+async def test_thread_aio_methods_after_shutdown_do_not_touch_the_stopped_loop():
+    facade = ThreadWorkFacade()
+    facade.shutdown()  # the last reference: the loop stopped
+    assert await facade.aio.ping() == "pong"
+    assert facade._runtime.hand_off is None
+
+
+@pytest.mark.anyio
 async def test_the_environment_can_leave_it_out(monkeypatch):
     monkeypatch.setenv("SWARMTRAIN_DISABLE_GIL_HANDOFF", "1")
     assert gil_handoff.disabled()

@@ -224,7 +224,11 @@ def close_aio_worker(owner: Any) -> None:
 def _serve_asyncio(obj: Any) -> None:
     """Tell the background runtime of ``obj`` (if it runs) that an asyncio loop calls in."""
     runtime = getattr(obj, "_runtime", None)
-    if runtime is not None and getattr(obj, "_pid", None) == os.getpid():
+    if runtime is None or getattr(obj, "_shut_down", False):
+        return
+    if getattr(obj, "_pid", None) != os.getpid():
+        return
+    with contextlib.suppress(RuntimeError):  # its loop stopped: the call itself will say so
         runtime.serve_asyncio()
 
 
@@ -287,8 +291,7 @@ async def run_in_worker_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any
             with contextlib.suppress(InvalidStateError):
                 future.set_exception(e)
             return
-        with contextlib.suppress(RuntimeError):  # (its loop already stopped: a later call says so)
-            _serve_asyncio(result)
+        _serve_asyncio(result)
         try:
             future.set_result(result)
         except InvalidStateError:  # the caller is gone: nobody else can close it
