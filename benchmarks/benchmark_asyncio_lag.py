@@ -6,7 +6,14 @@ wakes up. Two modes, each with fresh helper peers, in the same run:
 
 - ``blocking`` (the baseline): ``opt.step()`` called on the asyncio loop, constructors too;
 - ``aio``: ``await opt.aio.step()``, ``await DHT.aio_create(...)``,
-  ``await Optimizer.aio_create(...)``.
+  ``await Optimizer.aio_create(...)``;
+- ``control``: the same three peers all in other processes, the ticker's process only
+  computing the trainer's batches: the lag the swarm's CPU load gives a loop on this machine
+  without sharing a GIL with swarmtrain (on a 2-core box, three peers compete for the cores).
+
+``--attribute`` splits the late ticks of ``aio`` / ``blocking`` into the loop thread's CPU,
+its run-queue wait and the rest (the GIL), with the other threads' CPU, GC and the background
+loop's task steps meanwhile (``_lag_attribution.py``).
 
 Prints lag p50 / p99 / max while training (and max during startup) per mode, and the ratio of
 the baseline's p99 / max to ``aio``'s. Usage::
@@ -21,6 +28,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -31,6 +39,9 @@ import swarmtrain
 # (libp2p) or ``swarmtrain.Optimizer`` takes 1-2 s, which would block the loop wherever it happens
 from swarmtrain import DHT, Optimizer  # noqa: F401
 from swarmtrain.utils import freeze_startup_objects
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _lag_attribution import Attribution
 
 HOST = {"use_relay": False, "relay_service": False, "use_autonat": False}
 FEATURES, BATCH, STEP_PAUSE = 64, 8, 0.02
@@ -61,20 +72,37 @@ def batch_loss(model: torch.nn.Module) -> torch.Tensor:
     return model(x).pow(2).mean()
 
 
-def helper_peer(maddrs: list[str], run_id: str, target: int, stop, ready) -> None:
-    """A blocking trainer in its own process, stepping until ``stop`` is set."""
+def helper_peer(
+    maddrs: list[str],
+    run_id: str,
+    target: int,
+    stop,
+    ready,
+    maddrs_out=None,
+    epoch_out=None,
+    peers: int = 0,
+) -> None:
+    """A blocking trainer in its own process, stepping until ``stop`` is set; puts its DHT's
+    addresses in ``maddrs_out`` and its epoch in ``epoch_out`` when given, and waits for
+    ``peers`` peers before its first step."""
     torch.set_num_threads(1)
     dht = swarmtrain.DHT(maddrs, **HOST)
+    if maddrs_out is not None:
+        maddrs_out.put(dht.get_visible_maddrs())
     model = make_model()
     opt = swarmtrain.Optimizer(
         dht=dht, params=model.parameters(), **optimizer_options(run_id, target)
     )
     ready.set()
+    if peers:
+        opt.wait_for_peers(peers, timeout=60)
     try:
         while not stop.is_set():
             opt.zero_grad()
             batch_loss(model).backward()
             opt.step()
+            if epoch_out is not None:
+                epoch_out.value = opt.local_epoch
             time.sleep(STEP_PAUSE)
     finally:
         opt.shutdown(timeout=5)
@@ -83,13 +111,15 @@ def helper_peer(maddrs: list[str], run_id: str, target: int, stop, ready) -> Non
 
 class Ticker:
     def __init__(self, tick: float) -> None:
-        self.tick, self.lags = tick, []
+        self.tick, self.lags, self.attribution = tick, [], None
 
     async def run(self) -> None:
         while True:
             start = time.perf_counter()
             await asyncio.sleep(self.tick)
             self.lags.append(time.perf_counter() - start - self.tick)
+            if self.attribution is not None:
+                self.attribution.on_wake(self.lags[-1])
 
 
 def summary(lags: list[float]) -> dict:
@@ -115,6 +145,58 @@ async def idle(args) -> dict:
         "s_per_epoch": 0.0,
         "startup_max_ms": 0.0,
         **summary(ticker.lags),
+    }
+
+
+async def control(args) -> dict:
+    """The same swarm with all three peers in other processes; this process runs only the
+    ticker and the trainer's own forward/backward and a plain torch step: the lag that the
+    swarm's CPU load on this machine gives an asyncio loop sharing no GIL with swarmtrain."""
+    ctx = mp.get_context("spawn")
+    run_id = f"lag_control_{os.getpid()}"
+    target = round(3 * BATCH / (STEP_PAUSE + 0.005) * args.epoch_seconds)
+    ticker = Ticker(args.tick)
+    ticking = asyncio.create_task(ticker.run())
+    stop, maddrs_out, epoch = ctx.Event(), ctx.Queue(), ctx.Value("i", -1)
+    ready = [ctx.Event() for _ in range(3)]
+    helpers = [
+        ctx.Process(
+            target=helper_peer,
+            args=([], run_id, target, stop, ready[0], maddrs_out, epoch, 3),
+            daemon=True,
+        )
+    ]
+    helpers[0].start()
+    maddrs = await asyncio.to_thread(maddrs_out.get, True, 120)
+    for event in ready[1:]:
+        helpers.append(
+            ctx.Process(target=helper_peer, args=(maddrs, run_id, target, stop, event), daemon=True)
+        )
+        helpers[-1].start()
+    await asyncio.to_thread(lambda: all(r.wait(120) for r in ready))
+    model = make_model()
+    torch_opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    first_epoch, started = epoch.value, 0.0
+    while not started or epoch.value < first_epoch + args.epochs:
+        torch_opt.zero_grad()
+        batch_loss(model).backward()
+        torch_opt.step()
+        await asyncio.sleep(STEP_PAUSE)
+        if not started and epoch.value != first_epoch:  # the swarm's first epoch end
+            ticker.lags.clear()
+            first_epoch, started = epoch.value, time.perf_counter()
+    elapsed = time.perf_counter() - started
+    training = summary(ticker.lags)
+    stop.set()
+    for helper in helpers:
+        await asyncio.to_thread(helper.join, 30)
+    ticking.cancel()
+    return {
+        "mode": "control",
+        "epochs": epoch.value - first_epoch,
+        "s_per_epoch": elapsed / max(1, epoch.value - first_epoch),
+        "startup_max_ms": 0.0,
+        **training,
     }
 
 
@@ -157,6 +239,8 @@ async def trainer(mode: str, args) -> dict:
         print(f"froze {freeze_startup_objects()} objects", flush=True)
     await asyncio.sleep(3 * args.tick)  # let a tick blocked by the last call record its lag
     startup = summary(ticker.lags)
+    if args.attribute:
+        ticker.attribution = Attribution(opt._running()[0], args.tick, args.sample_stacks)
     ticker.lags.clear()
     first_epoch, started = opt.local_epoch, time.perf_counter()
     while opt.local_epoch < first_epoch + args.epochs:
@@ -169,6 +253,10 @@ async def trainer(mode: str, args) -> dict:
         await asyncio.sleep(STEP_PAUSE)
     elapsed = time.perf_counter() - started
     training = summary(ticker.lags)
+    if ticker.attribution is not None:
+        print(f"{mode}: where the late ticks went\n{ticker.attribution.report()}", flush=True)
+        ticker.attribution.close()
+        ticker.attribution = None
     stop.set()
     if mode == "aio":
         await opt.aio.shutdown(timeout=5)
@@ -193,8 +281,18 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--epoch-seconds", type=float, default=1.0)
     parser.add_argument("--tick", type=float, default=0.005)
-    parser.add_argument("--modes", default="idle,blocking,aio")
+    parser.add_argument("--modes", default="idle,blocking,aio", help="also: control")
     parser.add_argument("--debug-slow", action="store_true", help="asyncio debug: slow callbacks")
+    parser.add_argument(
+        "--attribute",
+        action="store_true",
+        help="attribute late ticks: per-thread CPU, run-queue waits, GC, background loop steps",
+    )
+    parser.add_argument(
+        "--sample-stacks",
+        action="store_true",
+        help="with --attribute: sample the background loop's stack every 2 ms (perturbs lag)",
+    )
     parser.add_argument(
         "--freeze",
         action="store_true",
@@ -209,7 +307,8 @@ def main() -> None:
     print(f"load: {os.getloadavg()}")
     results = {}
     for mode in args.modes.split(","):
-        results[mode] = asyncio.run(idle(args) if mode == "idle" else trainer(mode, args))
+        run = {"idle": idle, "control": control}.get(mode)
+        results[mode] = asyncio.run(run(args) if run else trainer(mode, args))
         r = results[mode]
         print(
             f"{mode:9s} epochs={r['epochs']} {r['s_per_epoch']:.2f} s/epoch ticks={r['n']} "

@@ -13,6 +13,9 @@ it (so a clean shutdown leaves no thread behind).
   cancels the trio task.
 - After ``fork()`` (DataLoader workers) the child has no loop thread: every call raises a clear
   ``RuntimeError`` instead of hanging.
+- Once an asyncio caller appears (``serve_asyncio``, called by the ``.aio`` ways in), the loop
+  hands the GIL to the process's other threads during long busy stretches
+  (``utils/gil_handoff.py``), so the asyncio loop is not held back for a whole epoch end.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from contextlib import AbstractAsyncContextManager, ExitStack, contextmanager
 from typing import Any, TypeVar
 
 import anyio
+import trio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from swarmtrain.utils import exit_shutdown
+from swarmtrain.utils import exit_shutdown, gil_handoff
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -52,6 +56,8 @@ class BackgroundRuntime:
         )
         self._pid = os.getpid()
         self._refs = 0
+        self._hand_off_lock = threading.Lock()
+        self.hand_off: gil_handoff.GILHandOff | None = None
 
     # ------------------------------------------------------------ lifetime
 
@@ -112,9 +118,25 @@ class BackgroundRuntime:
         self._check_process()
         return self.portal.call(fn, *args)
 
+    def serve_asyncio(self) -> None:
+        """An asyncio loop in this process calls in: from now on the loop hands the GIL over
+        during long busy stretches (``gil_handoff.GILHandOff``). Idempotent, never blocks."""
+        if self.hand_off is not None or gil_handoff.disabled():
+            return
+        with self._hand_off_lock:
+            if self.hand_off is not None:
+                return
+            self.hand_off = gil_handoff.GILHandOff()
+        self.portal.start_task_soon(self._add_instrument, self.hand_off)
+
+    @staticmethod
+    async def _add_instrument(instrument: trio.abc.Instrument) -> None:
+        trio.lowlevel.add_instrument(instrument)
+
     async def call_asyncio(self, fn: Callable[..., Any], *args: Any) -> Any:
         """From asyncio: ``await`` ``fn(*args)`` running on the trio loop, without blocking."""
         self._check_process()
+        self.serve_asyncio()
         future: Future = self.portal.start_task_soon(fn, *args)
         try:
             return await asyncio.wrap_future(future)

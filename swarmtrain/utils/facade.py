@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -220,10 +221,22 @@ def close_aio_worker(owner: Any) -> None:
         worker.shutdown(wait=False)
 
 
+def _serve_asyncio(obj: Any) -> None:
+    """Tell the background runtime of ``obj`` (if it runs) that an asyncio loop calls in."""
+    runtime = getattr(obj, "_runtime", None)
+    if runtime is None or getattr(obj, "_shut_down", False):
+        return
+    if getattr(obj, "_pid", None) != os.getpid():
+        return
+    with contextlib.suppress(RuntimeError):  # its loop stopped: the call itself will say so
+        runtime.serve_asyncio()
+
+
 def _thread_aio_function(name: str, blocking: Callable[..., Any]) -> Callable[..., Any]:
     async def aio(self: ThreadAioNamespace, *args: Any, **kwargs: Any) -> Any:
         import asyncio
 
+        _serve_asyncio(self._owner)
         method = getattr(self._owner, name)
         call = functools.partial(method, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(_worker(self._owner), call)
@@ -278,6 +291,7 @@ async def run_in_worker_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any
             with contextlib.suppress(InvalidStateError):
                 future.set_exception(e)
             return
+        _serve_asyncio(result)
         try:
             future.set_result(result)
         except InvalidStateError:  # the caller is gone: nobody else can close it
