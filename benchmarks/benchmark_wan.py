@@ -3,7 +3,8 @@ butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root onl
 
     sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
         [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE] [--latency packet|proxy]
-        [--mtu 1500] [--log LOGGER ...]
+        [--mtu 1500] [--log LOGGER ...] [--congestion cubic|bbr|reno|default]
+        [--stripes K]
 
 A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a ``tc
 tbf`` rate limit on its link (both directions) and the delay and loss of ``--latency``:
@@ -24,6 +25,11 @@ is the figure. A second, measured baseline (``--tcp-butterfly``): raw TCP with t
 traffic pattern on the same paths (every host sends ``2 size / N`` to each other host at once),
 i.e. what TCP itself gets out of these links with N-1 flows per direction
 (``ratio_to_tcp_butterfly``).
+``--congestion`` (default ``cubic``, what most users' hosts run) sets the TCP congestion
+control of every host's namespace (``net.ipv4.tcp_congestion_control``; a new namespace
+otherwise inherits this box's default, ``bbr`` here); ``default`` leaves it alone.
+``--stripes K`` sets every peer's ``lane_stripes`` (connections per data lane on a long path,
+``swarmtrain.p2p.stripe_core``; default: the library's).
 ``--trace FILE``: every peer records its rounds' part timelines (``AllReduceTrace``) and its
 interface counters; a summary per round (the warm-up round 0 included) is printed (link busy
 shares, reducer waits, per-flow throughput), the raw events go to FILE. ``--log LOGGER ...``:
@@ -155,18 +161,30 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
             if delay:
                 for host in hosts:
                     lab.add_latency(host, delay)  # before any connection opens
+        if args.congestion != "default":
+            for host in hosts:
+                host.exec(
+                    "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={args.congestion}"
+                )
         if delay == args.delays[0]:
             report(kernel_tcp_limits_in_a_namespace=kernel_tcp_limits(hosts[0]))
+        congestion = hosts[0].exec("sysctl", "-n", "net.ipv4.tcp_congestion_control").strip()
         started = time.monotonic()
         log = {"log": args.log} if args.log else {}
+        lanes = {} if args.stripes is None else {"lane_stripes": args.stripes}
         first = lab.spawn(
-            hosts[0], PEER_SCRIPT, json.dumps({"dht": {"host_maddrs": LISTEN_ALL}, **log})
+            hosts[0],
+            PEER_SCRIPT,
+            json.dumps({"dht": {"host_maddrs": LISTEN_ALL, **lanes}, **log}),
         )
         info = first.recv(120)
         boot = next(a for a in info["maddrs"] if f"/ip4/{hosts[0].ip}/" in a)
         peers = [first]
         for host in hosts[1:]:
-            options = {"dht": {"host_maddrs": LISTEN_ALL, "initial_peers": [boot]}, **log}
+            options = {
+                "dht": {"host_maddrs": LISTEN_ALL, "initial_peers": [boot], **lanes},
+                **log,
+            }
             peers.append(lab.spawn(host, PEER_SCRIPT, json.dumps(options)))
         for peer in peers[1:]:
             peer.recv(120)
@@ -230,6 +248,11 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                         "tcp_butterfly_seconds": [round(s, 2) for s in raw],
                         "ratio_to_tcp_butterfly": round(median / statistics.median(raw), 2),
                     }
+                lanes_used = [peer.ask({"op": "paths"}, 30) for peer in peers]
+                lane_counters = {
+                    key: sum(c.get(key, 0) for c in lanes_used)
+                    for key in ("lanes_opened", "striped_lanes_opened", "lane_fallbacks")
+                }
                 pair = bulk_calls(peers, mbit, delay, args) if args.bulk_mib else {}
                 if args.bulk_mib:
                     # the link's real goodput (L2 headers, ACKs, tbf): the measured butterfly
@@ -247,6 +270,8 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                     mbit=mbit,
                     loss=loss,
                     latency=args.latency,
+                    congestion=congestion,
+                    stripes=args.stripes,
                     mtu=args.mtu if args.latency == "packet" else None,
                     codec=codec,
                     floats=args.floats,
@@ -258,6 +283,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                     step_seconds=[round(s, 2) for s in steps],
                     part_layout_offered_after=layouts,
                     load=os.getloadavg()[0],
+                    lanes_so_far=lane_counters,
                     **tcp,
                     **pair,
                     **delay_line_counters(lab, hosts),
@@ -322,6 +348,17 @@ def main() -> None:
         metavar="LOGGER",
         help="these loggers at DEBUG in every peer (e.g. swarmtrain.p2p.lane), one file per "
         "peer and lab next to --trace's FILE",
+    )
+    parser.add_argument(
+        "--congestion",
+        default="cubic",
+        help="TCP congestion control in every host's namespace (cubic, bbr, reno; "
+        "default: leave the namespace's, inherited from this box)",
+    )
+    parser.add_argument(
+        "--stripes",
+        type=int,
+        help="every peer's lane_stripes (TCP connections per data lane on a long path)",
     )
     args = parser.parse_args()
     if args.latency == "packet":

@@ -37,6 +37,7 @@ import errno
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,11 +52,14 @@ from swarmtrain.p2p.lane_books import (
     PendingHandshakes,
     TicketBook,
     retry_delay,
+    wait_after_ticket,
 )
 from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSealer
 from swarmtrain.p2p.lane_stream import LaneStream
+from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit, lanes_within_fd_limit
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME
+from swarmtrain.p2p.stripe_core import MAX_STRIPES
 from swarmtrain.proto import p2p_pb2
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,8 @@ LANE_VERSION = 1
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 2.0
 OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
+DEFAULT_STRIPES = 4  # connections per lane on a long path (P2PConfig.lane_stripes)
+DEFAULT_STRIPE_MIN_RTT = 0.01  # s: stripe when the lane's TCP RTT is at least this
 # an idle lane may be taken for a newcomer once no caller would reuse it (plus latency)
 STALE_LANE_AFTER = CALLER_STREAM_REUSE_TIME + 1.0
 
@@ -74,9 +80,21 @@ class DataLanes:
     host is in client mode) and ``open(peer_id)`` for callers."""
 
     def __init__(
-        self, p2p, listen_host: str | None, port: int = 0, limits: ResourceLimits | None = None
+        self,
+        p2p,
+        listen_host: str | None,
+        port: int = 0,
+        limits: ResourceLimits | None = None,
+        stripes: int = DEFAULT_STRIPES,
+        stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT,
     ):
+        """``stripes``: the most connections one of our lanes spreads over (1: plain
+        lanes), used when the first connection's TCP RTT is at least ``stripe_min_rtt``
+        seconds; the callee may grant fewer (``stripe_core``)."""
+        if not 1 <= stripes <= MAX_STRIPES:
+            raise ValueError(f"lane stripes must be in 1..{MAX_STRIPES}, got {stripes}")
         limits = limits if limits is not None else ResourceLimits()
+        self.stripes, self.stripe_min_rtt = stripes, stripe_min_rtt
         self._p2p = p2p
         self._listen_host = listen_host
         self._port = port
@@ -97,8 +115,11 @@ class DataLanes:
         self.pending_handshakes = PendingHandshakes(
             MAX_PENDING_HANDSHAKES, limits.max_pending_handshakes_per_ip
         )
+        self._forming: dict[bytes, _StripeGroup] = {}  # striped lanes waiting for stripes
         self.lanes_opened = 0
         self.lanes_accepted = 0
+        self.striped_lanes_opened = 0
+        self.striped_lanes_accepted = 0
         self.fallbacks = 0
 
     @property
@@ -130,8 +151,11 @@ class DataLanes:
             return p2p_pb2.LaneTicket(version=LANE_VERSION)
         peer = context.remote_id
         now = trio.current_time()
-        self.open_lanes.check(peer, now, tickets=self.tickets.outstanding(peer))
-        ticket_id, ticket = self.tickets.issue(peer, now)
+        held = self.tickets.outstanding(peer)
+        self.open_lanes.check(peer, now, tickets=held)
+        wanted = min(max(1, request.stripes), MAX_STRIPES)
+        granted = max(1, min(wanted, self.open_lanes.room(peer, now, tickets=held)))
+        ticket_id, ticket = self.tickets.issue(peer, now, stripes=granted)
         return p2p_pb2.LaneTicket(
             version=LANE_VERSION,
             ticket_id=ticket_id,
@@ -139,6 +163,7 @@ class DataLanes:
             callee_key=ticket.callee_key,
             port=self.port,
             expires_in=self.tickets.ttl,
+            stripes=granted,
         )
 
     async def _accept_loop(self, listener) -> None:
@@ -170,15 +195,23 @@ class DataLanes:
         lane = None
         book = self.open_lanes
         token = trio.CancelScope()  # cancelled if the lane is taken for a newcomer
+        handed_over = False  # a stripe handed to its striped lane's owner
         try:
             ticket = None
             try:
                 with handshake:
-                    ticket_id = await _receive_ticket_id(sock)
-                    ticket = self.tickets.redeem(ticket_id, trio.current_time())
+                    ticket_id = await _receive_exactly(sock, TICKET_ID_SIZE)
+                    stripe, count = 0, 1
+                    found = self.tickets.lookup(ticket_id, trio.current_time())
+                    if found is not None and found.stripes > 1:
+                        stripe, count = await _receive_exactly(sock, 2)
+                    ticket = self.tickets.redeem(ticket_id, trio.current_time(), stripe, count)
             finally:
                 self.pending_handshakes.done(handshake)
             if ticket is None:
+                return
+            if count > 1:
+                handed_over = await self._join_stripe(raw, sock, ticket_id, ticket, stripe)
                 return
             try:
                 taken = book.admit(token, ticket.peer_id, trio.current_time())
@@ -187,12 +220,6 @@ class DataLanes:
                 return
             for stale in taken:
                 stale.cancel()  # its task closes it; the book already let it go
-
-            def on_call(busy: bool) -> None:
-                if busy:
-                    book.busy(token)
-                else:
-                    book.idle(token, trio.current_time())
 
             with token:
                 lane = LaneStream(
@@ -203,15 +230,96 @@ class DataLanes:
                 if scope.cancelled_caught:
                     return
                 self.lanes_accepted += 1
-                await self._p2p._serve_lane(lane, ticket.peer_id, on_call)
+                await self._p2p._serve_lane(lane, ticket.peer_id, self._marker(token))
         except (OSError, LaneError) as e:
             logger.debug("lane connection failed: %r", e)
         finally:
-            book.done(token)
+            if not handed_over:
+                book.done(token)
+                if lane is not None:
+                    await lane.reset()
+                else:
+                    sock.close()
+
+    def _marker(self, *tokens) -> Callable[[bool], None]:
+        """``on_call(busy)`` for the server: marks the lane's tokens busy or idle."""
+        book = self.open_lanes
+
+        def on_call(busy: bool) -> None:
+            for token in tokens:
+                if busy:
+                    book.busy(token)
+                else:
+                    book.idle(token, trio.current_time())
+
+        return on_call
+
+    async def _join_stripe(self, raw, sock, ticket_id: bytes, ticket, stripe: int) -> bool:
+        """One connection of a striped lane: counted as a lane, accepted, handed to the
+        group. The stripe that redeemed first owns the group: it waits for the others
+        (``HANDSHAKE_TIMEOUT``), serves the striped lane, and closes every stripe at the
+        end. True when this connection was handed over (the group closes it)."""
+        book = self.open_lanes
+        count = ticket.count
+        group = self._forming.get(ticket_id)
+        owner = group is None
+        if group is None:
+            group = self._forming[ticket_id] = _StripeGroup(count)
+        token = _StripeToken(group)
+        lane = None
+        try:
+            try:
+                taken = book.admit(token, ticket.peer_id, trio.current_time())
+            except ResourceLimitError as e:
+                logger.debug("refusing a stripe of %s: %s", ticket.peer_id, e)
+                group.scope.cancel()
+                return False
+            for stale in taken:
+                stale.cancel()
+            lane = LaneStream(
+                raw,
+                sock,
+                RecordSealer(ticket.callee_key, stripe),
+                RecordOpener(ticket.caller_key, stripe),
+            )
+            with trio.move_on_after(HANDSHAKE_TIMEOUT):
+                await lane.send_accept()
+                if group.add(stripe, lane, token):
+                    lane = None  # the group holds it now
             if lane is not None:
+                return False
+            if not owner:
+                return True
+            return await self._serve_striped(ticket_id, ticket, group)
+        finally:
+            if lane is not None:
+                book.done(token)
                 await lane.reset()
-            else:
-                sock.close()
+            if owner:
+                self._close_group(ticket_id, group)
+
+    async def _serve_striped(self, ticket_id: bytes, ticket, group: _StripeGroup) -> bool:
+        with group.scope:
+            with trio.move_on_after(HANDSHAKE_TIMEOUT):
+                await group.complete.wait()
+            if not group.complete.is_set():
+                logger.debug("a striped lane of %s did not form", ticket.peer_id)
+                return True
+            striped = StripedLane([group.lanes[i] for i in range(group.count)])
+            self.lanes_accepted += 1
+            self.striped_lanes_accepted += 1
+            await self._p2p._serve_lane(striped, ticket.peer_id, self._marker(*group.tokens))
+        return True
+
+    def _close_group(self, ticket_id: bytes, group: _StripeGroup) -> None:
+        if self._forming.get(ticket_id) is group:
+            del self._forming[ticket_id]
+        self.tickets.cancel(ticket_id)  # stripes still to come are refused
+        group.closed = True
+        for token in group.tokens:
+            self.open_lanes.done(token)
+        for lane in group.lanes.values():
+            lane.reset_now()
 
     # ---------------------------------------------------------------- caller side
 
@@ -220,11 +328,12 @@ class DataLanes:
         peer_id,
         remote_ip: str | None,
         nursery: trio.Nursery,
-        on_late_lane: Callable[[Any, LaneStream], None],  # (peer_id, lane)
+        on_late_lane: Callable[[Any, Any], None],  # (peer_id, lane)
         wait: float | None = None,
-    ) -> LaneStream | None:
+    ) -> LaneStream | StripedLane | None:
         """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds
-        (default ``OPEN_WAIT``), else None (the caller goes over libp2p). An attempt still
+        (default ``OPEN_WAIT``; once the ticket came, at least a few of its round trips more:
+        ``wait_after_ticket``), else None (the caller goes over libp2p). An attempt still
         running after ``wait`` goes on in ``nursery`` and hands its lane to ``on_late_lane``
         (e.g. the idle pool), so a slow path or a firewall that drops packets never stalls a
         call for ``CONNECT_TIMEOUT``."""
@@ -234,13 +343,23 @@ class DataLanes:
         if peer_id in self._opening:
             return None  # an attempt is under way: this call goes over libp2p
         self._opening.add(peer_id)
-        handover: list[LaneStream | None] = []
+        handover: list[LaneStream | StripedLane | None] = []
         settled = trio.Event()
         waiting = True
+        patience = trio.CancelScope(
+            deadline=trio.current_time() + (OPEN_WAIT if wait is None else wait)
+        )
+
+        def on_ticket(seconds: float) -> None:
+            # the callee offers a lane and the ticket's round trip says how far it is: a
+            # call waits for the dial and handshake on a long path too
+            if waiting:
+                later = trio.current_time() + wait_after_ticket(seconds, CONNECT_TIMEOUT)
+                patience.deadline = max(patience.deadline, later)
 
         async def attempt() -> None:
             try:
-                lane = await self._open_or_remember(peer_id, remote_ip)
+                lane = await self._open_or_remember(peer_id, remote_ip, on_ticket)
             finally:
                 self._opening.discard(peer_id)
             if lane is not None and not waiting:
@@ -252,7 +371,7 @@ class DataLanes:
         nursery.start_soon(attempt)
         returning = False
         try:
-            with trio.move_on_after(OPEN_WAIT if wait is None else wait):
+            with patience:
                 await settled.wait()
             returning = True
         finally:
@@ -263,11 +382,13 @@ class DataLanes:
                 on_late_lane(peer_id, late)  # we were cancelled: keep it for later
         return handover[0] if handover else None
 
-    async def _open_or_remember(self, peer_id, remote_ip: str) -> LaneStream | None:
+    async def _open_or_remember(
+        self, peer_id, remote_ip: str, on_ticket: Callable[[float], None] | None = None
+    ) -> LaneStream | StripedLane | None:
         offered = True
         busy = False
         try:
-            lane = await self._open(peer_id, remote_ip)
+            lane = await self._open(peer_id, remote_ip, on_ticket)
             offered = lane is not None
         except ResourceLimitError as e:  # the callee is up, its lanes are taken: ask again soon
             logger.debug("no data lane to %s (%s): %s", peer_id, remote_ip, e)
@@ -288,41 +409,142 @@ class DataLanes:
         self._failures.pop(peer_id, None)
         self._failed_until.pop(peer_id, None)
         self.lanes_opened += 1
+        if isinstance(lane, StripedLane):
+            self.striped_lanes_opened += 1
         return lane
 
-    async def _open(self, peer_id, remote_ip: str) -> LaneStream | None:
+    async def _open(
+        self, peer_id, remote_ip: str, on_ticket: Callable[[float], None] | None = None
+    ) -> LaneStream | StripedLane | None:
+        asked = trio.current_time()
         ticket = await self._p2p.call_protobuf_handler(
             peer_id,
             TICKET_METHOD,
-            p2p_pb2.LaneTicketRequest(version=LANE_VERSION),
+            p2p_pb2.LaneTicketRequest(version=LANE_VERSION, stripes=self.stripes),
             p2p_pb2.LaneTicket,
             timeout=HANDSHAKE_TIMEOUT,
         )
+        ticket_seconds = trio.current_time() - asked
         if not ticket.ticket_id or ticket.version != LANE_VERSION:
             return None
-        family = socket.AF_INET6 if ":" in remote_ip else socket.AF_INET
-        raw = socket.socket(family, socket.SOCK_STREAM)
-        raw.setblocking(False)
-        sock = trio.socket.from_stdlib_socket(raw)
-        lane = None
+        if on_ticket is not None:
+            on_ticket(ticket_seconds)
+        granted = min(max(1, ticket.stripes), MAX_STRIPES)  # an older callee: 0, one
+        lanes: list[LaneStream] = []
+        first = await _dial(remote_ip, ticket.port)
         try:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                await sock.connect((remote_ip, ticket.port))
-                lane = LaneStream(
-                    raw,
-                    sock,
-                    RecordSealer(bytes(ticket.caller_key)),
-                    RecordOpener(bytes(ticket.callee_key)),
-                )
-                await lane._send_all(bytes(ticket.ticket_id))
-                await lane.receive_accept()
-            return lane
+            count = 1
+            if granted > 1:
+                rtt = tcp_rtt(first[0])
+                if (ticket_seconds if rtt is None else rtt) >= self.stripe_min_rtt:
+                    count = granted
+            if granted == 1:  # the original handshake: the ticket id alone
+                return await _handshake(first, ticket, lanes)
+            async with trio.open_nursery() as nursery:
+                for stripe in range(1, count):
+                    nursery.start_soon(_dial_stripe, remote_ip, ticket, stripe, count, lanes)
+                await _handshake(first, ticket, lanes, 0, count)
+            lanes.sort(key=lambda lane: lane.stripe)
+            if count == 1:
+                return lanes[0]
+            return StripedLane(list(lanes))
         except BaseException:
-            if lane is not None:
-                await lane.reset()
-            else:
-                sock.close()
+            for lane in lanes:
+                lane.reset_now()
+            first[1].close()
             raise
+
+
+async def _dial(remote_ip: str, port: int) -> tuple[socket.socket, Any]:
+    """A TCP connection to ``remote_ip``:``port`` within ``CONNECT_TIMEOUT``: (raw, trio)."""
+    family = socket.AF_INET6 if ":" in remote_ip else socket.AF_INET
+    raw = socket.socket(family, socket.SOCK_STREAM)
+    raw.setblocking(False)
+    sock = trio.socket.from_stdlib_socket(raw)
+    try:
+        with trio.fail_after(CONNECT_TIMEOUT):
+            await sock.connect((remote_ip, port))
+    except BaseException:
+        sock.close()
+        raise
+    return raw, sock
+
+
+async def _handshake(
+    connection, ticket, lanes: list[LaneStream], stripe: int = 0, count: int | None = None
+) -> LaneStream:
+    """Show the ticket on ``connection`` (as stripe ``stripe`` of ``count``; None: a plain
+    lane) and wait for the callee's accept record; the lane is appended to ``lanes`` as
+    soon as it exists (the caller resets them all if any fails)."""
+    raw, sock = connection
+    lane = LaneStream(
+        raw,
+        sock,
+        RecordSealer(bytes(ticket.caller_key), stripe),
+        RecordOpener(bytes(ticket.callee_key), stripe),
+    )
+    lane.stripe = stripe
+    lanes.append(lane)
+    hello = bytes(ticket.ticket_id) + (b"" if count is None else bytes([stripe, count]))
+    with trio.fail_after(CONNECT_TIMEOUT):
+        await lane._send_all(hello)
+        await lane.receive_accept()
+    return lane
+
+
+async def _dial_stripe(remote_ip: str, ticket, stripe: int, count: int, lanes) -> None:
+    connection = await _dial(remote_ip, ticket.port)
+    try:
+        await _handshake(connection, ticket, lanes, stripe, count)
+    except BaseException:
+        connection[1].close()
+        raise
+
+
+def tcp_rtt(raw: socket.socket) -> float | None:
+    """The kernel's smoothed RTT of a connected TCP socket in seconds (Linux ``TCP_INFO``),
+    None where unknown."""
+    try:
+        info = raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except (AttributeError, OSError):
+        return None
+    if len(info) < 72:
+        return None
+    return int.from_bytes(info[68:72], sys.byteorder) / 1e6
+
+
+class _StripeGroup:
+    """The connections of one striped lane on the callee, until all ``count`` joined."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.lanes: dict[int, LaneStream] = {}
+        self.tokens: list[_StripeToken] = []
+        self.scope = trio.CancelScope()  # the owner's: cancelled when a stripe is taken
+        self.complete = trio.Event()
+        self.closed = False
+
+    def add(self, stripe: int, lane: LaneStream, token: _StripeToken) -> bool:
+        """Hand over a connected stripe; False if the group is gone (the caller closes it)."""
+        if self.closed or stripe in self.lanes:
+            return False
+        self.lanes[stripe] = lane
+        self.tokens.append(token)
+        if len(self.lanes) == self.count:
+            self.complete.set()
+        return True
+
+
+class _StripeToken:
+    """A stripe's entry in the ``LaneBook``: taking it for a newcomer ends the whole lane."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: _StripeGroup):
+        self.group = group
+
+    def cancel(self) -> None:
+        self.group.scope.cancel()
 
 
 def lanes_disabled_by_env() -> bool:
@@ -341,10 +563,10 @@ def lane_listen_host(host_maddrs: Sequence[str], client_mode: bool) -> str | Non
     return None
 
 
-async def _receive_ticket_id(sock) -> bytes:
+async def _receive_exactly(sock, size: int) -> bytes:
     data = b""
-    while len(data) < TICKET_ID_SIZE:
-        chunk = await sock.recv(TICKET_ID_SIZE - len(data))
+    while len(data) < size:
+        chunk = await sock.recv(size - len(data))
         if not chunk:
             raise LaneResetError("the lane closed during the handshake")
         data += chunk
