@@ -435,8 +435,8 @@ class DataLanes:
         try:
             count = 1
             if granted > 1:
-                rtt = tcp_rtt(first[0])
-                if (ticket_seconds if rtt is None else rtt) >= self.stripe_min_rtt:
+                rtt = tcp_rtt(first[0]) or ticket_seconds  # no sample: a SYN was re-sent
+                if rtt >= self.stripe_min_rtt:
                     count = granted
             if granted == 1:  # the original handshake: the ticket id alone
                 return await _handshake(first, ticket, lanes)
