@@ -36,7 +36,7 @@ def test_the_sender_numbers_records_and_spreads_them_over_writable_stripes():
     # a stalled stripe (0) gets nothing while others can take records
     assert [sender.choose({1, 2}) for _ in range(4)] == [1, 2, 1, 2]
     assert sender.choose(set()) is None  # none can: wait for one
-    assert sender.records_per_stripe == [1, 3, 3]
+    assert sender.records_per_stripe == [2, 3, 3]
     for bad in (0, MAX_STRIPES + 1):
         with pytest.raises(ValueError):
             StripeSender(bad)
