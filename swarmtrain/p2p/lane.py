@@ -11,12 +11,18 @@ connection in 1 MiB AES-256-GCM records (``lane_records``) instead:
    keys, and then serves RPC calls on the lane exactly as on a libp2p stream, attributed to
    the peer the ticket was issued to.
 
-A ticket is single-use and expires after ``TICKET_TTL``. Only ``bulk=True`` calls use lanes,
-and every failure to get one (no direct connection, relayed peers, callees behind NAT or in
-client mode, a firewall, an old peer without the ticket method) falls back to the libp2p
-stream. A peer whose lane failed is not tried again for a while: ``RETRY_FIRST`` seconds
-after a first failure, doubling up to ``RETRY_AFTER`` while they go on (a success forgets
-them); a callee that offers no lanes is asked again after ``RETRY_AFTER``.
+On a long path (the first connection's kernel RTT >= ``stripe_min_rtt``) a lane spreads
+over several connections of one ticket (``stripe_core``, ``lane_stripes.StripedLane``): the
+caller asks for ``stripes``, the callee grants what its lane limits leave, and each
+connection shows the ticket id with its stripe index and count.
+
+A ticket is single-use (one connection per granted stripe) and expires after ``TICKET_TTL``.
+Only ``bulk=True`` calls use lanes, and every failure to get one (no direct connection,
+relayed peers, callees behind NAT or in client mode, a firewall, an old peer without the
+ticket method) falls back to the libp2p stream. A peer whose lane failed is not tried again
+for a while: ``RETRY_FIRST`` seconds after a first failure, doubling up to ``RETRY_AFTER``
+while they go on (a success forgets them); a callee that offers no lanes is asked again
+after ``RETRY_AFTER``.
 
 Limits (``ResourceLimits``): a peer holds at most ``max_lanes_per_peer`` lanes and tickets
 at once (more: the ticket call fails with ``ResourceLimitError`` and its bulk calls use
@@ -354,7 +360,7 @@ class DataLanes:
             # the callee offers a lane and the ticket's round trip says how far it is: a
             # call waits for the dial and handshake on a long path too
             if waiting:
-                later = trio.current_time() + wait_after_ticket(seconds, CONNECT_TIMEOUT)
+                later = trio.current_time() + wait_after_ticket(seconds, 2 * CONNECT_TIMEOUT)
                 patience.deadline = max(patience.deadline, later)
 
         async def attempt() -> None:
@@ -363,6 +369,7 @@ class DataLanes:
             finally:
                 self._opening.discard(peer_id)
             if lane is not None and not waiting:
+                logger.debug("lane to %s opened after its call went over libp2p", peer_id)
                 on_late_lane(peer_id, lane)
             else:
                 handover.append(lane)
@@ -411,6 +418,12 @@ class DataLanes:
         self.lanes_opened += 1
         if isinstance(lane, StripedLane):
             self.striped_lanes_opened += 1
+        logger.debug(
+            "lane to %s (%s): %d connection(s)",
+            peer_id,
+            remote_ip,
+            len(lane.stripes) if isinstance(lane, StripedLane) else 1,
+        )
         return lane
 
     async def _open(
@@ -429,6 +442,9 @@ class DataLanes:
             return None
         if on_ticket is not None:
             on_ticket(ticket_seconds)
+        logger.debug(
+            "lane ticket from %s in %.3f s: %d stripe(s)", peer_id, ticket_seconds, ticket.stripes
+        )
         granted = min(max(1, ticket.stripes), MAX_STRIPES)  # an older callee: 0, one
         lanes: list[LaneStream] = []
         first = await _dial(remote_ip, ticket.port)

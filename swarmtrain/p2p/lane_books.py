@@ -283,5 +283,6 @@ def retry_delay(failures: int) -> float:
 def wait_after_ticket(ticket_seconds: float, limit: float) -> float:
     """How much longer a bulk call waits for a new lane once its ticket came back after
     ``ticket_seconds`` (about one round trip): the dial and the handshake take about three
-    more, so a long path does not send the first call over libp2p; at most ``limit``."""
-    return min(limit, 4.0 * ticket_seconds)
+    more (a lost SYN adds a second), so a long path does not send the first call over
+    libp2p; at most ``limit``."""
+    return min(limit, 0.2 + 6.0 * ticket_seconds)
