@@ -43,7 +43,6 @@ import errno
 import logging
 import os
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +59,15 @@ from swarmtrain.p2p.lane_books import (
     retry_delay,
     wait_after_ticket,
 )
+from swarmtrain.p2p.lane_connections import (
+    CONNECT_TIMEOUT,
+    StripeGroup,
+    StripeToken,
+    dial,
+    dial_stripe,
+    show_ticket,
+    tcp_rtt,
+)
 from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSealer
 from swarmtrain.p2p.lane_stream import LaneStream
 from swarmtrain.p2p.lane_stripes import StripedLane
@@ -73,7 +81,6 @@ logger = logging.getLogger(__name__)
 TICKET_METHOD = "swarmtrain::Lane.ticket"
 LANE_VERSION = 1
 HANDSHAKE_TIMEOUT = 5.0
-CONNECT_TIMEOUT = 2.0
 OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
 DEFAULT_STRIPES = 4  # connections per lane on a long path (P2PConfig.lane_stripes)
 DEFAULT_STRIPE_MIN_RTT = 0.01  # s: stripe when the lane's TCP RTT is at least this
@@ -121,7 +128,7 @@ class DataLanes:
         self.pending_handshakes = PendingHandshakes(
             MAX_PENDING_HANDSHAKES, limits.max_pending_handshakes_per_ip
         )
-        self._forming: dict[bytes, _StripeGroup] = {}  # striped lanes waiting for stripes
+        self._forming: dict[bytes, StripeGroup] = {}  # striped lanes waiting for stripes
         self.lanes_opened = 0
         self.lanes_accepted = 0
         self.striped_lanes_opened = 0
@@ -270,8 +277,8 @@ class DataLanes:
         group = self._forming.get(ticket_id)
         owner = group is None
         if group is None:
-            group = self._forming[ticket_id] = _StripeGroup(count)
-        token = _StripeToken(group)
+            group = self._forming[ticket_id] = StripeGroup(count)
+        token = StripeToken(group)
         lane = None
         try:
             try:
@@ -304,7 +311,7 @@ class DataLanes:
             if owner:
                 self._close_group(ticket_id, group)
 
-    async def _serve_striped(self, ticket_id: bytes, ticket, group: _StripeGroup) -> bool:
+    async def _serve_striped(self, ticket_id: bytes, ticket, group: StripeGroup) -> bool:
         with group.scope:
             with trio.move_on_after(HANDSHAKE_TIMEOUT):
                 await group.complete.wait()
@@ -317,7 +324,7 @@ class DataLanes:
             await self._p2p._serve_lane(striped, ticket.peer_id, self._marker(*group.tokens))
         return True
 
-    def _close_group(self, ticket_id: bytes, group: _StripeGroup) -> None:
+    def _close_group(self, ticket_id: bytes, group: StripeGroup) -> None:
         if self._forming.get(ticket_id) is group:
             del self._forming[ticket_id]
         self.tickets.cancel(ticket_id)  # stripes still to come are refused
@@ -447,7 +454,7 @@ class DataLanes:
         )
         granted = min(max(1, ticket.stripes), MAX_STRIPES)  # an older callee: 0, one
         lanes: list[LaneStream] = []
-        first = await _dial(remote_ip, ticket.port)
+        first = await dial(remote_ip, ticket.port)
         try:
             count = 1
             if granted > 1:
@@ -455,11 +462,11 @@ class DataLanes:
                 if rtt >= self.stripe_min_rtt:
                     count = granted
             if granted == 1:  # the original handshake: the ticket id alone
-                return await _handshake(first, ticket, lanes)
+                return await show_ticket(first, ticket, lanes)
             async with trio.open_nursery() as nursery:
                 for stripe in range(1, count):
-                    nursery.start_soon(_dial_stripe, remote_ip, ticket, stripe, count, lanes)
-                await _handshake(first, ticket, lanes, 0, count)
+                    nursery.start_soon(dial_stripe, remote_ip, ticket, stripe, count, lanes)
+                await show_ticket(first, ticket, lanes, 0, count)
             lanes.sort(key=lambda lane: lane.stripe)
             if count == 1:
                 return lanes[0]
@@ -469,98 +476,6 @@ class DataLanes:
                 lane.reset_now()
             first[1].close()
             raise
-
-
-async def _dial(remote_ip: str, port: int) -> tuple[socket.socket, Any]:
-    """A TCP connection to ``remote_ip``:``port`` within ``CONNECT_TIMEOUT``: (raw, trio)."""
-    family = socket.AF_INET6 if ":" in remote_ip else socket.AF_INET
-    raw = socket.socket(family, socket.SOCK_STREAM)
-    raw.setblocking(False)
-    sock = trio.socket.from_stdlib_socket(raw)
-    try:
-        with trio.fail_after(CONNECT_TIMEOUT):
-            await sock.connect((remote_ip, port))
-    except BaseException:
-        sock.close()
-        raise
-    return raw, sock
-
-
-async def _handshake(
-    connection, ticket, lanes: list[LaneStream], stripe: int = 0, count: int | None = None
-) -> LaneStream:
-    """Show the ticket on ``connection`` (as stripe ``stripe`` of ``count``; None: a plain
-    lane) and wait for the callee's accept record; the lane is appended to ``lanes`` as
-    soon as it exists (the caller resets them all if any fails)."""
-    raw, sock = connection
-    lane = LaneStream(
-        raw,
-        sock,
-        RecordSealer(bytes(ticket.caller_key), stripe),
-        RecordOpener(bytes(ticket.callee_key), stripe),
-    )
-    lane.stripe = stripe
-    lanes.append(lane)
-    hello = bytes(ticket.ticket_id) + (b"" if count is None else bytes([stripe, count]))
-    with trio.fail_after(CONNECT_TIMEOUT):
-        await lane._send_all(hello)
-        await lane.receive_accept()
-    return lane
-
-
-async def _dial_stripe(remote_ip: str, ticket, stripe: int, count: int, lanes) -> None:
-    connection = await _dial(remote_ip, ticket.port)
-    try:
-        await _handshake(connection, ticket, lanes, stripe, count)
-    except BaseException:
-        connection[1].close()
-        raise
-
-
-def tcp_rtt(raw: socket.socket) -> float | None:
-    """The kernel's smoothed RTT of a connected TCP socket in seconds (Linux ``TCP_INFO``),
-    None where unknown."""
-    try:
-        info = raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-    except (AttributeError, OSError):
-        return None
-    if len(info) < 72:
-        return None
-    return int.from_bytes(info[68:72], sys.byteorder) / 1e6
-
-
-class _StripeGroup:
-    """The connections of one striped lane on the callee, until all ``count`` joined."""
-
-    def __init__(self, count: int):
-        self.count = count
-        self.lanes: dict[int, LaneStream] = {}
-        self.tokens: list[_StripeToken] = []
-        self.scope = trio.CancelScope()  # the owner's: cancelled when a stripe is taken
-        self.complete = trio.Event()
-        self.closed = False
-
-    def add(self, stripe: int, lane: LaneStream, token: _StripeToken) -> bool:
-        """Hand over a connected stripe; False if the group is gone (the caller closes it)."""
-        if self.closed or stripe in self.lanes:
-            return False
-        self.lanes[stripe] = lane
-        self.tokens.append(token)
-        if len(self.lanes) == self.count:
-            self.complete.set()
-        return True
-
-
-class _StripeToken:
-    """A stripe's entry in the ``LaneBook``: taking it for a newcomer ends the whole lane."""
-
-    __slots__ = ("group",)
-
-    def __init__(self, group: _StripeGroup):
-        self.group = group
-
-    def cancel(self) -> None:
-        self.group.scope.cancel()
 
 
 def lanes_disabled_by_env() -> bool:
