@@ -211,6 +211,6 @@ def test_the_lane_book_grants_stripes_within_its_room():
 
 
 def test_a_call_waits_a_few_round_trips_after_its_ticket():
-    assert wait_after_ticket(0.001, 4.0) == pytest.approx(0.206)
-    assert wait_after_ticket(0.3, 4.0) == pytest.approx(2.0)
+    assert wait_after_ticket(0.001, 4.0) == pytest.approx(0.026)  # a LAN: a few ms
+    assert wait_after_ticket(0.3, 4.0) == pytest.approx(2.8)  # 3-4 RTTs and a lost SYN
     assert wait_after_ticket(5.0, 4.0) == 4.0

@@ -282,7 +282,7 @@ def retry_delay(failures: int) -> float:
 
 def wait_after_ticket(ticket_seconds: float, limit: float) -> float:
     """How much longer a bulk call waits for a new lane once its ticket came back after
-    ``ticket_seconds`` (about one round trip): the dial and the handshake take about three
-    more (a lost SYN adds a second), so a long path does not send the first call over
-    libp2p; at most ``limit``."""
-    return min(limit, 0.2 + 6.0 * ticket_seconds)
+    ``ticket_seconds`` (about one round trip): the dial and the handshakes take three or
+    four more, and on a long path a lost SYN adds a second (its first retransmission), so
+    the first call there does not go over libp2p; at most ``limit``."""
+    return min(limit, 6.0 * ticket_seconds + min(1.0, 20.0 * ticket_seconds))
