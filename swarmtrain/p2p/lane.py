@@ -66,6 +66,7 @@ from swarmtrain.p2p.lane_connections import (
     dial,
     dial_stripe,
     show_ticket,
+    stripe_timeout,
     tcp_rtt,
 )
 from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSealer
@@ -457,16 +458,18 @@ class DataLanes:
         first = await dial(remote_ip, ticket.port)
         try:
             count = 1
-            if granted > 1:
-                rtt = tcp_rtt(first[0]) or ticket_seconds  # no sample: a SYN was re-sent
-                if rtt >= self.stripe_min_rtt:
-                    count = granted
             if granted == 1:  # the original handshake: the ticket id alone
                 return await show_ticket(first, ticket, lanes)
+            rtt = tcp_rtt(first[0]) or ticket_seconds  # no sample: a SYN was re-sent
+            if rtt >= self.stripe_min_rtt:
+                count = granted
+            timeout = stripe_timeout(rtt)
             async with trio.open_nursery() as nursery:
                 for stripe in range(1, count):
-                    nursery.start_soon(dial_stripe, remote_ip, ticket, stripe, count, lanes)
-                await show_ticket(first, ticket, lanes, 0, count)
+                    nursery.start_soon(
+                        dial_stripe, remote_ip, ticket, stripe, count, lanes, timeout
+                    )
+                await show_ticket(first, ticket, lanes, 0, count, timeout)
             lanes.sort(key=lambda lane: lane.stripe)
             if count == 1:
                 return lanes[0]

@@ -16,14 +16,23 @@ from swarmtrain.p2p.lane_stream import LaneStream
 CONNECT_TIMEOUT = 2.0
 
 
-async def dial(remote_ip: str, port: int) -> tuple[socket.socket, Any]:
-    """A TCP connection to ``remote_ip``:``port`` within ``CONNECT_TIMEOUT``: (raw, trio)."""
+def stripe_timeout(rtt: float) -> float:
+    """The time a striped lane's connection gets for its dial and for its handshake, on a
+    path of ``rtt`` seconds: a lost packet costs a one-second retransmission, and with K
+    connections over a lossy path one of them often loses one."""
+    return CONNECT_TIMEOUT + 4.0 * rtt
+
+
+async def dial(
+    remote_ip: str, port: int, time_limit: float = CONNECT_TIMEOUT
+) -> tuple[socket.socket, Any]:
+    """A TCP connection to ``remote_ip``:``port`` within ``time_limit``: (raw, trio)."""
     family = socket.AF_INET6 if ":" in remote_ip else socket.AF_INET
     raw = socket.socket(family, socket.SOCK_STREAM)
     raw.setblocking(False)
     sock = trio.socket.from_stdlib_socket(raw)
     try:
-        with trio.fail_after(CONNECT_TIMEOUT):
+        with trio.fail_after(time_limit):
             await sock.connect((remote_ip, port))
     except BaseException:
         sock.close()
@@ -32,7 +41,12 @@ async def dial(remote_ip: str, port: int) -> tuple[socket.socket, Any]:
 
 
 async def show_ticket(
-    connection, ticket, lanes: list[LaneStream], stripe: int = 0, count: int | None = None
+    connection,
+    ticket,
+    lanes: list[LaneStream],
+    stripe: int = 0,
+    count: int | None = None,
+    time_limit: float = CONNECT_TIMEOUT,
 ) -> LaneStream:
     """Show the ticket on ``connection`` (as stripe ``stripe`` of ``count``; None: a plain
     lane) and wait for the callee's accept record; the lane is appended to ``lanes`` as
@@ -47,16 +61,18 @@ async def show_ticket(
     lane.stripe = stripe
     lanes.append(lane)
     hello = bytes(ticket.ticket_id) + (b"" if count is None else bytes([stripe, count]))
-    with trio.fail_after(CONNECT_TIMEOUT):
+    with trio.fail_after(time_limit):
         await lane._send_all(hello)
         await lane.receive_accept()
     return lane
 
 
-async def dial_stripe(remote_ip: str, ticket, stripe: int, count: int, lanes) -> None:
-    connection = await dial(remote_ip, ticket.port)
+async def dial_stripe(
+    remote_ip: str, ticket, stripe: int, count: int, lanes, time_limit: float = CONNECT_TIMEOUT
+) -> None:
+    connection = await dial(remote_ip, ticket.port, time_limit)
     try:
-        await show_ticket(connection, ticket, lanes, stripe, count)
+        await show_ticket(connection, ticket, lanes, stripe, count, time_limit)
     except BaseException:
         connection[1].close()
         raise
