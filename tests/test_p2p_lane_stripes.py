@@ -225,8 +225,8 @@ async def test_short_paths_and_full_callees_get_one_connection():
         assert b.statistics()["lanes_opened"] == 1 and b.statistics()["striped_lanes_opened"] == 0
 
 
-async def _closed_by_peer(stream: trio.SocketStream) -> bool:
-    with trio.move_on_after(8):
+async def _closed_by_peer(stream: trio.SocketStream, within: float = 8.0) -> bool:
+    with trio.move_on_after(within):
         try:
             while await stream.receive_some(65536):
                 pass
@@ -245,6 +245,7 @@ async def test_a_peer_opening_stripes_it_was_not_granted_is_refused():
         P2P.create(initial_peers=victim.get_visible_maddrs(), **STRIPED) as honest,
     ):
         victim.add_protobuf_handler("t::S.digest", digest, BytesValue, stream_input=True)
+        victim.lanes.tickets.ttl = 3.0  # how long a striped lane waits for its stripes
 
         async def ticket(stripes: int):
             return await attacker.call_protobuf_handler(
@@ -274,13 +275,13 @@ async def test_a_peer_opening_stripes_it_was_not_granted_is_refused():
         again = await stripe(first.ticket_id, 0, 2)
         for conn in (past, again):
             assert await _closed_by_peer(conn)
-        # the attacker's half-formed lane is dropped after the handshake timeout; meanwhile
+        # the attacker's half-formed lane is dropped after the ticket's lifetime; meanwhile
         # an honest peer's striped call completes
         chunks = [os.urandom(400_000) for _ in range(3)]
         with trio.fail_after(30):
             assert await bulk_digest(honest, victim.peer_id, chunks) == expected_digest(chunks)
         assert honest.statistics()["striped_lanes_opened"] == 1
-        assert await _closed_by_peer(taken)  # its stripe 1 never came
+        assert await _closed_by_peer(taken)  # its stripe 1 never came (within the TTL)
         assert victim.lanes.open_lanes.count(attacker.peer_id) == 0
         for conn in (over, taken, past, again):
             await conn.aclose()

@@ -269,10 +269,11 @@ class DataLanes:
         return on_call
 
     async def _join_stripe(self, raw, sock, ticket_id: bytes, ticket, stripe: int) -> bool:
-        """One connection of a striped lane: counted as a lane, accepted, handed to the
-        group. The stripe that redeemed first owns the group: it waits for the others
-        (``HANDSHAKE_TIMEOUT``), serves the striped lane, and closes every stripe at the
-        end. True when this connection was handed over (the group closes it)."""
+        """One connection of a striped lane: counted as a lane, accepted, handed to the group. The
+        stripe that redeemed first owns the group: it waits for the others (``TICKET_TTL``: each
+        of their dials and handshakes may take ``stripe_timeout``), serves the striped lane, and
+        closes every stripe at the end. True when this connection was handed over (the group
+        closes it)."""
         book = self.open_lanes
         count = ticket.count
         group = self._forming.get(ticket_id)
@@ -290,6 +291,8 @@ class DataLanes:
                 return False
             for stale in taken:
                 stale.cancel()
+            if group.closed:
+                return False  # the lane did not form in time: no accept for this one
             lane = LaneStream(
                 raw,
                 sock,
@@ -314,7 +317,7 @@ class DataLanes:
 
     async def _serve_striped(self, ticket_id: bytes, ticket, group: StripeGroup) -> bool:
         with group.scope:
-            with trio.move_on_after(HANDSHAKE_TIMEOUT):
+            with trio.move_on_after(self.tickets.ttl):  # its stripes' dials may be slow
                 await group.complete.wait()
             if not group.complete.is_set():
                 logger.debug("a striped lane of %s did not form", ticket.peer_id)
