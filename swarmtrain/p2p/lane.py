@@ -43,6 +43,7 @@ import errno
 import logging
 import os
 import socket
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,6 +84,10 @@ TICKET_METHOD = "swarmtrain::Lane.ticket"
 LANE_VERSION = 1
 HANDSHAKE_TIMEOUT = 5.0
 OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
+#: a call to a peer whose last lane opened waits this long for a new one (ticket, dial and
+#: handshakes on a long lossy path) before it goes over libp2p
+KNOWN_PEER_WAIT = 6.0
+MAX_PEERS_REMEMBERED = 4096
 DEFAULT_STRIPES = 4  # connections per lane on a long path (P2PConfig.lane_stripes)
 DEFAULT_STRIPE_MIN_RTT = 0.01  # s: stripe when the lane's TCP RTT is at least this
 # an idle lane may be taken for a newcomer once no caller would reuse it (plus latency)
@@ -125,6 +130,9 @@ class DataLanes:
         self.open_lanes = LaneBook(total, limits.max_lanes_per_peer, STALE_LANE_AFTER)
         self._failed_until: dict[object, float] = {}
         self._failures: dict[object, int] = {}  # failed lanes in a row, per peer
+        # peers whose last lane attempt worked (most recent last): a call to them waits
+        # for a new lane rather than go over libp2p, which on a long lossy path is far slower
+        self._lanes_worked: OrderedDict[object, None] = OrderedDict()
         self._opening: set[object] = set()
         self.pending_handshakes = PendingHandshakes(
             MAX_PENDING_HANDSHAKES, limits.max_pending_handshakes_per_ip
@@ -349,7 +357,8 @@ class DataLanes:
         wait: float | None = None,
     ) -> LaneStream | StripedLane | None:
         """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds
-        (default ``OPEN_WAIT``; once the ticket came, at least a few of its round trips more:
+        (default ``OPEN_WAIT``, ``KNOWN_PEER_WAIT`` for a peer whose last lane opened; once
+        the ticket came, at least a few of its round trips more:
         ``wait_after_ticket``), else None (the caller goes over libp2p). An attempt still
         running after ``wait`` goes on in ``nursery`` and hands its lane to ``on_late_lane``
         (e.g. the idle pool), so a slow path or a firewall that drops packets never stalls a
@@ -363,9 +372,9 @@ class DataLanes:
         handover: list[LaneStream | StripedLane | None] = []
         settled = trio.Event()
         waiting = True
-        patience = trio.CancelScope(
-            deadline=trio.current_time() + (OPEN_WAIT if wait is None else wait)
-        )
+        if wait is None:
+            wait = KNOWN_PEER_WAIT if peer_id in self._lanes_worked else OPEN_WAIT
+        patience = trio.CancelScope(deadline=trio.current_time() + wait)
 
         def on_ticket(seconds: float) -> None:
             # the callee offers a lane and the ticket's round trip says how far it is: a
@@ -416,6 +425,7 @@ class DataLanes:
             lane = None
         if lane is None:
             self.fallbacks += 1
+            self._lanes_worked.pop(peer_id, None)
             if busy:
                 wait = RETRY_BUSY
             else:
@@ -426,6 +436,10 @@ class DataLanes:
             return None
         self._failures.pop(peer_id, None)
         self._failed_until.pop(peer_id, None)
+        self._lanes_worked[peer_id] = None
+        self._lanes_worked.move_to_end(peer_id)
+        while len(self._lanes_worked) > MAX_PEERS_REMEMBERED:
+            self._lanes_worked.popitem(last=False)
         self.lanes_opened += 1
         if isinstance(lane, StripedLane):
             self.striped_lanes_opened += 1
