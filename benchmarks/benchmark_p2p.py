@@ -2,6 +2,7 @@
 
     python benchmarks/benchmark_p2p.py [--mib 64] [--runs 5] [--private]
     python benchmarks/benchmark_p2p.py --dial-ab 40
+    python benchmarks/benchmark_p2p.py --lane-stripes 4 --stripe-min-rtt 0   # striped lanes
 
 Measures, each as the median of --runs runs:
 - bytes/s of one stream-input RPC carrying --mib MiB in 1 MiB messages (TCP + Noise + Yamux),
@@ -9,6 +10,9 @@ Measures, each as the median of --runs runs:
   and of a raw trio TCP socket moving the same bytes, in one process and across two processes;
 - dial latency (a fresh host connecting to a running one), the same plus its first tiny RPC,
   and tiny-RPC round-trip latency.
+``--lane-stripes K`` / ``--stripe-min-rtt S``: every host's ``lane_stripes`` and
+``lane_stripe_min_rtt`` (``--stripe-min-rtt 0`` stripes loopback lanes too: the A/B of what
+striping costs on a short path).
 ``--private``: every host uses one swarm key (a private run, swarmtrain.p2p.private_network).
 Prints ratios against raw TCP measured in the same run.
 """
@@ -111,6 +115,12 @@ async def rpc_transfer(client: P2P, server_id, nbytes: int, bulk: bool = False) 
 
 def start_child(kind: str):
     key = ["--swarm-key-hex", HOST["swarm_key"].hex()] if "swarm_key" in HOST else []
+    for option, name in (
+        ("--lane-stripes", "lane_stripes"),
+        ("--stripe-min-rtt", "lane_stripe_min_rtt"),
+    ):
+        if name in HOST:
+            key += [option, str(HOST[name])]
     proc = subprocess.Popen(
         [sys.executable, __file__, f"--serve-{kind}", *key],
         stdin=subprocess.PIPE,
@@ -228,7 +238,13 @@ def main() -> None:
         help="only: N interleaved dial+first call, then 16 MiB "
         "RPC transfers, public vs private host (in one process), then exit",
     )
+    parser.add_argument("--lane-stripes", type=int, help="every host's lane_stripes")
+    parser.add_argument("--stripe-min-rtt", type=float, help="every host's lane_stripe_min_rtt")
     args = parser.parse_args()
+    if args.lane_stripes is not None:
+        HOST["lane_stripes"] = args.lane_stripes
+    if args.stripe_min_rtt is not None:
+        HOST["lane_stripe_min_rtt"] = args.stripe_min_rtt
     if args.dial_ab:
         res = trio.run(dial_ab, args.dial_ab)
         for label, values in res.items():
@@ -248,7 +264,10 @@ def main() -> None:
         return serve_tcp()
     nbytes = args.mib * CHUNK
     mib = 1024 * 1024
-    private = "private run (swarm key)" if HOST else "public run (no swarm key)"
+    private = "private run (swarm key)" if "swarm_key" in HOST else "public run (no swarm key)"
+    lanes = {k: v for k, v in HOST.items() if k.startswith("lane_")}
+    if lanes:
+        print(f"lanes: {lanes}")
     print(f"{args.mib} MiB per transfer, median of {args.runs} runs, {private}")
     for label, fn in (("one process", one_process), ("two processes", two_processes)):
         res = trio.run(fn, nbytes, args.runs)

@@ -63,6 +63,12 @@ class LaneResetError(LaneError):
     """The lane's connection was cut or failed, or the peer broke the record protocol."""
 
 
+class LaneStripeError(LaneResetError):
+    """A striped lane's peer broke the stripe protocol (a duplicate, missing or far-ahead
+    sequence number, an oversized record, a stripe too many), or one of its stripes failed:
+    the whole striped lane fails, like a reset stream."""
+
+
 class LaneClosedError(LaneError):
     """The lane was closed on our side (or broke) and cannot be used any more."""
 

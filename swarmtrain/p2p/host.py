@@ -58,16 +58,20 @@ from swarmtrain.p2p.errors import (
 )
 from swarmtrain.p2p.identity import load_or_create_identity
 from swarmtrain.p2p.lane import (
+    DEFAULT_STRIPE_MIN_RTT,
+    DEFAULT_STRIPES,
     DataLanes,
     LaneStream,
     lane_listen_host,
     lanes_disabled_by_env,
 )
+from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit
 from swarmtrain.p2p.listen_check import check_addresses_free
 from swarmtrain.p2p.private_network import PrivateNoiseTransport, resolve_swarm_key
 from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.p2p.rpc_stream import RPCStream
+from swarmtrain.p2p.stripe_core import MAX_STRIPES
 from swarmtrain.utils.async_context import async_context_only
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
@@ -113,6 +117,11 @@ class P2PConfig:
     # encrypted TCP connection (port ``data_lane_port``, 0 = any) when the callee offers one.
     use_data_lanes: bool = True
     data_lane_port: int = 0
+    # A lane on a long path (the first connection's TCP RTT >= ``lane_stripe_min_rtt`` s)
+    # spreads over up to ``lane_stripes`` TCP connections (swarmtrain.p2p.stripe_core: one
+    # lossy flow at 100+ ms RTT gets a fraction of the link); 1: one connection per lane.
+    lane_stripes: int = DEFAULT_STRIPES
+    lane_stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT
     # Private runs (swarmtrain.p2p.private_network): only peers with the same key (>= 32 bytes,
     # or a key file path, loaded here) complete the handshake with us.
     swarm_key: bytes | str | None = field(default=None, repr=False)
@@ -146,6 +155,13 @@ class P2PConfig:
             raise ValueError("relay_max_reservations must be non-negative")
         if not 0 <= self.data_lane_port <= 65535:
             raise ValueError("data_lane_port must be in 0..65535")
+        stripes = self.lane_stripes
+        if isinstance(stripes, bool) or not isinstance(stripes, int):
+            raise TypeError(f"lane_stripes must be an int, got {stripes!r}")
+        if not 1 <= stripes <= MAX_STRIPES:
+            raise ValueError(f"lane_stripes must be in 1..{MAX_STRIPES}, got {stripes}")
+        if not self.lane_stripe_min_rtt >= 0:
+            raise ValueError("lane_stripe_min_rtt must be a non-negative number of seconds")
         if not isinstance(self.limits, ResourceLimits):
             raise TypeError(f"limits must be a ResourceLimits, got {type(self.limits).__name__}")
         if self.limits.max_bytes_in_flight < self.max_message_size:
@@ -248,7 +264,7 @@ class P2P(Dialling):
         )
         self._bulk_pool = rpc_client.StreamPool(
             self._open_bulk_stream,
-            preferred=lambda s: isinstance(s.stream, LaneStream),
+            preferred=lambda s: isinstance(s.stream, (LaneStream, StripedLane)),
             still_fitting=self._not_a_replaced_relay_path,
         )
         self.lanes: DataLanes | None = None  # set in create when use_data_lanes
@@ -313,6 +329,8 @@ class P2P(Dialling):
                                 lane_listen_host(config.host_maddrs, config.client_mode),
                                 config.data_lane_port,
                                 config.limits,
+                                config.lane_stripes,
+                                config.lane_stripe_min_rtt,
                             )
                             await self.lanes.start(nursery)
                         if config.use_relay or config.relay_service:
@@ -596,6 +614,8 @@ class P2P(Dialling):
             "rpc_streams_reused": self._stream_pool.streams_reused,
             "lanes_opened": self.lanes.lanes_opened if self.lanes else 0,
             "lanes_accepted": self.lanes.lanes_accepted if self.lanes else 0,
+            "striped_lanes_opened": self.lanes.striped_lanes_opened if self.lanes else 0,
+            "striped_lanes_accepted": self.lanes.striped_lanes_accepted if self.lanes else 0,
             "lane_fallbacks": self.lanes.fallbacks if self.lanes else 0,
             "lanes_open": len(self.lanes.open_lanes) if self.lanes else 0,  # served by us
             "lanes_evicted": self.lanes.open_lanes.evicted if self.lanes else 0,

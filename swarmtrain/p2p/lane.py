@@ -11,12 +11,18 @@ connection in 1 MiB AES-256-GCM records (``lane_records``) instead:
    keys, and then serves RPC calls on the lane exactly as on a libp2p stream, attributed to
    the peer the ticket was issued to.
 
-A ticket is single-use and expires after ``TICKET_TTL``. Only ``bulk=True`` calls use lanes,
-and every failure to get one (no direct connection, relayed peers, callees behind NAT or in
-client mode, a firewall, an old peer without the ticket method) falls back to the libp2p
-stream. A peer whose lane failed is not tried again for a while: ``RETRY_FIRST`` seconds
-after a first failure, doubling up to ``RETRY_AFTER`` while they go on (a success forgets
-them); a callee that offers no lanes is asked again after ``RETRY_AFTER``.
+On a long path (the first connection's kernel RTT >= ``stripe_min_rtt``) a lane spreads
+over several connections of one ticket (``stripe_core``, ``lane_stripes.StripedLane``): the
+caller asks for ``stripes``, the callee grants what its lane limits leave, and each
+connection shows the ticket id with its stripe index and count.
+
+A ticket is single-use (one connection per granted stripe) and expires after ``TICKET_TTL``.
+Only ``bulk=True`` calls use lanes, and every failure to get one (no direct connection,
+relayed peers, callees behind NAT or in client mode, a firewall, an old peer without the
+ticket method) falls back to the libp2p stream. A peer whose lane failed is not tried again
+for a while: ``RETRY_FIRST`` seconds after a first failure, doubling up to ``RETRY_AFTER``
+while they go on (a success forgets them); a callee that offers no lanes is asked again
+after ``RETRY_AFTER``.
 
 Limits (``ResourceLimits``): a peer holds at most ``max_lanes_per_peer`` lanes and tickets
 at once (more: the ticket call fails with ``ResourceLimitError`` and its bulk calls use
@@ -37,6 +43,7 @@ import errno
 import logging
 import os
 import socket
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,11 +58,24 @@ from swarmtrain.p2p.lane_books import (
     PendingHandshakes,
     TicketBook,
     retry_delay,
+    wait_after_ticket,
+)
+from swarmtrain.p2p.lane_connections import (
+    CONNECT_TIMEOUT,
+    StripeGroup,
+    StripeToken,
+    dial,
+    dial_stripe,
+    show_ticket,
+    stripe_timeout,
+    tcp_rtt,
 )
 from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSealer
 from swarmtrain.p2p.lane_stream import LaneStream
+from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit, lanes_within_fd_limit
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME
+from swarmtrain.p2p.stripe_core import MAX_STRIPES
 from swarmtrain.proto import p2p_pb2
 
 logger = logging.getLogger(__name__)
@@ -63,8 +83,13 @@ logger = logging.getLogger(__name__)
 TICKET_METHOD = "swarmtrain::Lane.ticket"
 LANE_VERSION = 1
 HANDSHAKE_TIMEOUT = 5.0
-CONNECT_TIMEOUT = 2.0
 OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
+#: a call to a peer whose last lane opened waits this long for a new one (ticket, dial and
+#: handshakes on a long lossy path) before it goes over libp2p
+KNOWN_PEER_WAIT = 6.0
+MAX_PEERS_REMEMBERED = 4096
+DEFAULT_STRIPES = 4  # connections per lane on a long path (P2PConfig.lane_stripes)
+DEFAULT_STRIPE_MIN_RTT = 0.01  # s: stripe when the lane's TCP RTT is at least this
 # an idle lane may be taken for a newcomer once no caller would reuse it (plus latency)
 STALE_LANE_AFTER = CALLER_STREAM_REUSE_TIME + 1.0
 
@@ -74,9 +99,21 @@ class DataLanes:
     host is in client mode) and ``open(peer_id)`` for callers."""
 
     def __init__(
-        self, p2p, listen_host: str | None, port: int = 0, limits: ResourceLimits | None = None
+        self,
+        p2p,
+        listen_host: str | None,
+        port: int = 0,
+        limits: ResourceLimits | None = None,
+        stripes: int = DEFAULT_STRIPES,
+        stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT,
     ):
+        """``stripes``: the most connections one of our lanes spreads over (1: plain
+        lanes), used when the first connection's TCP RTT is at least ``stripe_min_rtt``
+        seconds; the callee may grant fewer (``stripe_core``)."""
+        if not 1 <= stripes <= MAX_STRIPES:
+            raise ValueError(f"lane stripes must be in 1..{MAX_STRIPES}, got {stripes}")
         limits = limits if limits is not None else ResourceLimits()
+        self.stripes, self.stripe_min_rtt = stripes, stripe_min_rtt
         self._p2p = p2p
         self._listen_host = listen_host
         self._port = port
@@ -93,12 +130,18 @@ class DataLanes:
         self.open_lanes = LaneBook(total, limits.max_lanes_per_peer, STALE_LANE_AFTER)
         self._failed_until: dict[object, float] = {}
         self._failures: dict[object, int] = {}  # failed lanes in a row, per peer
+        # peers whose last lane attempt worked (most recent last): a call to them waits
+        # for a new lane rather than go over libp2p, which on a long lossy path is far slower
+        self._lanes_worked: OrderedDict[object, None] = OrderedDict()
         self._opening: set[object] = set()
         self.pending_handshakes = PendingHandshakes(
             MAX_PENDING_HANDSHAKES, limits.max_pending_handshakes_per_ip
         )
+        self._forming: dict[bytes, StripeGroup] = {}  # striped lanes waiting for stripes
         self.lanes_opened = 0
         self.lanes_accepted = 0
+        self.striped_lanes_opened = 0
+        self.striped_lanes_accepted = 0
         self.fallbacks = 0
 
     @property
@@ -130,8 +173,11 @@ class DataLanes:
             return p2p_pb2.LaneTicket(version=LANE_VERSION)
         peer = context.remote_id
         now = trio.current_time()
-        self.open_lanes.check(peer, now, tickets=self.tickets.outstanding(peer))
-        ticket_id, ticket = self.tickets.issue(peer, now)
+        held = self.tickets.outstanding(peer)
+        self.open_lanes.check(peer, now, tickets=held)
+        wanted = min(max(1, request.stripes), MAX_STRIPES)
+        granted = max(1, min(wanted, self.open_lanes.room(peer, now, tickets=held)))
+        ticket_id, ticket = self.tickets.issue(peer, now, stripes=granted)
         return p2p_pb2.LaneTicket(
             version=LANE_VERSION,
             ticket_id=ticket_id,
@@ -139,6 +185,7 @@ class DataLanes:
             callee_key=ticket.callee_key,
             port=self.port,
             expires_in=self.tickets.ttl,
+            stripes=granted,
         )
 
     async def _accept_loop(self, listener) -> None:
@@ -170,15 +217,23 @@ class DataLanes:
         lane = None
         book = self.open_lanes
         token = trio.CancelScope()  # cancelled if the lane is taken for a newcomer
+        handed_over = False  # a stripe handed to its striped lane's owner
         try:
             ticket = None
             try:
                 with handshake:
-                    ticket_id = await _receive_ticket_id(sock)
-                    ticket = self.tickets.redeem(ticket_id, trio.current_time())
+                    ticket_id = await _receive_exactly(sock, TICKET_ID_SIZE)
+                    stripe, count = 0, 1
+                    found = self.tickets.lookup(ticket_id, trio.current_time())
+                    if found is not None and found.stripes > 1:
+                        stripe, count = await _receive_exactly(sock, 2)
+                    ticket = self.tickets.redeem(ticket_id, trio.current_time(), stripe, count)
             finally:
                 self.pending_handshakes.done(handshake)
             if ticket is None:
+                return
+            if count > 1:
+                handed_over = await self._join_stripe(raw, sock, ticket_id, ticket, stripe)
                 return
             try:
                 taken = book.admit(token, ticket.peer_id, trio.current_time())
@@ -187,12 +242,6 @@ class DataLanes:
                 return
             for stale in taken:
                 stale.cancel()  # its task closes it; the book already let it go
-
-            def on_call(busy: bool) -> None:
-                if busy:
-                    book.busy(token)
-                else:
-                    book.idle(token, trio.current_time())
 
             with token:
                 lane = LaneStream(
@@ -203,15 +252,99 @@ class DataLanes:
                 if scope.cancelled_caught:
                     return
                 self.lanes_accepted += 1
-                await self._p2p._serve_lane(lane, ticket.peer_id, on_call)
+                await self._p2p._serve_lane(lane, ticket.peer_id, self._marker(token))
         except (OSError, LaneError) as e:
             logger.debug("lane connection failed: %r", e)
         finally:
-            book.done(token)
+            if not handed_over:
+                book.done(token)
+                if lane is not None:
+                    await lane.reset()
+                else:
+                    sock.close()
+
+    def _marker(self, *tokens) -> Callable[[bool], None]:
+        """``on_call(busy)`` for the server: marks the lane's tokens busy or idle."""
+        book = self.open_lanes
+
+        def on_call(busy: bool) -> None:
+            for token in tokens:
+                if busy:
+                    book.busy(token)
+                else:
+                    book.idle(token, trio.current_time())
+
+        return on_call
+
+    async def _join_stripe(self, raw, sock, ticket_id: bytes, ticket, stripe: int) -> bool:
+        """One connection of a striped lane: counted as a lane, accepted, handed to the group. The
+        stripe that redeemed first owns the group: it waits for the others (``TICKET_TTL``: each
+        of their dials and handshakes may take ``stripe_timeout``), serves the striped lane, and
+        closes every stripe at the end. True when this connection was handed over (the group
+        closes it)."""
+        book = self.open_lanes
+        count = ticket.count
+        group = self._forming.get(ticket_id)
+        owner = group is None
+        if group is None:
+            group = self._forming[ticket_id] = StripeGroup(count)
+        token = StripeToken(group)
+        lane = None
+        try:
+            try:
+                taken = book.admit(token, ticket.peer_id, trio.current_time())
+            except ResourceLimitError as e:
+                logger.debug("refusing a stripe of %s: %s", ticket.peer_id, e)
+                group.scope.cancel()
+                return False
+            for stale in taken:
+                stale.cancel()
+            if group.closed:
+                return False  # the lane did not form in time: no accept for this one
+            lane = LaneStream(
+                raw,
+                sock,
+                RecordSealer(ticket.callee_key, stripe),
+                RecordOpener(ticket.caller_key, stripe),
+            )
+            with trio.move_on_after(HANDSHAKE_TIMEOUT):
+                await lane.send_accept()
+                if group.add(stripe, lane, token):
+                    lane = None  # the group holds it now
             if lane is not None:
+                return False
+            if not owner:
+                return True
+            return await self._serve_striped(ticket_id, ticket, group)
+        finally:
+            if lane is not None:
+                book.done(token)
                 await lane.reset()
-            else:
-                sock.close()
+            if owner:
+                self._close_group(ticket_id, group)
+
+    async def _serve_striped(self, ticket_id: bytes, ticket, group: StripeGroup) -> bool:
+        with group.scope:
+            with trio.move_on_after(self.tickets.ttl):  # its stripes' dials may be slow
+                await group.complete.wait()
+            if not group.complete.is_set():
+                logger.debug("a striped lane of %s did not form", ticket.peer_id)
+                return True
+            striped = StripedLane([group.lanes[i] for i in range(group.count)])
+            self.lanes_accepted += 1
+            self.striped_lanes_accepted += 1
+            await self._p2p._serve_lane(striped, ticket.peer_id, self._marker(*group.tokens))
+        return True
+
+    def _close_group(self, ticket_id: bytes, group: StripeGroup) -> None:
+        if self._forming.get(ticket_id) is group:
+            del self._forming[ticket_id]
+        self.tickets.cancel(ticket_id)  # stripes still to come are refused
+        group.closed = True
+        for token in group.tokens:
+            self.open_lanes.done(token)
+        for lane in group.lanes.values():
+            lane.reset_now()
 
     # ---------------------------------------------------------------- caller side
 
@@ -220,11 +353,13 @@ class DataLanes:
         peer_id,
         remote_ip: str | None,
         nursery: trio.Nursery,
-        on_late_lane: Callable[[Any, LaneStream], None],  # (peer_id, lane)
+        on_late_lane: Callable[[Any, Any], None],  # (peer_id, lane)
         wait: float | None = None,
-    ) -> LaneStream | None:
+    ) -> LaneStream | StripedLane | None:
         """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds
-        (default ``OPEN_WAIT``), else None (the caller goes over libp2p). An attempt still
+        (default ``OPEN_WAIT``, ``KNOWN_PEER_WAIT`` for a peer whose last lane opened; once
+        the ticket came, at least a few of its round trips more:
+        ``wait_after_ticket``), else None (the caller goes over libp2p). An attempt still
         running after ``wait`` goes on in ``nursery`` and hands its lane to ``on_late_lane``
         (e.g. the idle pool), so a slow path or a firewall that drops packets never stalls a
         call for ``CONNECT_TIMEOUT``."""
@@ -234,16 +369,27 @@ class DataLanes:
         if peer_id in self._opening:
             return None  # an attempt is under way: this call goes over libp2p
         self._opening.add(peer_id)
-        handover: list[LaneStream | None] = []
+        handover: list[LaneStream | StripedLane | None] = []
         settled = trio.Event()
         waiting = True
+        if wait is None:
+            wait = KNOWN_PEER_WAIT if peer_id in self._lanes_worked else OPEN_WAIT
+        patience = trio.CancelScope(deadline=trio.current_time() + wait)
+
+        def on_ticket(seconds: float) -> None:
+            # the callee offers a lane and the ticket's round trip says how far it is: a
+            # call waits for the dial and handshake on a long path too
+            if waiting:
+                later = trio.current_time() + wait_after_ticket(seconds, 2 * CONNECT_TIMEOUT)
+                patience.deadline = max(patience.deadline, later)
 
         async def attempt() -> None:
             try:
-                lane = await self._open_or_remember(peer_id, remote_ip)
+                lane = await self._open_or_remember(peer_id, remote_ip, on_ticket)
             finally:
                 self._opening.discard(peer_id)
             if lane is not None and not waiting:
+                logger.debug("lane to %s opened after its call went over libp2p", peer_id)
                 on_late_lane(peer_id, lane)
             else:
                 handover.append(lane)
@@ -252,7 +398,7 @@ class DataLanes:
         nursery.start_soon(attempt)
         returning = False
         try:
-            with trio.move_on_after(OPEN_WAIT if wait is None else wait):
+            with patience:
                 await settled.wait()
             returning = True
         finally:
@@ -263,11 +409,13 @@ class DataLanes:
                 on_late_lane(peer_id, late)  # we were cancelled: keep it for later
         return handover[0] if handover else None
 
-    async def _open_or_remember(self, peer_id, remote_ip: str) -> LaneStream | None:
+    async def _open_or_remember(
+        self, peer_id, remote_ip: str, on_ticket: Callable[[float], None] | None = None
+    ) -> LaneStream | StripedLane | None:
         offered = True
         busy = False
         try:
-            lane = await self._open(peer_id, remote_ip)
+            lane = await self._open(peer_id, remote_ip, on_ticket)
             offered = lane is not None
         except ResourceLimitError as e:  # the callee is up, its lanes are taken: ask again soon
             logger.debug("no data lane to %s (%s): %s", peer_id, remote_ip, e)
@@ -277,6 +425,7 @@ class DataLanes:
             lane = None
         if lane is None:
             self.fallbacks += 1
+            self._lanes_worked.pop(peer_id, None)
             if busy:
                 wait = RETRY_BUSY
             else:
@@ -287,41 +436,65 @@ class DataLanes:
             return None
         self._failures.pop(peer_id, None)
         self._failed_until.pop(peer_id, None)
+        self._lanes_worked[peer_id] = None
+        self._lanes_worked.move_to_end(peer_id)
+        while len(self._lanes_worked) > MAX_PEERS_REMEMBERED:
+            self._lanes_worked.popitem(last=False)
         self.lanes_opened += 1
+        if isinstance(lane, StripedLane):
+            self.striped_lanes_opened += 1
+        logger.debug(
+            "lane to %s (%s): %d connection(s)",
+            peer_id,
+            remote_ip,
+            len(lane.stripes) if isinstance(lane, StripedLane) else 1,
+        )
         return lane
 
-    async def _open(self, peer_id, remote_ip: str) -> LaneStream | None:
+    async def _open(
+        self, peer_id, remote_ip: str, on_ticket: Callable[[float], None] | None = None
+    ) -> LaneStream | StripedLane | None:
+        asked = trio.current_time()
         ticket = await self._p2p.call_protobuf_handler(
             peer_id,
             TICKET_METHOD,
-            p2p_pb2.LaneTicketRequest(version=LANE_VERSION),
+            p2p_pb2.LaneTicketRequest(version=LANE_VERSION, stripes=self.stripes),
             p2p_pb2.LaneTicket,
             timeout=HANDSHAKE_TIMEOUT,
         )
+        ticket_seconds = trio.current_time() - asked
         if not ticket.ticket_id or ticket.version != LANE_VERSION:
             return None
-        family = socket.AF_INET6 if ":" in remote_ip else socket.AF_INET
-        raw = socket.socket(family, socket.SOCK_STREAM)
-        raw.setblocking(False)
-        sock = trio.socket.from_stdlib_socket(raw)
-        lane = None
+        if on_ticket is not None:
+            on_ticket(ticket_seconds)
+        logger.debug(
+            "lane ticket from %s in %.3f s: %d stripe(s)", peer_id, ticket_seconds, ticket.stripes
+        )
+        granted = min(max(1, ticket.stripes), MAX_STRIPES)  # an older callee: 0, one
+        lanes: list[LaneStream] = []
+        first = await dial(remote_ip, ticket.port)
         try:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                await sock.connect((remote_ip, ticket.port))
-                lane = LaneStream(
-                    raw,
-                    sock,
-                    RecordSealer(bytes(ticket.caller_key)),
-                    RecordOpener(bytes(ticket.callee_key)),
-                )
-                await lane._send_all(bytes(ticket.ticket_id))
-                await lane.receive_accept()
-            return lane
+            count = 1
+            if granted == 1:  # the original handshake: the ticket id alone
+                return await show_ticket(first, ticket, lanes)
+            rtt = tcp_rtt(first[0]) or ticket_seconds  # no sample: a SYN was re-sent
+            if rtt >= self.stripe_min_rtt:
+                count = granted
+            timeout = stripe_timeout(rtt)
+            async with trio.open_nursery() as nursery:
+                for stripe in range(1, count):
+                    nursery.start_soon(
+                        dial_stripe, remote_ip, ticket, stripe, count, lanes, timeout
+                    )
+                await show_ticket(first, ticket, lanes, 0, count, timeout)
+            lanes.sort(key=lambda lane: lane.stripe)
+            if count == 1:
+                return lanes[0]
+            return StripedLane(list(lanes))
         except BaseException:
-            if lane is not None:
-                await lane.reset()
-            else:
-                sock.close()
+            for lane in lanes:
+                lane.reset_now()
+            first[1].close()
             raise
 
 
@@ -341,10 +514,10 @@ def lane_listen_host(host_maddrs: Sequence[str], client_mode: bool) -> str | Non
     return None
 
 
-async def _receive_ticket_id(sock) -> bytes:
+async def _receive_exactly(sock, size: int) -> bytes:
     data = b""
-    while len(data) < TICKET_ID_SIZE:
-        chunk = await sock.recv(TICKET_ID_SIZE - len(data))
+    while len(data) < size:
+        chunk = await sock.recv(size - len(data))
         if not chunk:
             raise LaneResetError("the lane closed during the handshake")
         data += chunk

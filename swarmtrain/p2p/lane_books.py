@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarmtrain.p2p.errors import ResourceLimitError
 from swarmtrain.p2p.lane_records import KEY_SIZE, TICKET_ID_SIZE
@@ -27,14 +27,23 @@ class _Ticket:
     caller_key: bytes
     callee_key: bytes
     expires_at: float
+    stripes: int = 1  # connections the ticket admits (a striped lane: stripe_core)
+    count: int | None = None  # stripes the caller said it uses (set by the first one)
+    redeemed: set[int] = field(default_factory=set)  # stripe indices that connected
+
+    @property
+    def open_slots(self) -> int:
+        """Connections the ticket still admits."""
+        return (self.stripes if self.count is None else self.count) - len(self.redeemed)
 
 
 class TicketBook:
-    """Outstanding tickets (sans-IO): issued per peer, used once, expire after ``ttl``.
+    """Outstanding tickets (sans-IO): issued per peer, expire after ``ttl``; each admits
+    ``stripes`` connections (one per stripe index, each once; a plain lane's ticket one).
 
-    A peer holds at most ``per_peer`` (a new one drops its oldest); when the whole book is
-    full, a new ticket drops the oldest of the peer holding the most, so one peer (or a few)
-    filling the book never keeps another peer from getting a ticket."""
+    A peer holds at most ``per_peer`` tickets (a new one drops its oldest); when the whole
+    book is full, a new ticket drops the oldest of the peer holding the most, so one peer (or a
+    few) filling the book never keeps another peer from getting a ticket."""
 
     def __init__(
         self,
@@ -45,6 +54,7 @@ class TicketBook:
         self.ttl, self.capacity, self.per_peer = ttl, capacity, per_peer
         self._tickets: dict[bytes, _Ticket] = {}  # in the order issued
         self._per_peer: Counter[Hashable] = Counter()
+        self._slots: Counter[Hashable] = Counter()  # connections the peer's tickets admit
         self.dropped = 0
 
     def _drop_oldest_of(self, peer_id) -> None:
@@ -57,12 +67,15 @@ class TicketBook:
     def _remove(self, ticket_id: bytes) -> _Ticket | None:
         ticket = self._tickets.pop(ticket_id, None)
         if ticket is not None:
-            self._per_peer[ticket.peer_id] -= 1
-            if self._per_peer[ticket.peer_id] <= 0:
-                del self._per_peer[ticket.peer_id]
+            for counter, count in ((self._per_peer, 1), (self._slots, ticket.open_slots)):
+                counter[ticket.peer_id] -= count
+                if counter[ticket.peer_id] <= 0:
+                    del counter[ticket.peer_id]
         return ticket
 
-    def issue(self, peer_id, now: float) -> tuple[bytes, _Ticket]:
+    def issue(self, peer_id, now: float, stripes: int = 1) -> tuple[bytes, _Ticket]:
+        if stripes < 1:
+            raise ValueError("a ticket admits at least one connection")
         for ticket_id in [k for k, t in self._tickets.items() if t.expires_at <= now]:
             self._remove(ticket_id)
         if self._per_peer[peer_id] >= self.per_peer:
@@ -70,20 +83,58 @@ class TicketBook:
         elif len(self._tickets) >= self.capacity:
             self._drop_oldest_of(self._per_peer.most_common(1)[0][0])
         ticket_id = os.urandom(TICKET_ID_SIZE)
-        ticket = _Ticket(peer_id, os.urandom(KEY_SIZE), os.urandom(KEY_SIZE), now + self.ttl)
+        ticket = _Ticket(
+            peer_id, os.urandom(KEY_SIZE), os.urandom(KEY_SIZE), now + self.ttl, stripes
+        )
         self._tickets[ticket_id] = ticket
         self._per_peer[peer_id] += 1
+        self._slots[peer_id] += stripes
         return ticket_id, ticket
 
-    def redeem(self, ticket_id: bytes, now: float) -> _Ticket | None:
-        ticket = self._remove(bytes(ticket_id))
-        if ticket is None or ticket.expires_at <= now:
+    def lookup(self, ticket_id: bytes, now: float) -> _Ticket | None:
+        """The live ticket ``ticket_id`` (changes nothing): the callee reads a striped
+        ticket's stripe index and count after its id."""
+        ticket = self._tickets.get(bytes(ticket_id))
+        return ticket if ticket is not None and ticket.expires_at > now else None
+
+    def redeem(
+        self, ticket_id: bytes, now: float, stripe: int = 0, count: int = 1
+    ) -> _Ticket | None:
+        """The ticket, for a connection that shows it as stripe ``stripe`` of ``count``; None
+        if it is unknown, expired, used up, or the stripe is not one it admits (an index it
+        saw, past ``count``, a count other than the first connection's or above its own).
+        A ticket leaves the book once ``count`` stripes connected."""
+        ticket_id = bytes(ticket_id)
+        ticket = self._tickets.get(ticket_id)
+        if ticket is None:
             return None
+        if ticket.expires_at <= now:
+            self._remove(ticket_id)
+            return None
+        fixed = ticket.count if ticket.count is not None else count
+        if (
+            not 1 <= count <= ticket.stripes
+            or count != fixed
+            or not 0 <= stripe < count
+            or stripe in ticket.redeemed
+        ):
+            return None
+        self._slots[ticket.peer_id] -= ticket.open_slots
+        ticket.count = count
+        ticket.redeemed.add(stripe)
+        self._slots[ticket.peer_id] += ticket.open_slots
+        if ticket.open_slots <= 0:
+            self._remove(ticket_id)
         return ticket
 
+    def cancel(self, ticket_id: bytes) -> None:
+        """Drop ``ticket_id`` (a striped lane that failed to form)."""
+        self._remove(bytes(ticket_id))
+
     def outstanding(self, peer_id) -> int:
-        """Unredeemed tickets of ``peer_id`` (expired ones included until the next issue)."""
-        return self._per_peer.get(peer_id, 0)
+        """Connections ``peer_id``'s tickets still admit (expired ones included until the
+        next issue): what its lane count is checked with."""
+        return self._slots.get(peer_id, 0)
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -123,6 +174,17 @@ class LaneBook:
                 f"the callee's data lanes are all in use ({len(self._lanes)} of "
                 f"{self.total} in all, none idle for {self.stale_after:g} s)"
             )
+
+    def room(self, peer_id, now: float, tickets: int = 0) -> int:
+        """How many new lanes of ``peer_id`` (which holds ``tickets`` unredeemed ticket
+        slots) would be admitted now: what a striped lane's ticket may grant."""
+        per_peer = self.per_peer - self._per_peer.get(peer_id, 0) - tickets
+        stale = sum(
+            1
+            for _, since in self._lanes.values()
+            if since is not None and now - since >= self.stale_after
+        )
+        return max(0, min(per_peer, self.total - len(self._lanes) + stale))
 
     def admit(self, token, peer_id, now: float) -> list:
         """Count a new lane ``token`` of ``peer_id`` (idle until its first call), or raise
@@ -216,3 +278,11 @@ class PendingHandshakes:
 def retry_delay(failures: int) -> float:
     """How long a caller parks a peer's lanes after ``failures`` failed lanes in a row."""
     return min(RETRY_AFTER, RETRY_FIRST * 2.0 ** min(failures - 1, 32))
+
+
+def wait_after_ticket(ticket_seconds: float, limit: float) -> float:
+    """How much longer a bulk call waits for a new lane once its ticket came back after
+    ``ticket_seconds`` (about one round trip): the dial and the handshakes take three or
+    four more, and on a long path a lost SYN adds a second (its first retransmission), so
+    the first call there does not go over libp2p; at most ``limit``."""
+    return min(limit, 6.0 * ticket_seconds + min(1.0, 20.0 * ticket_seconds))

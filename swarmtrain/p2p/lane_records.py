@@ -4,8 +4,10 @@ A lane carries one direction per key. Each record on the wire is::
 
     u32 big-endian ciphertext length | AES-256-GCM(key, nonce=counter, plaintext)
 
-The nonce is the record's index in its direction (64-bit, big-endian, 4 zero bytes first), so
-a record that is dropped, repeated, reordered or moved to the other direction fails to decrypt.
+The nonce is the record's index in its direction (64-bit, big-endian), after 4 bytes that
+name the stripe (``stripe_core``: a striped lane's connections share the ticket's keys; a
+plain lane is stripe 0), so a record that is dropped, repeated, reordered, moved to the other
+direction or to another stripe fails to decrypt.
 A record with an empty plaintext marks the end of that direction: a connection that ends
 without it was cut (a truncation is never mistaken for a clean end).
 
@@ -40,15 +42,23 @@ def _aead(key: bytes) -> AESGCM:
     return AESGCM(key)
 
 
-def _nonce(counter: int) -> bytes:
-    return b"\x00\x00\x00\x00" + counter.to_bytes(8, "big")
+def _nonce(prefix: bytes, counter: int) -> bytes:
+    return prefix + counter.to_bytes(8, "big")
+
+
+def _stripe_prefix(stripe: int) -> bytes:
+    if not 0 <= stripe < 2**32:
+        raise ValueError(f"a stripe index is a u32, got {stripe}")
+    return stripe.to_bytes(4, "big")
 
 
 class RecordSealer:
-    """Encrypts one direction of a lane into records, in one reused buffer."""
+    """Encrypts one direction of a lane (of stripe ``stripe``) into records, in one reused
+    buffer."""
 
-    def __init__(self, key: bytes):
+    def __init__(self, key: bytes, stripe: int = 0):
         self._aead = _aead(key)
+        self._prefix = _stripe_prefix(stripe)
         self._counter = 0
         self._buffer = bytearray()  # sized to the largest record sealed so far
         self.ended = False
@@ -63,7 +73,9 @@ class RecordSealer:
             self._buffer = bytearray(HEADER_SIZE + size)  # (views of the old one may live on)
         record = memoryview(self._buffer)[: HEADER_SIZE + size]
         record[:HEADER_SIZE] = size.to_bytes(HEADER_SIZE, "big")
-        self._aead.encrypt_into(_nonce(self._counter), plaintext, None, record[HEADER_SIZE:])
+        self._aead.encrypt_into(
+            _nonce(self._prefix, self._counter), plaintext, None, record[HEADER_SIZE:]
+        )
         self._counter += 1
         return record
 
@@ -86,10 +98,11 @@ class RecordSealer:
 
 
 class RecordOpener:
-    """Decrypts one direction of a lane, record by record."""
+    """Decrypts one direction of a lane (of stripe ``stripe``), record by record."""
 
-    def __init__(self, key: bytes):
+    def __init__(self, key: bytes, stripe: int = 0):
         self._aead = _aead(key)
+        self._prefix = _stripe_prefix(stripe)
         self._counter = 0
         self.ended = False
 
@@ -106,7 +119,7 @@ class RecordOpener:
         if self.ended:
             raise LaneRecordError("data after the end of the direction")
         try:
-            plaintext = self._aead.decrypt(_nonce(self._counter), ciphertext, None)
+            plaintext = self._aead.decrypt(_nonce(self._prefix, self._counter), ciphertext, None)
         except InvalidTag:
             raise LaneRecordError("a lane record failed authentication") from None
         self._counter += 1
@@ -125,7 +138,7 @@ class RecordOpener:
         if size <= 0 or size != len(out):
             raise ValueError(f"open_into needs {size} bytes of room, got {len(out)}")
         try:
-            self._aead.decrypt_into(_nonce(self._counter), ciphertext, None, out)
+            self._aead.decrypt_into(_nonce(self._prefix, self._counter), ciphertext, None, out)
         except InvalidTag:
             raise LaneRecordError("a lane record failed authentication") from None
         self._counter += 1

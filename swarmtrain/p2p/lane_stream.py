@@ -61,6 +61,8 @@ class LaneStream:
         if raw.family in (socket.AF_INET, socket.AF_INET6):
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._raw, self._sock = raw, sock
+        self.raw = raw
+        self.stripe = 0  # its index in a striped lane (``lane_stripes``)
         self._sealer, self._opener = sealer, opener
         # grows with the records' bytes as they arrive (up to MAX_RECORD_CIPHERTEXT), so an
         # idle or silent lane holds no record buffer
@@ -154,6 +156,21 @@ class LaneStream:
             return self._opener.open(body)
         except LaneRecordError as e:
             raise LaneResetError(f"lane: {e}") from None
+
+    async def receive_record(self) -> bytes:
+        """The next record's whole plaintext (b"" for the end record), for a striped lane
+        that reads its stripes record by record; resumable like ``read``."""
+        if self.closed:
+            raise LaneClosedError("the lane is closed")
+        if self.eof_received:
+            raise LaneEndOfStream("the peer ended the lane")
+        record = await self._receive_record()
+        if not record:
+            self.eof_received = True
+        return record
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
 
     async def read(self, n: int | None = None) -> bytes:
         """Up to ``n`` bytes (one record's worth when ``n`` is None)."""

@@ -274,6 +274,7 @@ def _counters(p2p) -> dict:
         "lanes_opened": stats["lanes_opened"],
         "lanes_accepted": stats["lanes_accepted"],
         "lane_fallbacks": stats["lane_fallbacks"],
+        "striped_lanes_opened": stats.get("striped_lanes_opened", 0),
         "relayed_dials": relay.relayed_dials if relay else 0,
         "hole_punches_succeeded": relay.hole_punches_succeeded if relay else 0,
         "hole_punches_failed": relay.hole_punches_failed if relay else 0,

@@ -1,0 +1,124 @@
+"""A lane's connections: dialling one and showing the ticket (caller side), the kernel's
+RTT of a connection, and the callee's group of a striped lane's connections until all came.
+How lanes use them is ``lane.py``'s job."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import Any
+
+import trio
+
+from swarmtrain.p2p.lane_records import RecordOpener, RecordSealer
+from swarmtrain.p2p.lane_stream import LaneStream
+
+CONNECT_TIMEOUT = 2.0
+
+
+def stripe_timeout(rtt: float) -> float:
+    """The time a striped lane's connection gets for its dial and for its handshake, on a
+    path of ``rtt`` seconds: a lost packet costs a one-second retransmission, and with K
+    connections over a lossy path one of them often loses one."""
+    return CONNECT_TIMEOUT + 4.0 * rtt
+
+
+async def dial(
+    remote_ip: str, port: int, time_limit: float = CONNECT_TIMEOUT
+) -> tuple[socket.socket, Any]:
+    """A TCP connection to ``remote_ip``:``port`` within ``time_limit``: (raw, trio)."""
+    family = socket.AF_INET6 if ":" in remote_ip else socket.AF_INET
+    raw = socket.socket(family, socket.SOCK_STREAM)
+    raw.setblocking(False)
+    sock = trio.socket.from_stdlib_socket(raw)
+    try:
+        with trio.fail_after(time_limit):
+            await sock.connect((remote_ip, port))
+    except BaseException:
+        sock.close()
+        raise
+    return raw, sock
+
+
+async def show_ticket(
+    connection,
+    ticket,
+    lanes: list[LaneStream],
+    stripe: int = 0,
+    count: int | None = None,
+    time_limit: float = CONNECT_TIMEOUT,
+) -> LaneStream:
+    """Show the ticket on ``connection`` (as stripe ``stripe`` of ``count``; None: a plain
+    lane) and wait for the callee's accept record; the lane is appended to ``lanes`` as
+    soon as it exists (the caller resets them all if any fails)."""
+    raw, sock = connection
+    lane = LaneStream(
+        raw,
+        sock,
+        RecordSealer(bytes(ticket.caller_key), stripe),
+        RecordOpener(bytes(ticket.callee_key), stripe),
+    )
+    lane.stripe = stripe
+    lanes.append(lane)
+    hello = bytes(ticket.ticket_id) + (b"" if count is None else bytes([stripe, count]))
+    with trio.fail_after(time_limit):
+        await lane._send_all(hello)
+        await lane.receive_accept()
+    return lane
+
+
+async def dial_stripe(
+    remote_ip: str, ticket, stripe: int, count: int, lanes, time_limit: float = CONNECT_TIMEOUT
+) -> None:
+    connection = await dial(remote_ip, ticket.port, time_limit)
+    try:
+        await show_ticket(connection, ticket, lanes, stripe, count, time_limit)
+    except BaseException:
+        connection[1].close()
+        raise
+
+
+def tcp_rtt(raw: socket.socket) -> float | None:
+    """The kernel's smoothed RTT of a connected TCP socket in seconds (Linux ``TCP_INFO``),
+    None where unknown."""
+    try:
+        info = raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except (AttributeError, OSError):
+        return None
+    if len(info) < 72:
+        return None
+    return int.from_bytes(info[68:72], sys.byteorder) / 1e6
+
+
+class StripeGroup:
+    """The connections of one striped lane on the callee, until all ``count`` joined."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.lanes: dict[int, LaneStream] = {}
+        self.tokens: list[StripeToken] = []
+        self.scope = trio.CancelScope()  # the owner's: cancelled when a stripe is taken
+        self.complete = trio.Event()
+        self.closed = False
+
+    def add(self, stripe: int, lane: LaneStream, token: StripeToken) -> bool:
+        """Hand over a connected stripe; False if the group is gone (the caller closes it)."""
+        if self.closed or stripe in self.lanes:
+            return False
+        self.lanes[stripe] = lane
+        self.tokens.append(token)
+        if len(self.lanes) == self.count:
+            self.complete.set()
+        return True
+
+
+class StripeToken:
+    """A stripe's entry in the ``LaneBook``: taking it for a newcomer ends the whole lane."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: StripeGroup):
+        self.group = group
+
+    def cancel(self) -> None:
+        self.group.scope.cancel()
