@@ -29,6 +29,7 @@ import torch
 import trio
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _lag_attribution import suspended_at
 from benchmark_asyncio_lag import (
     BATCH,
     HOST,
@@ -78,7 +79,7 @@ class SlowSteps(trio.abc.Instrument):
         took, cpu, in_gc = now[0] - wall0, now[1] - cpu0, now[2] - gc0
         if took > self.limit or cpu > self.cpu_limit:
             at = now[0] - self.t0
-            self.slow.append((cpu, took, in_gc, at, task.name, _suspended_at(task.coro)))
+            self.slow.append((cpu, took, in_gc, at, task.name, suspended_at(task.coro)))
             self.intervals.append((wall0, now[0]))
 
 
@@ -122,21 +123,6 @@ class StackSampler:
                     break
         for entry, count in sorted(counts.items(), key=lambda kv: -kv[1])[:top]:
             print(f"    {count * 1000 * self.interval:6.0f} ms sampled in {entry}")
-
-
-def _suspended_at(coro) -> str:
-    """Where a task waits now: its innermost coroutine frame outside trio and contextlib
-    (after a slow step, the await that followed the slow code)."""
-    where = "?"
-    while coro is not None:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        if frame is not None:
-            path = frame.f_code.co_filename
-            if "/trio/" not in path and not path.endswith("contextlib.py"):
-                name = "/".join(path.rsplit("/", 2)[-2:])
-                where = f"{name}:{frame.f_lineno} {frame.f_code.co_name}"
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-    return where
 
 
 class Ticker:

@@ -23,6 +23,7 @@ from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.rpc_stream import DirectByteStream
 from swarmtrain.p2p.stripe_core import SEQ_SIZE
 from swarmtrain.proto import p2p_pb2
+from tests.test_p2p_lanes import _closed_by_peer
 
 
 def stripe_pairs(count: int) -> tuple[list[LaneStream], list[LaneStream]]:
@@ -223,17 +224,6 @@ async def test_short_paths_and_full_callees_get_one_connection():
         a.add_protobuf_handler("t::S.digest", digest, BytesValue, stream_input=True)
         assert await bulk_digest(b, a.peer_id, chunks) == expected_digest(chunks)
         assert b.statistics()["lanes_opened"] == 1 and b.statistics()["striped_lanes_opened"] == 0
-
-
-async def _closed_by_peer(stream: trio.SocketStream, within: float = 8.0) -> bool:
-    with trio.move_on_after(within):
-        try:
-            while await stream.receive_some(65536):
-                pass
-        except trio.BrokenResourceError:
-            pass
-        return True
-    return False
 
 
 @pytest.mark.trio
