@@ -275,3 +275,24 @@ async def test_one_pubsub_per_host_and_bad_arguments():
             await pa.publish(TOPIC, "not bytes")
         with pytest.raises(ValueError):
             PubSubConfig(heartbeat_interval=0)
+
+
+async def test_a_peer_that_talks_to_us_one_way_gets_our_stream_back():
+    """A failed first attach (e.g. while the other pubsub was still starting) left a peer whose
+    stream reaches us but ours none to it: it heard nothing we published, for good. The
+    state is made here by dropping a's registration of b (b's stream to a stays open)."""
+    async with open_hosts(2) as (a, b), open_pubsubs([a, b]) as (pa, pb):
+        sub = await pb.subscribe(TOPIC)
+        inner = pa._pubsub
+        with trio.fail_after(MESH_TIMEOUT):
+            await wait_until(lambda: b.peer_id in inner.peer_topics.get(TOPIC, ()))
+        inner.peers.pop(b.peer_id)  # a forgets its stream to b, as if its attach had failed
+        inner.peer_queues.pop(b.peer_id).close()
+        inner.router.remove_peer(b.peer_id)
+        assert inner.one_way_peers() == {b.peer_id}
+        with trio.fail_after(MESH_TIMEOUT):
+            await wait_until(lambda: not inner.one_way_peers())
+        await pa.publish(TOPIC, b"heard")
+        with trio.fail_after(5):
+            msg = await sub.receive()
+        assert (msg.data, msg.sender) == (b"heard", a.peer_id)

@@ -102,6 +102,20 @@ class _Pubsub(Pubsub):
         finally:
             self._inbound_streams.pop(stream, None)
 
+    def one_way_peers(self) -> set[ID]:
+        """Peers with a pubsub stream to us but none from us (they run pubsub, so we can open
+        ours): the attach that their first stream started can fail, e.g. while their pubsub
+        was still starting, and py-libp2p retries only its own connection-time attempt."""
+        inbound = {stream.muxed_conn.peer_id for stream in self._inbound_streams}
+        return {peer_id for peer_id in inbound if peer_id not in self.peers}
+
+    async def reattach_one_way_peers(self, period: float) -> None:
+        """Every ``period`` s, attach the :meth:`one_way_peers` that no attach is under way for."""
+        while not self.closing:
+            await trio.sleep(period)
+            for peer_id in self.one_way_peers():
+                self.attach_peer_soon(peer_id)
+
     def attach_peer_soon(self, peer_id: ID) -> None:
         if peer_id in self._attaching or not self.manager.is_running:
             return

@@ -111,6 +111,10 @@ ENVELOPE_HEADROOM = 64 * 1024  # topic, ids, signature, key and signed peer reco
 MAX_MESSAGE_SIZE_LIMIT = GOSSIPSUB_FRAME_LIMIT - ENVELOPE_HEADROOM
 DEFAULT_MAX_MESSAGE_SIZE = 256 * 1024
 MAX_TOPIC_LENGTH = 1024
+REATTACH_PERIOD = 1.0
+"""How often (s) a host opens its stream to peers that have a pubsub stream to it but none
+from it (``_Pubsub.one_way_peers``): a failed first attach would otherwise leave them unable
+to hear our messages for good."""
 
 TMessage = TypeVar("TMessage", bound=Message)
 
@@ -224,6 +228,9 @@ class PubSub:
                     self._running = True
                     for peer_id in p2p.get_connected_peers():
                         self._pubsub.attach_peer_soon(peer_id)
+                    self._pubsub.manager.run_task(
+                        self._pubsub.reattach_one_way_peers, REATTACH_PERIOD
+                    )
                     try:
                         yield self
                     finally:
