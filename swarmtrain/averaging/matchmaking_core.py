@@ -43,6 +43,12 @@ __all__ = [
     "order_members",
 ]
 
+from swarmtrain.averaging.matchmaking_followers import (
+    ANSWER_TIME_FACTOR,
+    FollowerBook,
+    assemble_at,
+    request_time,
+)
 from swarmtrain.averaging.matchmaking_rules import (  # noqa: F401
     _hash,
     _is_viable,
@@ -53,6 +59,7 @@ from swarmtrain.averaging.matchmaking_rules import (  # noqa: F401
     next_group_bits,
     order_members,
 )
+from swarmtrain.averaging.matchmaking_sightings import PeerSightings
 from swarmtrain.averaging.matchmaking_types import (  # noqa: F401
     _FINAL_MESSAGES,
     _GROUP_ID_DOMAIN,
@@ -170,7 +177,7 @@ class MatchmakingCore:
                 raise ValueError(f"request timeout for {leader!r} must be positive: {seconds!r}")
         # A leader assembles once its group reaches this size (the config's target, or the
         # caller's smaller estimate of the peers present: no wait for the declaration to lapse).
-        self.assemble_at = _assemble_at(config, expected_group_size)
+        self.assemble_at = assemble_at(config, expected_group_size)
         # Peers we expect in the group (the caller's count of peers present): a leader whose
         # group is smaller at its expiration holds it open once, as long as its followers wait.
         self.expected_peers = self.assemble_at if expected_group_size is not None else None
@@ -186,31 +193,19 @@ class MatchmakingCore:
         self._redirects = 0
         self._candidates: list[Declaration] = []
         self._last_declarations: list[Declaration] = []  # the last read, to re-rank on renewal
-        # peers whose last read record is an older peer's (no expiration in its value): they
-        # take our DHT expiration for our expiration, so we compare and ask with that one
-        self._legacy_peers: set[PeerId] = set()
         self._request_expiration = -math.inf  # the expiration we told the leader we asked
-        self._late_seen: set[tuple[PeerId, float]] = set()  # read after their expiration
-        self._seen_current: set[PeerId] = set()  # peers of a declaration read before it expired
-        self._moved_on: set[PeerId] = set()  # known from late declarations, said NOT_LOOKING
         self._tried: set[tuple[PeerId, float]] = set()
         self._fetch_pending = False
         self._next_fetch = -math.inf
         self._refresh_wait = self.config.first_refresh_interval  # doubles to refresh_interval
         # leader side
-        self._followers: dict[PeerId, JoinRequest] = {}
-        # per follower that said its patience: the DHT time it stops waiting for our group, and
-        # how long its request took (``_request_time``)
-        self._follower_gives_up: dict[PeerId, tuple[float, float]] = {}
-        self._joiners_past_patience = 0
+        self._followers = FollowerBook()
         # for statistics and failure reasons
         self._window_end = math.inf  # our first expiration: the fast failures are judged then
         self._window_checked = False
-        self._leaders_seen: set[PeerId] = set()  # NODE/AUX declarations of our schema (or blank)
-        self._senders_seen: set[PeerId] = set()  # NODE declarations, NODE/CLIENT joiners
-        self._unreachable: set[PeerId] = set()  # asked, never answered (failed or timed out)
-        self._compatible_seen: set[PeerId] = set()
-        self._schema_mismatches: set[PeerId] = set()
+        self._seen = PeerSightings(
+            peer_id, schema_hash, self.group_key, mode, config.min_group_size
+        )
         self._requests_sent = 0
         self._rejections_received: Counter[RejectReason] = Counter()
         self._rejections_sent: Counter[RejectReason] = Counter()
@@ -271,12 +266,12 @@ class MatchmakingCore:
             num_followers=len(self._followers),
             num_candidates=len(self._candidates),
             requests_sent=self._requests_sent,
-            peers_seen=len(self._compatible_seen),
-            schema_mismatches=len(self._schema_mismatches),
+            peers_seen=len(self._seen.compatible_seen),
+            schema_mismatches=len(self._seen.schema_mismatches),
             rejections_received=MappingProxyType(dict(self._rejections_received)),
             rejections_sent=MappingProxyType(dict(self._rejections_sent)),
-            joiners_past_patience=self._joiners_past_patience,
-            late_declarations=len(self._late_seen),
+            joiners_past_patience=self._followers.joiners_past_patience,
+            late_declarations=len(self._seen.late_seen),
         )
 
     def __repr__(self) -> str:
@@ -316,7 +311,7 @@ class MatchmakingCore:
         # 1. an answer or a group that is overdue
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING) and now >= self._request_deadline:
             if self._phase == Phase.REQUESTING:
-                self._unreachable.add(self._asked_leader())
+                self._seen.unreachable.add(self._asked_leader())
             actions.append(CancelJoinRequest(self._asked_leader()))
             self._leave_leader()
         if now >= self._window_end:
@@ -361,28 +356,7 @@ class MatchmakingCore:
             return []
         declarations = list(declarations)
         for d in declarations:
-            if d.peer_id == self.peer_id or not d.looking_for_group or d.readable_until <= now:
-                continue
-            if d.legacy:
-                self._legacy_peers.add(d.peer_id)
-            else:
-                self._legacy_peers.discard(d.peer_id)
-            if d.expiration > now:
-                self._seen_current.add(d.peer_id)
-                self._moved_on.discard(d.peer_id)
-            elif d.peer_id in self._moved_on:
-                continue  # its group assembled (or its round ended) after this declaration
-            elif len(self._late_seen) < _MAX_LATE_SEEN:
-                self._late_seen.add((d.peer_id, d.expiration))
-            if d.schema_hash == self.schema_hash:
-                self._compatible_seen.add(d.peer_id)
-            elif d.schema_hash:  # an empty hash is unknown: a join request will tell
-                self._schema_mismatches.add(d.peer_id)
-                continue
-            if d.mode != AveragingMode.CLIENT:
-                self._leaders_seen.add(d.peer_id)
-            if d.mode == AveragingMode.NODE:
-                self._senders_seen.add(d.peer_id)
+            self._seen.note_declaration(d, now)
         self._refresh_client_expiration(now)
         self._last_declarations = declarations
         self._candidates = self._rank(declarations, now)
@@ -411,28 +385,21 @@ class MatchmakingCore:
         actions = self._forget_followers_past_patience(now)
         reason, suggestion = self._reason_to_reject(peer, request, now)
         if reason == RejectReason.GROUP_FULL:
-            evicted = self._auxiliary_to_evict_for(request)
+            evicted = self._followers.auxiliary_to_evict_for(request, self._own_member())
             if evicted is not None:  # a full group of auxiliary peers makes room for a sender
-                del self._followers[evicted]
-                self._follower_gives_up.pop(evicted, None)
+                self._followers.remove(evicted)
                 actions.append(SendToFollower(evicted, Disbanded()))
                 reason = None
         if reason is not None:
             self._rejections_sent[reason] += 1
             if reason == RejectReason.BAD_SCHEMA_HASH:
-                self._schema_mismatches.add(peer)
+                self._seen.schema_mismatches.add(peer)
             actions.append(SendToFollower(peer, Rejected(reason, suggestion)))
             if reason == RejectReason.BAD_EXPIRATION:
                 actions += self._ask_joiner_that_ranks_before_us(peer, request, now)
             return actions
-        self._followers[peer] = request
-        delay = _request_time(request, now)
-        if request.patience is not None and delay is not None:
-            gives_up = max(request.expiration, now) + request.patience
-            self._follower_gives_up[peer] = (gives_up, delay)
-        self._compatible_seen.add(peer)
-        if request.mode != AveragingMode.AUX:
-            self._senders_seen.add(peer)
+        self._followers.accept(peer, request, now)
+        self._seen.note_joiner(peer, request.mode)
         actions.append(SendToFollower(peer, Accepted()))
         if self._phase == Phase.SEARCHING and self._full():
             actions += self._assemble(now)
@@ -469,26 +436,15 @@ class MatchmakingCore:
 
     def follower_left(self, peer: PeerId, now: float) -> list[Action]:
         """The join stream of an accepted follower closed or failed before a final message."""
-        self._followers.pop(peer, None)
-        self._follower_gives_up.pop(peer, None)
+        self._followers.remove(peer)
         return []
 
     def _forget_followers_past_patience(self, now: float) -> list[Action]:
-        """Followers that said how long they wait and would give up before our start message
-        reached them, even as fast as their request, are not counted: they get a ``Disbanded``
-        (if one still listens, it looks on). Followers that did not say (older peers) are kept,
-        as before. (A hold ends earlier, allowing ``ANSWER_TIME_FACTOR`` times the request's
-        time: a tick that comes late under load does not drop the followers it held for.)"""
-        if self._phase not in _LOOKING or not self._follower_gives_up:
+        """Disband the followers that would give up before our start message reached them
+        (:meth:`FollowerBook.past_patience`)."""
+        if self._phase not in _LOOKING:
             return []
-        gone = [
-            peer
-            for peer, (gives_up, delay) in self._follower_gives_up.items()
-            if now + delay > gives_up
-        ]
-        for peer in gone:
-            del self._followers[peer], self._follower_gives_up[peer]
-        self._joiners_past_patience += len(gone)
+        gone = self._followers.past_patience(now)
         return [SendToFollower(peer, Disbanded()) for peer in gone]
 
     def _reason_to_reject(
@@ -508,13 +464,13 @@ class MatchmakingCore:
             return RejectReason.NOT_A_LEADER, self._leader
         if peer == self.peer_id or peer in self._followers:
             return RejectReason.DUPLICATE, None
-        delay = _request_time(request, now)
+        delay = request_time(request, now)
         if (
             request.answer_by is not None
             and delay is not None
             and now + ANSWER_TIME_FACTOR * delay > request.answer_by
         ):  # it may stop waiting before our answer reaches it: do not count it
-            self._joiners_past_patience += 1
+            self._followers.joiners_past_patience += 1
             return RejectReason.NOT_LOOKING, None
         if not may_lead(self.peer_id, self._expiration, peer, request.expiration, request.mode):
             return RejectReason.BAD_EXPIRATION, None
@@ -523,22 +479,11 @@ class MatchmakingCore:
             return RejectReason.GROUP_FULL, None
         return None, None
 
-    def _auxiliary_to_evict_for(self, request: JoinRequest) -> PeerId | None:
-        """The auxiliary follower (the latest) that a sender joining our full group replaces,
-        when the group has no sender: it could never assemble, and would lock out every peer
-        with tensors (None when the joiner is auxiliary too, or the group can average)."""
-        if request.mode == AveragingMode.AUX or _is_viable(
-            [self._own_member(), *self._follower_members()]
-        ):
-            return None
-        auxiliary = [p for p, r in self._followers.items() if r.mode == AveragingMode.AUX]
-        return auxiliary[-1] if auxiliary else None
-
     def _can_assemble(self, final: bool = False) -> bool:
         """Whether we may assemble now (``final``: at our expiration, else with a full group)."""
         if not self.declares or self._phase not in (Phase.SEARCHING, Phase.REQUESTING):
             return False
-        members = [self._own_member(), *self._follower_members()]
+        members = [self._own_member(), *self._followers.members()]
         if final and len(members) < self.config.min_group_size:
             return False
         return _is_viable(members)
@@ -546,18 +491,12 @@ class MatchmakingCore:
     def _own_member(self) -> GroupMember:
         return GroupMember(self.peer_id, self.mode, self.bandwidth, self.gather, self.part_layout)
 
-    def _follower_members(self) -> list[GroupMember]:
-        return [
-            GroupMember(p, r.mode, r.bandwidth, r.gather, r.part_layout)
-            for p, r in self._followers.items()
-        ]
-
     def _assemble(self, now: float) -> list[Action]:
         actions: list[Action] = []
         if self._phase == Phase.REQUESTING:
             actions.append(CancelJoinRequest(self._asked_leader()))
             self._leave_leader()
-        members = [self._own_member(), *self._follower_members()]
+        members = [self._own_member(), *self._followers.members()]
         group_id = derive_group_id(
             self.group_key, self.peer_id, self._expiration, (m.peer_id for m in members), self.nonce
         )
@@ -567,7 +506,6 @@ class MatchmakingCore:
         for follower in self._followers:
             actions.append(SendToFollower(follower, BeginAllReduce(group)))
         self._followers.clear()
-        self._follower_gives_up.clear()
         return actions + self._finish(GroupAssembled(group, is_leader=True))
 
     def _disband(self, suggested_leader: PeerId | None) -> list[Action]:
@@ -575,7 +513,6 @@ class MatchmakingCore:
             SendToFollower(f, Disbanded(suggested_leader)) for f in self._followers
         ]
         self._followers.clear()
-        self._follower_gives_up.clear()
         return actions
 
     # ------------------------------------------------------------------ follower side
@@ -587,7 +524,7 @@ class MatchmakingCore:
         asked are stale (a stream we gave up on) and ignored."""
         if self._phase not in (Phase.REQUESTING, Phase.FOLLOWING) or leader != self._leader:
             return []
-        self._unreachable.discard(leader)
+        self._seen.unreachable.discard(leader)
         if isinstance(message, Accepted):
             if self._phase != Phase.REQUESTING:
                 return self._drop_leader(now, cancel=True)  # accepted twice
@@ -597,15 +534,7 @@ class MatchmakingCore:
             return self._disband(leader)
         if isinstance(message, Rejected):
             self._rejections_received[message.reason] += 1
-            if message.reason == RejectReason.BAD_SCHEMA_HASH:
-                self._compatible_seen.discard(leader)
-                self._schema_mismatches.add(leader)
-            elif message.reason == RejectReason.NOT_LOOKING and leader not in self._seen_current:
-                # known only from a late declaration (an assembled member leaves its own to
-                # expire) and not looking: not a peer we could have averaged with this round
-                self._moved_on.add(leader)
-                for seen in (self._compatible_seen, self._leaders_seen, self._senders_seen):
-                    seen.discard(leader)
+            self._seen.note_rejection(leader, message.reason)
             if self._phase == Phase.FOLLOWING:
                 return self._drop_leader(now)  # not a valid answer after Accepted
             return self._redirect_or_search(message.suggested_leader, now)
@@ -631,7 +560,7 @@ class MatchmakingCore:
         if self._phase not in (Phase.REQUESTING, Phase.FOLLOWING) or leader != self._leader:
             return []
         if self._phase == Phase.REQUESTING:
-            self._unreachable.add(leader)
+            self._seen.unreachable.add(leader)
         return self._drop_leader(now)
 
     def _drop_leader(self, now: float, cancel: bool = False) -> list[Action]:
@@ -684,7 +613,7 @@ class MatchmakingCore:
         patience = self._timeout_for(leader)  # told to the leader: it counts us only so long
         self._request_deadline = now + patience
         self._requests_sent += 1
-        self._request_expiration = self._expiration_toward(leader in self._legacy_peers)
+        self._request_expiration = self._expiration_toward(leader in self._seen.legacy_peers)
         request = JoinRequest(
             self.group_key,
             self.schema_hash,
@@ -757,31 +686,7 @@ class MatchmakingCore:
         on no leader (the leader we wait on may know of peers we cannot see); else None."""
         if now < self._window_end or self._phase != Phase.SEARCHING:
             return None
-        key = self.group_key
-        if self.mode == AveragingMode.CLIENT:
-            reachable = self._leaders_seen - self._unreachable
-            if reachable:
-                return None
-            if not self._leaders_seen and self._schema_mismatches:
-                return self._failure_reason()  # SCHEMA_MISMATCH: say so, not "no leader"
-            if self._leaders_seen:
-                return FailureReason.NO_LEADER, (
-                    f"could not reach any of the {len(self._leaders_seen)} peer(s) under {key} "
-                    "that can lead a group (client-mode peers cannot lead, and nobody can "
-                    "dial them)"
-                )
-            return FailureReason.NO_LEADER, (
-                f"no peer that can lead a group (a node or an auxiliary peer) declared under {key}"
-                " by the end of our first matchmaking window; client-mode peers cannot lead"
-            )
-        if self.mode == AveragingMode.AUX and not self._senders_seen:
-            if not self._compatible_seen and self._schema_mismatches:
-                return self._failure_reason()
-            return FailureReason.AUXILIARY_ONLY, (
-                f"no peer under {key} contributes tensors: only auxiliary peers (which only "
-                "help others average) showed up by the end of our first matchmaking window"
-            )
-        return None
+        return self._seen.cannot_average(self._phase, self._leader, len(self._followers))
 
     def _hold_until(self, now: float) -> float | None:
         """When a leader at its expiration with fewer members than ``expected_peers`` should
@@ -795,17 +700,12 @@ class MatchmakingCore:
             return None
         if len(self._followers) + 1 >= expected:
             return None
-        patience = min(self._hold_limit(peer, request) for peer, request in self._followers.items())
+        patience = min(
+            self._followers.hold_limit(peer, request, self.config.request_timeout)
+            for peer, request in self._followers.items()
+        )
         hold_until = min(patience, self.deadline)
         return hold_until if hold_until > now else None
-
-    def _hold_limit(self, peer: PeerId, request: JoinRequest) -> float:
-        """The latest time to send ``peer`` the start message while we hold."""
-        said = self._follower_gives_up.get(peer)
-        if said is None:  # an older joiner: it waits at least request_timeout
-            return request.expiration + self.config.request_timeout / 2
-        gives_up, delay = said
-        return gives_up - max(ANSWER_TIME_FACTOR * delay, self.config.request_timeout / 2)
 
     def _renew_expiration(self, now: float, actions: list[Action]) -> None:
         self._declare(self._expiration_at(now), actions)
@@ -866,57 +766,4 @@ class MatchmakingCore:
         return actions + self._finish(MatchmakingFailed(reason, detail))
 
     def _failure_reason(self) -> tuple[FailureReason, str]:
-        need = self.config.min_group_size
-        seen = len(self._compatible_seen) + 1
-        key = self.group_key
-        if not self._compatible_seen and self._schema_mismatches:
-            return FailureReason.SCHEMA_MISMATCH, (
-                f"{len(self._schema_mismatches)} peer(s) under {key} average another schema "
-                "(different tensor shapes, dtypes or names); none average ours"
-            )
-        if seen < need:
-            return FailureReason.TOO_FEW_PEERS, (
-                f"found {seen} peer(s) under {key} counting us, need min_group_size={need}"
-            )
-        if self._followers:
-            return FailureReason.TOO_FEW_PEERS, (
-                f"only {len(self._followers) + 1} peer(s) joined our group under {key} by the "
-                f"deadline, need min_group_size={need}"
-            )
-        if self._phase == Phase.FOLLOWING:
-            return FailureReason.DEADLINE, (
-                f"leader {self._leader!r} did not begin all-reduce before the deadline"
-            )
-        return FailureReason.DEADLINE, (
-            f"saw {seen - 1} other peer(s) under {key} but formed no group before the deadline"
-        )
-
-
-#: late declarations remembered per round (for statistics; a bound against a flood of records)
-_MAX_LATE_SEEN = 4096
-
-#: a message to a joiner may take this many times as long as its join request took (paths
-#: under load vary: a NAT run saw a request take 2.2 s and the answer over 2.9 s)
-ANSWER_TIME_FACTOR = 1.5
-
-
-def _request_time(request: JoinRequest, now: float) -> float | None:
-    """How long ``request`` took to arrive (DHT times; clamped to its patience), None when the
-    joiner did not say (an older peer). Our messages to the joiner may take
-    ``ANSWER_TIME_FACTOR`` times as long."""
-    if request.patience is None or request.answer_by is None:
-        return None
-    sent_at = request.answer_by - request.patience
-    return min(max(now - sent_at, 0.0), request.patience)
-
-
-def _assemble_at(config: MatchmakingConfig, expected_group_size: int | None) -> int | None:
-    """The group size at which a leader assembles at once (None: only at its expiration)."""
-    target = config.target_group_size
-    if expected_group_size is None:
-        return target
-    if isinstance(expected_group_size, bool) or not isinstance(expected_group_size, int):
-        raise TypeError(f"expected_group_size must be an int or None, got {expected_group_size!r}")
-    if expected_group_size < max(2, config.min_group_size):
-        return target  # too small to be a group: no early assembly
-    return expected_group_size if target is None else min(target, expected_group_size)
+        return self._seen.failure_reason(self._phase, self._leader, len(self._followers))
