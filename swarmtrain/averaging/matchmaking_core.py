@@ -43,6 +43,8 @@ __all__ = [
     "order_members",
 ]
 
+from swarmtrain.averaging.matchmaking_candidates import LeaderCandidates
+from swarmtrain.averaging.matchmaking_declaration import KeyReads, OwnDeclaration
 from swarmtrain.averaging.matchmaking_followers import (
     ANSWER_TIME_FACTOR,
     FollowerBook,
@@ -184,20 +186,24 @@ class MatchmakingCore:
         self._held = False
 
         self._phase = Phase.NEW
-        self._expiration = -math.inf  # our current expiration (declared, unless a client)
-        self._declared: Declaration | None = None
+        self._own = OwnDeclaration(
+            config,
+            peer_id,
+            schema_hash,
+            self.group_key,
+            mode,
+            self.bandwidth,
+            self.deadline,
+            scheduled_time,
+        )
         self._result: GroupAssembled | MatchmakingFailed | None = None
         # follower side
         self._leader: PeerId | None = None
         self._request_deadline = math.inf  # REQUESTING: first answer due; FOLLOWING: group due
         self._redirects = 0
-        self._candidates: list[Declaration] = []
-        self._last_declarations: list[Declaration] = []  # the last read, to re-rank on renewal
         self._request_expiration = -math.inf  # the expiration we told the leader we asked
-        self._tried: set[tuple[PeerId, float]] = set()
-        self._fetch_pending = False
-        self._next_fetch = -math.inf
-        self._refresh_wait = self.config.first_refresh_interval  # doubles to refresh_interval
+        self._candidates = LeaderCandidates(peer_id, schema_hash, mode, self.banned, self._own)
+        self._reads = KeyReads(config, self.group_key)
         # leader side
         self._followers = FollowerBook()
         # for statistics and failure reasons
@@ -226,7 +232,7 @@ class MatchmakingCore:
 
     @property
     def expiration(self) -> float:
-        return self._expiration
+        return self._own.expiration
 
     @property
     def leader(self) -> PeerId | None:
@@ -248,11 +254,11 @@ class MatchmakingCore:
             return math.inf
         times = [self.deadline]
         if self._phase == Phase.SEARCHING:  # (REQUESTING: the answer or its timeout comes first)
-            times.append(self._expiration)
+            times.append(self._own.expiration)
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING):
             times.append(self._request_deadline)
-        if self._phase == Phase.SEARCHING and not self._candidates and not self._fetch_pending:
-            times.append(self._next_fetch)
+        if self._phase == Phase.SEARCHING and not self._candidates and not self._reads.pending:
+            times.append(self._reads.next_fetch)
         if not self._window_checked:
             times.append(self._window_end)
         return min(times)
@@ -261,7 +267,7 @@ class MatchmakingCore:
         return MatchmakingStatistics(
             phase=self._phase,
             group_key=self.group_key,
-            expiration=self._expiration,
+            expiration=self._own.expiration,
             leader=self._leader,
             num_followers=len(self._followers),
             num_candidates=len(self._candidates),
@@ -292,9 +298,9 @@ class MatchmakingCore:
                 FailureReason.DEADLINE, "the deadline passed before matchmaking began"
             )
         actions: list[Action] = []
-        self._renew_expiration(now, actions)
-        self._window_end = self._expiration
-        self._fetch(now, actions)
+        self._own.renew(now, actions)
+        self._window_end = self._own.expiration
+        self._reads.fetch(actions)
         return actions
 
     def cancel(self, now: float) -> list[Action]:
@@ -319,25 +325,24 @@ class MatchmakingCore:
         # 2. our expiration: lead what we have, or start over. Not while a leader's first answer
         # is due: it may have taken us already (its acceptance on its way) and assemble a group
         # with us in it; we act on our expiration once it answered or its time ran out.
-        if self._phase == Phase.SEARCHING and now >= self._expiration:
+        if self._phase == Phase.SEARCHING and now >= self._own.expiration:
             if self._can_assemble(final=True):
                 hold_until = self._hold_until(now)
                 if hold_until is None:
                     return actions + self._assemble(now)
                 self._held = True  # once: stay visible for the peers we expect, then assemble
-                self._declare(hold_until, actions)
+                self._own.declare(hold_until, actions)
                 return actions + self._advance(now)
             cannot = self._cannot_average(now)
             if cannot is not None:  # fail now, without declaring again
                 return actions + self._fail(*cannot)
             if now < self.deadline:
                 actions += self._disband(None)
-                self._renew_expiration(now, actions)
-                self._next_fetch = -math.inf  # a new expiration may make new peers eligible
-                self._refresh_wait = self.config.first_refresh_interval
+                self._own.renew(now, actions)
+                self._reads.restart()  # a new expiration may make new peers eligible
                 # peers we saw but could not follow may lead us now: ask them at once (a read
                 # takes seconds on a loaded machine, by when their groups may have assembled)
-                self._candidates = self._rank(self._last_declarations, now)
+                self._candidates.rerank(now)
         # 3. the deadline
         if now >= self.deadline:
             return actions + self._fail(*self._failure_reason())
@@ -348,31 +353,15 @@ class MatchmakingCore:
     def receive_declarations(self, declarations: Iterable[Declaration], now: float) -> list[Action]:
         """The result of :class:`FetchDeclarations` (records of other keys are ignored by the
         shell; expired ones and our own are skipped here)."""
-        self._fetch_pending = False
-        wait = min(self._refresh_wait, self.config.refresh_interval)
-        self._next_fetch = now + wait
-        self._refresh_wait = wait * 2
+        self._reads.answered(now)
         if self._phase not in _LOOKING:
             return []
         declarations = list(declarations)
         for d in declarations:
             self._seen.note_declaration(d, now)
-        self._refresh_client_expiration(now)
-        self._last_declarations = declarations
-        self._candidates = self._rank(declarations, now)
+        self._own.refresh_client_expiration(now)
+        self._candidates.read(declarations, now)
         return self._advance(now)
-
-    def _rank(self, declarations: list[Declaration], now: float) -> list[Declaration]:
-        return leader_candidates(
-            declarations,
-            self.peer_id,
-            self._expiration,
-            self.schema_hash,
-            now,
-            self._tried,
-            self.mode,
-            legacy_expiration=self._expiration_seen_by_legacy_peers(),
-        )
 
     def fetch_failed(self, now: float) -> list[Action]:
         """The DHT read failed: try again later (as after an empty answer)."""
@@ -423,9 +412,9 @@ class MatchmakingCore:
         window until the deadline. The request told us its expiration, which is current."""
         if self._phase != Phase.SEARCHING or request.mode == AveragingMode.CLIENT:
             return []
-        if (peer, request.expiration) in self._tried or request.expiration <= now:
+        if (peer, request.expiration) in self._candidates.tried or request.expiration <= now:
             return []
-        self._tried.add((peer, request.expiration))
+        self._candidates.tried.add((peer, request.expiration))
         self._redirects = 0
         return self._request(peer, now)
 
@@ -454,7 +443,7 @@ class MatchmakingCore:
             return RejectReason.PROTOCOL_VIOLATION, None
         if self._phase not in _LOOKING or peer in self.banned:
             return RejectReason.NOT_LOOKING, None
-        if not self.declares or now >= self._expiration:
+        if not self.declares or now >= self._own.expiration:
             return RejectReason.NOT_DECLARED, None
         if request.group_key != self.group_key:
             return RejectReason.BAD_GROUP_KEY, None
@@ -472,7 +461,7 @@ class MatchmakingCore:
         ):  # it may stop waiting before our answer reaches it: do not count it
             self._followers.joiners_past_patience += 1
             return RejectReason.NOT_LOOKING, None
-        if not may_lead(self.peer_id, self._expiration, peer, request.expiration, request.mode):
+        if not may_lead(self.peer_id, self._own.expiration, peer, request.expiration, request.mode):
             return RejectReason.BAD_EXPIRATION, None
         target = self.config.target_group_size
         if target is not None and len(self._followers) + 1 >= target:
@@ -498,7 +487,11 @@ class MatchmakingCore:
             self._leave_leader()
         members = [self._own_member(), *self._followers.members()]
         group_id = derive_group_id(
-            self.group_key, self.peer_id, self._expiration, (m.peer_id for m in members), self.nonce
+            self.group_key,
+            self.peer_id,
+            self._own.expiration,
+            (m.peer_id for m in members),
+            self.nonce,
         )
         group = MatchmakingGroup(
             group_id, self.group_key, self.peer_id, order_members(group_id, members)
@@ -571,9 +564,9 @@ class MatchmakingCore:
     def _look_on(self, now: float) -> list[Action]:
         """Back to SEARCHING: ask the next candidate; or, when our expiration passed while we
         waited on a leader (an older peer's expiration may be later than ours: see
-        ``_expiration_toward``), do at once what the tick does then (lead what we have, or
+        ``OwnDeclaration.toward``), do at once what the tick does then (lead what we have, or
         declare again and ask the peers of the last read)."""
-        if now >= self._expiration:
+        if now >= self._own.expiration:
             return self.tick(now)
         return self._advance(now)
 
@@ -602,7 +595,7 @@ class MatchmakingCore:
             and suggested not in self.banned
             and self._redirects < self.config.max_redirects
         ):
-            if now < self._expiration:
+            if now < self._own.expiration:
                 self._redirects += 1
                 return self._request(suggested, now)
         return self._look_on(now)
@@ -613,7 +606,7 @@ class MatchmakingCore:
         patience = self._timeout_for(leader)  # told to the leader: it counts us only so long
         self._request_deadline = now + patience
         self._requests_sent += 1
-        self._request_expiration = self._expiration_toward(leader in self._seen.legacy_peers)
+        self._request_expiration = self._own.toward(leader in self._seen.legacy_peers)
         request = JoinRequest(
             self.group_key,
             self.schema_hash,
@@ -633,53 +626,20 @@ class MatchmakingCore:
             return []
         if self._full():  # filled while we waited on a leader that did not take us
             return self._assemble(now)
-        self._refresh_client_expiration(now)
-        while self._candidates:
-            candidate = self._candidates.pop(0)
-            if candidate.readable_until <= now or not may_lead(
-                candidate.peer_id,
-                candidate.expiration,
-                self.peer_id,
-                self._expiration_toward(candidate.legacy),
-                self.mode,
-            ):
-                continue
-            if (candidate.peer_id, candidate.expiration) in self._tried:
-                continue
-            if candidate.peer_id in self.banned:
-                continue
-            self._tried.add((candidate.peer_id, candidate.expiration))
+        self._own.refresh_client_expiration(now)
+        leader = self._candidates.next_leader(now)
+        if leader is not None:
             self._redirects = 0
-            return self._request(candidate.peer_id, now)
+            return self._request(leader, now)
         cannot = self._cannot_average(now)
         if cannot is not None:
             return self._fail(*cannot)
         actions: list[Action] = []
-        if now >= self._next_fetch:
-            self._fetch(now, actions)
+        if now >= self._reads.next_fetch:
+            self._reads.fetch(actions)
         return actions
 
     # ------------------------------------------------------------------ shared
-
-    def _expiration_seen_by_legacy_peers(self) -> float:
-        """Our expiration as an older peer reads it: our record's DHT expiration."""
-        declared = self._declared
-        return declared.readable_until if declared is not None else self._expiration
-
-    def _expiration_toward(self, legacy: bool) -> float:
-        """The expiration we compare with, and send to, a leader (``legacy``: an older peer)."""
-        return self._expiration_seen_by_legacy_peers() if legacy else self._expiration
-
-    def _expiration_at(self, now: float) -> float:
-        start = now if self.scheduled_time is None else max(self.scheduled_time, now)
-        return min(max(start, now + self.config.min_matchmaking_time), self.deadline)
-
-    def _refresh_client_expiration(self, now: float) -> None:
-        """A client never leads, so its expiration only says until when it wants a group: it is
-        recomputed whenever it picks a leader (leaders that declared after its step began then
-        qualify too), never kept from the start of the step."""
-        if not self.declares:
-            self._expiration = self._expiration_at(now)
 
     def _cannot_average(self, now: float) -> tuple[FailureReason, str] | None:
         """Why no group can form, judged once our first declaration window is over and we wait
@@ -707,43 +667,6 @@ class MatchmakingCore:
         hold_until = min(patience, self.deadline)
         return hold_until if hold_until > now else None
 
-    def _renew_expiration(self, now: float, actions: list[Action]) -> None:
-        self._declare(self._expiration_at(now), actions)
-
-    def _declare(self, expiration: float, actions: list[Action]) -> None:
-        self._expiration = expiration
-        if self.declares:
-            self._declared = Declaration(
-                self.peer_id,
-                self._expiration,
-                True,
-                self.schema_hash,
-                self.mode,
-                self.bandwidth,
-                dht_expiration=self._expiration + self.config.declaration_linger,
-            )
-            actions.append(Declare(self.group_key, self._declared))
-
-    def _fetch(self, now: float, actions: list[Action]) -> None:
-        if not self._fetch_pending:
-            self._fetch_pending = True
-            actions.append(FetchDeclarations(self.group_key))
-
-    def _withdraw(self) -> list[Action]:
-        if self._declared is None:
-            return []
-        d = self._declared
-        self._declared = None
-        gone = Declaration(
-            d.peer_id,
-            d.expiration,
-            False,
-            d.schema_hash,
-            d.mode,
-            dht_expiration=math.nextafter(d.readable_until, math.inf),
-        )
-        return [Declare(self.group_key, gone)]
-
     def _finish(self, result: GroupAssembled | MatchmakingFailed) -> list[Action]:
         self._phase = Phase.ASSEMBLED if isinstance(result, GroupAssembled) else Phase.FAILED
         self._result = result
@@ -754,9 +677,9 @@ class MatchmakingCore:
             # instead of withdrawing it: the withdrawal was one DHT store per member while the
             # all-reduce starts (-11% round time at 8 peers x 4M), and a peer that asks to join
             # meanwhile is told NOT_LOOKING.
-            self._declared = None
+            self._own.declared = None
             return [result]
-        return [*self._withdraw(), result]
+        return [*self._own.withdraw(), result]
 
     def _fail(self, reason: FailureReason, detail: str) -> list[Action]:
         actions = self._disband(None)
