@@ -168,7 +168,6 @@ class MatchmakingCore:
         self.mode = mode
         self.bandwidth = _check_bandwidth(bandwidth)
         self.gather = gather
-        self.scheduled_time = scheduled_time
         self.nonce = nonce
         _check_part_layout(part_layout)
         self.part_layout = part_layout
@@ -233,6 +232,15 @@ class MatchmakingCore:
     @property
     def expiration(self) -> float:
         return self._own.expiration
+
+    @property
+    def scheduled_time(self) -> float | None:
+        """When we intend to average; the shell may change it (our next declaration uses it)."""
+        return self._own.scheduled_time
+
+    @scheduled_time.setter
+    def scheduled_time(self, scheduled_time: float | None) -> None:
+        self._own.scheduled_time = scheduled_time
 
     @property
     def leader(self) -> PeerId | None:
