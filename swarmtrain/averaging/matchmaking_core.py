@@ -1,5 +1,9 @@
 """The sans-IO matchmaking state machine (types in matchmaking_types, rules in
-matchmaking_rules; both re-exported here)."""
+matchmaking_rules; both re-exported here). Every transition is here; the state they act on is
+in plain parts the core composes: our declaration and reads of the group key
+(matchmaking_declaration), the leaders we may ask (matchmaking_candidates), a leader's
+followers (matchmaking_followers) and the peers seen this round, with the failure reasons
+(matchmaking_sightings)."""
 
 from __future__ import annotations
 
@@ -195,6 +199,7 @@ class MatchmakingCore:
             self.deadline,
             scheduled_time,
         )
+        self._reads = KeyReads(config, self.group_key)
         self._result: GroupAssembled | MatchmakingFailed | None = None
         # follower side
         self._leader: PeerId | None = None
@@ -202,7 +207,6 @@ class MatchmakingCore:
         self._redirects = 0
         self._request_expiration = -math.inf  # the expiration we told the leader we asked
         self._candidates = LeaderCandidates(peer_id, schema_hash, mode, self.banned, self._own)
-        self._reads = KeyReads(config, self.group_key)
         # leader side
         self._followers = FollowerBook()
         # for statistics and failure reasons
