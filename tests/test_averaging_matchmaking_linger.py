@@ -304,3 +304,27 @@ def test_a_late_declaration_of_a_peer_that_moved_on_does_not_count_as_seen():
     current = Declaration(pid(1), 2.9, schema_hash=SCHEMA, dht_expiration=7.9)
     core.receive_declarations([current], 1.5)
     assert core.statistics().peers_seen == 1
+
+
+def test_a_leader_too_small_at_its_expiration_hands_its_followers_to_one_of_them():
+    """Five peers, groups of 4-5 (the robust-peers test's round), reads of 2.9 s: pid(0)
+    declared first and pid(1), pid(3) joined it; the others' reads came back just after its
+    expiration. Too small to assemble (3 < 4), it used to disband them without a word and
+    declare again, and then waited for its next read: pid(1) gathered everyone else and
+    assembled 4 of the 5 before pid(0) saw anyone (it failed at its deadline). Now it names
+    the follower that ranks first (pid(1)) as the others' leader and asks that one itself."""
+    swarm = Swarm(
+        config(target_group_size=5, min_group_size=4, min_matchmaking_time=4.0, request_timeout=0.5)
+    )
+    swarm.read_delay = 2.9
+    for i, start in enumerate([0.6, 1.2, 1.8, 1.4, 1.8]):
+        swarm.add(pid(i), start=start, deadline=20.0)
+    swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(i) for i in range(5)}
+    assert group.leader == pid(1)
+    # at its expiration (4.6) pid(0) disbanded its followers toward pid(1) and asked it
+    handover = [(src, a) for t, src, a in swarm.log if t == pytest.approx(4.6) and src == pid(0)]
+    told = {a.follower: a.message for _, a in handover if isinstance(a, SendToFollower)}
+    assert told == {pid(1): Disbanded(pid(1)), pid(3): Disbanded(pid(1))}
+    assert [a.leader for _, a in handover if isinstance(a, SendJoinRequest)] == [pid(1)]

@@ -349,16 +349,38 @@ class MatchmakingCore:
             if cannot is not None:  # fail now, without declaring again
                 return actions + self._fail(*cannot)
             if now < self.deadline:
-                actions += self._disband(None)
-                self._own.renew(now, actions)
-                self._reads.restart()  # a new expiration may make new peers eligible
-                # peers we saw but could not follow may lead us now: ask them at once (a read
-                # takes seconds on a loaded machine, by when their groups may have assembled)
-                self._candidates.rerank(now)
+                actions += self._hand_over_to_successor(now)
         # 3. the deadline
         if now >= self.deadline:
             return actions + self._fail(*self._failure_reason())
         return actions + self._advance(now)
+
+    def _hand_over_to_successor(self, now: float) -> list[Action]:
+        """At our expiration, with a group too small to assemble: declare again and keep the
+        peers together. The follower that ranks first (:meth:`FollowerBook.successor`; our new
+        expiration is later than its one) is suggested to the others as their leader, and we
+        ask it to lead us too. Disbanded without a suggestion, the followers and we went apart
+        while each waited seconds for a DHT read under load; peers that read the group key
+        meanwhile gathered at one of them, and the one left out missed the group (seen as a
+        real 5-peer round that assembled 4 of 5)."""
+        successor = self._followers.successor(now)
+        actions = self._disband(successor[0] if successor is not None else None)
+        self._own.renew(now, actions)
+        self._reads.restart()  # a new expiration may make new peers eligible
+        # peers we saw but could not follow may lead us now: ask them at once (a read takes
+        # seconds on a loaded machine, by when their groups may have assembled)
+        self._candidates.rerank(now)
+        if successor is None or not self.declares:
+            return actions
+        peer, expiration = successor
+        mine = self._own.toward(peer in self._seen.legacy_peers)
+        if (peer, expiration) in self._candidates.tried or not may_lead(
+            peer, expiration, self.peer_id, mine, self.mode
+        ):
+            return actions
+        self._candidates.tried.add((peer, expiration))
+        self._redirects = 0
+        return actions + self._request(peer, now)
 
     # ------------------------------------------------------------------ DHT results
 

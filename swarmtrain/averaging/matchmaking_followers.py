@@ -86,6 +86,21 @@ class FollowerBook:
             for p, r in self._requests.items()
         ]
 
+    def successor(self, now: float) -> tuple[PeerId, float] | None:
+        """The follower (and its expiration) to lead the others when we disband a group too
+        small to assemble at our expiration: the one that ranks first (the lowest
+        ``(expiration, peer_id)``, so it may lead every other follower), among those still
+        looking (expiration after ``now``) that may lead (not clients). None if there is none."""
+        ranked = sorted(
+            (request.expiration, peer)
+            for peer, request in self._requests.items()
+            if request.mode != AveragingMode.CLIENT and request.expiration > now
+        )
+        if not ranked:
+            return None
+        expiration, peer = ranked[0]
+        return peer, expiration
+
     def auxiliary_to_evict_for(self, request: JoinRequest, own: GroupMember) -> PeerId | None:
         """The auxiliary follower (the latest) that a sender joining our full group replaces,
         when the group has no sender: it could never assemble, and would lock out every peer
