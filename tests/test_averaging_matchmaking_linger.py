@@ -328,3 +328,42 @@ def test_a_leader_too_small_at_its_expiration_hands_its_followers_to_one_of_them
     told = {a.follower: a.message for _, a in handover if isinstance(a, SendToFollower)}
     assert told == {pid(1): Disbanded(pid(1)), pid(3): Disbanded(pid(1))}
     assert [a.leader for _, a in handover if isinstance(a, SendJoinRequest)] == [pid(1)]
+
+
+@pytest.mark.parametrize("latency", [0.05, 0.2])
+def test_followers_wait_for_a_group_their_leader_assembles_at_the_shared_deadline(latency):
+    """Peers whose step timeouts end together: in the last window each expiration is the
+    deadline, so the leader assembles at its deadline, and its start message arrives
+    ``latency`` later. The followers used to fail at that same deadline: the leader then ran an
+    all-reduce no other member joined (the robust-peers test, seen once at load; 5 peers with
+    one-way latencies up to 0.25 s: 4-5 of 300 random swarms). A follower its leader accepted
+    now waits for the group until it is due (its expiration plus the leader's timeout)."""
+    swarm = Swarm(config(min_matchmaking_time=4.0, request_timeout=0.5))
+    for i in range(3):
+        swarm.add(pid(i), start=0.01 * i, deadline=4.0)
+    for i in (1, 2):
+        swarm.latency[frozenset((pid(0), pid(i)))] = latency
+    results = swarm.run()
+    (group,) = swarm.check_consistent()
+    assert set(group.peer_ids) == {pid(0), pid(1), pid(2)} and group.leader == pid(0)
+    assert all(isinstance(r, GroupAssembled) for r in results.values())
+    (assembled_at,) = {t for t, src, a in swarm.log if src == pid(0) and a is results[pid(0)]}
+    assert assembled_at == pytest.approx(4.0)  # at the deadline
+    # the followers assembled after it, when the start message came
+    arrived = {src: t for t, src, a in swarm.log if isinstance(a, GroupAssembled) and src != pid(0)}
+    assert arrived == {pid(1): pytest.approx(4.0 + latency), pid(2): pytest.approx(4.0 + latency)}
+
+
+def test_a_follower_whose_leader_never_starts_fails_once_the_group_is_overdue():
+    """The wait past the deadline is bounded: a leader that falls silent after accepting us
+    (frozen) is given up at our expiration plus its timeout, not later."""
+    swarm = Swarm(config(min_matchmaking_time=4.0, request_timeout=0.5))
+    for i in range(2):
+        swarm.add(pid(i), start=0.01 * i, deadline=4.0)
+    swarm.run(until=3.0)
+    assert swarm.cores[pid(1)].phase == Phase.FOLLOWING
+    swarm.freeze(pid(0))
+    results = swarm.run()
+    assert isinstance(results[pid(1)], MatchmakingFailed)
+    failed_at = [t for t, src, a in swarm.log if src == pid(1) and a is results[pid(1)]]
+    assert failed_at == [pytest.approx(4.0 + 0.5)]

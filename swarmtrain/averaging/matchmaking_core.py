@@ -264,7 +264,7 @@ class MatchmakingCore:
         """When :meth:`tick` next has something to do (``inf`` when done)."""
         if self._phase in _TERMINAL or self._phase == Phase.NEW:
             return math.inf
-        times = [self.deadline]
+        times = [] if self._follows_a_group_due_later(self.deadline) else [self.deadline]
         if self._phase == Phase.SEARCHING:  # (REQUESTING: the answer or its timeout comes first)
             times.append(self._own.expiration)
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING):
@@ -274,6 +274,10 @@ class MatchmakingCore:
         if not self._window_checked:
             times.append(self._window_end)
         return min(times)
+
+    def _follows_a_group_due_later(self, now: float) -> bool:
+        """Whether a leader accepted us and its group is due after ``now``."""
+        return self._phase == Phase.FOLLOWING and self._request_deadline > now
 
     def statistics(self) -> MatchmakingStatistics:
         return MatchmakingStatistics(
@@ -350,8 +354,12 @@ class MatchmakingCore:
                 return actions + self._fail(*cannot)
             if now < self.deadline:
                 actions += self._hand_over_to_successor(now)
-        # 3. the deadline
-        if now >= self.deadline:
+        # 3. the deadline. A follower its leader accepted waits for the group until it is due
+        # (our expiration, which is no later than the deadline, plus the leader's timeout): the
+        # leader may assemble at its own deadline, and its start message takes a moment to
+        # reach us. Failing at once left the leader running an all-reduce no other member
+        # joined (seen at load with the followers' deadlines equal to the leader's).
+        if now >= self.deadline and not self._follows_a_group_due_later(now):
             return actions + self._fail(*self._failure_reason())
         return actions + self._advance(now)
 
