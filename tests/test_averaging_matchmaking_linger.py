@@ -367,3 +367,66 @@ def test_a_follower_whose_leader_never_starts_fails_once_the_group_is_overdue():
     assert isinstance(results[pid(1)], MatchmakingFailed)
     failed_at = [t for t, src, a in swarm.log if src == pid(1) and a is results[pid(1)]]
     assert failed_at == [pytest.approx(4.0 + 0.5)]
+
+
+def test_a_joiner_reaching_a_leader_whose_group_is_due_joins_that_group():
+    """A join request handled after the leader's expiration but before the tick that assembles
+    its group (a loaded loop runs that tick late) joins the group, instead of being told
+    NOT_DECLARED and left out of a group that assembles a moment later (the trio optimizer's
+    final state round under load: 2 of 3 peers)."""
+    leader = MatchmakingCore(config(min_matchmaking_time=1.0), pid(0), SCHEMA, deadline=10.0)
+    leader.start(0.0)
+    leader.receive_declarations([], 0.1)
+
+    def join(expiration: float) -> JoinRequest:
+        return JoinRequest(leader.group_key, SCHEMA, expiration, patience=0.5, answer_by=2.0)
+
+    assert leader.handle_join_request(pid(1), join(1.2), 0.5) == [
+        SendToFollower(pid(1), Accepted())
+    ]
+    assert leader.expiration == 1.0
+    actions = leader.handle_join_request(pid(2), join(1.3), 1.05)  # the tick is late
+    assert actions[0] == SendToFollower(pid(2), Accepted())
+    (assembled,) = [a for a in actions if isinstance(a, GroupAssembled)]
+    assert set(assembled.group.peer_ids) == {pid(0), pid(1), pid(2)}
+    begun = {a.follower for a in actions if isinstance(a, SendToFollower)}
+    assert begun == {pid(1), pid(2)}
+    # a leader that could not assemble yet (alone at its expiration) still refuses
+    alone = MatchmakingCore(config(min_matchmaking_time=1.0), pid(3), SCHEMA, deadline=10.0)
+    alone.start(0.0)
+    assert alone.handle_join_request(pid(4), join(1.3), 1.05) == [
+        SendToFollower(pid(4), Rejected(RejectReason.NOT_DECLARED))
+    ]
+
+
+def test_a_slower_path_learned_during_a_round_lengthens_the_next_request():
+    """The patience a joiner tells a leader follows what the shell learned during the round
+    (``learn_request_timeout``): a leader that refused our request as one that would give up
+    before its answer arrived (the request took 0.4 s of a 0.5 s patience) accepts the next one,
+    which tells the longer patience. Seen in the robust-peers test at load 19: every request of
+    its second round was refused so, over and over, and no group formed."""
+    joiner = MatchmakingCore(
+        config(min_matchmaking_time=2.0, request_timeout=0.5), pid(5), SCHEMA, deadline=10.0
+    )
+    joiner.start(0.0)
+    (ask,) = joiner.receive_declarations([Declaration(pid(0), 1.0, True, SCHEMA)], 0.1)
+    assert isinstance(ask, SendJoinRequest) and ask.request.patience == 0.5
+    leader = MatchmakingCore(config(min_matchmaking_time=1.0), pid(0), SCHEMA, deadline=10.0)
+    leader.start(0.0)
+    assert leader.handle_join_request(pid(5), ask.request, 0.5) == [
+        SendToFollower(pid(5), Rejected(RejectReason.NOT_LOOKING))
+    ]
+    joiner.learn_request_timeout(pid(0), 1.6)  # the shell saw that answer after 0.8 s
+    joiner.learn_request_timeout(pid(0), 0.7)  # (a shorter one does not shorten it)
+    with pytest.raises(ValueError):
+        joiner.learn_request_timeout(pid(0), math.nan)
+    joiner.handle_leader_message(pid(0), Rejected(RejectReason.NOT_LOOKING), 0.9)
+    # the leader declared again; the joiner reads it and asks with the longer patience
+    actions = joiner.receive_declarations([Declaration(pid(0), 1.5, True, SCHEMA)], 0.95)
+    (again,) = [a for a in actions if isinstance(a, SendJoinRequest)]
+    assert again.leader == pid(0) and again.request.patience == 1.6
+    leader = MatchmakingCore(config(min_matchmaking_time=1.5), pid(0), SCHEMA, deadline=10.0)
+    leader.start(0.0)
+    assert leader.handle_join_request(pid(5), again.request, 1.35) == [
+        SendToFollower(pid(5), Accepted())
+    ]

@@ -479,6 +479,19 @@ class Matchmaking:
                 timeouts[peer] = seconds
         return timeouts
 
+    def _observe_answer_time(
+        self, core: MatchmakingCore, leader: PeerId, seconds: float, now: float
+    ) -> None:
+        """Note how long ``leader`` took to answer, for this round too (the core's next
+        request to it waits as long as ``AnswerTimes`` now says)."""
+        self.answer_times.observe(leader, seconds, now)
+        if not core.done:
+            paths = {p.to_bytes(): kinds for p, kinds in self.p2p.connection_paths().items()}
+            direct = "direct" in paths.get(leader, ())
+            core.learn_request_timeout(
+                leader, self.answer_times.timeout(leader, now, direct=direct)
+            )
+
     async def _run_timer(self, core: MatchmakingCore) -> None:
         while not core.done:
             wake = self._wake = trio.Event()
@@ -634,7 +647,7 @@ class Matchmaking:
                         if not answered:  # the first answer: how slow this path is
                             answered = True
                             now = get_dht_time()
-                            self.answer_times.observe(leader, now - asked_at, now)
+                            self._observe_answer_time(core, leader, now - asked_at, now)
                         if not current():
                             return
                         final = not isinstance(message, Accepted)
@@ -651,7 +664,7 @@ class Matchmaking:
                 )
         if scope.cancelled_caught and not answered:  # we stopped waiting: it is slower than that
             now = get_dht_time()
-            self.answer_times.observe(leader, now - asked_at, now)
+            self._observe_answer_time(core, leader, now - asked_at, now)
         if not final and current():
             self._dispatch(core.request_failed(leader, get_dht_time()))
         if self._join_calls.get(leader) is scope:

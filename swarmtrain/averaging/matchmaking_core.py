@@ -275,6 +275,17 @@ class MatchmakingCore:
             times.append(self._window_end)
         return min(times)
 
+    def learn_request_timeout(self, leader: PeerId, seconds: float) -> None:
+        """The shell measured a slower path to ``leader`` during this round: our next request
+        to it waits (and tells it we wait) this long, where that is longer than we would.
+        Without it, a round under load kept telling every leader the patience it had at its
+        start, and leaders refused each request as one that would give up before their answer
+        reached it (``joiners_past_patience``), over and over until the deadline."""
+        if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"request timeout for {leader!r} must be positive: {seconds!r}")
+        if seconds > self.request_timeouts.get(leader, 0.0):
+            self.request_timeouts[leader] = float(seconds)
+
     def _follows_a_group_due_later(self, now: float) -> bool:
         """Whether a leader accepted us and its group is due after ``now``."""
         return self._phase == Phase.FOLLOWING and self._request_deadline > now
@@ -415,6 +426,12 @@ class MatchmakingCore:
         """``peer`` (authenticated by the transport) asks us to lead it."""
         actions = self._forget_followers_past_patience(now)
         reason, suggestion = self._reason_to_reject(peer, request, now)
+        # Our expiration passed and the tick that assembles our group is due (not run yet): a
+        # joiner that reaches us now joins that group, instead of being told NOT_DECLARED and
+        # left out of a group that assembles a moment later (seen under load: 2 of 3 peers).
+        closing = reason == RejectReason.NOT_DECLARED and self._assembles_when_due(now)
+        if closing:
+            reason, suggestion = self._reason_to_reject(peer, request, now, closing=True)
         if reason == RejectReason.GROUP_FULL:
             evicted = self._followers.auxiliary_to_evict_for(request, self._own_member())
             if evicted is not None:  # a full group of auxiliary peers makes room for a sender
@@ -434,7 +451,19 @@ class MatchmakingCore:
         actions.append(SendToFollower(peer, Accepted()))
         if self._phase == Phase.SEARCHING and self._full():
             actions += self._assemble(now)
+        elif closing:
+            actions += self.tick(now)
         return actions
+
+    def _assembles_when_due(self, now: float) -> bool:
+        """Whether the tick due at our expiration (passed at ``now``) assembles our group."""
+        return (
+            self._phase == Phase.SEARCHING
+            and now >= self._own.expiration
+            and now < self.deadline
+            and self._can_assemble(final=True)
+            and self._hold_until(now) is None
+        )
 
     def _full(self) -> bool:
         """Whether our group has the members to assemble at once (``assemble_at``). While we
@@ -479,13 +508,15 @@ class MatchmakingCore:
         return [SendToFollower(peer, Disbanded()) for peer in gone]
 
     def _reason_to_reject(
-        self, peer: PeerId, request: JoinRequest, now: float
+        self, peer: PeerId, request: JoinRequest, now: float, closing: bool = False
     ) -> tuple[RejectReason | None, PeerId | None]:
+        """Why we refuse ``peer``'s request (None: we accept it). ``closing``: our expiration
+        passed and our group assembles on the tick now due (see ``handle_join_request``)."""
         if not isinstance(request, JoinRequest) or not isinstance(peer, bytes) or not peer:
             return RejectReason.PROTOCOL_VIOLATION, None
         if self._phase not in _LOOKING or peer in self.banned:
             return RejectReason.NOT_LOOKING, None
-        if not self.declares or now >= self._own.expiration:
+        if not self.declares or (now >= self._own.expiration and not closing):
             return RejectReason.NOT_DECLARED, None
         if request.group_key != self.group_key:
             return RejectReason.BAD_GROUP_KEY, None
