@@ -430,3 +430,22 @@ def test_a_slower_path_learned_during_a_round_lengthens_the_next_request():
     assert leader.handle_join_request(pid(5), again.request, 1.35) == [
         SendToFollower(pid(5), Accepted())
     ]
+
+
+def test_a_joiner_reaching_a_leader_that_waits_on_its_own_leader_joins_its_group():
+    """The same while the leader, past its expiration, waits on a leader's first answer
+    (REQUESTING): it takes the joiner, and assembles with it once that leader refused it (the
+    trio optimizer's final state round at load 16: 2 of 3 peers, the third refused so)."""
+    leader = MatchmakingCore(config(min_matchmaking_time=1.0), pid(1), SCHEMA, deadline=10.0)
+    leader.start(0.0)
+    leader.receive_declarations([], 0.1)
+    request = JoinRequest(leader.group_key, SCHEMA, 1.2, patience=0.5, answer_by=2.0)
+    assert leader.handle_join_request(pid(2), request, 0.5) == [SendToFollower(pid(2), Accepted())]
+    # a stale read shows pid(0) ranking first: we ask it just before our expiration
+    (ask,) = leader.receive_declarations([Declaration(pid(0), 0.95, True, SCHEMA)], 0.9)
+    assert ask == SendJoinRequest(pid(0), ask.request) and leader.phase == Phase.REQUESTING
+    late = JoinRequest(leader.group_key, SCHEMA, 2.0, patience=0.5, answer_by=1.6)
+    assert leader.handle_join_request(pid(3), late, 1.1) == [SendToFollower(pid(3), Accepted())]
+    actions = leader.handle_leader_message(pid(0), Rejected(RejectReason.NOT_DECLARED), 1.15)
+    (assembled,) = [a for a in actions if isinstance(a, GroupAssembled)]
+    assert set(assembled.group.peer_ids) == {pid(1), pid(2), pid(3)}

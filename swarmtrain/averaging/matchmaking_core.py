@@ -451,14 +451,17 @@ class MatchmakingCore:
         actions.append(SendToFollower(peer, Accepted()))
         if self._phase == Phase.SEARCHING and self._full():
             actions += self._assemble(now)
-        elif closing:
+        elif closing and self._phase == Phase.SEARCHING:
             actions += self.tick(now)
+        # (REQUESTING: we assemble once our leader answered; if it takes us, the joiner is
+        # disbanded toward it with our other followers)
         return actions
 
     def _assembles_when_due(self, now: float) -> bool:
-        """Whether the tick due at our expiration (passed at ``now``) assembles our group."""
+        """Whether the tick due at our expiration (passed at ``now``) assembles our group (when
+        we wait on a leader's first answer: once it refused us)."""
         return (
-            self._phase == Phase.SEARCHING
+            self._phase in (Phase.SEARCHING, Phase.REQUESTING)
             and now >= self._own.expiration
             and now < self.deadline
             and self._can_assemble(final=True)
