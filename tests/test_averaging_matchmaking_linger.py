@@ -449,3 +449,22 @@ def test_a_joiner_reaching_a_leader_that_waits_on_its_own_leader_joins_its_group
     actions = leader.handle_leader_message(pid(0), Rejected(RejectReason.NOT_DECLARED), 1.15)
     (assembled,) = [a for a in actions if isinstance(a, GroupAssembled)]
     assert set(assembled.group.peer_ids) == {pid(1), pid(2), pid(3)}
+
+
+def test_a_follower_past_its_expiration_sends_joiners_to_its_leader():
+    """A peer that follows a leader tells a joiner where the group is (``NOT_A_LEADER`` with
+    its leader), also once its own expiration passed (a joiner that read its declaration late):
+    it used to answer ``NOT_DECLARED``, and the joiner missed a group about to assemble (the
+    trio optimizer's final state round at load 16: 2 of 3 peers)."""
+    follower = MatchmakingCore(
+        config(min_matchmaking_time=1.0, request_timeout=0.5), pid(1), SCHEMA, deadline=10.0
+    )
+    follower.start(0.0)
+    (ask,) = follower.receive_declarations([Declaration(pid(0), 0.9, True, SCHEMA)], 0.1)
+    assert isinstance(ask, SendJoinRequest) and ask.leader == pid(0)
+    follower.handle_leader_message(pid(0), Accepted(), 0.2)
+    assert follower.phase == Phase.FOLLOWING and follower.expiration == 1.0
+    late = JoinRequest(follower.group_key, SCHEMA, 2.0, patience=0.5, answer_by=1.6)
+    assert follower.handle_join_request(pid(2), late, 1.1) == [
+        SendToFollower(pid(2), Rejected(RejectReason.NOT_A_LEADER, pid(0)))
+    ]

@@ -519,14 +519,18 @@ class MatchmakingCore:
             return RejectReason.PROTOCOL_VIOLATION, None
         if self._phase not in _LOOKING or peer in self.banned:
             return RejectReason.NOT_LOOKING, None
+        if (
+            self._phase == Phase.FOLLOWING
+            and request.group_key == self.group_key
+            and request.schema_hash == self.schema_hash
+        ):  # also past our expiration: the joiner may still reach the group we are in
+            return RejectReason.NOT_A_LEADER, self._leader
         if not self.declares or (now >= self._own.expiration and not closing):
             return RejectReason.NOT_DECLARED, None
         if request.group_key != self.group_key:
             return RejectReason.BAD_GROUP_KEY, None
         if request.schema_hash != self.schema_hash:
             return RejectReason.BAD_SCHEMA_HASH, None
-        if self._phase == Phase.FOLLOWING:
-            return RejectReason.NOT_A_LEADER, self._leader
         if peer == self.peer_id or peer in self._followers:
             return RejectReason.DUPLICATE, None
         delay = request_time(request, now)
