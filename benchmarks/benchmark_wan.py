@@ -4,7 +4,7 @@ butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root onl
     sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
         [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE] [--latency packet|proxy]
         [--mtu 1500] [--log LOGGER ...] [--congestion cubic|bbr|reno|default]
-        [--stripes K]
+        [--stripes K] [--no-lanes]
 
 A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a ``tc
 tbf`` rate limit on its link (both directions) and the delay and loss of ``--latency``:
@@ -30,6 +30,8 @@ control of every host's namespace (``net.ipv4.tcp_congestion_control``; a new na
 otherwise inherits this box's default, ``bbr`` here); ``default`` leaves it alone.
 ``--stripes K`` sets every peer's ``lane_stripes`` (connections per data lane on a long path,
 ``swarmtrain.p2p.stripe_core``; default: the library's).
+``--no-lanes``: peers without data lanes, so every bulk call takes the libp2p connection
+(what peers behind NAT get), to measure that fallback.
 ``--trace FILE``: every peer records its rounds' part timelines (``AllReduceTrace``) and its
 interface counters; a summary per round (the warm-up round 0 included) is printed (link busy
 shares, reducer waits, per-flow throughput), the raw events go to FILE. ``--log LOGGER ...``:
@@ -196,6 +198,8 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
         started = time.monotonic()
         log = {"log": args.log} if args.log else {}
         lanes = {} if args.stripes is None else {"lane_stripes": args.stripes}
+        if args.no_lanes:  # every bulk call over the one libp2p connection (yamux)
+            lanes["use_data_lanes"] = False
         first = lab.spawn(
             hosts[0],
             PEER_SCRIPT,
@@ -297,6 +301,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                     latency=args.latency,
                     congestion=congestion,
                     stripes=args.stripes,
+                    lanes=not args.no_lanes,
                     mtu=args.mtu if args.latency == "packet" else None,
                     codec=codec,
                     floats=args.floats,
@@ -385,6 +390,11 @@ def main() -> None:
         "--stripes",
         type=int,
         help="every peer's lane_stripes (TCP connections per data lane on a long path)",
+    )
+    parser.add_argument(
+        "--no-lanes",
+        action="store_true",
+        help="no data lanes (use_data_lanes=False): bulk calls go over libp2p, as behind NAT",
     )
     args = parser.parse_args()
     if args.latency == "packet":

@@ -150,7 +150,7 @@ async def test_a_writer_without_credit_times_out(monkeypatch):
     ):
         with pytest.raises(StreamReset) as raised, trio.fail_after(5):
             await _blocked_writer(a, b, hold)
-        assert "window update" in str(raised.value.__cause__)
+        assert "send window" in str(raised.value.__cause__)
         never_read.set()
 
 

@@ -12,18 +12,19 @@ family and the lanes' ``LaneError`` family) become RPC errors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import trio
 from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
 
+from swarmtrain.p2p._yamux import WindowWaitTimeout
 from swarmtrain.p2p.errors import (
     LaneClosedError,
     LaneEndOfStream,
     LaneError,
     LaneResetError,
     RPCCancelledError,
-    RPCProtocolError,
     RPCTimeoutError,
 )
 from swarmtrain.p2p.framing import (
@@ -98,6 +99,9 @@ class RPCStream:
         self.serving_call = False  # server side: a call's OPEN arrived and it has not ended
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: called with the count of every read that brought bytes (a wait whose deadline
+        #: moves while a large message keeps arriving: ``stall_core.ProgressDeadline``)
+        self.on_bytes: Callable[[int], None] | None = None
 
     def set_max_message_size(self, max_message_size: int) -> None:
         self._decoder.max_payload_size = max_message_size
@@ -143,7 +147,11 @@ class RPCStream:
                 return frame
             if self._eof:
                 if self._decoder.in_frame:
-                    raise RPCProtocolError("the stream ended in the middle of a frame")
+                    raise RPCCancelledError(
+                        f"the peer closed the stream in the middle of a frame "
+                        f"({self._decoder.buffered_bytes} bytes of it had arrived): it gave up "
+                        "on the call"
+                    )
                 return None
             await self._receive_more()
 
@@ -154,7 +162,13 @@ class RPCStream:
         self._decoder.begin_attachment(buffer)
         while not self._decoder.attachment_complete:
             if self._eof:
-                raise RPCProtocolError("the stream ended in the middle of an attachment")
+                # The peer's side ended (FIN) before the bytes it announced: a caller or
+                # handler that gave up (cancelled, timed out) ends its stream so. Not a
+                # protocol violation: nothing it sent was malformed.
+                raise RPCCancelledError(
+                    f"the peer closed the stream in the middle of an attachment "
+                    f"({self._decoder.bytes_wanted} bytes were still due): it gave up on the call"
+                )
             await self._receive_more()
         return self._decoder.take_attachment()
 
@@ -168,6 +182,8 @@ class RPCStream:
                 count = await read_into(target)
                 self.bytes_received += count
                 self._decoder.advance(count)
+                if self.on_bytes is not None and count:
+                    self.on_bytes(count)
                 return
             data = await self.stream.read(max(READ_SIZE, self._decoder.bytes_wanted))
         except (StreamEOF, LaneEndOfStream):
@@ -182,6 +198,8 @@ class RPCStream:
             return
         self.bytes_received += len(data)
         self._decoder.feed(data)
+        if self.on_bytes is not None:
+            self.on_bytes(len(data))
 
     async def _write(self, data: bytes | memoryview) -> None:
         # A data lane's write may be cancelled (and bounds its own stalls); a libp2p stream's
@@ -196,7 +214,11 @@ class RPCStream:
             raise RPCTimeoutError(
                 f"the peer did not accept data for {WRITE_STALL_TIMEOUT} s"
             ) from None
-        except (StreamClosed, StreamReset, LaneClosedError, LaneResetError) as e:
+        except StreamReset as e:
+            if isinstance(e.__cause__, WindowWaitTimeout):  # ours, not the peer's reset
+                raise RPCTimeoutError(f"the peer did not read the stream: {e.__cause__}") from None
+            raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
+        except (StreamClosed, LaneClosedError, LaneResetError) as e:
             raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
         except (StreamError, LaneError) as e:
             raise RPCCancelledError(f"the stream failed: {e!r}") from None
