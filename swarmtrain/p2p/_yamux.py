@@ -194,6 +194,10 @@ class TunedYamuxStream(YamuxStream):
                     "(it does not read the stream)"
                 )
 
+    def _frame_limit(self) -> int:
+        conn = self.conn
+        return conn.frame_sizer.frame_size if isinstance(conn, TunedYamux) else MAX_FRAME_SIZE
+
     async def write(self, data: bytes) -> None:
         if self.send_closed:
             raise MuxedStreamError("Stream is closed for sending")
@@ -210,7 +214,7 @@ class TunedYamuxStream(YamuxStream):
                         if self.send_window > 0:
                             size = min(
                                 self.send_window,
-                                self.conn.frame_sizer.frame_size - _HEADER_SIZE,
+                                self._frame_limit() - _HEADER_SIZE,
                                 total - sent,
                             )
                             self.send_window -= size

@@ -191,6 +191,11 @@ class _IncomingMessages:
     def __aiter__(self) -> _IncomingMessages:
         return self
 
+    def set_on_bytes(self, callback: Callable[[int], None] | None) -> None:
+        """Call ``callback(count)`` for every read that brings bytes of this request (a
+        deadline that moves while a large message keeps arriving); None: stop."""
+        self._stream.on_bytes = callback
+
     async def __anext__(self) -> Message:
         if self.finished.is_set():
             raise StopAsyncIteration

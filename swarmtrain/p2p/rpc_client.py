@@ -161,6 +161,11 @@ class ResponseStream(Generic[TItem]):
     def __aiter__(self) -> ResponseStream[TItem]:
         return self
 
+    def set_on_bytes(self, callback: Callable[[int], None] | None) -> None:
+        """Call ``callback(count)`` for every read that brings bytes of this call's responses
+        (a deadline that moves while a large message keeps arriving); None: stop."""
+        self._reader.stream.on_bytes = callback
+
     async def __anext__(self) -> TItem:
         message: Any  # a TItem: the reader yields Attached only if the call was opened so
         if not self._timeout:  # no cancel scope to set up per message

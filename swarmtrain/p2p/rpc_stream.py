@@ -1,10 +1,15 @@
 """A libp2p stream carrying RPC frames: buffered frame reads and cancellation-safe writes.
 
-Writes are shielded from cancellation piece by piece (at most ``WRITE_PIECE_SIZE`` bytes each),
-so a cancelled call stops *between* pieces and then closes the stream. (py-libp2p's own frame
-writes are made all-or-nothing too, ``_yamux.TunedYamux._write_frame``: a frame cut
-by a cancellation killed the whole connection, see LIBP2P-NOTES.) Data lanes are
-``cancel_safe``: their writes are not shielded.
+On a stream of our own yamux (``_yamux.TunedYamuxStream``, every stream of our hosts) writes
+are not shielded: its frame writes are all-or-nothing under cancellation
+(``_yamux.TunedYamux._write_frame``: a frame cut by a cancellation killed the whole connection,
+see LIBP2P-NOTES), so a cancelled call stops between frames, also while it waits for the
+peer's flow-control window, and each frame write and window wait is bounded there
+(``FRAME_WRITE_TIMEOUT``, ``WINDOW_WAIT_TIMEOUT``): a write that keeps moving frames is slow,
+not stalled, however long it takes. On any other libp2p stream writes are shielded from
+cancellation piece by piece (at most ``WRITE_PIECE_SIZE`` bytes each, each bounded by
+``WRITE_STALL_TIMEOUT``), so a cancelled call stops *between* pieces and then closes the
+stream. Data lanes are ``cancel_safe``: their writes are not shielded.
 
 This is the one place where the stream errors of both transports (py-libp2p's ``StreamError``
 family and the lanes' ``LaneError`` family) become RPC errors.
@@ -18,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import trio
 from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
 
-from swarmtrain.p2p._yamux import WindowWaitTimeout
+from swarmtrain.p2p._yamux import TunedYamuxStream, WindowWaitTimeout
 from swarmtrain.p2p.errors import (
     LaneClosedError,
     LaneEndOfStream,
@@ -90,6 +95,8 @@ class RPCStream:
         peer's share of it), charged for receive buffers."""
         self.stream = stream
         self._cancel_safe = getattr(stream, "cancel_safe", False)
+        # frames all-or-nothing, stalls bounded per frame (see the module docstring)
+        self._frames_atomic = isinstance(getattr(stream, "muxed_stream", None), TunedYamuxStream)
         # a data lane delivers whole records: a first buffer of one record takes them in place
         first = max(INITIAL_ALLOCATION, getattr(stream, "record_size", 0))
         self._decoder = FrameDecoder(max_message_size, budget, first)
@@ -202,10 +209,10 @@ class RPCStream:
             self.on_bytes(len(data))
 
     async def _write(self, data: bytes | memoryview) -> None:
-        # A data lane's write may be cancelled (and bounds its own stalls); a libp2p stream's
-        # must not be (see the docstring).
+        # A data lane's or our yamux's write may be cancelled (and bounds its own stalls);
+        # another libp2p stream's must not be (see the docstring).
         try:
-            if self._cancel_safe:
+            if self._cancel_safe or self._frames_atomic:
                 await self.stream.write(data)
             else:
                 with trio.CancelScope(shield=True), trio.fail_after(WRITE_STALL_TIMEOUT):
