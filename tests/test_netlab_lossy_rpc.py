@@ -1,0 +1,78 @@
+"""Bulk calls over the libp2p connection (yamux over Noise over TCP) on a long, lossy path
+(root only): 150 ms one-way delay, 1% loss, 20 Mbit/s, cubic, data lanes off (what a call
+gets when no lane can be used: first contact, peers behind NAT). At ~40-60 KB/s such a call
+takes tens of seconds; before issue 18's fixes it died of fast-path timeouts (a 5 s wait for
+a yamux window, 60 s for a 1 MiB frame, per-message limits) and ended as "the stream ended in
+the middle of an attachment".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import netlab
+import pytest
+from netlab.nat_swarm import LISTEN_ALL, PEER_SCRIPT
+
+ONE_WAY = 0.15
+LOSS = 0.01
+MBIT = 20.0
+ALLOWED_CC = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+
+
+@contextlib.contextmanager
+def cubic_allowed():
+    """A namespace may default only to an algorithm in the box's allowed list: add cubic for
+    the module (nobody's default changes), restore the list afterwards."""
+    with open(ALLOWED_CC) as f:
+        before = f.read().split()
+    if "cubic" in before:
+        yield
+        return
+    with open(ALLOWED_CC, "w") as f:
+        f.write(" ".join([*before, "cubic"]))
+    try:
+        yield
+    finally:
+        with open(ALLOWED_CC, "w") as f:
+            f.write(" ".join(before))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    reason = netlab.delay_line_unavailable_reason()
+    if reason is None and not netlab.system.tc_available():
+        reason = "the rate limits need tc (iproute2)"
+    if reason is not None:
+        pytest.skip(reason)
+    with cubic_allowed(), netlab.Lab() as lab:
+        hosts = [lab.add_delayed_host(f"l{i}", delay=ONE_WAY / 2) for i in range(2)]
+        for host in hosts:
+            host.exec("sysctl", "-q", "-w", "net.ipv4.tcp_congestion_control=cubic")
+        dht = {"host_maddrs": LISTEN_ALL, "use_data_lanes": False}
+        first = lab.spawn(hosts[0], PEER_SCRIPT, json.dumps({"dht": dht}))
+        boot = next(a for a in first.recv(120)["maddrs"] if f"/ip4/{hosts[0].ip}/" in a)
+        options = {"dht": {**dht, "initial_peers": [boot]}}
+        second = lab.spawn(hosts[1], PEER_SCRIPT, json.dumps(options))
+        second.recv(120)
+        for host in hosts:  # after the start: the loss would only slow the bootstrap down
+            lab.limit_rate(host, MBIT)
+            lab.set_delay_line(host, loss=1 - (1 - LOSS) ** 0.5)  # LOSS on the whole path
+        yield lab, hosts, first, second
+
+
+@pytest.mark.slow
+def test_a_bulk_call_over_libp2p_on_a_long_lossy_path_completes(pair):
+    lab, hosts, first, second = pair
+    assert hosts[0].exec("sysctl", "-n", "net.ipv4.tcp_congestion_control").strip() == "cubic"
+    target = second.ask({"op": "info"}, 30)["peer_id"]
+    answer = first.ask(
+        {"op": "bulk_call", "peer": target, "mib": 2, "bulk": True, "timeout": 240}, 270
+    )
+    assert "error" not in answer, answer
+    assert answer["correct"], answer
+    assert answer["lanes_opened"] == 0  # lanes are off: it went over the libp2p connection
+    stats = [lab.delay_line_statistics(h) for h in hosts]
+    lost = sum(s["lost_in"] + s["lost_out"] for s in stats)
+    assert lost > 0  # the path did drop packets on the way
