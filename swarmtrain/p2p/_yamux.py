@@ -35,7 +35,7 @@ as imported, so a stock host in the same process behaves as stock py-libp2p. The
   frame body holds); a connection with a kernel RTT of at least ``LONG_PATH_RTT`` gets
   ``TCP_NOTSENT_LOWAT`` (``NOTSENT_LOWAT``), so the kernel holds at most that much unsent
   data ahead of a window update instead of up to 4 MiB (~100 s at that rate). A writer
-  waits for a closed send window up to ``WINDOW_WAIT_TIMEOUT`` (60 s, py-libp2p: 5 s): a
+  waits for a closed send window up to ``WINDOW_WAIT_TIMEOUT`` (300 s, py-libp2p: 5 s): a
   window stays closed while the peer's application has not read (an all-reduce reducer
   reads a sender's next part only after every sender's previous one), which is backpressure,
   not a fault; the callers' own deadlines come first. A failed wait names itself
@@ -64,8 +64,10 @@ MAX_FRAME_SIZE = 1024 * 1024
 #: a yamux frame whose socket write makes no progress for this long: the connection is dead
 FRAME_WRITE_TIMEOUT = 60.0
 #: how long a yamux write waits for the peer to open a closed send window (py-libp2p: 5 s,
-#: which failed honest streams whose reader was slow or whose path was; see the docstring)
-WINDOW_WAIT_TIMEOUT = 60.0
+#: which failed honest streams whose reader was slow or whose path was; see the docstring):
+#: a backstop against a peer that never reads, above any caller's own patience (an
+#: all-reduce reducer may read a sender's next part only minutes later on a lossy path)
+WINDOW_WAIT_TIMEOUT = 300.0
 #: a connection whose kernel RTT is at least this is a long path: ``NOTSENT_LOWAT`` is set
 LONG_PATH_RTT = 0.01
 #: unsent bytes the kernel may queue on a long path's socket (the rest waits in frames)
