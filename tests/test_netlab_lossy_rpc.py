@@ -66,6 +66,7 @@ def lab_peers():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_bulk_calls_both_ways_over_libp2p_on_a_long_lossy_path_complete(lab_peers):
     """Both peers stream MIB MiB to each other at once over their one connection (as an
     all-reduce does): each side's window updates and stream opens share the socket with its
@@ -85,6 +86,7 @@ def test_bulk_calls_both_ways_over_libp2p_on_a_long_lossy_path_complete(lab_peer
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_an_allreduce_over_libp2p_on_a_long_lossy_path_averages_everything(lab_peers):
     """Three peers average 4 MiB each over their libp2p connections: every part of every
     slice is averaged (no sender banned for being slow, no reducer failed), within the
