@@ -41,7 +41,7 @@ from swarmtrain.p2p._tuning import (
     tune_host,
 )
 from swarmtrain.p2p.addresses import expand_unspecified
-from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
+from swarmtrain.p2p.autonat import AutoNAT, Reachability, connection_rtt, observed_ips
 from swarmtrain.p2p.connection_limits import (
     SwarmResourceManager,
     build_connection_config,
@@ -65,6 +65,7 @@ from swarmtrain.p2p.lane import (
     lane_listen_host,
     lanes_disabled_by_env,
 )
+from swarmtrain.p2p.lane_pool import BulkStreamPool
 from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit
 from swarmtrain.p2p.listen_check import check_addresses_free
@@ -262,7 +263,7 @@ class P2P(Dialling):
         self._stream_pool = rpc_client.StreamPool(
             self._open_rpc_stream, still_fitting=self._not_a_replaced_relay_path
         )
-        self._bulk_pool = rpc_client.StreamPool(
+        self._bulk_pool = BulkStreamPool(
             self._open_bulk_stream,
             preferred=lambda s: isinstance(s.stream, (LaneStream, StripedLane)),
             still_fitting=self._not_a_replaced_relay_path,
@@ -436,7 +437,11 @@ class P2P(Dialling):
             await self.ensure_connected(peer_id)
             ips = sorted(observed_ips(self, peer_id))
             lane = await self.lanes.open(
-                peer_id, ips[0] if ips else None, self.nursery, self._keep_late_lane
+                peer_id,
+                ips[0] if ips else None,
+                self.nursery,
+                self._keep_late_lane,
+                path_rtt=connection_rtt(self, peer_id),
             )
             if lane is not None:
                 return lane

@@ -57,6 +57,8 @@ from swarmtrain.p2p.lane_books import (
     LaneBook,
     PendingHandshakes,
     TicketBook,
+    first_lane_wait,
+    lane_reuse_time,
     retry_delay,
     wait_after_ticket,
 )
@@ -74,7 +76,7 @@ from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSeal
 from swarmtrain.p2p.lane_stream import LaneStream
 from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit, lanes_within_fd_limit
-from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME
+from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
 from swarmtrain.p2p.stripe_core import MAX_STRIPES
 from swarmtrain.proto import p2p_pb2
 
@@ -83,7 +85,9 @@ logger = logging.getLogger(__name__)
 TICKET_METHOD = "swarmtrain::Lane.ticket"
 LANE_VERSION = 1
 HANDSHAKE_TIMEOUT = 5.0
-OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
+#: a call waits this long for a new lane before it goes over libp2p (a first lane to a peer:
+#: more on a long path, ``lane_books.first_lane_wait``)
+OPEN_WAIT = 0.5
 #: a call to a peer whose last lane opened waits this long for a new one (ticket, dial and
 #: handshakes on a long lossy path) before it goes over libp2p
 KNOWN_PEER_WAIT = 6.0
@@ -355,10 +359,12 @@ class DataLanes:
         nursery: trio.Nursery,
         on_late_lane: Callable[[Any, Any], None],  # (peer_id, lane)
         wait: float | None = None,
+        path_rtt: float | None = None,
     ) -> LaneStream | StripedLane | None:
         """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds
-        (default ``OPEN_WAIT``, ``KNOWN_PEER_WAIT`` for a peer whose last lane opened; once
-        the ticket came, at least a few of its round trips more:
+        (default: ``KNOWN_PEER_WAIT`` for a peer whose last lane opened, else ``OPEN_WAIT``
+        plus a few of the libp2p connection's round trips, ``path_rtt`` seconds:
+        ``first_lane_wait``; once the ticket came, at least a few of its round trips more:
         ``wait_after_ticket``), else None (the caller goes over libp2p). An attempt still
         running after ``wait`` goes on in ``nursery`` and hands its lane to ``on_late_lane``
         (e.g. the idle pool), so a slow path or a firewall that drops packets never stalls a
@@ -373,7 +379,10 @@ class DataLanes:
         settled = trio.Event()
         waiting = True
         if wait is None:
-            wait = KNOWN_PEER_WAIT if peer_id in self._lanes_worked else OPEN_WAIT
+            if peer_id in self._lanes_worked:
+                wait = KNOWN_PEER_WAIT
+            else:
+                wait = first_lane_wait(path_rtt, OPEN_WAIT, KNOWN_PEER_WAIT)
         patience = trio.CancelScope(deadline=trio.current_time() + wait)
 
         def on_ticket(seconds: float) -> None:
@@ -414,6 +423,7 @@ class DataLanes:
     ) -> LaneStream | StripedLane | None:
         offered = True
         busy = False
+        started = trio.current_time()
         try:
             lane = await self._open(peer_id, remote_ip, on_ticket)
             offered = lane is not None
@@ -434,6 +444,14 @@ class DataLanes:
                 wait = RETRY_AFTER if not offered else retry_delay(failures)
             self._failed_until[peer_id] = trio.current_time() + wait
             return None
+        opened_in = trio.current_time() - started
+        first = lane.stripes[0] if isinstance(lane, StripedLane) else lane
+        lane.reuse_time = lane_reuse_time(
+            opened_in,
+            tcp_rtt(first.raw) or 0.0,
+            CALLER_STREAM_REUSE_TIME,
+            SERVER_STREAM_IDLE_TIMEOUT,
+        )
         self._failures.pop(peer_id, None)
         self._failed_until.pop(peer_id, None)
         self._lanes_worked[peer_id] = None
@@ -444,10 +462,12 @@ class DataLanes:
         if isinstance(lane, StripedLane):
             self.striped_lanes_opened += 1
         logger.debug(
-            "lane to %s (%s): %d connection(s)",
+            "lane to %s (%s): %d connection(s), opened in %.3f s, reused for %.1f s",
             peer_id,
             remote_ip,
             len(lane.stripes) if isinstance(lane, StripedLane) else 1,
+            opened_in,
+            lane.reuse_time,
         )
         return lane
 
