@@ -4,7 +4,7 @@ butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root onl
     sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
         [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE] [--latency packet|proxy]
         [--mtu 1500] [--log LOGGER ...] [--congestion cubic|bbr|reno|default]
-        [--stripes K] [--forwarder-priority rr|nice|none]
+        [--stripes K] [--lane-congestion bbr] [--forwarder-priority rr|nice|none]
 
 A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a ``tc
 tbf`` rate limit on its link (both directions) and the delay and loss of ``--latency``:
@@ -200,6 +200,8 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
         started = time.monotonic()
         log = {"log": args.log} if args.log else {}
         lanes = {} if args.stripes is None else {"lane_stripes": args.stripes}
+        if args.lane_congestion:
+            lanes["lane_congestion"] = args.lane_congestion
         first = lab.spawn(
             hosts[0],
             PEER_SCRIPT,
@@ -389,6 +391,11 @@ def main() -> None:
         "--stripes",
         type=int,
         help="every peer's lane_stripes (TCP connections per data lane on a long path)",
+    )
+    parser.add_argument(
+        "--lane-congestion",
+        help="every peer's P2PConfig.lane_congestion (the lane sockets' TCP congestion "
+        "control, e.g. bbr in cubic namespaces; default: the namespace's)",
     )
     parser.add_argument(
         "--forwarder-priority",

@@ -123,6 +123,9 @@ class P2PConfig:
     # lossy flow at 100+ ms RTT gets a fraction of the link); 1: one connection per lane.
     lane_stripes: int = DEFAULT_STRIPES
     lane_stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT
+    # The TCP congestion control of our lane sockets (e.g. "bbr", which does not take random
+    # loss for congestion; Linux ``TCP_CONGESTION``); None: the system's. Refused: logged once.
+    lane_congestion: str | None = None
     # Private runs (swarmtrain.p2p.private_network): only peers with the same key (>= 32 bytes,
     # or a key file path, loaded here) complete the handshake with us.
     swarm_key: bytes | str | None = field(default=None, repr=False)
@@ -163,6 +166,13 @@ class P2PConfig:
             raise ValueError(f"lane_stripes must be in 1..{MAX_STRIPES}, got {stripes}")
         if not self.lane_stripe_min_rtt >= 0:
             raise ValueError("lane_stripe_min_rtt must be a non-negative number of seconds")
+        congestion = self.lane_congestion
+        if congestion is not None and not isinstance(congestion, str):
+            raise TypeError(f"lane_congestion must be a str or None, got {congestion!r}")
+        if congestion is not None and not (
+            congestion.isascii() and congestion.isprintable() and 0 < len(congestion) < 16
+        ):
+            raise ValueError(f"lane_congestion must be a short algorithm name, got {congestion!r}")
         if not isinstance(self.limits, ResourceLimits):
             raise TypeError(f"limits must be a ResourceLimits, got {type(self.limits).__name__}")
         if self.limits.max_bytes_in_flight < self.max_message_size:
@@ -332,6 +342,7 @@ class P2P(Dialling):
                                 config.limits,
                                 config.lane_stripes,
                                 config.lane_stripe_min_rtt,
+                                config.lane_congestion,
                             )
                             await self.lanes.start(nursery)
                         if config.use_relay or config.relay_service:

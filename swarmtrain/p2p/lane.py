@@ -68,6 +68,7 @@ from swarmtrain.p2p.lane_connections import (
     StripeToken,
     dial,
     dial_stripe,
+    set_congestion,
     show_ticket,
     stripe_timeout,
     tcp_rtt,
@@ -110,14 +111,19 @@ class DataLanes:
         limits: ResourceLimits | None = None,
         stripes: int = DEFAULT_STRIPES,
         stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT,
+        congestion: str | None = None,
     ):
         """``stripes``: the most connections one of our lanes spreads over (1: plain
         lanes), used when the first connection's TCP RTT is at least ``stripe_min_rtt``
-        seconds; the callee may grant fewer (``stripe_core``)."""
+        seconds; the callee may grant fewer (``stripe_core``). ``congestion``: the TCP
+        congestion control of our lane sockets, the ones we dial and the ones we accept
+        (None: the system's default; where the kernel refuses it, logged once)."""
         if not 1 <= stripes <= MAX_STRIPES:
             raise ValueError(f"lane stripes must be in 1..{MAX_STRIPES}, got {stripes}")
         limits = limits if limits is not None else ResourceLimits()
         self.stripes, self.stripe_min_rtt = stripes, stripe_min_rtt
+        self.congestion = congestion
+        self._congestion_refused = False
         self._p2p = p2p
         self._listen_host = listen_host
         self._port = port
@@ -147,6 +153,19 @@ class DataLanes:
         self.striped_lanes_opened = 0
         self.striped_lanes_accepted = 0
         self.fallbacks = 0
+
+    def _prepare_socket(self, raw: socket.socket) -> None:
+        """Socket options of a lane socket (before it connects, or once accepted)."""
+        if self.congestion is None or self._congestion_refused:
+            return
+        error = set_congestion(raw, self.congestion)
+        if error is not None:
+            self._congestion_refused = True  # once: the next sockets keep the default
+            logger.warning(
+                "lane congestion control %r refused (%s): lanes keep the system's default",
+                self.congestion,
+                error,
+            )
 
     @property
     def port(self) -> int | None:
@@ -204,6 +223,7 @@ class DataLanes:
                         continue
                     raw = socket.socket(fileno=conn.detach())
                     raw.setblocking(False)
+                    self._prepare_socket(raw)
                     try:
                         ip = raw.getpeername()[0]
                     except OSError:
@@ -492,7 +512,7 @@ class DataLanes:
         )
         granted = min(max(1, ticket.stripes), MAX_STRIPES)  # an older callee: 0, one
         lanes: list[LaneStream] = []
-        first = await dial(remote_ip, ticket.port)
+        first = await dial(remote_ip, ticket.port, prepare=self._prepare_socket)
         try:
             count = 1
             if granted == 1:  # the original handshake: the ticket id alone
@@ -504,7 +524,14 @@ class DataLanes:
             async with trio.open_nursery() as nursery:
                 for stripe in range(1, count):
                     nursery.start_soon(
-                        dial_stripe, remote_ip, ticket, stripe, count, lanes, timeout
+                        dial_stripe,
+                        remote_ip,
+                        ticket,
+                        stripe,
+                        count,
+                        lanes,
+                        timeout,
+                        self._prepare_socket,
                     )
                 await show_ticket(first, ticket, lanes, 0, count, timeout)
             lanes.sort(key=lambda lane: lane.stripe)
