@@ -8,7 +8,7 @@ from google.protobuf.wrappers_pb2 import BytesValue, Int64Value
 
 from swarmtrain.p2p import P2P
 from swarmtrain.p2p import lane as lane_module
-from swarmtrain.p2p.autonat import connection_rtt
+from swarmtrain.p2p.autonat import connection_path, connection_rtt
 from swarmtrain.p2p.lane import TICKET_METHOD
 from swarmtrain.p2p.lane_books import (
     LANE_REUSE_MARGIN,
@@ -98,10 +98,16 @@ def lane_bytes(p2p, peer) -> int:
 
 
 @pytest.mark.trio
-async def test_the_libp2p_connection_reports_its_kernel_rtt():
+async def test_the_libp2p_connection_reports_its_kernel_rtt_and_loss():
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        serve(a)
+        await bulk_call(b, a)  # the ticket call: segments on the libp2p connection
         rtt = connection_rtt(b, a.peer_id)
         assert rtt is not None and 0 < rtt < 1.0
+        path = connection_path(b, a.peer_id)
+        assert path is not None and path[0] == rtt
+        assert path[1] is None or path[1] == 0.0  # loopback loses nothing
+        assert connection_path(b, b.peer_id) is None  # no connection to ourselves
 
 
 @pytest.mark.trio
@@ -175,3 +181,20 @@ async def test_a_lane_is_reused_for_its_own_time_and_a_libp2p_stream_is_not(monk
         assert b.statistics()["lanes_opened"] == 1
         await bulk_call(b, c)  # the libp2p stream is not: a new one
         assert b._bulk_pool.streams_opened == opened + 1
+
+
+def test_a_socket_that_sent_enough_reports_its_retransmitted_share():
+    import socket
+
+    from swarmtrain.p2p.lane_connections import MIN_SEGMENTS_FOR_LOSS, tcp_loss
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with socket.create_connection(server.getsockname()) as client:
+            conn, _ = server.accept()
+            with conn:
+                assert tcp_loss(client) is None  # too few segments to say
+                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for _ in range(2 * MIN_SEGMENTS_FOR_LOSS):
+                    client.sendall(b"x" * 100)
+                    conn.recv(100, socket.MSG_WAITALL)
+                assert tcp_loss(client) == 0.0  # loopback loses nothing

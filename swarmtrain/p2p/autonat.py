@@ -66,7 +66,7 @@ from swarmtrain.p2p.autonat_core import (  # noqa: F401 (re-exported)
     result_of,
 )
 from swarmtrain.p2p.errors import NoSuchMethodError, P2PError
-from swarmtrain.p2p.lane_connections import tcp_rtt
+from swarmtrain.p2p.lane_connections import tcp_loss, tcp_rtt
 from swarmtrain.proto.autonat_pb2 import AutoNATDialRequest, AutoNATDialResponse, AutoNATStatus
 
 if TYPE_CHECKING:
@@ -360,16 +360,23 @@ def _tcp_socket(conn: Any) -> Any:
     return None
 
 
-def connection_rtt(p2p: P2P, peer: ID) -> float | None:
-    """The kernel's smoothed RTT (``TCP_INFO``) of a direct TCP connection to ``peer`` in
-    seconds, the smallest if several; None without one (relayed, other transports)."""
-    rtts = []
+def connection_path(p2p: P2P, peer: ID) -> tuple[float, float | None] | None:
+    """(RTT in seconds, share of segments retransmitted or None) of a direct TCP connection
+    to ``peer``, from the kernel (``TCP_INFO``; the one with the smallest RTT if several);
+    None without one (relayed, other transports)."""
+    paths = []
     for conn in _direct_connections(p2p, peer):
         sock = _tcp_socket(conn)
         rtt = tcp_rtt(sock) if sock is not None else None
         if rtt:
-            rtts.append(rtt)
-    return min(rtts) if rtts else None
+            paths.append((rtt, tcp_loss(sock)))
+    return min(paths, key=lambda path: path[0]) if paths else None
+
+
+def connection_rtt(p2p: P2P, peer: ID) -> float | None:
+    """The RTT of ``connection_path`` (None without a direct TCP connection)."""
+    path = connection_path(p2p, peer)
+    return path[0] if path is not None else None
 
 
 async def _probe_dial(p2p: P2P, peer: ID, addr: multiaddr.Multiaddr) -> bool:

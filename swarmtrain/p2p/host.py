@@ -41,7 +41,7 @@ from swarmtrain.p2p._tuning import (
     tune_host,
 )
 from swarmtrain.p2p.addresses import expand_unspecified
-from swarmtrain.p2p.autonat import AutoNAT, Reachability, connection_rtt, observed_ips
+from swarmtrain.p2p.autonat import AutoNAT, Reachability, connection_path, observed_ips
 from swarmtrain.p2p.connection_limits import (
     SwarmResourceManager,
     build_connection_config,
@@ -452,7 +452,7 @@ class P2P(Dialling):
                 ips[0] if ips else None,
                 self.nursery,
                 self._keep_late_lane,
-                path_rtt=connection_rtt(self, peer_id),
+                path=connection_path(self, peer_id),
             )
             if lane is not None:
                 return lane

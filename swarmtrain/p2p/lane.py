@@ -78,7 +78,7 @@ from swarmtrain.p2p.lane_stream import LaneStream
 from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit, lanes_within_fd_limit
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
-from swarmtrain.p2p.stripe_core import MAX_STRIPES
+from swarmtrain.p2p.stripe_core import MAX_STRIPES, stripes_for_path
 from swarmtrain.proto import p2p_pb2
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,10 @@ OPEN_WAIT = 0.5
 #: handshakes on a long lossy path) before it goes over libp2p
 KNOWN_PEER_WAIT = 6.0
 MAX_PEERS_REMEMBERED = 4096
-DEFAULT_STRIPES = 4  # connections per lane on a long path (P2PConfig.lane_stripes)
+#: the most connections per lane on a long path (P2PConfig.lane_stripes; how many: chosen per
+#: path, ``stripe_core.stripes_for_path``); half the default ``max_lanes_per_peer``, so a peer
+#: may hold two striped lanes to a callee at once
+DEFAULT_STRIPES = 8
 DEFAULT_STRIPE_MIN_RTT = 0.01  # s: stripe when the lane's TCP RTT is at least this
 # an idle lane may be taken for a newcomer once no caller would reuse it (plus latency)
 STALE_LANE_AFTER = CALLER_STREAM_REUSE_TIME + 1.0
@@ -379,13 +382,15 @@ class DataLanes:
         nursery: trio.Nursery,
         on_late_lane: Callable[[Any, Any], None],  # (peer_id, lane)
         wait: float | None = None,
-        path_rtt: float | None = None,
+        path: tuple[float, float | None] | None = None,
     ) -> LaneStream | StripedLane | None:
         """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds
         (default: ``KNOWN_PEER_WAIT`` for a peer whose last lane opened, else ``OPEN_WAIT``
-        plus a few of the libp2p connection's round trips, ``path_rtt`` seconds:
+        plus a few of the libp2p connection's round trips, ``path``'s RTT:
         ``first_lane_wait``; once the ticket came, at least a few of its round trips more:
-        ``wait_after_ticket``), else None (the caller goes over libp2p). An attempt still
+        ``wait_after_ticket``), else None (the caller goes over libp2p). ``path``: (RTT,
+        loss) of the libp2p connection (``autonat.connection_path``), which also sets how
+        many stripes we ask for (``stripe_core.stripes_for_path``). An attempt still
         running after ``wait`` goes on in ``nursery`` and hands its lane to ``on_late_lane``
         (e.g. the idle pool), so a slow path or a firewall that drops packets never stalls a
         call for ``CONNECT_TIMEOUT``."""
@@ -402,7 +407,7 @@ class DataLanes:
             if peer_id in self._lanes_worked:
                 wait = KNOWN_PEER_WAIT
             else:
-                wait = first_lane_wait(path_rtt, OPEN_WAIT, KNOWN_PEER_WAIT)
+                wait = first_lane_wait(path and path[0], OPEN_WAIT, KNOWN_PEER_WAIT)
         patience = trio.CancelScope(deadline=trio.current_time() + wait)
 
         def on_ticket(seconds: float) -> None:
@@ -414,7 +419,7 @@ class DataLanes:
 
         async def attempt() -> None:
             try:
-                lane = await self._open_or_remember(peer_id, remote_ip, on_ticket)
+                lane = await self._open_or_remember(peer_id, remote_ip, on_ticket, path)
             finally:
                 self._opening.discard(peer_id)
             if lane is not None and not waiting:
@@ -439,13 +444,18 @@ class DataLanes:
         return handover[0] if handover else None
 
     async def _open_or_remember(
-        self, peer_id, remote_ip: str, on_ticket: Callable[[float], None] | None = None
+        self,
+        peer_id,
+        remote_ip: str,
+        on_ticket: Callable[[float], None] | None = None,
+        path: tuple[float, float | None] | None = None,
     ) -> LaneStream | StripedLane | None:
         offered = True
         busy = False
         started = trio.current_time()
         try:
-            lane = await self._open(peer_id, remote_ip, on_ticket)
+            wanted = stripes_for_path(*(path or (None, None)), self.stripes)
+            lane = await self._open(peer_id, remote_ip, on_ticket, wanted)
             offered = lane is not None
         except ResourceLimitError as e:  # the callee is up, its lanes are taken: ask again soon
             logger.debug("no data lane to %s (%s): %s", peer_id, remote_ip, e)
@@ -492,13 +502,18 @@ class DataLanes:
         return lane
 
     async def _open(
-        self, peer_id, remote_ip: str, on_ticket: Callable[[float], None] | None = None
+        self,
+        peer_id,
+        remote_ip: str,
+        on_ticket: Callable[[float], None] | None = None,
+        stripes: int | None = None,
     ) -> LaneStream | StripedLane | None:
+        """A new lane of up to ``stripes`` connections (None: ``self.stripes``)."""
         asked = trio.current_time()
         ticket = await self._p2p.call_protobuf_handler(
             peer_id,
             TICKET_METHOD,
-            p2p_pb2.LaneTicketRequest(version=LANE_VERSION, stripes=self.stripes),
+            p2p_pb2.LaneTicketRequest(version=LANE_VERSION, stripes=stripes or self.stripes),
             p2p_pb2.LaneTicket,
             timeout=HANDSHAKE_TIMEOUT,
         )

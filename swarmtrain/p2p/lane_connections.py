@@ -119,6 +119,27 @@ async def dial_stripe(
         raise
 
 
+#: the loss estimate of a connection that sent fewer segments than this is unknown
+MIN_SEGMENTS_FOR_LOSS = 50
+
+
+def tcp_loss(raw: socket.socket) -> float | None:
+    """The share of a connected TCP socket's segments the kernel retransmitted
+    (``tcpi_total_retrans / tcpi_segs_out``, Linux ``TCP_INFO``), None where unknown or after
+    fewer than ``MIN_SEGMENTS_FOR_LOSS`` segments."""
+    try:
+        info = raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 144)
+    except (AttributeError, OSError):
+        return None
+    if len(info) < 140:
+        return None
+    retransmitted = int.from_bytes(info[100:104], sys.byteorder)
+    sent = int.from_bytes(info[136:140], sys.byteorder)
+    if sent < MIN_SEGMENTS_FOR_LOSS:
+        return None
+    return min(1.0, retransmitted / sent)
+
+
 def tcp_rtt(raw: socket.socket) -> float | None:
     """The kernel's smoothed RTT of a connected TCP socket in seconds (Linux ``TCP_INFO``),
     None where unknown."""
