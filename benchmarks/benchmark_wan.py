@@ -28,7 +28,8 @@ i.e. what TCP itself gets out of these links with N-1 flows per direction
 ``--congestion`` (default ``cubic``, what most users' hosts run) sets the TCP congestion
 control of every host's namespace (``net.ipv4.tcp_congestion_control``; a new namespace
 otherwise inherits this box's default, ``bbr`` here); ``default`` leaves it alone.
-``--stripes K`` sets every peer's ``lane_stripes`` (connections per data lane on a long path,
+``--stripes K`` sets every peer's ``lane_stripes`` (the most connections per data lane on a
+long path, each lane asks for a count chosen from its path's RTT and loss,
 ``swarmtrain.p2p.stripe_core``; default: the library's).
 ``--trace FILE``: every peer records its rounds' part timelines (``AllReduceTrace``) and its
 interface counters; a summary per round (the warm-up round 0 included) is printed (link busy

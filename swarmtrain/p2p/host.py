@@ -120,7 +120,8 @@ class P2PConfig:
     data_lane_port: int = 0
     # A lane on a long path (the first connection's TCP RTT >= ``lane_stripe_min_rtt`` s)
     # spreads over up to ``lane_stripes`` TCP connections (swarmtrain.p2p.stripe_core: one
-    # lossy flow at 100+ ms RTT gets a fraction of the link); 1: one connection per lane.
+    # lossy flow at 100+ ms RTT gets a fraction of the link; how many: from the libp2p
+    # connection's RTT and loss, ``stripes_for_path``); 1: one connection per lane.
     lane_stripes: int = DEFAULT_STRIPES
     lane_stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT
     # The TCP congestion control of our lane sockets (e.g. "bbr", which does not take random
