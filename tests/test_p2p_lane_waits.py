@@ -15,6 +15,7 @@ from swarmtrain.p2p.lane_books import (
     first_lane_wait,
     lane_reuse_time,
 )
+from swarmtrain.p2p.lane_connections import MIN_SEGMENTS_FOR_LOSS, tcp_loss
 from swarmtrain.p2p.lane_pool import LANE_REUSE_LIMIT
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
 from swarmtrain.proto import p2p_pb2
@@ -106,7 +107,7 @@ async def test_the_libp2p_connection_reports_its_kernel_rtt_and_loss():
         assert rtt is not None and 0 < rtt < 1.0
         path = connection_path(b, a.peer_id)
         assert path is not None and path[0] == rtt
-        assert path[1] is None or path[1] == 0.0  # loopback loses nothing
+        assert path[1] is None or 0 < path[1] <= 1 / MIN_SEGMENTS_FOR_LOSS  # none lost
         assert connection_path(b, b.peer_id) is None  # no connection to ourselves
 
 
@@ -186,8 +187,6 @@ async def test_a_lane_is_reused_for_its_own_time_and_a_libp2p_stream_is_not(monk
 def test_a_socket_that_sent_enough_reports_its_retransmitted_share():
     import socket
 
-    from swarmtrain.p2p.lane_connections import MIN_SEGMENTS_FOR_LOSS, tcp_loss
-
     with socket.create_server(("127.0.0.1", 0)) as server:
         with socket.create_connection(server.getsockname()) as client:
             conn, _ = server.accept()
@@ -197,4 +196,5 @@ def test_a_socket_that_sent_enough_reports_its_retransmitted_share():
                 for _ in range(2 * MIN_SEGMENTS_FOR_LOSS):
                     client.sendall(b"x" * 100)
                     conn.recv(100, socket.MSG_WAITALL)
-                assert tcp_loss(client) == 0.0  # loopback loses nothing
+                loss = tcp_loss(client)  # loopback loses nothing: at most one in n
+                assert loss is not None and 0 < loss <= 1 / (2 * MIN_SEGMENTS_FOR_LOSS)

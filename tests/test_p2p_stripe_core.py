@@ -12,7 +12,6 @@ from swarmtrain.p2p.stripe_core import (
     MAX_STRIPES,
     SEQ_SIZE,
     STRIPE_TARGET_MBIT,
-    STRIPES_UNKNOWN_LOSS,
     StripeReassembler,
     StripeSender,
     mathis_mbit,
@@ -239,9 +238,9 @@ def test_stripes_follow_the_path_up_to_the_cap():
     wanted = stripes_for_path(0.05, 0.0005, 16)
     assert wanted == -(-STRIPE_TARGET_MBIT // mathis_mbit(0.05, 0.0005))
     assert 1 < wanted < 16
-    # loss unknown (a young connection) or none seen: the old fixed count, capped
+    # loss unknown (a first contact: a young connection): the cap
     for rtt, loss in ((0.3, None), (0.3, 0.0), (None, 0.01), (None, None)):
-        assert stripes_for_path(rtt, loss, 16) == STRIPES_UNKNOWN_LOSS
+        assert stripes_for_path(rtt, loss, 16) == 16
         assert stripes_for_path(rtt, loss, 2) == 2
     # more loss never asks for fewer stripes; the cap always holds
     counts = [stripes_for_path(0.1, p, MAX_STRIPES) for p in (1e-5, 1e-4, 1e-3, 1e-2, 0.5, 1.0)]

@@ -124,9 +124,10 @@ MIN_SEGMENTS_FOR_LOSS = 50
 
 
 def tcp_loss(raw: socket.socket) -> float | None:
-    """The share of a connected TCP socket's segments the kernel retransmitted
-    (``tcpi_total_retrans / tcpi_segs_out``, Linux ``TCP_INFO``), None where unknown or after
-    fewer than ``MIN_SEGMENTS_FOR_LOSS`` segments."""
+    """An upper estimate of the share of a connected TCP socket's segments that were lost:
+    retransmitted ones over sent ones (``tcpi_total_retrans / tcpi_segs_out``, Linux
+    ``TCP_INFO``), and one in n where none of n was (nothing seen is not no loss); None where
+    unknown or after fewer than ``MIN_SEGMENTS_FOR_LOSS`` segments."""
     try:
         info = raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 144)
     except (AttributeError, OSError):
@@ -137,7 +138,7 @@ def tcp_loss(raw: socket.socket) -> float | None:
     sent = int.from_bytes(info[136:140], sys.byteorder)
     if sent < MIN_SEGMENTS_FOR_LOSS:
         return None
-    return min(1.0, retransmitted / sent)
+    return min(1.0, max(retransmitted, 1) / sent)
 
 
 def tcp_rtt(raw: socket.socket) -> float | None:

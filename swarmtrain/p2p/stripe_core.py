@@ -36,8 +36,6 @@ MAX_SEQ_LEAD = 1 << 20
 #: the rate one lane's stripes together aim for, Mbit/s: a peer's uplink shared by a few
 #: partners (20-100 Mbit/s homes and clouds)
 STRIPE_TARGET_MBIT = 25.0
-#: stripes asked for on a long path whose loss is not known (no retransmission statistics yet)
-STRIPES_UNKNOWN_LOSS = 4
 MSS_BYTES = 1448  # a segment's payload at MTU 1500 with TCP timestamps
 
 
@@ -51,13 +49,14 @@ def stripes_for_path(rtt: float | None, loss: float | None, cap: int) -> int:
     """How many stripes to ask for on a path of ``rtt`` seconds losing a ``loss`` share of its
     segments (the libp2p connection's ``TCP_INFO``; None: unknown): enough flows for
     ``STRIPE_TARGET_MBIT`` at the Mathis rate of one flow, at most ``cap``
-    (``P2PConfig.lane_stripes``); ``STRIPES_UNKNOWN_LOSS`` where the loss is unknown or none
-    was seen. Whether the lane stripes at all is decided later, by its first connection's RTT
-    (``lane_stripe_min_rtt``); the callee may grant fewer."""
+    (``P2PConfig.lane_stripes``); the cap where either is unknown (a first contact: the lane is
+    then reused for long, ``lane_books.lane_reuse_time``). Whether the lane stripes at all is
+    decided later, by its first connection's RTT (``lane_stripe_min_rtt``); the callee may
+    grant fewer."""
     if cap < 1:
         raise ValueError("the stripe cap is at least 1")
     if rtt is None or rtt <= 0 or loss is None or loss <= 0:
-        return min(STRIPES_UNKNOWN_LOSS, cap)
+        return cap
     wanted = math.ceil(STRIPE_TARGET_MBIT / mathis_mbit(rtt, min(loss, 1.0)))
     return max(1, min(cap, wanted))
 
