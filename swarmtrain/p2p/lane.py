@@ -456,7 +456,8 @@ class DataLanes:
         try:
             wanted = self.stripes  # lane_stripe_min_rtt 0: every lane striped, all of them
             if self.stripe_min_rtt > 0:
-                wanted = stripes_for_path(*(path or (None, None)), self.stripes)
+                rtt, loss = path if path is not None else (None, None)
+                wanted = stripes_for_path(rtt, loss, self.stripes)
             lane = await self._open(peer_id, remote_ip, on_ticket, wanted)
             offered = lane is not None
         except ResourceLimitError as e:  # the callee is up, its lanes are taken: ask again soon
