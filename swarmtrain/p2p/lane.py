@@ -98,7 +98,9 @@ MAX_PEERS_REMEMBERED = 4096
 #: may hold two striped lanes to a callee at once
 DEFAULT_STRIPES = 8
 DEFAULT_STRIPE_MIN_RTT = 0.01  # s: stripe when the lane's TCP RTT is at least this
-# an idle lane may be taken for a newcomer once no caller would reuse it (plus latency)
+# an idle lane may be taken for a newcomer once a caller would no longer reuse a cheap one;
+# a lane that was dear to open is reused longer (``lane_books.lane_reuse_time``): on a full
+# host its caller may find it reset (a unary call then retries on a new stream)
 STALE_LANE_AFTER = CALLER_STREAM_REUSE_TIME + 1.0
 
 
@@ -407,7 +409,8 @@ class DataLanes:
             if peer_id in self._lanes_worked:
                 wait = KNOWN_PEER_WAIT
             else:
-                wait = first_lane_wait(path and path[0], OPEN_WAIT, KNOWN_PEER_WAIT)
+                rtt = path[0] if path is not None else None
+                wait = first_lane_wait(rtt, OPEN_WAIT, KNOWN_PEER_WAIT)
         patience = trio.CancelScope(deadline=trio.current_time() + wait)
 
         def on_ticket(seconds: float) -> None:
