@@ -1060,6 +1060,21 @@ def test_request_timeouts_must_be_positive():
             MatchmakingCore(config(), pid(0), SCHEMA, deadline=10.0, request_timeouts={pid(1): bad})
 
 
+def test_a_new_scheduled_time_applies_to_the_next_declaration():
+    """The shell moves ``scheduled_time`` during a round (``Matchmaking.set_scheduled_time``):
+    our next declaration expires no earlier than the new time."""
+    core = MatchmakingCore(
+        config(min_matchmaking_time=5.0), pid(0), SCHEMA, deadline=30.0, scheduled_time=8.0
+    )
+    declared = [a.declaration.expiration for a in core.start(0.0) if isinstance(a, Declare)]
+    assert declared == [8.0]
+    core.scheduled_time = 20.0
+    assert core.scheduled_time == 20.0
+    renewed = [a.declaration.expiration for a in core.tick(8.0) if isinstance(a, Declare)]
+    assert renewed == [20.0]
+    assert core.expiration == 20.0
+
+
 def _unseen_peer_swarm(expected: int | None, latency: float, read_delay: float = 0.0) -> Swarm:
     """pid(0) declares first (it should lead) but the others' DHT reads miss its declaration,
     as seen under load behind NATs; pid(0) sees them, but they expire later, so it may not

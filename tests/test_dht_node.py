@@ -24,9 +24,9 @@ from swarmtrain.dht import (
     Ed25519SignatureValidator,
     SchemaValidator,
     get_dht_time,
+    node_maintenance,
     serialize,
 )
-from swarmtrain.dht import node as dht_node_module
 from swarmtrain.dht.protocol import StoreItem
 from swarmtrain.p2p import P2P, MessageTooLargeError, P2PConfig, RemoteError
 from swarmtrain.proto import dht_pb2
@@ -556,7 +556,7 @@ async def test_a_node_whose_initial_peer_did_not_answer_joins_it_later(monkeypat
     """A bootstrap that failed (the initial peer reachable but its DHT not answering: not
     started yet, or too slow under load) is retried in the background while the routing
     table is empty, instead of leaving the node a DHT of its own for good."""
-    monkeypatch.setattr(dht_node_module, "REJOIN_FIRST_DELAY", 0.2)
+    monkeypatch.setattr(node_maintenance, "REJOIN_FIRST_DELAY", 0.2)
     async with P2P.create(use_autonat=False) as first_p2p:  # no DHT on it yet
         initial = [str(a) for a in first_p2p.get_visible_maddrs()]
         async with DHT.create(initial, use_autonat=False, wait_timeout=2.0) as late:

@@ -105,10 +105,10 @@ def test_asyncio_loop_stays_responsive_and_cancellation_reaches_the_peer():
             await ticker_task
             assert [r.value for r in results[:50]] == [3000] * 50
             assert results[50].value == b"ba" * (8 << 20)
-            # A loop blocked by the calls would have stalled the ticker for the 3 s the handlers
-            # took; the bound leaves room for a loaded 2-core machine (GIL hand-offs with the
-            # trio thread moving 16 MiB).
-            assert max_lag < 1.5, max_lag
+            # A loop blocked by the calls stalls the ticker for the 3 s the handlers take; a
+            # shorter gap is a loaded 2-core machine starving this thread (seen: 1.5 s at
+            # load 15), not the calls.
+            assert max_lag < 2.5, max_lag
 
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(

@@ -17,7 +17,9 @@ def test_frozen_objects_are_not_walked_and_new_cycles_are_still_collected():
     long_lived = [_Node() for _ in range(100)]
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() >= 100
+        # not compared with a later get_freeze_count(): other threads of this test process
+        # (earlier tests' background loops) free frozen objects at any moment
+        assert frozen >= 100 and gc.get_freeze_count() >= 100
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(node) in tracked for node in long_lived)  # out of every generation
 

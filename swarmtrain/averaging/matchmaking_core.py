@@ -1,5 +1,9 @@
 """The sans-IO matchmaking state machine (types in matchmaking_types, rules in
-matchmaking_rules; both re-exported here)."""
+matchmaking_rules; both re-exported here). Every transition is here; the state they act on is
+in plain parts the core composes: our declaration and reads of the group key
+(matchmaking_declaration), the leaders we may ask (matchmaking_candidates), a leader's
+followers (matchmaking_followers) and the peers seen this round, with the failure reasons
+(matchmaking_sightings)."""
 
 from __future__ import annotations
 
@@ -43,6 +47,14 @@ __all__ = [
     "order_members",
 ]
 
+from swarmtrain.averaging.matchmaking_candidates import LeaderCandidates
+from swarmtrain.averaging.matchmaking_declaration import KeyReads, OwnDeclaration
+from swarmtrain.averaging.matchmaking_followers import (
+    ANSWER_TIME_FACTOR,
+    FollowerBook,
+    assemble_at,
+    request_time,
+)
 from swarmtrain.averaging.matchmaking_rules import (  # noqa: F401
     _hash,
     _is_viable,
@@ -53,6 +65,7 @@ from swarmtrain.averaging.matchmaking_rules import (  # noqa: F401
     next_group_bits,
     order_members,
 )
+from swarmtrain.averaging.matchmaking_sightings import PeerSightings
 from swarmtrain.averaging.matchmaking_types import (  # noqa: F401
     _FINAL_MESSAGES,
     _GROUP_ID_DOMAIN,
@@ -159,7 +172,6 @@ class MatchmakingCore:
         self.mode = mode
         self.bandwidth = _check_bandwidth(bandwidth)
         self.gather = gather
-        self.scheduled_time = scheduled_time
         self.nonce = nonce
         _check_part_layout(part_layout)
         self.part_layout = part_layout
@@ -170,47 +182,39 @@ class MatchmakingCore:
                 raise ValueError(f"request timeout for {leader!r} must be positive: {seconds!r}")
         # A leader assembles once its group reaches this size (the config's target, or the
         # caller's smaller estimate of the peers present: no wait for the declaration to lapse).
-        self.assemble_at = _assemble_at(config, expected_group_size)
+        self.assemble_at = assemble_at(config, expected_group_size)
         # Peers we expect in the group (the caller's count of peers present): a leader whose
         # group is smaller at its expiration holds it open once, as long as its followers wait.
         self.expected_peers = self.assemble_at if expected_group_size is not None else None
         self._held = False
 
         self._phase = Phase.NEW
-        self._expiration = -math.inf  # our current expiration (declared, unless a client)
-        self._declared: Declaration | None = None
+        self._own = OwnDeclaration(
+            config,
+            peer_id,
+            schema_hash,
+            self.group_key,
+            mode,
+            self.bandwidth,
+            self.deadline,
+            scheduled_time,
+        )
+        self._reads = KeyReads(config, self.group_key)
         self._result: GroupAssembled | MatchmakingFailed | None = None
         # follower side
         self._leader: PeerId | None = None
         self._request_deadline = math.inf  # REQUESTING: first answer due; FOLLOWING: group due
         self._redirects = 0
-        self._candidates: list[Declaration] = []
-        self._last_declarations: list[Declaration] = []  # the last read, to re-rank on renewal
-        # peers whose last read record is an older peer's (no expiration in its value): they
-        # take our DHT expiration for our expiration, so we compare and ask with that one
-        self._legacy_peers: set[PeerId] = set()
         self._request_expiration = -math.inf  # the expiration we told the leader we asked
-        self._late_seen: set[tuple[PeerId, float]] = set()  # read after their expiration
-        self._seen_current: set[PeerId] = set()  # peers of a declaration read before it expired
-        self._moved_on: set[PeerId] = set()  # known from late declarations, said NOT_LOOKING
-        self._tried: set[tuple[PeerId, float]] = set()
-        self._fetch_pending = False
-        self._next_fetch = -math.inf
-        self._refresh_wait = self.config.first_refresh_interval  # doubles to refresh_interval
+        self._candidates = LeaderCandidates(peer_id, schema_hash, mode, self.banned, self._own)
         # leader side
-        self._followers: dict[PeerId, JoinRequest] = {}
-        # per follower that said its patience: the DHT time it stops waiting for our group, and
-        # how long its request took (``_request_time``)
-        self._follower_gives_up: dict[PeerId, tuple[float, float]] = {}
-        self._joiners_past_patience = 0
+        self._followers = FollowerBook()
         # for statistics and failure reasons
         self._window_end = math.inf  # our first expiration: the fast failures are judged then
         self._window_checked = False
-        self._leaders_seen: set[PeerId] = set()  # NODE/AUX declarations of our schema (or blank)
-        self._senders_seen: set[PeerId] = set()  # NODE declarations, NODE/CLIENT joiners
-        self._unreachable: set[PeerId] = set()  # asked, never answered (failed or timed out)
-        self._compatible_seen: set[PeerId] = set()
-        self._schema_mismatches: set[PeerId] = set()
+        self._seen = PeerSightings(
+            peer_id, schema_hash, self.group_key, mode, config.min_group_size
+        )
         self._requests_sent = 0
         self._rejections_received: Counter[RejectReason] = Counter()
         self._rejections_sent: Counter[RejectReason] = Counter()
@@ -231,7 +235,16 @@ class MatchmakingCore:
 
     @property
     def expiration(self) -> float:
-        return self._expiration
+        return self._own.expiration
+
+    @property
+    def scheduled_time(self) -> float | None:
+        """When we intend to average; the shell may change it (our next declaration uses it)."""
+        return self._own.scheduled_time
+
+    @scheduled_time.setter
+    def scheduled_time(self, scheduled_time: float | None) -> None:
+        self._own.scheduled_time = scheduled_time
 
     @property
     def leader(self) -> PeerId | None:
@@ -253,11 +266,11 @@ class MatchmakingCore:
             return math.inf
         times = [self.deadline]
         if self._phase == Phase.SEARCHING:  # (REQUESTING: the answer or its timeout comes first)
-            times.append(self._expiration)
+            times.append(self._own.expiration)
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING):
             times.append(self._request_deadline)
-        if self._phase == Phase.SEARCHING and not self._candidates and not self._fetch_pending:
-            times.append(self._next_fetch)
+        if self._phase == Phase.SEARCHING and not self._candidates and not self._reads.pending:
+            times.append(self._reads.next_fetch)
         if not self._window_checked:
             times.append(self._window_end)
         return min(times)
@@ -266,17 +279,17 @@ class MatchmakingCore:
         return MatchmakingStatistics(
             phase=self._phase,
             group_key=self.group_key,
-            expiration=self._expiration,
+            expiration=self._own.expiration,
             leader=self._leader,
             num_followers=len(self._followers),
             num_candidates=len(self._candidates),
             requests_sent=self._requests_sent,
-            peers_seen=len(self._compatible_seen),
-            schema_mismatches=len(self._schema_mismatches),
+            peers_seen=len(self._seen.compatible_seen),
+            schema_mismatches=len(self._seen.schema_mismatches),
             rejections_received=MappingProxyType(dict(self._rejections_received)),
             rejections_sent=MappingProxyType(dict(self._rejections_sent)),
-            joiners_past_patience=self._joiners_past_patience,
-            late_declarations=len(self._late_seen),
+            joiners_past_patience=self._followers.joiners_past_patience,
+            late_declarations=len(self._seen.late_seen),
         )
 
     def __repr__(self) -> str:
@@ -297,9 +310,9 @@ class MatchmakingCore:
                 FailureReason.DEADLINE, "the deadline passed before matchmaking began"
             )
         actions: list[Action] = []
-        self._renew_expiration(now, actions)
-        self._window_end = self._expiration
-        self._fetch(now, actions)
+        self._own.renew(now, actions)
+        self._window_end = self._own.expiration
+        self._reads.fetch(actions)
         return actions
 
     def cancel(self, now: float) -> list[Action]:
@@ -316,7 +329,7 @@ class MatchmakingCore:
         # 1. an answer or a group that is overdue
         if self._phase in (Phase.REQUESTING, Phase.FOLLOWING) and now >= self._request_deadline:
             if self._phase == Phase.REQUESTING:
-                self._unreachable.add(self._asked_leader())
+                self._seen.unreachable.add(self._asked_leader())
             actions.append(CancelJoinRequest(self._asked_leader()))
             self._leave_leader()
         if now >= self._window_end:
@@ -324,25 +337,24 @@ class MatchmakingCore:
         # 2. our expiration: lead what we have, or start over. Not while a leader's first answer
         # is due: it may have taken us already (its acceptance on its way) and assemble a group
         # with us in it; we act on our expiration once it answered or its time ran out.
-        if self._phase == Phase.SEARCHING and now >= self._expiration:
+        if self._phase == Phase.SEARCHING and now >= self._own.expiration:
             if self._can_assemble(final=True):
                 hold_until = self._hold_until(now)
                 if hold_until is None:
                     return actions + self._assemble(now)
                 self._held = True  # once: stay visible for the peers we expect, then assemble
-                self._declare(hold_until, actions)
+                self._own.declare(hold_until, actions)
                 return actions + self._advance(now)
             cannot = self._cannot_average(now)
             if cannot is not None:  # fail now, without declaring again
                 return actions + self._fail(*cannot)
             if now < self.deadline:
                 actions += self._disband(None)
-                self._renew_expiration(now, actions)
-                self._next_fetch = -math.inf  # a new expiration may make new peers eligible
-                self._refresh_wait = self.config.first_refresh_interval
+                self._own.renew(now, actions)
+                self._reads.restart()  # a new expiration may make new peers eligible
                 # peers we saw but could not follow may lead us now: ask them at once (a read
                 # takes seconds on a loaded machine, by when their groups may have assembled)
-                self._candidates = self._rank(self._last_declarations, now)
+                self._candidates.rerank(now)
         # 3. the deadline
         if now >= self.deadline:
             return actions + self._fail(*self._failure_reason())
@@ -353,52 +365,15 @@ class MatchmakingCore:
     def receive_declarations(self, declarations: Iterable[Declaration], now: float) -> list[Action]:
         """The result of :class:`FetchDeclarations` (records of other keys are ignored by the
         shell; expired ones and our own are skipped here)."""
-        self._fetch_pending = False
-        wait = min(self._refresh_wait, self.config.refresh_interval)
-        self._next_fetch = now + wait
-        self._refresh_wait = wait * 2
+        self._reads.answered(now)
         if self._phase not in _LOOKING:
             return []
         declarations = list(declarations)
         for d in declarations:
-            if d.peer_id == self.peer_id or not d.looking_for_group or d.readable_until <= now:
-                continue
-            if d.legacy:
-                self._legacy_peers.add(d.peer_id)
-            else:
-                self._legacy_peers.discard(d.peer_id)
-            if d.expiration > now:
-                self._seen_current.add(d.peer_id)
-                self._moved_on.discard(d.peer_id)
-            elif d.peer_id in self._moved_on:
-                continue  # its group assembled (or its round ended) after this declaration
-            elif len(self._late_seen) < _MAX_LATE_SEEN:
-                self._late_seen.add((d.peer_id, d.expiration))
-            if d.schema_hash == self.schema_hash:
-                self._compatible_seen.add(d.peer_id)
-            elif d.schema_hash:  # an empty hash is unknown: a join request will tell
-                self._schema_mismatches.add(d.peer_id)
-                continue
-            if d.mode != AveragingMode.CLIENT:
-                self._leaders_seen.add(d.peer_id)
-            if d.mode == AveragingMode.NODE:
-                self._senders_seen.add(d.peer_id)
-        self._refresh_client_expiration(now)
-        self._last_declarations = declarations
-        self._candidates = self._rank(declarations, now)
+            self._seen.note_declaration(d, now)
+        self._own.refresh_client_expiration(now)
+        self._candidates.read(declarations, now)
         return self._advance(now)
-
-    def _rank(self, declarations: list[Declaration], now: float) -> list[Declaration]:
-        return leader_candidates(
-            declarations,
-            self.peer_id,
-            self._expiration,
-            self.schema_hash,
-            now,
-            self._tried,
-            self.mode,
-            legacy_expiration=self._expiration_seen_by_legacy_peers(),
-        )
 
     def fetch_failed(self, now: float) -> list[Action]:
         """The DHT read failed: try again later (as after an empty answer)."""
@@ -411,28 +386,21 @@ class MatchmakingCore:
         actions = self._forget_followers_past_patience(now)
         reason, suggestion = self._reason_to_reject(peer, request, now)
         if reason == RejectReason.GROUP_FULL:
-            evicted = self._auxiliary_to_evict_for(request)
+            evicted = self._followers.auxiliary_to_evict_for(request, self._own_member())
             if evicted is not None:  # a full group of auxiliary peers makes room for a sender
-                del self._followers[evicted]
-                self._follower_gives_up.pop(evicted, None)
+                self._followers.remove(evicted)
                 actions.append(SendToFollower(evicted, Disbanded()))
                 reason = None
         if reason is not None:
             self._rejections_sent[reason] += 1
             if reason == RejectReason.BAD_SCHEMA_HASH:
-                self._schema_mismatches.add(peer)
+                self._seen.schema_mismatches.add(peer)
             actions.append(SendToFollower(peer, Rejected(reason, suggestion)))
             if reason == RejectReason.BAD_EXPIRATION:
                 actions += self._ask_joiner_that_ranks_before_us(peer, request, now)
             return actions
-        self._followers[peer] = request
-        delay = _request_time(request, now)
-        if request.patience is not None and delay is not None:
-            gives_up = max(request.expiration, now) + request.patience
-            self._follower_gives_up[peer] = (gives_up, delay)
-        self._compatible_seen.add(peer)
-        if request.mode != AveragingMode.AUX:
-            self._senders_seen.add(peer)
+        self._followers.accept(peer, request, now)
+        self._seen.note_joiner(peer, request.mode)
         actions.append(SendToFollower(peer, Accepted()))
         if self._phase == Phase.SEARCHING and self._full():
             actions += self._assemble(now)
@@ -456,9 +424,9 @@ class MatchmakingCore:
         window until the deadline. The request told us its expiration, which is current."""
         if self._phase != Phase.SEARCHING or request.mode == AveragingMode.CLIENT:
             return []
-        if (peer, request.expiration) in self._tried or request.expiration <= now:
+        if (peer, request.expiration) in self._candidates.tried or request.expiration <= now:
             return []
-        self._tried.add((peer, request.expiration))
+        self._candidates.tried.add((peer, request.expiration))
         self._redirects = 0
         return self._request(peer, now)
 
@@ -469,26 +437,15 @@ class MatchmakingCore:
 
     def follower_left(self, peer: PeerId, now: float) -> list[Action]:
         """The join stream of an accepted follower closed or failed before a final message."""
-        self._followers.pop(peer, None)
-        self._follower_gives_up.pop(peer, None)
+        self._followers.remove(peer)
         return []
 
     def _forget_followers_past_patience(self, now: float) -> list[Action]:
-        """Followers that said how long they wait and would give up before our start message
-        reached them, even as fast as their request, are not counted: they get a ``Disbanded``
-        (if one still listens, it looks on). Followers that did not say (older peers) are kept,
-        as before. (A hold ends earlier, allowing ``ANSWER_TIME_FACTOR`` times the request's
-        time: a tick that comes late under load does not drop the followers it held for.)"""
-        if self._phase not in _LOOKING or not self._follower_gives_up:
+        """Disband the followers that would give up before our start message reached them
+        (:meth:`FollowerBook.past_patience`)."""
+        if self._phase not in _LOOKING:
             return []
-        gone = [
-            peer
-            for peer, (gives_up, delay) in self._follower_gives_up.items()
-            if now + delay > gives_up
-        ]
-        for peer in gone:
-            del self._followers[peer], self._follower_gives_up[peer]
-        self._joiners_past_patience += len(gone)
+        gone = self._followers.past_patience(now)
         return [SendToFollower(peer, Disbanded()) for peer in gone]
 
     def _reason_to_reject(
@@ -498,7 +455,7 @@ class MatchmakingCore:
             return RejectReason.PROTOCOL_VIOLATION, None
         if self._phase not in _LOOKING or peer in self.banned:
             return RejectReason.NOT_LOOKING, None
-        if not self.declares or now >= self._expiration:
+        if not self.declares or now >= self._own.expiration:
             return RejectReason.NOT_DECLARED, None
         if request.group_key != self.group_key:
             return RejectReason.BAD_GROUP_KEY, None
@@ -508,37 +465,26 @@ class MatchmakingCore:
             return RejectReason.NOT_A_LEADER, self._leader
         if peer == self.peer_id or peer in self._followers:
             return RejectReason.DUPLICATE, None
-        delay = _request_time(request, now)
+        delay = request_time(request, now)
         if (
             request.answer_by is not None
             and delay is not None
             and now + ANSWER_TIME_FACTOR * delay > request.answer_by
         ):  # it may stop waiting before our answer reaches it: do not count it
-            self._joiners_past_patience += 1
+            self._followers.joiners_past_patience += 1
             return RejectReason.NOT_LOOKING, None
-        if not may_lead(self.peer_id, self._expiration, peer, request.expiration, request.mode):
+        if not may_lead(self.peer_id, self._own.expiration, peer, request.expiration, request.mode):
             return RejectReason.BAD_EXPIRATION, None
         target = self.config.target_group_size
         if target is not None and len(self._followers) + 1 >= target:
             return RejectReason.GROUP_FULL, None
         return None, None
 
-    def _auxiliary_to_evict_for(self, request: JoinRequest) -> PeerId | None:
-        """The auxiliary follower (the latest) that a sender joining our full group replaces,
-        when the group has no sender: it could never assemble, and would lock out every peer
-        with tensors (None when the joiner is auxiliary too, or the group can average)."""
-        if request.mode == AveragingMode.AUX or _is_viable(
-            [self._own_member(), *self._follower_members()]
-        ):
-            return None
-        auxiliary = [p for p, r in self._followers.items() if r.mode == AveragingMode.AUX]
-        return auxiliary[-1] if auxiliary else None
-
     def _can_assemble(self, final: bool = False) -> bool:
         """Whether we may assemble now (``final``: at our expiration, else with a full group)."""
         if not self.declares or self._phase not in (Phase.SEARCHING, Phase.REQUESTING):
             return False
-        members = [self._own_member(), *self._follower_members()]
+        members = [self._own_member(), *self._followers.members()]
         if final and len(members) < self.config.min_group_size:
             return False
         return _is_viable(members)
@@ -546,20 +492,18 @@ class MatchmakingCore:
     def _own_member(self) -> GroupMember:
         return GroupMember(self.peer_id, self.mode, self.bandwidth, self.gather, self.part_layout)
 
-    def _follower_members(self) -> list[GroupMember]:
-        return [
-            GroupMember(p, r.mode, r.bandwidth, r.gather, r.part_layout)
-            for p, r in self._followers.items()
-        ]
-
     def _assemble(self, now: float) -> list[Action]:
         actions: list[Action] = []
         if self._phase == Phase.REQUESTING:
             actions.append(CancelJoinRequest(self._asked_leader()))
             self._leave_leader()
-        members = [self._own_member(), *self._follower_members()]
+        members = [self._own_member(), *self._followers.members()]
         group_id = derive_group_id(
-            self.group_key, self.peer_id, self._expiration, (m.peer_id for m in members), self.nonce
+            self.group_key,
+            self.peer_id,
+            self._own.expiration,
+            (m.peer_id for m in members),
+            self.nonce,
         )
         group = MatchmakingGroup(
             group_id, self.group_key, self.peer_id, order_members(group_id, members)
@@ -567,7 +511,6 @@ class MatchmakingCore:
         for follower in self._followers:
             actions.append(SendToFollower(follower, BeginAllReduce(group)))
         self._followers.clear()
-        self._follower_gives_up.clear()
         return actions + self._finish(GroupAssembled(group, is_leader=True))
 
     def _disband(self, suggested_leader: PeerId | None) -> list[Action]:
@@ -575,7 +518,6 @@ class MatchmakingCore:
             SendToFollower(f, Disbanded(suggested_leader)) for f in self._followers
         ]
         self._followers.clear()
-        self._follower_gives_up.clear()
         return actions
 
     # ------------------------------------------------------------------ follower side
@@ -587,7 +529,7 @@ class MatchmakingCore:
         asked are stale (a stream we gave up on) and ignored."""
         if self._phase not in (Phase.REQUESTING, Phase.FOLLOWING) or leader != self._leader:
             return []
-        self._unreachable.discard(leader)
+        self._seen.unreachable.discard(leader)
         if isinstance(message, Accepted):
             if self._phase != Phase.REQUESTING:
                 return self._drop_leader(now, cancel=True)  # accepted twice
@@ -597,15 +539,7 @@ class MatchmakingCore:
             return self._disband(leader)
         if isinstance(message, Rejected):
             self._rejections_received[message.reason] += 1
-            if message.reason == RejectReason.BAD_SCHEMA_HASH:
-                self._compatible_seen.discard(leader)
-                self._schema_mismatches.add(leader)
-            elif message.reason == RejectReason.NOT_LOOKING and leader not in self._seen_current:
-                # known only from a late declaration (an assembled member leaves its own to
-                # expire) and not looking: not a peer we could have averaged with this round
-                self._moved_on.add(leader)
-                for seen in (self._compatible_seen, self._leaders_seen, self._senders_seen):
-                    seen.discard(leader)
+            self._seen.note_rejection(leader, message.reason)
             if self._phase == Phase.FOLLOWING:
                 return self._drop_leader(now)  # not a valid answer after Accepted
             return self._redirect_or_search(message.suggested_leader, now)
@@ -631,7 +565,7 @@ class MatchmakingCore:
         if self._phase not in (Phase.REQUESTING, Phase.FOLLOWING) or leader != self._leader:
             return []
         if self._phase == Phase.REQUESTING:
-            self._unreachable.add(leader)
+            self._seen.unreachable.add(leader)
         return self._drop_leader(now)
 
     def _drop_leader(self, now: float, cancel: bool = False) -> list[Action]:
@@ -642,9 +576,9 @@ class MatchmakingCore:
     def _look_on(self, now: float) -> list[Action]:
         """Back to SEARCHING: ask the next candidate; or, when our expiration passed while we
         waited on a leader (an older peer's expiration may be later than ours: see
-        ``_expiration_toward``), do at once what the tick does then (lead what we have, or
+        ``OwnDeclaration.toward``), do at once what the tick does then (lead what we have, or
         declare again and ask the peers of the last read)."""
-        if now >= self._expiration:
+        if now >= self._own.expiration:
             return self.tick(now)
         return self._advance(now)
 
@@ -673,7 +607,7 @@ class MatchmakingCore:
             and suggested not in self.banned
             and self._redirects < self.config.max_redirects
         ):
-            if now < self._expiration:
+            if now < self._own.expiration:
                 self._redirects += 1
                 return self._request(suggested, now)
         return self._look_on(now)
@@ -684,7 +618,7 @@ class MatchmakingCore:
         patience = self._timeout_for(leader)  # told to the leader: it counts us only so long
         self._request_deadline = now + patience
         self._requests_sent += 1
-        self._request_expiration = self._expiration_toward(leader in self._legacy_peers)
+        self._request_expiration = self._own.toward(leader in self._seen.legacy_peers)
         request = JoinRequest(
             self.group_key,
             self.schema_hash,
@@ -704,84 +638,27 @@ class MatchmakingCore:
             return []
         if self._full():  # filled while we waited on a leader that did not take us
             return self._assemble(now)
-        self._refresh_client_expiration(now)
-        while self._candidates:
-            candidate = self._candidates.pop(0)
-            if candidate.readable_until <= now or not may_lead(
-                candidate.peer_id,
-                candidate.expiration,
-                self.peer_id,
-                self._expiration_toward(candidate.legacy),
-                self.mode,
-            ):
-                continue
-            if (candidate.peer_id, candidate.expiration) in self._tried:
-                continue
-            if candidate.peer_id in self.banned:
-                continue
-            self._tried.add((candidate.peer_id, candidate.expiration))
+        self._own.refresh_client_expiration(now)
+        leader = self._candidates.next_leader(now)
+        if leader is not None:
             self._redirects = 0
-            return self._request(candidate.peer_id, now)
+            return self._request(leader, now)
         cannot = self._cannot_average(now)
         if cannot is not None:
             return self._fail(*cannot)
         actions: list[Action] = []
-        if now >= self._next_fetch:
-            self._fetch(now, actions)
+        if now >= self._reads.next_fetch:
+            self._reads.fetch(actions)
         return actions
 
     # ------------------------------------------------------------------ shared
-
-    def _expiration_seen_by_legacy_peers(self) -> float:
-        """Our expiration as an older peer reads it: our record's DHT expiration."""
-        declared = self._declared
-        return declared.readable_until if declared is not None else self._expiration
-
-    def _expiration_toward(self, legacy: bool) -> float:
-        """The expiration we compare with, and send to, a leader (``legacy``: an older peer)."""
-        return self._expiration_seen_by_legacy_peers() if legacy else self._expiration
-
-    def _expiration_at(self, now: float) -> float:
-        start = now if self.scheduled_time is None else max(self.scheduled_time, now)
-        return min(max(start, now + self.config.min_matchmaking_time), self.deadline)
-
-    def _refresh_client_expiration(self, now: float) -> None:
-        """A client never leads, so its expiration only says until when it wants a group: it is
-        recomputed whenever it picks a leader (leaders that declared after its step began then
-        qualify too), never kept from the start of the step."""
-        if not self.declares:
-            self._expiration = self._expiration_at(now)
 
     def _cannot_average(self, now: float) -> tuple[FailureReason, str] | None:
         """Why no group can form, judged once our first declaration window is over and we wait
         on no leader (the leader we wait on may know of peers we cannot see); else None."""
         if now < self._window_end or self._phase != Phase.SEARCHING:
             return None
-        key = self.group_key
-        if self.mode == AveragingMode.CLIENT:
-            reachable = self._leaders_seen - self._unreachable
-            if reachable:
-                return None
-            if not self._leaders_seen and self._schema_mismatches:
-                return self._failure_reason()  # SCHEMA_MISMATCH: say so, not "no leader"
-            if self._leaders_seen:
-                return FailureReason.NO_LEADER, (
-                    f"could not reach any of the {len(self._leaders_seen)} peer(s) under {key} "
-                    "that can lead a group (client-mode peers cannot lead, and nobody can "
-                    "dial them)"
-                )
-            return FailureReason.NO_LEADER, (
-                f"no peer that can lead a group (a node or an auxiliary peer) declared under {key}"
-                " by the end of our first matchmaking window; client-mode peers cannot lead"
-            )
-        if self.mode == AveragingMode.AUX and not self._senders_seen:
-            if not self._compatible_seen and self._schema_mismatches:
-                return self._failure_reason()
-            return FailureReason.AUXILIARY_ONLY, (
-                f"no peer under {key} contributes tensors: only auxiliary peers (which only "
-                "help others average) showed up by the end of our first matchmaking window"
-            )
-        return None
+        return self._seen.cannot_average(self._phase, self._leader, len(self._followers))
 
     def _hold_until(self, now: float) -> float | None:
         """When a leader at its expiration with fewer members than ``expected_peers`` should
@@ -795,54 +672,12 @@ class MatchmakingCore:
             return None
         if len(self._followers) + 1 >= expected:
             return None
-        patience = min(self._hold_limit(peer, request) for peer, request in self._followers.items())
+        patience = min(
+            self._followers.hold_limit(peer, request, self.config.request_timeout)
+            for peer, request in self._followers.items()
+        )
         hold_until = min(patience, self.deadline)
         return hold_until if hold_until > now else None
-
-    def _hold_limit(self, peer: PeerId, request: JoinRequest) -> float:
-        """The latest time to send ``peer`` the start message while we hold."""
-        said = self._follower_gives_up.get(peer)
-        if said is None:  # an older joiner: it waits at least request_timeout
-            return request.expiration + self.config.request_timeout / 2
-        gives_up, delay = said
-        return gives_up - max(ANSWER_TIME_FACTOR * delay, self.config.request_timeout / 2)
-
-    def _renew_expiration(self, now: float, actions: list[Action]) -> None:
-        self._declare(self._expiration_at(now), actions)
-
-    def _declare(self, expiration: float, actions: list[Action]) -> None:
-        self._expiration = expiration
-        if self.declares:
-            self._declared = Declaration(
-                self.peer_id,
-                self._expiration,
-                True,
-                self.schema_hash,
-                self.mode,
-                self.bandwidth,
-                dht_expiration=self._expiration + self.config.declaration_linger,
-            )
-            actions.append(Declare(self.group_key, self._declared))
-
-    def _fetch(self, now: float, actions: list[Action]) -> None:
-        if not self._fetch_pending:
-            self._fetch_pending = True
-            actions.append(FetchDeclarations(self.group_key))
-
-    def _withdraw(self) -> list[Action]:
-        if self._declared is None:
-            return []
-        d = self._declared
-        self._declared = None
-        gone = Declaration(
-            d.peer_id,
-            d.expiration,
-            False,
-            d.schema_hash,
-            d.mode,
-            dht_expiration=math.nextafter(d.readable_until, math.inf),
-        )
-        return [Declare(self.group_key, gone)]
 
     def _finish(self, result: GroupAssembled | MatchmakingFailed) -> list[Action]:
         self._phase = Phase.ASSEMBLED if isinstance(result, GroupAssembled) else Phase.FAILED
@@ -854,9 +689,9 @@ class MatchmakingCore:
             # instead of withdrawing it: the withdrawal was one DHT store per member while the
             # all-reduce starts (-11% round time at 8 peers x 4M), and a peer that asks to join
             # meanwhile is told NOT_LOOKING.
-            self._declared = None
+            self._own.declared = None
             return [result]
-        return [*self._withdraw(), result]
+        return [*self._own.withdraw(), result]
 
     def _fail(self, reason: FailureReason, detail: str) -> list[Action]:
         actions = self._disband(None)
@@ -866,57 +701,4 @@ class MatchmakingCore:
         return actions + self._finish(MatchmakingFailed(reason, detail))
 
     def _failure_reason(self) -> tuple[FailureReason, str]:
-        need = self.config.min_group_size
-        seen = len(self._compatible_seen) + 1
-        key = self.group_key
-        if not self._compatible_seen and self._schema_mismatches:
-            return FailureReason.SCHEMA_MISMATCH, (
-                f"{len(self._schema_mismatches)} peer(s) under {key} average another schema "
-                "(different tensor shapes, dtypes or names); none average ours"
-            )
-        if seen < need:
-            return FailureReason.TOO_FEW_PEERS, (
-                f"found {seen} peer(s) under {key} counting us, need min_group_size={need}"
-            )
-        if self._followers:
-            return FailureReason.TOO_FEW_PEERS, (
-                f"only {len(self._followers) + 1} peer(s) joined our group under {key} by the "
-                f"deadline, need min_group_size={need}"
-            )
-        if self._phase == Phase.FOLLOWING:
-            return FailureReason.DEADLINE, (
-                f"leader {self._leader!r} did not begin all-reduce before the deadline"
-            )
-        return FailureReason.DEADLINE, (
-            f"saw {seen - 1} other peer(s) under {key} but formed no group before the deadline"
-        )
-
-
-#: late declarations remembered per round (for statistics; a bound against a flood of records)
-_MAX_LATE_SEEN = 4096
-
-#: a message to a joiner may take this many times as long as its join request took (paths
-#: under load vary: a NAT run saw a request take 2.2 s and the answer over 2.9 s)
-ANSWER_TIME_FACTOR = 1.5
-
-
-def _request_time(request: JoinRequest, now: float) -> float | None:
-    """How long ``request`` took to arrive (DHT times; clamped to its patience), None when the
-    joiner did not say (an older peer). Our messages to the joiner may take
-    ``ANSWER_TIME_FACTOR`` times as long."""
-    if request.patience is None or request.answer_by is None:
-        return None
-    sent_at = request.answer_by - request.patience
-    return min(max(now - sent_at, 0.0), request.patience)
-
-
-def _assemble_at(config: MatchmakingConfig, expected_group_size: int | None) -> int | None:
-    """The group size at which a leader assembles at once (None: only at its expiration)."""
-    target = config.target_group_size
-    if expected_group_size is None:
-        return target
-    if isinstance(expected_group_size, bool) or not isinstance(expected_group_size, int):
-        raise TypeError(f"expected_group_size must be an int or None, got {expected_group_size!r}")
-    if expected_group_size < max(2, config.min_group_size):
-        return target  # too small to be a group: no early assembly
-    return expected_group_size if target is None else min(target, expected_group_size)
+        return self._seen.failure_reason(self._phase, self._leader, len(self._followers))

@@ -25,17 +25,18 @@ routing table or a search at a place its peer did not get by hashing its identit
 
 Resource handling: :meth:`serve` registers the handlers and :meth:`close` removes them; the
 owner (``DHTNode``) calls both and owns the task group.
+
+The records and limits live in :mod:`~swarmtrain.dht.protocol_types`, the checks of a store
+request and a found value in :mod:`~swarmtrain.dht.protocol_messages`, the address bookkeeping
+in :mod:`~swarmtrain.dht.protocol_addresses`; the public names are importable from here too.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
-import multiaddr
 import trio
 
 from swarmtrain.p2p import P2P, P2PError, PeerID, RemoteError
@@ -43,13 +44,25 @@ from swarmtrain.proto import dht_pb2
 
 from .blacklist import Blacklist
 from .identifiers import DHTID
-from .routing import PingRequest, RoutingTable
-from .serialization import (
-    MAX_VALUE_SIZE,
-    DHTValueError,
-    check_serialized,
-    check_serialized_subkey,
+from .protocol_addresses import PeerAddresses
+from .protocol_messages import (
+    check_serialized_field,
+    parse_found_value,
+    parse_store_request,
 )
+from .protocol_types import (
+    EXPIRATION_CLOCK_ALLOWANCE,
+    DHTProtocolLimits,
+    FindResult,
+    FoundValue,
+    MalformedRequestError,
+    NodeIdMismatchError,
+    StoreItem,
+    merge_found_values,
+    parse_dht_id,
+)
+from .routing import PingRequest, RoutingTable
+from .serialization import check_serialized_subkey
 from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration, get_dht_time
 from .storage_quota import StorageQuota, StoreOutcome
 from .validation import NO_SUBKEY, DHTRecord, RecordValidatorBase
@@ -66,95 +79,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-ADDRESS_CACHE_SECONDS = 5.0
 #: a store request with more value bytes than this is validated in a worker thread; below it,
 #: the bounded decoder (``dht.serialization``) keeps the work on the loop to a few ms
 INLINE_VALIDATION_BYTES = 16 * 1024
-#: seconds a record from a peer may expire beyond now + the horizon: the writer's clock may run
-#: ahead of ours (its own store is capped at its now + the horizon)
-EXPIRATION_CLOCK_ALLOWANCE = 10.0
-
-FoundValue = ValueWithExpiration[bytes | DictionaryDHTValue]
-
-
-class MalformedRequestError(ValueError):
-    """A DHT request broke a size limit or carried undecodable data; nothing was changed."""
-
-
-class NodeIdMismatchError(MalformedRequestError):
-    """A peer announced a node id that is not ``DHTID.from_peer_id`` of its peer id."""
-
-
-@dataclass(frozen=True)
-class DHTProtocolLimits:
-    """Size limits on what a node accepts (and sends); every field must be positive."""
-
-    max_items: int = 256  #: keys per store or find request
-    max_key_size: int = 4096  #: bytes of one serialized key
-    max_subkey_size: int = 4096  #: bytes of one serialized subkey
-    max_value_size: int = MAX_VALUE_SIZE  #: bytes of one serialized value, signatures excluded
-    max_signature_size: int = 1024  #: bytes validators may append to a value
-    max_maddrs: int = 16  #: addresses per peer
-    max_maddr_length: int = 512  #: characters of one address
-    max_nearest_peers: int = 64  #: nearest peers per key in a find response
-    max_message_size: int = 8 * 1024 * 1024  #: bytes of one request or response
-
-    def __post_init__(self) -> None:
-        for name, value in self.__dict__.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DHTProtocolLimits.{name} must be a positive integer: {value!r}")
-
-    @property
-    def max_signed_value_size(self) -> int:
-        return self.max_value_size + self.max_signature_size
-
-
-@dataclass(frozen=True)
-class StoreItem:
-    """One record to store: serialized key, subkey (or None) and signed value."""
-
-    key: bytes
-    subkey: bytes | None
-    value: bytes
-    expiration_time: float
-
-    @property
-    def key_id(self) -> DHTID:
-        return DHTID.from_serialized_key(self.key)
-
-
-@dataclass(frozen=True)
-class FindResult:
-    """A peer's answer about one key: what it holds (not yet validated) and nearer peers."""
-
-    value: FoundValue | None
-    nearest: dict[DHTID, PeerID]  # nearest first
-
-
-def merge_found_values(a: FoundValue | None, b: FoundValue | None, now: float) -> FoundValue | None:
-    """Combine two answers: dictionaries are merged per subkey, a dictionary wins over a regular
-    value (as in :class:`DHTLocalStorage`), and of two regular values the later one wins.
-
-    Neither argument is modified.
-    """
-    if a is None or b is None:
-        return a if b is None else b
-    a_value, b_value = a.value, b.value
-    a_dict, b_dict = (
-        isinstance(a_value, DictionaryDHTValue),
-        isinstance(b_value, DictionaryDHTValue),
-    )
-    if a_dict != b_dict:
-        return a if a_dict else b
-    if isinstance(a_value, DictionaryDHTValue) and isinstance(b_value, DictionaryDHTValue):
-        merged = a_value.copy()
-        for subkey, item in b_value.items(now):
-            merged.store(subkey, item.value, item.expiration_time, now)
-        merged.latest_expiration_time = max(
-            merged.latest_expiration_time, b_value.latest_expiration_time
-        )
-        return ValueWithExpiration(merged, max(a.expiration_time, b.expiration_time))
-    return b if b.expiration_time > a.expiration_time else a
 
 
 class DHTProtocol:
@@ -204,12 +131,7 @@ class DHTProtocol:
         self._validation_limiter = trio.CapacityLimiter(1)
         self._serving = False
         self._closed = False
-        # Address bookkeeping is hot (every find answer carries up to 20 peers' addresses):
-        # remember what each peer last announced so unchanged lists skip parsing and the
-        # peerstore, and reuse our own announcement and the addresses we hand out for a while.
-        self._announced: dict[PeerID, tuple[str, ...]] = {}
-        self._own_info: tuple[float, dht_pb2.DHTNodeInfo] | None = None
-        self._handed_out: dict[PeerID, tuple[float, list[str]]] = {}
+        self._addresses = PeerAddresses(p2p, node_id, client_mode=client_mode, limits=self.limits)
 
     # --------------------------------------------------------------- lifetime
 
@@ -244,62 +166,6 @@ class DHTProtocol:
 
     # ---------------------------------------------------------- routing table
 
-    def _node_info(self) -> dht_pb2.DHTNodeInfo:
-        if self.client_mode:
-            return dht_pb2.DHTNodeInfo()
-        now = get_dht_time()
-        if self._own_info is None or now - self._own_info[0] > ADDRESS_CACHE_SECONDS:
-            maddrs = self.p2p.get_visible_maddrs()[: self.limits.max_maddrs]
-            info = dht_pb2.DHTNodeInfo(node_id=self.node_id.to_bytes(), maddrs=maddrs)
-            self._own_info = (now, info)
-        return self._own_info[1]
-
-    def _remember_addrs(self, peer_id: PeerID, maddrs: tuple[str, ...], addrs: list[str]) -> None:
-        """Put a peer's announced addresses in the peerstore unless it announced them already."""
-        if not addrs or self._announced.get(peer_id) == maddrs:
-            return
-        self.p2p.add_addrs(peer_id, addrs)
-        if len(self._announced) > 4096:
-            self._announced.clear()
-        self._announced[peer_id] = maddrs
-        self._handed_out.pop(peer_id, None)
-
-    def _parse_node_info(
-        self, remote_id: PeerID, info: dht_pb2.DHTNodeInfo
-    ) -> tuple[DHTID | None, list[str], tuple[str, ...]]:
-        """(node id or None for a client, new addresses without /p2p/..., what was announced);
-        raises if malformed. Addresses the peer announced before come back empty."""
-        if not info.node_id:
-            return None, [], ()
-        node_id = _parse_dht_id(info.node_id, "peer.node_id")
-        if not node_id.is_node_id_of(remote_id):
-            raise NodeIdMismatchError(
-                f"peer.node_id {node_id!r} is not the node id of {remote_id}: node ids are "
-                "DHTID.from_peer_id(peer_id) (a peer of an older swarmtrain, or one that tries "
-                "to choose its place in the DHT)"
-            )
-        if len(info.maddrs) > self.limits.max_maddrs:
-            raise MalformedRequestError(
-                f"peer.maddrs has {len(info.maddrs)} addresses, more than {self.limits.max_maddrs}"
-            )
-        announced = tuple(info.maddrs)
-        if announced == self._announced.get(remote_id):
-            return node_id, [], announced  # known and unchanged: nothing to parse or store
-        suffix = f"/p2p/{remote_id.to_base58()}"
-        addrs = []
-        for maddr in info.maddrs:
-            if len(maddr) > self.limits.max_maddr_length or not maddr.endswith(suffix):
-                raise MalformedRequestError(
-                    f"peer.maddrs: {maddr[:80]!r} is too long or does not end with {suffix}"
-                )
-            base = maddr[: -len(suffix)]
-            try:
-                multiaddr.Multiaddr(base)
-            except Exception as e:
-                raise MalformedRequestError(f"peer.maddrs: {maddr[:80]!r} is invalid: {e}") from e
-            addrs.append(base)
-        return node_id, addrs, announced
-
     def update_routing_table(self, node_id: DHTID, peer_id: PeerID) -> None:
         """Note that ``node_id`` (at ``peer_id``) is alive; a full bucket pings its stalest node."""
         if node_id == self.node_id or peer_id == self.p2p.peer_id:
@@ -328,76 +194,26 @@ class DHTProtocol:
     ) -> None:
         if node_id is None:
             return  # a client: never routed to
-        self._remember_addrs(remote_id, tuple(maddrs), addrs)
+        self._addresses.remember_addrs(remote_id, tuple(maddrs), addrs)
         self.update_routing_table(node_id, remote_id)
 
     async def rpc_ping(self, request: dht_pb2.DHTPingRequest, context) -> dht_pb2.DHTPingResponse:
         """Answer with our node info; add the caller to the routing table unless it is a client."""
         self._accept_caller(
-            context.remote_id, *self._parse_node_info(context.remote_id, request.peer)
+            context.remote_id, *self._addresses.parse_node_info(context.remote_id, request.peer)
         )
-        return dht_pb2.DHTPingResponse(peer=self._node_info(), dht_time=get_dht_time())
+        return dht_pb2.DHTPingResponse(peer=self._addresses.node_info(), dht_time=get_dht_time())
 
     async def rpc_store(
         self, request: dht_pb2.DHTStoreRequest, context
     ) -> dht_pb2.DHTStoreResponse:
         """Validate every item, then store the valid ones (in the cache if ``in_cache``)."""
-        caller = self._parse_node_info(context.remote_id, request.peer)
-        items = self._parse_store_request(request)
+        caller = self._addresses.parse_node_info(context.remote_id, request.peer)
+        items = parse_store_request(request, self.limits)
         valid = await self._validate_request(items)  # raises before any change
         self._accept_caller(context.remote_id, *caller)
         store_ok = self._store_valid(items, valid, request.in_cache, peer=context.remote_id)
-        return dht_pb2.DHTStoreResponse(store_ok=store_ok, peer=self._node_info())
-
-    def _parse_store_request(self, request: dht_pb2.DHTStoreRequest) -> list[StoreItem]:
-        lengths = {
-            len(request.keys),
-            len(request.subkeys),
-            len(request.values),
-            len(request.expiration_time),
-        }
-        if len(lengths) != 1:
-            raise MalformedRequestError(
-                "keys, subkeys, values and expiration_time must have the same length"
-            )
-        if len(request.keys) > self.limits.max_items:
-            raise MalformedRequestError(
-                f"{len(request.keys)} items in one request, more than {self.limits.max_items}"
-            )
-        items = []
-        for index, (key, subkey, value, expiration_time) in enumerate(
-            zip(
-                request.keys,
-                request.subkeys,
-                request.values,
-                request.expiration_time,
-                strict=True,
-            )
-        ):
-            self._check_serialized(key, self.limits.max_key_size, f"keys[{index}]")
-            if subkey != NO_SUBKEY:
-                self._check_serialized(
-                    subkey,
-                    self.limits.max_subkey_size,
-                    f"subkeys[{index}]",
-                    check_serialized_subkey,
-                )
-            if len(value) > self.limits.max_signed_value_size:
-                raise MalformedRequestError(
-                    f"values[{index}] is {len(value)} bytes, larger than the limit "
-                    f"{self.limits.max_signed_value_size}"
-                )
-            if not math.isfinite(expiration_time):
-                raise MalformedRequestError(f"expiration_time[{index}] is not finite")
-            items.append(StoreItem(key, subkey or None, value, expiration_time))
-        return items
-
-    @staticmethod
-    def _check_serialized(data: bytes, max_size: int, what: str, check=check_serialized) -> None:
-        try:
-            check(data, max_size)
-        except DHTValueError as e:
-            raise MalformedRequestError(f"{what}: {e}") from None
+        return dht_pb2.DHTStoreResponse(store_ok=store_ok, peer=self._addresses.node_info())
 
     async def _validate_request(self, items: Sequence[StoreItem]) -> list[bool]:
         """:meth:`validate_record` for each item: on the loop for a small request, otherwise
@@ -416,7 +232,7 @@ class DHTProtocol:
           is checked here), or the validators accept it but its value is malformed
         """
         if item.subkey:
-            self._check_serialized(
+            check_serialized_field(
                 item.subkey, self.limits.max_subkey_size, "subkey", check_serialized_subkey
             )
         record = DHTRecord(
@@ -424,7 +240,7 @@ class DHTProtocol:
         )
         if not self.record_validator.validate(record):
             return False
-        self._check_serialized(
+        check_serialized_field(
             self.record_validator.strip_value(record), self.limits.max_value_size, "value"
         )
         return True
@@ -483,15 +299,17 @@ class DHTProtocol:
 
     async def rpc_find(self, request: dht_pb2.DHTFindRequest, context) -> dht_pb2.DHTFindResponse:
         """For each key id: the value we hold (if any) and the nodes we know nearest to it."""
-        caller_id, addrs, announced = self._parse_node_info(context.remote_id, request.peer)
+        caller_id, addrs, announced = self._addresses.parse_node_info(
+            context.remote_id, request.peer
+        )
         if len(request.keys) > self.limits.max_items:
             raise MalformedRequestError(
                 f"{len(request.keys)} keys in one request, more than {self.limits.max_items}"
             )
-        key_ids = [_parse_dht_id(key, f"keys[{i}]") for i, key in enumerate(request.keys)]
+        key_ids = [parse_dht_id(key, f"keys[{i}]") for i, key in enumerate(request.keys)]
         self._accept_caller(context.remote_id, caller_id, addrs, announced)
         now = get_dht_time()
-        response = dht_pb2.DHTFindResponse(peer=self._node_info())
+        response = dht_pb2.DHTFindResponse(peer=self._addresses.node_info())
         k = min(self.bucket_size, self.limits.max_nearest_peers)
         if request.max_nearest_peers:  # 0: the caller did not say (our bucket_size)
             k = min(k, request.max_nearest_peers)
@@ -514,24 +332,9 @@ class DHTProtocol:
                 result.nearest_peers.add(
                     node_id=node_id.to_bytes(),
                     peer_id=peer_id.to_bytes(),
-                    maddrs=self._maddrs_of(peer_id),
+                    maddrs=self._addresses.maddrs_of(peer_id),
                 )
         return response
-
-    def _maddrs_of(self, peer_id: PeerID) -> list[str]:
-        now = get_dht_time()
-        cached = self._handed_out.get(peer_id)
-        if cached is not None and now - cached[0] <= ADDRESS_CACHE_SECONDS:
-            return cached[1]
-        suffix = f"/p2p/{peer_id.to_base58()}"
-        addrs = [a if a.endswith(suffix) else a + suffix for a in self.p2p.known_addrs(peer_id)]
-        addrs = [a for a in addrs if len(a) <= self.limits.max_maddr_length][
-            : self.limits.max_maddrs
-        ]
-        if len(self._handed_out) > 4096:
-            self._handed_out.clear()
-        self._handed_out[peer_id] = (now, addrs)
-        return addrs
 
     # ---------------------------------------------------------------- client
 
@@ -556,7 +359,7 @@ class DHTProtocol:
             return None
         self.blacklist.register_success(peer_id)
         try:
-            node_id, _, _ = self._parse_node_info(peer_id, response.peer)
+            node_id, _, _ = self._addresses.parse_node_info(peer_id, response.peer)
         except MalformedRequestError as e:
             logger.warning("malformed %s response from %s: %s", method, peer_id, e)
             if isinstance(e, NodeIdMismatchError):
@@ -571,7 +374,7 @@ class DHTProtocol:
         response = await self._call(
             peer_id,
             "rpc_ping",
-            dht_pb2.DHTPingRequest(peer=self._node_info()),
+            dht_pb2.DHTPingRequest(peer=self._addresses.node_info()),
             dht_pb2.DHTPingResponse,
         )
         if response is None or not response.peer.node_id:
@@ -588,7 +391,7 @@ class DHTProtocol:
             values=[item.value for item in items],
             expiration_time=[item.expiration_time for item in items],
             in_cache=in_cache,
-            peer=self._node_info(),
+            peer=self._addresses.node_info(),
         )
         response = await self._call(peer_id, "rpc_store", request, dht_pb2.DHTStoreResponse)
         if response is None:
@@ -608,7 +411,7 @@ class DHTProtocol:
         """
         request = dht_pb2.DHTFindRequest(
             keys=[key_id.to_bytes() for key_id in key_ids],
-            peer=self._node_info(),
+            peer=self._addresses.node_info(),
             max_nearest_peers=max_nearest_peers or 0,
         )
         response = await self._call(peer_id, "rpc_find", request, dht_pb2.DHTFindResponse)
@@ -620,8 +423,11 @@ class DHTProtocol:
         now = get_dht_time()
         found, num_unbound = {}, 0
         for key_id, result in zip(key_ids, response.results, strict=True):
-            nearest, unbound = self._parse_nearest(result)
-            found[key_id] = FindResult(self._parse_found_value(peer_id, result, now), nearest)
+            nearest, unbound = self._addresses.parse_nearest(result)
+            found[key_id] = FindResult(
+                parse_found_value(peer_id, result, now, self.limits, self.max_expiration_horizon),
+                nearest,
+            )
             num_unbound += unbound
         if num_unbound:
             # our nodes only list pairs they checked: this peer made them up (or runs an
@@ -635,64 +441,6 @@ class DHTProtocol:
             self._on_failure(peer_id)
         return found
 
-    def _parse_found_value(
-        self, peer_id: PeerID, result: dht_pb2.DHTFindResult, now: float
-    ) -> FoundValue | None:
-        if result.type == dht_pb2.DHTFindResult.NOT_FOUND:
-            return None
-        if not math.isfinite(result.expiration_time) or result.expiration_time <= now:
-            return None
-        if (
-            self.max_expiration_horizon is not None
-            and result.expiration_time
-            > now + self.max_expiration_horizon + EXPIRATION_CLOCK_ALLOWANCE
-        ):
-            logger.debug("%s returned a value expiring beyond the horizon; ignored", peer_id)
-            return None
-        if result.type == dht_pb2.DHTFindResult.FOUND_REGULAR:
-            if len(result.value) > self.limits.max_signed_value_size:
-                logger.warning("%s sent a value over the size limit; ignored", peer_id)
-                return None
-            return ValueWithExpiration(result.value, result.expiration_time)
-        if result.type == dht_pb2.DHTFindResult.FOUND_DICTIONARY:
-            try:
-                dictionary = DictionaryDHTValue.unpackb(result.value, now)
-            except ValueError as e:
-                logger.warning("%s sent a malformed dictionary value (%s); ignored", peer_id, e)
-                return None
-            return ValueWithExpiration(dictionary, result.expiration_time)
-        return None
-
-    def _parse_nearest(self, result: dht_pb2.DHTFindResult) -> tuple[dict[DHTID, PeerID], int]:
-        """The listed peers we may call, and how many listed pairs were not bound (dropped)."""
-        nearest: dict[DHTID, PeerID] = {}
-        unbound = 0
-        for info in result.nearest_peers[: self.limits.max_nearest_peers]:
-            if len(info.node_id) != DHTID.HASH_NBYTES or not info.peer_id:
-                continue
-            node_id = DHTID.from_bytes(info.node_id)
-            if not node_id.is_node_id_of(info.peer_id):
-                unbound += 1
-                continue
-            peer_id = PeerID(info.peer_id)
-            if peer_id == self.p2p.peer_id or node_id == self.node_id:
-                continue
-            maddrs = tuple(info.maddrs[: self.limits.max_maddrs])
-            if maddrs != self._announced.get(peer_id):
-                suffix = f"/p2p/{peer_id.to_base58()}"
-                addrs = [
-                    a[: -len(suffix)]
-                    for a in maddrs
-                    if a.endswith(suffix) and len(a) <= self.limits.max_maddr_length
-                ]
-                try:
-                    self._remember_addrs(peer_id, maddrs, addrs)
-                except Exception as e:
-                    logger.debug("ignoring bad addresses of %s: %s", peer_id, e)
-                    continue
-            nearest[node_id] = peer_id
-        return nearest, unbound
-
 
 #: refusals worth a warning: a peer past its quota or its expiration horizon (stale or
 #: outdated writes are routine)
@@ -704,11 +452,3 @@ _REPORTED_REFUSALS = frozenset(
         StoreOutcome.TOO_LARGE,
     }
 )
-
-
-def _parse_dht_id(raw: bytes, what: str) -> DHTID:
-    if len(raw) != DHTID.HASH_NBYTES:
-        raise MalformedRequestError(
-            f"{what} must be {DHTID.HASH_NBYTES} bytes, got {len(raw)} bytes"
-        )
-    return DHTID.from_bytes(raw)
