@@ -126,6 +126,7 @@ _PROBE_MESSAGES = {
     "while another peer of the run answers",
     ProbeOutcome.REACHABLE: "%s: peer %s answered: its progress record counts again",
 }
+_MAX_EPOCHS_SEEN = 4096
 #: (peer id, prefix) of the trackers open in this process: a peer id holds one record per run
 _OPEN_TRACKERS: set[tuple[bytes, str]] = set()
 
@@ -196,6 +197,7 @@ class AsyncProgressTracker:
         self._lock = threading.Lock()  # the core: the loop's tasks and the trainer's thread
         self._fetch_failures = self._stores = self._store_failures = 0
         self._gossip_sent = self._gossip_received = self._gossip_rejected = 0
+        self._epochs_seen: dict[bytes, int] = {}  # newest epoch heard of each peer (for logs)
 
     # ---------------------------------------------------------------- lifetime
 
@@ -467,6 +469,7 @@ class AsyncProgressTracker:
         with self._lock:
             epoch = self._core.update_epoch(new_epoch, get_dht_time())
         self._changed.notify_threadsafe()
+        logger.debug("%s: entered epoch %d", self.prefix, epoch)
         return epoch
 
     def on_round_partners(self, peer_ids: Iterable[PeerID | bytes], epoch: int) -> None:
@@ -569,6 +572,7 @@ class AsyncProgressTracker:
                 await self._changed.wait()  # gossip and reports may bring the fetch earlier
 
     async def _fetch(self) -> None:
+        started = get_dht_time()
         try:
             found = await self.dht.get(self.training_progress_key, latest=True)
         except Exception:
@@ -589,19 +593,23 @@ class AsyncProgressTracker:
         now = get_dht_time()
         with self._lock:
             progress = self._core.on_fetch(entries, now)
+        for subkey, (parsed, _) in entries.items():
+            self._note_epoch(subkey, parsed, now, f"fetch ({now - started:.2f} s)")
         # at the status level once per epoch and change of peers; every fetch at DEBUG
         status = (progress.epoch, progress.num_peers)
         level = self._status_loglevel if status != self._last_status else logging.DEBUG
         self._last_status = status
         logger.log(
             level,
-            "%s: %d samples of %d for epoch #%d from %d peers; ETA %s (next fetch in %.2f s)",
+            "%s: %d samples of %d for epoch #%d from %d peers; ETA %s (fetch took %.2f s, next "
+            "in %.2f s)",
             self.prefix,
             progress.samples_accumulated,
             progress.target_batch_size,
             progress.epoch,
             progress.num_peers,
             describe_eta(progress, now),
+            now - started,
             progress.next_fetch_time - now,
         )
         self._log_warnings(now)
@@ -671,6 +679,13 @@ class AsyncProgressTracker:
             logger.warning("could not gossip progress of %s", self.prefix, exc_info=True)
             return
         self._gossip_sent += 1
+        if record is not None and record.samples_accumulated == 0:
+            logger.debug(
+                "%s: gossiped epoch %d, %.2f s after its report",
+                self.prefix,
+                record.epoch,
+                get_dht_time() - record.time,
+            )
 
     async def _receive_loop(self, subscription: Any) -> None:
         async for message in subscription:
@@ -700,8 +715,29 @@ class AsyncProgressTracker:
             changed = self._core.on_gossip(subkey, parsed, expiration, now)  # type: ignore[arg-type]
         if changed:
             self._gossip_received += 1
+            self._note_epoch(subkey, parsed, now, "gossip")  # type: ignore[arg-type]
             self._log_warnings(now)
             self._changed.notify()
+
+    def _note_epoch(
+        self, subkey: bytes, record: LocalProgress | None, now: float, via: str
+    ) -> None:
+        """Log (DEBUG) the first record of a peer's newer epoch: how late it reached us."""
+        if record is None or subkey == self._subkey:
+            return
+        if record.epoch <= self._epochs_seen.get(subkey, -1):
+            return
+        if len(self._epochs_seen) >= _MAX_EPOCHS_SEEN:
+            self._epochs_seen.clear()  # for logs only: a flood of identities costs no memory
+        self._epochs_seen[subkey] = record.epoch
+        logger.debug(
+            "%s: peer %s at epoch %d via %s, %.2f s after its report",
+            self.prefix,
+            _short_peer_id(subkey),
+            record.epoch,
+            via,
+            now - record.time,
+        )
 
     def _log_warnings(self, now: float) -> None:
         with self._lock:
