@@ -197,7 +197,8 @@ class AsyncProgressTracker:
         self._lock = threading.Lock()  # the core: the loop's tasks and the trainer's thread
         self._fetch_failures = self._stores = self._store_failures = 0
         self._gossip_sent = self._gossip_received = self._gossip_rejected = 0
-        self._epochs_seen: dict[bytes, int] = {}  # newest epoch heard of each peer (for logs)
+        #: per channel (gossip, fetch), the newest epoch heard of each peer (for logs)
+        self._epochs_seen: dict[str, dict[bytes, int]] = {}
 
     # ---------------------------------------------------------------- lifetime
 
@@ -722,14 +723,17 @@ class AsyncProgressTracker:
     def _note_epoch(
         self, subkey: bytes, record: LocalProgress | None, now: float, via: str
     ) -> None:
-        """Log (DEBUG) the first record of a peer's newer epoch: how late it reached us."""
+        """Log (DEBUG) the first record of a peer's newer epoch on each channel (gossip, fetch):
+        how late it reached us."""
         if record is None or subkey == self._subkey:
             return
-        if record.epoch <= self._epochs_seen.get(subkey, -1):
+        channel = via.split(" ", 1)[0]
+        seen = self._epochs_seen.setdefault(channel, {})
+        if record.epoch <= seen.get(subkey, -1):
             return
-        if len(self._epochs_seen) >= _MAX_EPOCHS_SEEN:
-            self._epochs_seen.clear()  # for logs only: a flood of identities costs no memory
-        self._epochs_seen[subkey] = record.epoch
+        if len(seen) >= _MAX_EPOCHS_SEEN:
+            seen.clear()  # for logs only: a flood of identities costs no memory
+        seen[subkey] = record.epoch
         logger.debug(
             "%s: peer %s at epoch %d via %s, %.2f s after its report",
             self.prefix,
