@@ -56,7 +56,9 @@ def test_a_linger_that_is_not_a_number_is_a_type_error(bad):
     with pytest.raises(TypeError, match="declaration_linger must be a number"):
         AveragerConfig(prefix="linger", declaration_linger=bad)
     with pytest.raises(TypeError, match="declaration_linger"):
-        AsyncOptimizer(dht=None, **_optimizer_options(torch.nn.Linear(2, 1), declaration_linger=bad))
+        AsyncOptimizer(
+            dht=None, **_optimizer_options(torch.nn.Linear(2, 1), declaration_linger=bad)
+        )
 
 
 def test_the_default_and_zero_reach_the_matchmaking_config():

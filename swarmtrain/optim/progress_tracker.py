@@ -199,6 +199,7 @@ class AsyncProgressTracker:
         self._gossip_sent = self._gossip_received = self._gossip_rejected = 0
         #: per channel (gossip, fetch), the newest epoch heard of each peer (for logs)
         self._epochs_seen: dict[str, dict[bytes, int]] = {}
+        self._fetch_scopes: dict[int, trio.CancelScope] = {}  # running fetches, by number
 
     # ---------------------------------------------------------------- lifetime
 
@@ -563,26 +564,45 @@ class AsyncProgressTracker:
                 logger.debug("progress of %s was not stored", self.prefix)
 
     async def _fetch_loop(self) -> None:
-        while True:
-            now = get_dht_time()
-            next_fetch = self._core.global_progress.next_fetch_time
-            if now >= next_fetch:
-                await self._fetch()
-                continue
-            with trio.move_on_after(next_fetch - now):
-                await self._changed.wait()  # gossip and reports may bring the fetch earlier
+        # A fetch starts on schedule even while a slow one is still out (at most
+        # MAX_FETCHES_IN_FLIGHT; the core decides): one slow read does not delay what the
+        # next one would bring.
+        async with trio.open_nursery() as fetches:
+            while True:
+                now = get_dht_time()
+                with self._lock:
+                    number = self._core.on_fetch_started(now) if self._core.fetch_due(now) else None
+                    next_start = self._core.next_fetch_start(now)
+                if number is not None:
+                    fetches.start_soon(self._run_fetch, now, number)
+                    continue
+                with trio.move_on_after(max(0.0, next_start - now)):
+                    await self._changed.wait()  # gossip, reports and ended fetches
 
     async def _fetch(self) -> None:
+        """Fetch the swarm's progress now (besides the scheduled fetches)."""
         started = get_dht_time()
+        with self._lock:
+            number = self._core.on_fetch_started(started)
+        await self._run_fetch(started, number)
+
+    async def _run_fetch(self, started: float, number: int) -> None:
+        """Fetch ``number``, begun at ``started``; stopped once a fetch begun later ended."""
+        scope = self._fetch_scopes[number] = trio.CancelScope()
         try:
-            found = await self.dht.get(self.training_progress_key, latest=True)
+            with scope:
+                found = await self.dht.get(self.training_progress_key, latest=True)
         except Exception:
             self._fetch_failures += 1
             logger.warning("could not fetch progress of %s", self.prefix, exc_info=True)
             with self._lock:
-                self._core.on_fetch_failed(get_dht_time())
+                self._core.on_fetch_failed(get_dht_time(), number)
             self._changed.notify()
             return
+        finally:
+            del self._fetch_scopes[number]
+        if scope.cancelled_caught:
+            return  # obsolete: a fetch begun after it already ended
         entries: dict[bytes, tuple[LocalProgress | None, float]] = {}
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
@@ -593,7 +613,10 @@ class AsyncProgressTracker:
                     entries[subkey] = (parsed, item.expiration_time)  # type: ignore[assignment]
         now = get_dht_time()
         with self._lock:
-            progress = self._core.on_fetch(entries, now)
+            progress = self._core.on_fetch(entries, now, number)
+            obsolete = [n for n in self._fetch_scopes if not self._core.fetch_running(n)]
+        for stale in obsolete:
+            self._fetch_scopes[stale].cancel()
         for subkey, (parsed, _) in entries.items():
             self._note_epoch(subkey, parsed, now, f"fetch ({now - started:.2f} s)")
         # at the status level once per epoch and change of peers; every fetch at DEBUG
