@@ -559,6 +559,13 @@ class AsyncProgressTracker:
                 logger.warning("could not store progress of %s", self.prefix, exc_info=True)
             if stored:
                 self._stores += 1
+                if record.samples_accumulated == 0:  # an epoch change (or an announcement)
+                    logger.debug(
+                        "%s: stored epoch %d in %.2f s",
+                        self.prefix,
+                        record.epoch,
+                        get_dht_time() - now,
+                    )
             else:
                 self._store_failures += 1
                 logger.debug("progress of %s was not stored", self.prefix)
