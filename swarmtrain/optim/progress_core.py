@@ -48,10 +48,11 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
 - the next DHT fetch comes after ``default_refresh_period`` when we see no other peer, else
   after ``eta * n / max(n + expected_drift_peers, n * (1 + expected_drift_rate))`` clipped to
   ``[min_refresh_period, max_refresh_period]``: the more peers may join before the epoch ends,
-  the sooner we look again. The period runs from the *start* of the last fetch, and up to
-  ``MAX_FETCHES_IN_FLIGHT`` fetches may run at once: a read that is slow (a loaded peer, a
-  relayed path, an RPC timing out) does not hold the next one back, so a record stored
-  meanwhile is seen within about a period plus one typical read, not behind the slow read
+  the sooner we look again. The period runs from the end of the last fetch, or from the start
+  of one still out: up to ``MAX_FETCHES_IN_FLIGHT`` fetches may run at once, so a read that
+  is slow (a loaded peer, a relayed path, an RPC timing out) does not hold the next one back,
+  and a record stored meanwhile is seen within about two periods and two typical reads, not
+  behind the slow read (reads faster than the period run one at a time, as before)
   (:meth:`ProgressCore.fetch_due`, :meth:`ProgressCore.on_fetch_started`). A fetch that ends
   makes the ones begun before it obsolete (what they would bring is older): they stop counting
   and the tracker stops them (:meth:`ProgressCore.fetch_running`), so slow reads never fill the
@@ -397,8 +398,8 @@ class ProgressCore:
 
     def on_fetch_started(self, now: float) -> int:
         """A DHT fetch starts now; returns its number, for :meth:`on_fetch` or
-        :meth:`on_fetch_failed` when it ends. The next one is due a period after this start,
-        whatever this one takes."""
+        :meth:`on_fetch_failed` when it ends. The next one is due a period after this start if
+        this one is still out then (else a period after it ended)."""
         number = next(self._fetch_numbers)
         self._fetches[number] = now
         self._last_fetch_started = now
@@ -753,17 +754,17 @@ class ProgressCore:
                 max(eta * num_peers / expected_max, config.min_refresh_period),
                 config.max_refresh_period,
             )
-        # the period runs from the start of the last fetch (the age of what it brings), not
-        # its end: a slow read does not push the next one back
-        anchor = last_started if last_started is not None else self._last_fetch_time
+        # A period after the last fetch ended, as before; and a period after a fetch began
+        # while it is still out (a slow read does not push the next one back: that one starts
+        # beside it, see fetch_due).
+        ends = [t for t in (self._last_fetch_time, last_started) if t is not None]
+        anchor = max(ends) if ends else None
         if next_fetch_time is None:
-            if (fetched or started) and anchor is not None:
-                next_fetch_time = anchor + period
-            elif fetched:
+            if fetched or started:
                 next_fetch_time = now + period
             elif anchor is None:
                 next_fetch_time = self._global.next_fetch_time
-            else:  # only ever earlier, and never before the last fetch's start plus the period
+            else:  # only ever earlier, and never before the last fetch (start or end) + period
                 next_fetch_time = min(self._global.next_fetch_time, anchor + period)
 
         if epoch != self._global.epoch:
