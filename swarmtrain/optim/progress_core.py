@@ -56,9 +56,9 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   (:meth:`ProgressCore.fetch_due`, :meth:`ProgressCore.on_fetch_started`). A fetch that ends
   makes the ones begun before it obsolete (what they would bring is older): they stop counting
   and the tracker stops them (:meth:`ProgressCore.fetch_running`), so slow reads never fill the
-  slots for long. Gossip and local
-  reports can only bring the next fetch earlier (never before the last fetch's start plus the
-  period computed now), so a steady flow of gossip never postpones the DHT fallback.
+  slots for long. Gossip and local reports can only bring the next fetch earlier (never before
+  the last fetch, its end or the start of one still out, plus the period computed now), so a
+  steady flow of gossip never postpones the DHT fallback.
 
 Records of dead peers (a killed run's, which never said goodbye): the owner of each non-client
 record ahead of this peer (the peer id the record is bound to) is dialled once
@@ -210,8 +210,8 @@ class ProgressCore:
         return len(self._fetches)
 
     def fetch_running(self, fetch: int) -> bool:
-        """Whether fetch ``fetch`` (from :meth:`on_fetch_started`) still counts: it ended, or a
-        fetch begun after it ended first (then it is obsolete: stop it), when not."""
+        """Whether fetch ``fetch`` (from :meth:`on_fetch_started`) still counts. False once it
+        ended, or once a fetch begun after it ended first (it is obsolete then: stop it)."""
         return fetch in self._fetches
 
     def fetch_due(self, now: float) -> bool:
@@ -409,13 +409,18 @@ class ProgressCore:
     def _end_fetch(self, fetch: int | None, now: float) -> None:
         """``fetch`` ended with a result: it and every fetch begun before it stop counting
         (what they would bring is older than what it brought; :meth:`fetch_running` tells
-        the caller). Without a number (or an unknown one) it counts as begun at ``now``."""
-        started = self._fetches.pop(fetch, None) if fetch is not None else None
-        if started is not None:
-            for number in [n for n, at in self._fetches.items() if at <= started]:
-                del self._fetches[number]
-        began = now if started is None else started
-        if self._last_result_began is None or began > self._last_result_began:
+        the caller). Without a number it counts as begun at ``now``; an obsolete one (its
+        result came anyway) says nothing about when it began."""
+        if fetch is None:
+            began: float | None = now
+        else:
+            began = self._fetches.pop(fetch, None)
+            if began is not None:
+                for number in [n for n, at in self._fetches.items() if at <= began]:
+                    del self._fetches[number]
+        if began is not None and (
+            self._last_result_began is None or began > self._last_result_began
+        ):
             self._last_result_began = began
 
     def on_fetch(
