@@ -75,7 +75,7 @@ def seen_at(core_factory, read_times, stored_at, **kwargs) -> float:
     first = core.on_fetch_started(T0)  # a first read (fast) shows the peer at the target
     core.on_fetch(dht.read(T0), T0 + 0.1, first)
     assert core.global_progress.next_fetch_time == pytest.approx(T0 + PERIOD)
-    for start, end in run_fetches(core, dht, read_times, T0 + 30, **kwargs):
+    for start, end in run_fetches(core, dht, read_times, stored_at + 10, **kwargs):
         if start >= stored_at:
             return end
     raise AssertionError("never seen")
