@@ -44,8 +44,7 @@ from swarmtrain.p2p.errors import (
 )
 from swarmtrain.p2p.framing import KIND_END, KIND_MESSAGE, KIND_OPEN, MESSAGE_KINDS, FrameKind
 from swarmtrain.p2p.limits import ByteBudget, PeerCounter, ResourceLimits
-from swarmtrain.p2p.rpc_stream import RPCStream
-from swarmtrain.p2p.stall_core import ProgressDeadline
+from swarmtrain.p2p.rpc_stream import RPCStream, deadline_moved_by_bytes
 from swarmtrain.proto import p2p_pb2
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
@@ -198,6 +197,10 @@ class _IncomingMessages:
         deadline that moves while a large message keeps arriving); None: stop."""
         self._on_bytes = callback
 
+    def _relay_bytes(self, count: int) -> None:
+        if self._on_bytes is not None:
+            self._on_bytes(count)
+
     async def __anext__(self) -> Message:
         """The next message; ``RPCTimeoutError`` if none began within ``idle_timeout`` or
         its bytes stopped coming for that long (a large message over a slow path may take
@@ -205,28 +208,18 @@ class _IncomingMessages:
         if self.finished.is_set():
             raise StopAsyncIteration
         stream = self._stream
-        guard = ProgressDeadline(trio.current_time() + self._idle_timeout, self._idle_timeout)
-        with trio.CancelScope(deadline=guard.deadline) as scope:
-
-            def on_bytes(count: int) -> None:
-                scope.deadline = guard.on_bytes(count, trio.current_time())
-                if self._on_bytes is not None:
-                    self._on_bytes(count)
-
-            stream.on_bytes = on_bytes
-            try:
-                frame = await stream.receive_frame()
-                if frame is not None and frame.kind in MESSAGE_KINDS:
-                    return await receive_item(
-                        stream,
-                        frame,
-                        self._spec.input_type,
-                        "the request",
-                        self._spec.attachments,
-                        self._spec.attachment_buffer,
-                    )
-            finally:
-                stream.on_bytes = None
+        moving = deadline_moved_by_bytes(stream, self._idle_timeout, self._relay_bytes)
+        with moving as (scope, guard):
+            frame = await stream.receive_frame()
+            if frame is not None and frame.kind in MESSAGE_KINDS:
+                return await receive_item(
+                    stream,
+                    frame,
+                    self._spec.input_type,
+                    "the request",
+                    self._spec.attachments,
+                    self._spec.attachment_buffer,
+                )
         if scope.cancelled_caught:
             what = f"{guard.received} bytes of a" if guard.received else "no"
             raise RPCTimeoutError(

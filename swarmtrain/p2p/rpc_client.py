@@ -20,8 +20,7 @@ from swarmtrain.p2p.rpc import (
     send_item,
     serialize_checked,
 )
-from swarmtrain.p2p.rpc_stream import RPCStream
-from swarmtrain.p2p.stall_core import ProgressDeadline
+from swarmtrain.p2p.rpc_stream import RPCStream, deadline_moved_by_bytes
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
 logger = logging.getLogger("swarmtrain.p2p.rpc")
@@ -171,6 +170,10 @@ class ResponseStream(Generic[TItem]):
         if not self._timeout:
             self._reader.stream.on_bytes = callback
 
+    def _relay_bytes(self, count: int) -> None:
+        if self._on_bytes is not None:
+            self._on_bytes(count)
+
     async def __anext__(self) -> TItem:
         """The next response; with ``next_message_timeout``, ``RPCTimeoutError`` if none began
         within it or its bytes stopped coming for that long (``stall_core.ProgressDeadline``)."""
@@ -181,19 +184,12 @@ class ResponseStream(Generic[TItem]):
                 raise StopAsyncIteration
             return message
         stream = self._reader.stream
-        guard = ProgressDeadline(trio.current_time() + self._timeout, self._timeout)
-        with trio.CancelScope(deadline=guard.deadline) as scope:
-
-            def on_bytes(count: int) -> None:
-                scope.deadline = guard.on_bytes(count, trio.current_time())
-                if self._on_bytes is not None:
-                    self._on_bytes(count)
-
-            stream.on_bytes = on_bytes
-            try:
+        try:
+            moving = deadline_moved_by_bytes(stream, self._timeout, self._relay_bytes)
+            with moving as (scope, guard):
                 message = await self._reader.next_message()
-            finally:
-                stream.on_bytes = self._on_bytes
+        finally:
+            stream.on_bytes = self._on_bytes
         if scope.cancelled_caught:
             what = f"{guard.received} bytes of a response" if guard.received else "no response"
             raise RPCTimeoutError(

@@ -17,7 +17,8 @@ family and the lanes' ``LaneError`` family) become RPC errors.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 import trio
@@ -42,6 +43,7 @@ from swarmtrain.p2p.framing import (
     message_header,
 )
 from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget, PeerBytes
+from swarmtrain.p2p.stall_core import ProgressDeadline
 from swarmtrain.proto import p2p_pb2
 
 READ_SIZE = 1024 * 1024
@@ -306,3 +308,27 @@ class RPCStream:
                 await self.stream.reset()
             except Exception:
                 pass
+
+
+@contextmanager
+def deadline_moved_by_bytes(
+    stream: RPCStream,
+    patience: float,
+    relay: Callable[[int], None] | None = None,
+) -> Iterator[tuple[trio.CancelScope, ProgressDeadline]]:
+    """A cancel scope due ``patience`` s from now whose deadline moves while ``stream``'s bytes
+    keep arriving (``ProgressDeadline``); each count is also passed to ``relay``. On leaving,
+    the stream has no byte hook."""
+    guard = ProgressDeadline(trio.current_time() + patience, patience)
+    with trio.CancelScope(deadline=guard.deadline) as scope:
+
+        def on_bytes(count: int) -> None:
+            scope.deadline = guard.on_bytes(count, trio.current_time())
+            if relay is not None:
+                relay(count)
+
+        stream.on_bytes = on_bytes
+        try:
+            yield scope, guard
+        finally:
+            stream.on_bytes = None
