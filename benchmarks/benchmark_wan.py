@@ -4,7 +4,8 @@ butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root onl
     sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
         [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE] [--latency packet|proxy]
         [--mtu 1500] [--log LOGGER ...] [--congestion cubic|bbr|reno|default]
-        [--stripes K]
+        [--stripes K] [--lane-congestion bbr] [--forwarder-priority rr|nice|none]
+        [--no-lanes]
 
 A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a ``tc
 tbf`` rate limit on its link (both directions) and the delay and loss of ``--latency``:
@@ -28,8 +29,11 @@ i.e. what TCP itself gets out of these links with N-1 flows per direction
 ``--congestion`` (default ``cubic``, what most users' hosts run) sets the TCP congestion
 control of every host's namespace (``net.ipv4.tcp_congestion_control``; a new namespace
 otherwise inherits this box's default, ``bbr`` here); ``default`` leaves it alone.
-``--stripes K`` sets every peer's ``lane_stripes`` (connections per data lane on a long path,
+``--stripes K`` sets every peer's ``lane_stripes`` (the most connections per data lane on a
+long path, each lane asks for a count chosen from its path's RTT and loss,
 ``swarmtrain.p2p.stripe_core``; default: the library's).
+``--no-lanes``: peers without data lanes, so every bulk call takes the libp2p connection
+(what peers behind NAT get), to measure that fallback.
 ``--trace FILE``: every peer records its rounds' part timelines (``AllReduceTrace``) and its
 interface counters; a summary per round (the warm-up round 0 included) is printed (link busy
 shares, reducer waits, per-flow throughput), the raw events go to FILE. ``--log LOGGER ...``:
@@ -170,14 +174,18 @@ def delay_line_counters(lab, hosts) -> dict:
         key: sum(s[f"{key}_{way}"] for s in stats for way in ("in", "out"))
         for key in ("seen", "lost", "overflow")
     }
-    return {"delay_line_so_far": {**total, "max_late": max(s["max_late"] for s in stats)}}
+    total["max_late"] = max(s["max_late"] for s in stats)
+    total["priority"] = sorted({s.get("priority", "none") for s in stats})
+    return {"delay_line_so_far": total}
 
 
 def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
     with netlab.Lab() as lab:
         if args.latency == "packet":
             hosts = [
-                lab.add_delayed_host(f"p{i}", delay=delay / 2, mtu=args.mtu)
+                lab.add_delayed_host(
+                    f"p{i}", delay=delay / 2, mtu=args.mtu, priority=args.forwarder_priority
+                )
                 for i in range(args.peers)
             ]
         else:
@@ -196,6 +204,10 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
         started = time.monotonic()
         log = {"log": args.log} if args.log else {}
         lanes = {} if args.stripes is None else {"lane_stripes": args.stripes}
+        if args.lane_congestion:
+            lanes["lane_congestion"] = args.lane_congestion
+        if args.no_lanes:  # every bulk call over the one libp2p connection (yamux)
+            lanes["use_data_lanes"] = False
         first = lab.spawn(
             hosts[0],
             PEER_SCRIPT,
@@ -297,6 +309,7 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
                     latency=args.latency,
                     congestion=congestion,
                     stripes=args.stripes,
+                    lanes=not args.no_lanes,
                     mtu=args.mtu if args.latency == "packet" else None,
                     codec=codec,
                     floats=args.floats,
@@ -385,6 +398,23 @@ def main() -> None:
         "--stripes",
         type=int,
         help="every peer's lane_stripes (TCP connections per data lane on a long path)",
+    )
+    parser.add_argument(
+        "--lane-congestion",
+        help="every peer's P2PConfig.lane_congestion (the lane sockets' TCP congestion "
+        "control, e.g. bbr in cubic namespaces; default: the namespace's)",
+    )
+    parser.add_argument(
+        "--forwarder-priority",
+        choices=("rr", "nice", "none"),
+        default="rr",
+        help="the delay lines' scheduling (packet mode): rr (SCHED_RR, else nice -15), nice "
+        "(-15), none (a busy box then delays packets: max_late)",
+    )
+    parser.add_argument(
+        "--no-lanes",
+        action="store_true",
+        help="no data lanes (use_data_lanes=False): bulk calls go over libp2p, as behind NAT",
     )
     args = parser.parse_args()
     if args.latency == "packet":

@@ -623,3 +623,68 @@ async def test_sender_with_non_finite_tensors_sends_zero_weight_and_others_go_on
         assert results[i].complete  # it took part, with weight 0: nobody waited or failed
         check_averaged(tensors[i], results[i], want)
     assert elapsed < FAST.sender_timeout
+
+
+@pytest.mark.parametrize("after_half", ["silence", "trickle"])
+async def test_a_sender_stalling_inside_its_first_part_is_banned_in_bounded_time(after_half):
+    """Bytes arriving keep a slow sender's deadline moving (issue 18: a part crawling over a
+    lossy path is not a stalled sender), but one that stops inside its first part, or
+    trickles a byte at a time to hold the round open, is still banned within about
+    ``sender_timeout`` (plus one second per ``min_rate`` bytes it sent) and the round ends
+    without it."""
+    from swarmtrain.p2p.framing import attached_message_header, encode_header
+    from swarmtrain.p2p.rpc import RPC_PROTOCOL_ID
+    from swarmtrain.proto import p2p_pb2
+
+    config = dataclasses.replace(FAST, sender_timeout=2.0, reducer_timeout=4.0)
+    tensors = random_tensors(2, seed=11)
+    async with swarm(3) as (hosts, services):
+        bad = hosts[2]
+        group = AllReduceGroup(
+            b"round-stall", tuple(h.peer_id for h in hosts), (1, 1, 0), (NODE, NODE, CLIENT)
+        )
+        runners = [AllReduceRunner(services[i], group, tensors[i], config=config) for i in range(2)]
+        layout = TensorPartContainer(tensors[0], group.fractions, FAST.part_size_bytes).layout
+
+        async def stall(reducer, task_status=trio.TASK_STATUS_IGNORED):
+            numel = layout[reducer][0].numel
+            request = averaging_pb2.AveragingRequest(
+                group_id=group.group_id,
+                weight=1.0,
+                part_index=0,
+                part=averaging_pb2.AveragingTensorPart(size=[numel], dtype="float32"),
+            ).SerializeToString()
+            open_frame = p2p_pb2.RPCFrameHeader(
+                kind=p2p_pb2.RPCFrameHeader.OPEN, method=rpc_aggregate_part_v2_name("test")
+            )
+            stream = await bad.new_stream(hosts[reducer].peer_id, RPC_PROTOCOL_ID)
+            await stream.write(
+                encode_header(open_frame)
+                + attached_message_header(len(request), 4 * numel)
+                + request
+                + bytes(2 * numel)  # half of the part
+            )
+            task_status.started()
+            try:
+                while after_half == "trickle":
+                    await trio.sleep(0.2)
+                    await stream.write(b"\0")
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    await stream.close()
+
+        start = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for reducer in range(2):
+                await nursery.start(stall, reducer)
+            results = await run_all(runners)
+            elapsed = time.monotonic() - start
+            nursery.cancel_scope.cancel()
+    want = weighted_mean(tensors, [1] * 2, range(2))
+    for i in range(2):
+        assert not results[i].timed_out
+        assert results[i].banned_senders == {bad.peer_id: Failure.TIMEOUT}
+        check_averaged(tensors[i], results[i], want)
+    # sender_timeout, plus ~2 s bought by the half part and the trickle (4 KiB/s)
+    assert config.sender_timeout <= elapsed < config.sender_timeout + 6

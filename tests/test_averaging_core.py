@@ -104,6 +104,48 @@ def test_client_and_aux():
             torch.testing.assert_close(local + delta, mean)
 
 
+def test_a_sender_whose_first_request_crawls_in_is_not_banned_as_missing():
+    """Over a lossy 300 ms path the first part takes longer than ``sender_timeout`` to arrive
+    (the stream opens only then): bytes arriving keep its deadline moving; once they stop it
+    is banned one ``sender_timeout`` later, and a silent sender still at ``sender_timeout``."""
+    group = make_group([1, 1, 1])
+    cores = make_cores(group, random_tensors(3), sender_timeout=5.0, reducer_timeout=10.0)
+    core = cores[0]
+    assert core.missing_senders_deadline == 5.0
+    for second in range(1, 20):  # peer 1's first request: 40 KB/s for 19 s
+        core.sender_arriving(1, 40_000, float(second))
+    assert core.missing_senders_deadline == 5.0  # peer 2 sent nothing
+    assert core.ban_missing_senders(5.0) == ()  # waits for peer 1's part 0 too
+    assert core.banned_senders == {"peer2": Failure.TIMEOUT}
+    assert core.missing_senders_deadline == 19.0 + 5.0
+    assert core.open_sender(1, b"gid", 1.0, 20.0) is None  # it made it
+    assert core.missing_senders_deadline == float("inf")
+    assert core.ban_missing_senders(100.0) == ()
+    assert "peer1" not in core.banned_senders
+    core.sender_arriving(1, 1, 21.0)  # no-op once open
+
+
+def test_a_first_request_that_stops_arriving_is_banned_one_timeout_later():
+    group = make_group([1, 1])
+    core = make_cores(group, random_tensors(2), sender_timeout=5.0, reducer_timeout=10.0)[0]
+    core.sender_arriving(1, 100_000, 4.0)
+    assert core.ban_missing_senders(8.9) == ()
+    assert core.ban_missing_senders(9.0) != ()
+    assert core.banned_senders == {"peer1": Failure.TIMEOUT}
+
+
+def test_a_trickled_first_request_cannot_hold_the_round_open():
+    """One byte per second keeps arriving, but buys only 1 / min_rate s each."""
+    group = make_group([1, 1])
+    core = make_cores(group, random_tensors(2), sender_timeout=5.0, reducer_timeout=10.0)[0]
+    now = 0.0
+    while not core.banned_senders:
+        now += 1.0
+        core.sender_arriving(1, 1, now)
+        core.ban_missing_senders(now)
+    assert now <= 6.0
+
+
 def test_missing_sender_is_banned_after_sender_timeout():
     group = make_group([1, 1, 1])
     tensors = random_tensors(3)

@@ -116,6 +116,14 @@ def test_random_loss_drops_the_configured_share_of_packets(lab):
     assert after["overflow_out"] == before["overflow_out"]
 
 
+def test_the_forwarder_runs_with_real_time_priority(lab):
+    """A busy box must not delay the line's packets: the forwarder asks for SCHED_RR (root
+    may), else nice -15, and says which it got."""
+    far = lab.hosts["far"]
+    assert lab.delay_line_statistics(far)["priority"] == "rr"
+    assert os.sched_getscheduler(far.delay_line.pid) == os.SCHED_RR
+
+
 def test_a_delayed_lab_leaves_nothing_behind():
     if netlab.delay_line_unavailable_reason() is not None:
         pytest.skip(netlab.delay_line_unavailable_reason())

@@ -9,7 +9,14 @@ import trio
 from google.protobuf.wrappers_pb2 import Int64Value
 from lane_util import lane_over_socketpair
 
-from swarmtrain.p2p import P2P, Attached, MessageTooLargeError, RPCError, RPCProtocolError
+from swarmtrain.p2p import (
+    P2P,
+    Attached,
+    MessageTooLargeError,
+    RPCCancelledError,
+    RPCError,
+    RPCProtocolError,
+)
 from swarmtrain.p2p.framing import (
     FrameDecoder,
     FrameKind,
@@ -119,12 +126,14 @@ class _FakeStream:
 
 
 @pytest.mark.trio
-async def test_a_stream_cut_inside_an_attachment_is_a_protocol_error():
+async def test_a_stream_cut_inside_an_attachment_is_the_peer_giving_up():
+    """A peer that ends its side after part of an attachment gave up on the call (a caller
+    past its deadline closes its stream so): a cancellation, not a protocol violation."""
     wire = attached_message_header(1, 1000) + b"m" + b"\x01" * 600
     stream = RPCStream(_FakeStream([wire[:300], wire[300:]]), max_message_size=1 << 20)
     frame = await stream.receive_frame()
     assert frame.kind == FrameKind.ATTACHED_MESSAGE
-    with pytest.raises(RPCProtocolError, match="middle of an attachment"):
+    with pytest.raises(RPCCancelledError, match=r"middle of an attachment \(400 bytes were still"):
         await stream.receive_attachment()
     assert not stream.is_reusable()
 

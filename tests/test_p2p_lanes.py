@@ -296,6 +296,13 @@ async def test_cancelling_a_bulk_call_cancels_the_remote_handler():
 
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         a.add_protobuf_handler("t::L.slow", slow_sink, BytesValue, stream_input=True)
+        serve(a)
+        # open the lane first: the slow call's 1 s is then all the handler's (a first lane
+        # may take most of a second to open on a loaded box)
+        reply = await b.call_protobuf_handler(
+            a.peer_id, "t::L.whoami", StringValue(), StringValue, bulk=True
+        )
+        assert reply.value == str(b.peer_id)
         with pytest.raises(RPCTimeoutError):
             await b.call_protobuf_handler(
                 a.peer_id,

@@ -506,3 +506,42 @@ async def test_closing_hosts_leaves_no_tasks_behind():
         await trio.sleep(0.01)
     leftover = [t.name for t in descendants(root) if id(t) not in before]
     assert leftover == []
+
+
+@pytest.mark.parametrize("pace", ["crawling", "stopped"])
+async def test_a_request_message_is_idle_only_when_its_bytes_stop(pace):
+    """The callee's ``request_idle_timeout`` (here 0.5 s) ends a call whose request message
+    stops arriving, not one whose message takes longer than that because it crawls in (a
+    large message over a lossy long path, issue 18): bytes arriving are progress."""
+    from swarmtrain.p2p.framing import encode_header, message_header
+    from swarmtrain.p2p.rpc_stream import RPCStream
+    from swarmtrain.proto import p2p_pb2
+
+    async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
+        serve_all(a)
+        a._rpc_server.request_idle_timeout = 0.5
+        payload = BytesValue(value=b"x" * 100_000).SerializeToString()
+        open_frame = p2p_pb2.RPCFrameHeader(
+            kind=p2p_pb2.RPCFrameHeader.OPEN, method="test::Demo.total_size"
+        )
+        end = encode_header(p2p_pb2.RPCFrameHeader(kind=p2p_pb2.RPCFrameHeader.END))
+        wire = encode_header(open_frame) + message_header(len(payload)) + payload + end
+        stream = await b.new_stream(a.peer_id, RPC_PROTOCOL_ID)
+        pieces = [wire[i : i + 5_000] for i in range(0, len(wire), 5_000)]
+        if pace == "stopped":
+            pieces = pieces[: len(pieces) // 2]
+        started = trio.current_time()
+        for piece in pieces:  # 0.1 s apart: the whole message takes ~2 s, 4x the timeout
+            await stream.write(piece)
+            await trio.sleep(0.1)
+        reader = RPCStream(stream, 1 << 20)
+        with trio.fail_after(5):
+            frame = await reader.receive_frame() if pace == "crawling" else None
+            if pace == "stopped":  # given up on 0.5 s after the last bytes: the stream ends
+                last_write = trio.current_time()
+                assert await reader.receive_frame() is None
+                assert trio.current_time() - last_write < 2.0
+        if pace == "crawling":
+            assert trio.current_time() - started > 4 * a._rpc_server.request_idle_timeout
+            assert Int64Value.FromString(bytes(frame.payload)).value == 100_000
+        await stream.close()

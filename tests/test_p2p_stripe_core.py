@@ -11,8 +11,11 @@ from swarmtrain.p2p.stripe_core import (
     MAX_SEQ_LEAD,
     MAX_STRIPES,
     SEQ_SIZE,
+    STRIPE_TARGET_MBIT,
     StripeReassembler,
     StripeSender,
+    mathis_mbit,
+    stripes_for_path,
 )
 
 
@@ -214,3 +217,33 @@ def test_a_call_waits_a_few_round_trips_after_its_ticket():
     assert wait_after_ticket(0.001, 4.0) == pytest.approx(0.026)  # a LAN: a few ms
     assert wait_after_ticket(0.3, 4.0) == pytest.approx(2.8)  # 3-4 RTTs and a lost SYN
     assert wait_after_ticket(5.0, 4.0) == 4.0
+
+
+# ------------------------------------------------------------------ stripes per path
+
+
+def test_one_lossy_flow_at_a_long_rtt_is_slow():
+    assert mathis_mbit(0.3, 0.01) == pytest.approx(0.471, abs=0.001)
+    assert mathis_mbit(0.1, 0.01) == pytest.approx(3 * mathis_mbit(0.3, 0.01))
+    assert mathis_mbit(0.3, 0.0001) == pytest.approx(10 * mathis_mbit(0.3, 0.01))
+
+
+def test_stripes_follow_the_path_up_to_the_cap():
+    # 300 ms / 1%: ~54 flows for the target; the cap decides
+    assert stripes_for_path(0.3, 0.01, 8) == 8
+    assert stripes_for_path(0.3, 0.01, 16) == 16
+    # a short clean path needs one flow
+    assert stripes_for_path(0.01, 0.0001, 16) == 1
+    # in between: enough flows for the target at the Mathis rate
+    wanted = stripes_for_path(0.05, 0.0005, 16)
+    assert wanted == -(-STRIPE_TARGET_MBIT // mathis_mbit(0.05, 0.0005))
+    assert 1 < wanted < 16
+    # loss unknown (a first contact: a young connection): the cap
+    for rtt, loss in ((0.3, None), (0.3, 0.0), (None, 0.01), (None, None)):
+        assert stripes_for_path(rtt, loss, 16) == 16
+        assert stripes_for_path(rtt, loss, 2) == 2
+    # more loss never asks for fewer stripes; the cap always holds
+    counts = [stripes_for_path(0.1, p, MAX_STRIPES) for p in (1e-5, 1e-4, 1e-3, 1e-2, 0.5, 1.0)]
+    assert counts == sorted(counts) and all(1 <= c <= MAX_STRIPES for c in counts)
+    with pytest.raises(ValueError):
+        stripes_for_path(0.3, 0.01, 0)

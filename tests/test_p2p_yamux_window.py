@@ -128,7 +128,7 @@ async def test_a_blocked_writer_wakes_up_when_the_peer_resets_the_stream():
         P2P.create(a.get_visible_maddrs(), use_data_lanes=False, **QUIET) as b,
     ):
         started = trio.current_time()
-        with pytest.raises(StreamReset), trio.fail_after(3):  # not the 5 s window timeout
+        with pytest.raises(StreamReset), trio.fail_after(3):  # not the window wait timeout
             await _blocked_writer(a, b, reset_later)
         assert trio.current_time() - started < 3
 
@@ -150,7 +150,7 @@ async def test_a_writer_without_credit_times_out(monkeypatch):
     ):
         with pytest.raises(StreamReset) as raised, trio.fail_after(5):
             await _blocked_writer(a, b, hold)
-        assert "window update" in str(raised.value.__cause__)
+        assert "send window" in str(raised.value.__cause__)
         never_read.set()
 
 

@@ -43,8 +43,16 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Mapping, Sequence
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Hashable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -94,6 +102,7 @@ from swarmtrain.compression.wire import (
     tensor_to_numpy,
 )
 from swarmtrain.p2p import P2P, Attached, NoSuchMethodError, P2PError, PeerID
+from swarmtrain.p2p.stall_core import ProgressDeadline
 from swarmtrain.proto import averaging_pb2
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
@@ -358,6 +367,10 @@ class AllReduceService:
                     await self._registered.wait()
         return self._runners.get(group_id)
 
+    def _first_request_bytes(self, remote_id: PeerID, count: int) -> None:
+        for runner in self._runners.values():
+            runner._sender_arriving(remote_id, count)
+
     def _rpc_aggregate_part(self, requests, context):
         return self._serve_call(requests, context, attached=False)
 
@@ -365,10 +378,18 @@ class AllReduceService:
         return self._serve_call(requests, context, attached=True)
 
     async def _serve_call(self, requests, context, attached: bool):
+        # The stream joins its round once the first request (group id, first part) is in:
+        # meanwhile its bytes tell the rounds waiting for this sender that it is on its way.
+        watch = getattr(requests, "set_on_bytes", None)
+        if watch is not None:
+            watch(lambda count: self._first_request_bytes(context.remote_id, count))
         try:
             first = await requests.__anext__()
         except StopAsyncIteration:
             return
+        finally:
+            if watch is not None:
+                watch(None)
         request, _ = unwrap(first)
         runner = await self._find_runner(request.group_id, request.leader)
         if runner is None:
@@ -556,8 +577,15 @@ class AllReduceRunner:
 
     async def _ban_missing_senders(self) -> None:
         core = self.core
-        await anyio.sleep_until(core.missing_senders_deadline)
-        self._notify(core.ban_missing_senders(anyio.current_time()))
+        while (deadline := core.missing_senders_deadline) < math.inf:
+            await anyio.sleep_until(deadline)
+            self._notify(core.ban_missing_senders(anyio.current_time()))
+
+    def _sender_arriving(self, remote_id: PeerID, count: int) -> None:
+        """Bytes of ``remote_id``'s first request came (``AllReduceCore.sender_arriving``)."""
+        peer = self.group.index_of(remote_id)
+        if peer is not None and not self._closed:
+            self.core.sender_arriving(peer, count, anyio.current_time())
 
     # ------------------------------------------------------------------ as a sender
 
@@ -674,7 +702,8 @@ class AllReduceRunner:
 
     async def _receive_result(self, reducer: int, k: int, responses) -> bool:
         core = self.core
-        with anyio.CancelScope(deadline=core.reducer_deadline(reducer)) as scope:
+        deadline = core.reducer_deadline(reducer)
+        with _progress_deadline(responses, deadline, core.reducer_timeout) as scope:
             response, attachment = unwrap(await _next_or_none(responses))
         if scope.cancelled_caught:
             core.fail_reducer(reducer, Failure.TIMEOUT)
@@ -789,7 +818,8 @@ class AllReduceRunner:
     async def _next_part(self, peer: int, requests):
         """The sender's next request, or None (then it is banned, or the round is over)."""
         core = self.core
-        with anyio.CancelScope(deadline=core.sender_deadline(peer)) as scope:
+        deadline = core.sender_deadline(peer)
+        with _progress_deadline(requests, deadline, core.sender_timeout) as scope:
             self._read_scopes[peer] = scope
             try:
                 request = await _next_or_none(requests)
@@ -833,6 +863,29 @@ class AllReduceRunner:
             )
         response = _response(Code.AVERAGING_AVERAGED_PART, part_index=k, delta=part_header(message))
         return Attached(response, message.buffer)
+
+
+@contextmanager
+def _progress_deadline(iterator, deadline: float, patience: float) -> Iterator[anyio.CancelScope]:
+    """A cancel scope ending at ``deadline`` that bytes arriving for ``iterator`` (an RPC's
+    requests or responses) move out while they keep coming (``ProgressDeadline``: up to
+    ``patience`` after the last read, at most one second per ``min_rate`` bytes): a part that
+    crawls over a lossy path is not a stalled sender; one that sends nothing still misses
+    ``deadline``."""
+    guard = ProgressDeadline(deadline, patience)
+    with anyio.CancelScope(deadline=deadline) as scope:
+
+        def on_bytes(count: int) -> None:
+            scope.deadline = guard.on_bytes(count, anyio.current_time())
+
+        watch = getattr(iterator, "set_on_bytes", None)
+        if watch is not None:
+            watch(on_bytes)
+        try:
+            yield scope
+        finally:
+            if watch is not None:
+                watch(None)
 
 
 async def _next_or_none(iterator):

@@ -16,7 +16,9 @@ AUX     never (weight-less helper)    yes
 Reducer side (the local slice, if any): each sender opens one stream and sends its parts in
 order; a part is averaged once every sender that is not banned contributed it. A sender is
 banned when it never opens a stream within ``sender_timeout`` of the start, when its next part
-does not arrive within ``sender_timeout`` of the previous result, when it sends bad data
+does not arrive within ``sender_timeout`` of the previous result (both moved out while the
+bytes of that request keep arriving, see ``stall_core.ProgressDeadline``: a slow path is not
+a stalled sender), when it sends bad data
 (NaN or inf values included: ``Failure.NON_FINITE``; a weight above ``max_peer_weight``:
 ``Failure.IMPLAUSIBLE``), or when its stream fails. The reducer then finishes with the others;
 the parts it had contributed before stay in. ``aggregation="centered_clip"`` replaces the
@@ -55,6 +57,7 @@ from swarmtrain.averaging.partition import (
     difference,
     largest_part_size,
 )
+from swarmtrain.p2p.stall_core import ProgressDeadline
 
 DEFAULT_MAX_PEER_WEIGHT = 1e9
 """A sender's weight above this is refused (``Failure.IMPLAUSIBLE``): weights are sample
@@ -307,6 +310,8 @@ class AllReduceCore(Generic[PeerT]):
         self._sender_weight: dict[int, float] = {}
         self._next_part: dict[int, int] = {}
         self._last_activity: dict[int, float] = {}
+        # senders whose first request is arriving (bytes came, the stream is not open yet)
+        self._arriving: dict[int, ProgressDeadline] = {}
         if n_local:
             for peer in group.sender_indices:
                 self._senders[peer] = _Sender.WAITING
@@ -461,18 +466,35 @@ class AllReduceCore(Generic[PeerT]):
         """When ``peer``'s next part is overdue."""
         return self._last_activity.get(peer, self.start_time) + self.sender_timeout
 
+    def sender_arriving(self, peer: int, count: int, now: float) -> None:
+        """``count`` bytes of ``peer``'s first request arrived (its stream opens once the
+        whole first part is in: over a slow path that may take longer than
+        ``sender_timeout``): its deadline to open moves out while they keep coming
+        (``ProgressDeadline``, patience ``sender_timeout``)."""
+        if self._senders.get(peer) != _Sender.WAITING:
+            return
+        guard = self._arriving.get(peer)
+        if guard is None:
+            first = self.start_time + self.sender_timeout
+            guard = self._arriving[peer] = ProgressDeadline(first, self.sender_timeout)
+        guard.on_bytes(count, now)
+
+    def _open_deadline(self, peer: int) -> float:
+        guard = self._arriving.get(peer)
+        return guard.deadline if guard is not None else self.start_time + self.sender_timeout
+
     @property
     def missing_senders_deadline(self) -> float:
-        """When senders that never opened a stream get banned."""
-        return self.start_time + self.sender_timeout
+        """When the next sender that has not opened its stream gets banned (inf: none left)."""
+        waiting = [p for p, state in self._senders.items() if state == _Sender.WAITING]
+        return min((self._open_deadline(p) for p in waiting), default=math.inf)
 
     def ban_missing_senders(self, now: float) -> tuple[int, ...]:
-        """Ban senders still without a stream if their deadline passed; return completed parts."""
-        if now < self.missing_senders_deadline:
-            return ()
+        """Ban senders still without a stream whose deadline passed; return completed parts.
+        A sender whose first request is still arriving is waited for (``sender_arriving``)."""
         completed: list[int] = []
         for peer, state in list(self._senders.items()):
-            if state == _Sender.WAITING:
+            if state == _Sender.WAITING and now >= self._open_deadline(peer):
                 completed += self.ban_sender(peer, Failure.TIMEOUT)
         return tuple(completed)
 

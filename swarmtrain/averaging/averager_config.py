@@ -12,11 +12,16 @@ import torch
 from swarmtrain.averaging.allreduce import AllReduceConfig
 from swarmtrain.averaging.allreduce_core import DEFAULT_MAX_PEER_WEIGHT, AveragingMode
 from swarmtrain.averaging.ban_list import DEFAULT_BAN_DURATION
-from swarmtrain.averaging.matchmaking_types import MatchmakingConfig
+from swarmtrain.averaging.matchmaking_types import DEFAULT_DECLARATION_LINGER, MatchmakingConfig
 from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from swarmtrain.compression import CompressionBase, NoCompression, WireFormatError, dtype_name
 
-__all__ = ["AveragerConfig", "check_averaged_tensors", "compute_schema_hash"]
+__all__ = [
+    "AveragerConfig",
+    "check_averaged_tensors",
+    "check_declaration_linger",
+    "compute_schema_hash",
+]
 
 DEFAULT_SENDER_TIMEOUT = 10.0
 
@@ -28,6 +33,14 @@ def _positive(name: str, value: object, allow_none: bool = False) -> None:
         raise TypeError(f"{name} must be a number{' or None' if allow_none else ''}, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be positive and finite, got {value}")
+
+
+def check_declaration_linger(value: object) -> None:
+    """``declaration_linger`` is a finite number >= 0: ``TypeError`` / ``ValueError`` if not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"declaration_linger must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"declaration_linger must be finite and non-negative, got {value}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,10 @@ class AveragerConfig:
     :param request_timeout: wait at least this long for a potential leader's answer
       (< min_matchmaking_time; longer, up to min_matchmaking_time, for a leader that answered
       slowly before or that we reach through a relay)
+    :param declaration_linger: seconds our matchmaking declaration stays readable in the DHT
+      past its expiration (default 5), so that a DHT read slower than the matchmaking window
+      (relays, a loaded machine) still finds it; 0: the record expires with the declaration
+      (``MatchmakingConfig.declaration_linger``)
     :param allreduce_timeout: give up on an all-reduce round after this long (None: no limit
       beyond the per-chunk timeouts)
     :param next_chunk_timeout: a peer that sends nothing for this long during all-reduce or a state
@@ -80,6 +97,7 @@ class AveragerConfig:
     initial_group_bits: str = ""
     min_matchmaking_time: float = 5.0
     request_timeout: float = 3.0
+    declaration_linger: float = DEFAULT_DECLARATION_LINGER
     allreduce_timeout: float | None = None
     next_chunk_timeout: float | None = None
     sender_timeout: float | None = None
@@ -109,6 +127,7 @@ class AveragerConfig:
             raise ValueError(f"initial_group_bits must be a string of 0 and 1, got {bits!r}")
         _positive("min_matchmaking_time", self.min_matchmaking_time)
         _positive("request_timeout", self.request_timeout)
+        check_declaration_linger(self.declaration_linger)
         if not isinstance(self.matchmaking_time_keyword, str):
             raise TypeError("matchmaking_time_keyword must be a string")
         if self.request_timeout >= self.min_matchmaking_time:
@@ -165,6 +184,7 @@ class AveragerConfig:
             min_matchmaking_time=self.min_matchmaking_time,
             request_timeout=self.request_timeout,
             refresh_interval=min(1.0, self.request_timeout),
+            declaration_linger=float(self.declaration_linger),
         )
 
     def allreduce_config(self) -> AllReduceConfig:

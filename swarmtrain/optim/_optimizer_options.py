@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from swarmtrain.averaging.averager_config import check_declaration_linger
+
 __all__ = [
     "averager_options",
     "check_keywords",
@@ -114,6 +116,7 @@ def check_keywords(
     average_state_every: Any,
     averager_opts: Any,
     tracker_opts: Any,
+    declaration_linger: Any = 0.0,
 ) -> None:
     """The checks of ``Optimizer``'s (and ``AsyncOptimizer``'s) keywords that stand alone."""
     if not isinstance(run_id, str) or not run_id:
@@ -132,6 +135,7 @@ def check_keywords(
     check_positive("allreduce_timeout", allreduce_timeout, allow_none=True)
     check_positive("next_chunk_timeout", next_chunk_timeout, allow_none=True)
     check_positive("load_state_timeout", load_state_timeout)
+    check_declaration_linger(declaration_linger)
     if (
         isinstance(average_state_every, bool)
         or not isinstance(average_state_every, int)
@@ -152,8 +156,10 @@ def averager_options(
     allreduce_timeout: float | None,
     next_chunk_timeout: float | None,
     averager_opts: dict[str, Any] | None,
+    declaration_linger: float | None = None,
 ) -> dict[str, Any]:
-    """``AveragerConfig`` keywords shared by the gradient and the state averager."""
+    """``AveragerConfig`` keywords shared by the gradient and the state averager
+    (``averager_opts`` override the others)."""
     common: dict[str, Any] = {
         "min_matchmaking_time": matchmaking_time,
         "matchmaking_time_keyword": "matchmaking_time",  # messages name our keyword
@@ -164,6 +170,8 @@ def averager_options(
     }
     if next_chunk_timeout is not None:
         common["next_chunk_timeout"] = float(next_chunk_timeout)
+    if declaration_linger is not None:
+        common["declaration_linger"] = float(declaration_linger)
     common.update(averager_opts or {})
     return common
 

@@ -53,6 +53,8 @@ import trio
 
 from swarmtrain.averaging import DecentralizedAverager
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager
+from swarmtrain.averaging.averager_config import check_declaration_linger
+from swarmtrain.averaging.matchmaking_types import DEFAULT_DECLARATION_LINGER
 from swarmtrain.averaging.state_checks import StateCheck, TensorSpec
 from swarmtrain.compression import CompressionBase, Float16Compression
 from swarmtrain.dht import AsyncDHT
@@ -123,6 +125,7 @@ class AsyncDiLoCoOptimizer(DiLoCoRounds):
         delay: int = 0,
         alpha: float = 0.0,
         load_state_timeout: float = 60.0,
+        declaration_linger: float = DEFAULT_DECLARATION_LINGER,
         verbose: bool = False,
     ):
         """Check the keywords and build the torch side (no network yet): use :meth:`create`."""
@@ -135,6 +138,7 @@ class AsyncDiLoCoOptimizer(DiLoCoRounds):
         check_positive("matchmaking_time", matchmaking_time)
         check_positive("averaging_timeout", averaging_timeout)
         check_positive("load_state_timeout", load_state_timeout)
+        check_declaration_linger(declaration_linger)
         # Validates inner_steps, num_fragments | inner_steps, delay and alpha with clear errors.
         self.schedule = StreamingSchedule(inner_steps, num_fragments, delay, alpha)
         if pseudo_grad_compression is None:
@@ -213,6 +217,7 @@ class AsyncDiLoCoOptimizer(DiLoCoRounds):
             "min_group_size": min_group_size,
             "target_group_size": target_group_size,
             "aggregation": aggregation,
+            "declaration_linger": float(declaration_linger),
         }
         opts.update(averager_opts or {})
         opts.setdefault("compression", pseudo_grad_compression)

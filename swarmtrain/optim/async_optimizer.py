@@ -62,6 +62,7 @@ import trio
 from swarmtrain.averaging import StepControl
 from swarmtrain.averaging.async_averager import AsyncDecentralizedAverager, _copies_on_loop
 from swarmtrain.averaging.finite import first_non_finite
+from swarmtrain.averaging.matchmaking_types import DEFAULT_DECLARATION_LINGER
 from swarmtrain.dht import AsyncDHT, get_dht_time
 from swarmtrain.optim._async_delayed import DelayedUpdates
 from swarmtrain.optim._async_gradient_rounds import AsyncGradientRounds
@@ -136,6 +137,7 @@ class AsyncOptimizer(AsyncStateLoading):
         allreduce_timeout: float | None = None,
         next_chunk_timeout: float | None = None,
         load_state_timeout: float = 60.0,
+        declaration_linger: float = DEFAULT_DECLARATION_LINGER,
         reuse_grad_buffers: bool = False,
         offload_optimizer: bool | None = None,
         delay_optimizer_step: bool | None = None,
@@ -170,6 +172,7 @@ class AsyncOptimizer(AsyncStateLoading):
             average_state_every=average_state_every,
             averager_opts=averager_opts,
             tracker_opts=tracker_opts,
+            declaration_linger=declaration_linger,
         )
         if not isinstance(dht, AsyncDHT):
             raise TypeError(
@@ -199,6 +202,7 @@ class AsyncOptimizer(AsyncStateLoading):
         self.matchmaking_time = float(matchmaking_time)
         self.averaging_timeout = float(averaging_timeout)
         self.load_state_timeout = float(load_state_timeout)
+        self.declaration_linger = float(declaration_linger)
         self.average_state_every = average_state_every
         self.use_local_updates = bool(use_local_updates)
         self.client_mode, self.auxiliary = client_mode, bool(auxiliary)
@@ -237,6 +241,7 @@ class AsyncOptimizer(AsyncStateLoading):
             allreduce_timeout=allreduce_timeout,
             next_chunk_timeout=next_chunk_timeout,
             averager_opts=averager_opts,
+            declaration_linger=self.declaration_linger,
         )
         # The torch side of the blocking averagers (start=False: no loop, no network); their
         # trio averagers start in create().

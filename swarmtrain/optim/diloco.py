@@ -166,6 +166,9 @@ class DiLoCoOptimizer(BackgroundService):
       training
     :param alpha: in ``[0, 1)``: weight the local parameters keep when a delayed result arrives
     :param load_state_timeout: default bound for :meth:`load_state_from_peers`
+    :param declaration_linger: seconds a matchmaking declaration stays readable in the DHT past
+      its expiration (default 5; >= 0): a DHT read slower than ``matchmaking_time`` still finds
+      the peers that declared while it ran; 0: declarations expire with the window
     :param verbose: log each round at INFO (else DEBUG) and show swarmtrain's logs on stderr
     """
 

@@ -315,6 +315,10 @@ class Optimizer(BackgroundService):
     :param next_chunk_timeout: drop a peer that sends nothing for this long during all-reduce or
       a state download (default: the averagers' own, 10 s in all-reduce)
     :param load_state_timeout: give up :meth:`load_state_from_peers` after this long
+    :param declaration_linger: seconds a matchmaking declaration stays readable in the DHT past
+      its expiration (default 5; >= 0), for both averagers: a DHT read slower than
+      ``matchmaking_time`` (relays, a loaded machine) still finds the peers that declared
+      while it ran; 0: declarations expire with the matchmaking window
     :param reuse_grad_buffers: accumulate gradients in ``param.grad`` (never call
       ``zero_grad()`` then); works with every delay
     :param offload_optimizer: step on CPU fp32 copies of the parameters (factory only; default

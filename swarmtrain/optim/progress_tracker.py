@@ -126,6 +126,7 @@ _PROBE_MESSAGES = {
     "while another peer of the run answers",
     ProbeOutcome.REACHABLE: "%s: peer %s answered: its progress record counts again",
 }
+_MAX_EPOCHS_SEEN = 4096
 #: (peer id, prefix) of the trackers open in this process: a peer id holds one record per run
 _OPEN_TRACKERS: set[tuple[bytes, str]] = set()
 
@@ -196,6 +197,9 @@ class AsyncProgressTracker:
         self._lock = threading.Lock()  # the core: the loop's tasks and the trainer's thread
         self._fetch_failures = self._stores = self._store_failures = 0
         self._gossip_sent = self._gossip_received = self._gossip_rejected = 0
+        #: per channel (gossip, fetch), the newest epoch heard of each peer (for logs)
+        self._epochs_seen: dict[str, dict[bytes, int]] = {}
+        self._fetch_scopes: dict[int, trio.CancelScope] = {}  # running fetches, by number
 
     # ---------------------------------------------------------------- lifetime
 
@@ -467,6 +471,7 @@ class AsyncProgressTracker:
         with self._lock:
             epoch = self._core.update_epoch(new_epoch, get_dht_time())
         self._changed.notify_threadsafe()
+        logger.debug("%s: entered epoch %d", self.prefix, epoch)
         return epoch
 
     def on_round_partners(self, peer_ids: Iterable[PeerID | bytes], epoch: int) -> None:
@@ -554,30 +559,57 @@ class AsyncProgressTracker:
                 logger.warning("could not store progress of %s", self.prefix, exc_info=True)
             if stored:
                 self._stores += 1
+                if record.samples_accumulated == 0:  # an epoch change (or an announcement)
+                    logger.debug(
+                        "%s: stored epoch %d in %.2f s",
+                        self.prefix,
+                        record.epoch,
+                        get_dht_time() - now,
+                    )
             else:
                 self._store_failures += 1
                 logger.debug("progress of %s was not stored", self.prefix)
 
     async def _fetch_loop(self) -> None:
-        while True:
-            now = get_dht_time()
-            next_fetch = self._core.global_progress.next_fetch_time
-            if now >= next_fetch:
-                await self._fetch()
-                continue
-            with trio.move_on_after(next_fetch - now):
-                await self._changed.wait()  # gossip and reports may bring the fetch earlier
+        # A fetch starts on schedule even while a slow one is still out (at most
+        # MAX_FETCHES_IN_FLIGHT; the core decides): one slow read does not delay what the
+        # next one would bring.
+        async with trio.open_nursery() as fetches:
+            while True:
+                now = get_dht_time()
+                with self._lock:
+                    number = self._core.on_fetch_started(now) if self._core.fetch_due(now) else None
+                    next_start = self._core.next_fetch_start(now)
+                if number is not None:
+                    fetches.start_soon(self._run_fetch, now, number)
+                    continue
+                with trio.move_on_after(max(0.0, next_start - now)):
+                    await self._changed.wait()  # gossip, reports and ended fetches
 
     async def _fetch(self) -> None:
+        """Fetch the swarm's progress now (besides the scheduled fetches)."""
+        started = get_dht_time()
+        with self._lock:
+            number = self._core.on_fetch_started(started)
+        await self._run_fetch(started, number)
+
+    async def _run_fetch(self, started: float, number: int) -> None:
+        """Fetch ``number``, begun at ``started``; stopped once a fetch begun later ended."""
+        scope = self._fetch_scopes[number] = trio.CancelScope()
         try:
-            found = await self.dht.get(self.training_progress_key, latest=True)
+            with scope:
+                found = await self.dht.get(self.training_progress_key, latest=True)
         except Exception:
             self._fetch_failures += 1
             logger.warning("could not fetch progress of %s", self.prefix, exc_info=True)
             with self._lock:
-                self._core.on_fetch_failed(get_dht_time())
+                self._core.on_fetch_failed(get_dht_time(), number)
             self._changed.notify()
             return
+        finally:
+            del self._fetch_scopes[number]
+        if scope.cancelled_caught:
+            return  # obsolete: a fetch begun after it already ended
         entries: dict[bytes, tuple[LocalProgress | None, float]] = {}
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
@@ -588,20 +620,27 @@ class AsyncProgressTracker:
                     entries[subkey] = (parsed, item.expiration_time)  # type: ignore[assignment]
         now = get_dht_time()
         with self._lock:
-            progress = self._core.on_fetch(entries, now)
+            progress = self._core.on_fetch(entries, now, number)
+            obsolete = [n for n in self._fetch_scopes if not self._core.fetch_running(n)]
+        for stale in obsolete:
+            self._fetch_scopes[stale].cancel()
+        for subkey, (parsed, _) in entries.items():
+            self._note_epoch(subkey, parsed, now, f"fetch ({now - started:.2f} s)")
         # at the status level once per epoch and change of peers; every fetch at DEBUG
         status = (progress.epoch, progress.num_peers)
         level = self._status_loglevel if status != self._last_status else logging.DEBUG
         self._last_status = status
         logger.log(
             level,
-            "%s: %d samples of %d for epoch #%d from %d peers; ETA %s (next fetch in %.2f s)",
+            "%s: %d samples of %d for epoch #%d from %d peers; ETA %s (fetch took %.2f s, next "
+            "in %.2f s)",
             self.prefix,
             progress.samples_accumulated,
             progress.target_batch_size,
             progress.epoch,
             progress.num_peers,
             describe_eta(progress, now),
+            now - started,
             progress.next_fetch_time - now,
         )
         self._log_warnings(now)
@@ -671,6 +710,13 @@ class AsyncProgressTracker:
             logger.warning("could not gossip progress of %s", self.prefix, exc_info=True)
             return
         self._gossip_sent += 1
+        if record is not None and record.samples_accumulated == 0:
+            logger.debug(
+                "%s: gossiped epoch %d, %.2f s after its report",
+                self.prefix,
+                record.epoch,
+                get_dht_time() - record.time,
+            )
 
     async def _receive_loop(self, subscription: Any) -> None:
         async for message in subscription:
@@ -700,8 +746,32 @@ class AsyncProgressTracker:
             changed = self._core.on_gossip(subkey, parsed, expiration, now)  # type: ignore[arg-type]
         if changed:
             self._gossip_received += 1
+            self._note_epoch(subkey, parsed, now, "gossip")  # type: ignore[arg-type]
             self._log_warnings(now)
             self._changed.notify()
+
+    def _note_epoch(
+        self, subkey: bytes, record: LocalProgress | None, now: float, via: str
+    ) -> None:
+        """Log (DEBUG) the first record of a peer's newer epoch on each channel (gossip, fetch):
+        how late it reached us."""
+        if record is None or subkey == self._subkey:
+            return
+        channel = via.split(" ", 1)[0]
+        seen = self._epochs_seen.setdefault(channel, {})
+        if record.epoch <= seen.get(subkey, -1):
+            return
+        if len(seen) >= _MAX_EPOCHS_SEEN:
+            seen.clear()  # for logs only: a flood of identities costs no memory
+        seen[subkey] = record.epoch
+        logger.debug(
+            "%s: peer %s at epoch %d via %s, %.2f s after its report",
+            self.prefix,
+            _short_peer_id(subkey),
+            record.epoch,
+            via,
+            now - record.time,
+        )
 
     def _log_warnings(self, now: float) -> None:
         with self._lock:

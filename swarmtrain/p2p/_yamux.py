@@ -1,4 +1,4 @@
-"""swarmtrain's yamux: py-libp2p 0.8.1's ``Yamux`` with five changes, for our hosts only.
+"""swarmtrain's yamux: py-libp2p 0.8.1's ``Yamux`` with these changes, for our hosts only.
 
 Our hosts' upgraders adopt every new yamux connection into ``TunedYamux``
 (``use_tuned_yamux``, from ``_tuning.tune_host``), which adopts every stream it stores
@@ -28,6 +28,18 @@ as imported, so a stock host in the same process behaves as stock py-libp2p. The
   RTT through the netlab's packet-level delay line: every all-reduce stream stalled). Here
   the read loop queues those frames (at most ``MAX_QUEUED_CONTROL_FRAMES``; more: the peer is
   flooding, the connection is closed) and a task of the connection writes them.
+- Slow paths (issue 18, 300 ms RTT and 1% loss: ~40 KB/s per connection): frames follow the
+  connection's measured write rate (``stall_core.FrameSizer``: ~0.25 s of it, 16 KiB to
+  1 MiB), so the window updates, stream opens and small calls queued behind bulk frames wait
+  a fraction of a second, not ~25 s per 1 MiB frame (and a stock receiver's 60 s limit on a
+  frame body holds); a connection with a kernel RTT of at least ``LONG_PATH_RTT`` gets
+  ``TCP_NOTSENT_LOWAT`` (``NOTSENT_LOWAT``), so the kernel holds at most that much unsent
+  data ahead of a window update instead of up to 4 MiB (~100 s at that rate). A writer
+  waits for a closed send window up to ``WINDOW_WAIT_TIMEOUT`` (300 s, py-libp2p: 5 s): a
+  window stays closed while the peer's application has not read (an all-reduce reducer
+  reads a sender's next part only after every sender's previous one), which is backpressure,
+  not a fault; the callers' own deadlines come first. A failed wait names itself
+  (``WindowWaitTimeout``) rather than surfacing as the peer's reset.
 """
 
 from __future__ import annotations
@@ -35,7 +47,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import socket
 import struct
+import sys
 
 import trio
 from libp2p.stream_muxer.exceptions import MuxedConnUnavailable, MuxedStreamError
@@ -43,12 +57,21 @@ from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux import yamux as yamux_module
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
+from swarmtrain.p2p.stall_core import FrameSizer
+
 #: the largest yamux frame our streams send (py-libp2p: 64 KiB)
 MAX_FRAME_SIZE = 1024 * 1024
 #: a yamux frame whose socket write makes no progress for this long: the connection is dead
 FRAME_WRITE_TIMEOUT = 60.0
-#: how long a yamux write waits for the peer to open a closed send window (py-libp2p's value)
-WINDOW_WAIT_TIMEOUT = 5.0
+#: how long a yamux write waits for the peer to open a closed send window (py-libp2p: 5 s,
+#: which failed honest streams whose reader was slow or whose path was; see the docstring):
+#: a backstop against a peer that never reads, above any caller's own patience (an
+#: all-reduce reducer may read a sender's next part only minutes later on a lossy path)
+WINDOW_WAIT_TIMEOUT = 300.0
+#: a connection whose kernel RTT is at least this is a long path: ``NOTSENT_LOWAT`` is set
+LONG_PATH_RTT = 0.01
+#: unsent bytes the kernel may queue on a long path's socket (the rest waits in frames)
+NOTSENT_LOWAT = 128 * 1024
 #: bytes a peer may send past a stream's receive window, in all (leniency), before the
 #: connection is closed; a stream never buffers more than its window plus this
 WINDOW_SLACK = 64 * 1024
@@ -66,6 +89,44 @@ _MAX_WINDOW = yamux_module.MAX_WINDOW_SIZE
 
 def _updates_per_read() -> bool:
     return os.environ.get("SWARMTRAIN_YAMUX_UPDATE_PER_READ") == "1"
+
+
+class WindowWaitTimeout(MuxedStreamError):
+    """The peer opened no send window for ``WINDOW_WAIT_TIMEOUT`` s (it does not read the
+    stream); py-libp2p reports it as a reset of the stream, with this as its cause."""
+
+
+def tcp_socket_of(conn: Yamux):
+    """The TCP socket under a yamux connection (Noise over TCP), or None (e.g. relayed)."""
+    node = getattr(conn, "secured_conn", None)
+    for name in ("conn", "read_writer", "read_write_closer", "stream", "stream", "socket"):
+        node = getattr(node, name, None)
+    return node if hasattr(node, "getsockopt") else None
+
+
+def _tcp_info_rtt(sock) -> float | None:
+    """The kernel's smoothed RTT of ``sock`` in seconds (Linux ``TCP_INFO``), or None."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except (AttributeError, OSError):
+        return None
+    if len(info) < 72:
+        return None
+    return int.from_bytes(info[68:72], sys.byteorder) / 1e6
+
+
+def tune_long_path(conn: Yamux) -> float | None:
+    """Set ``TCP_NOTSENT_LOWAT`` on ``conn``'s socket when its RTT is at least
+    ``LONG_PATH_RTT``; returns the RTT (None: unknown, nothing set)."""
+    sock = tcp_socket_of(conn)
+    rtt = None if sock is None else _tcp_info_rtt(sock)
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if rtt is not None and rtt >= LONG_PATH_RTT and option is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, option, NOTSENT_LOWAT)
+        except OSError:
+            pass
+    return rtt
 
 
 class TunedYamuxStream(YamuxStream):
@@ -130,9 +191,14 @@ class TunedYamuxStream(YamuxStream):
             with trio.move_on_at(deadline):
                 await event.wait()
             if trio.current_time() >= deadline and self.send_window <= 0 and not self.closed:
-                raise MuxedStreamError(
-                    f"Timed out waiting for window update after {WINDOW_WAIT_TIMEOUT} seconds."
+                raise WindowWaitTimeout(
+                    f"the peer opened no yamux send window for {WINDOW_WAIT_TIMEOUT} s "
+                    "(it does not read the stream)"
                 )
+
+    def _frame_limit(self) -> int:
+        conn = self.conn
+        return conn.frame_sizer.frame_size if isinstance(conn, TunedYamux) else MAX_FRAME_SIZE
 
     async def write(self, data: bytes) -> None:
         if self.send_closed:
@@ -149,7 +215,9 @@ class TunedYamuxStream(YamuxStream):
                             raise MuxedStreamError("Stream is closed")
                         if self.send_window > 0:
                             size = min(
-                                self.send_window, MAX_FRAME_SIZE - _HEADER_SIZE, total - sent
+                                self.send_window,
+                                self._frame_limit() - _HEADER_SIZE,
+                                total - sent,
                             )
                             self.send_window -= size
                             header = struct.pack(
@@ -255,6 +323,10 @@ class TunedYamux(Yamux):
 
     #: the peer sent past a receive window: the connection is being closed
     flow_control_broken = False
+    #: the size of the data frames our streams write (set by adopt)
+    frame_sizer: FrameSizer
+    #: the kernel's RTT when the connection was adopted (None: unknown, e.g. relayed)
+    path_rtt: float | None = None
 
     @classmethod
     def adopt(cls, conn: Yamux) -> None:
@@ -270,6 +342,8 @@ class TunedYamux(Yamux):
         assert isinstance(conn, cls)
         conn.streams = _AdoptingStreams()
         conn.stream_buffers = _WindowedBuffers(conn)
+        conn.frame_sizer = FrameSizer(MAX_FRAME_SIZE)
+        conn.path_rtt = tune_long_path(conn)
 
     def window_exceeded(self, stream_id: int, excess: int) -> None:
         """The peer sent ``excess`` bytes past the receive window of ``stream_id``: drop its
@@ -356,8 +430,10 @@ class TunedYamux(Yamux):
         connection (it may be half-sent)."""
         async with self._write_lock:
             with trio.CancelScope(shield=True):
+                started = trio.current_time()
                 with trio.move_on_after(FRAME_WRITE_TIMEOUT) as stalled:
                     await self.secured_conn.write(data)
+                self.frame_sizer.on_write(len(data), trio.current_time() - started)
                 if stalled.cancelled_caught:
                     with trio.move_on_after(1.0):
                         await self.secured_conn.close()

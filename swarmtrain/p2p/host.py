@@ -41,7 +41,7 @@ from swarmtrain.p2p._tuning import (
     tune_host,
 )
 from swarmtrain.p2p.addresses import expand_unspecified
-from swarmtrain.p2p.autonat import AutoNAT, Reachability, observed_ips
+from swarmtrain.p2p.autonat import AutoNAT, Reachability, connection_path, observed_ips
 from swarmtrain.p2p.connection_limits import (
     SwarmResourceManager,
     build_connection_config,
@@ -65,6 +65,7 @@ from swarmtrain.p2p.lane import (
     lane_listen_host,
     lanes_disabled_by_env,
 )
+from swarmtrain.p2p.lane_pool import BulkStreamPool
 from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit
 from swarmtrain.p2p.listen_check import check_addresses_free
@@ -119,9 +120,13 @@ class P2PConfig:
     data_lane_port: int = 0
     # A lane on a long path (the first connection's TCP RTT >= ``lane_stripe_min_rtt`` s)
     # spreads over up to ``lane_stripes`` TCP connections (swarmtrain.p2p.stripe_core: one
-    # lossy flow at 100+ ms RTT gets a fraction of the link); 1: one connection per lane.
+    # lossy flow at 100+ ms RTT gets a fraction of the link; how many: from the libp2p
+    # connection's RTT and loss, ``stripes_for_path``); 1: one connection per lane.
     lane_stripes: int = DEFAULT_STRIPES
     lane_stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT
+    # The TCP congestion control of our lane sockets (e.g. "bbr", which does not take random
+    # loss for congestion; Linux ``TCP_CONGESTION``); None: the system's. Refused: logged once.
+    lane_congestion: str | None = None
     # Private runs (swarmtrain.p2p.private_network): only peers with the same key (>= 32 bytes,
     # or a key file path, loaded here) complete the handshake with us.
     swarm_key: bytes | str | None = field(default=None, repr=False)
@@ -162,6 +167,13 @@ class P2PConfig:
             raise ValueError(f"lane_stripes must be in 1..{MAX_STRIPES}, got {stripes}")
         if not self.lane_stripe_min_rtt >= 0:
             raise ValueError("lane_stripe_min_rtt must be a non-negative number of seconds")
+        congestion = self.lane_congestion
+        if congestion is not None and not isinstance(congestion, str):
+            raise TypeError(f"lane_congestion must be a str or None, got {congestion!r}")
+        if congestion is not None and not (
+            congestion.isascii() and congestion.isprintable() and 0 < len(congestion) < 16
+        ):
+            raise ValueError(f"lane_congestion must be a short algorithm name, got {congestion!r}")
         if not isinstance(self.limits, ResourceLimits):
             raise TypeError(f"limits must be a ResourceLimits, got {type(self.limits).__name__}")
         if self.limits.max_bytes_in_flight < self.max_message_size:
@@ -262,7 +274,7 @@ class P2P(Dialling):
         self._stream_pool = rpc_client.StreamPool(
             self._open_rpc_stream, still_fitting=self._not_a_replaced_relay_path
         )
-        self._bulk_pool = rpc_client.StreamPool(
+        self._bulk_pool = BulkStreamPool(
             self._open_bulk_stream,
             preferred=lambda s: isinstance(s.stream, (LaneStream, StripedLane)),
             still_fitting=self._not_a_replaced_relay_path,
@@ -331,6 +343,7 @@ class P2P(Dialling):
                                 config.limits,
                                 config.lane_stripes,
                                 config.lane_stripe_min_rtt,
+                                config.lane_congestion,
                             )
                             await self.lanes.start(nursery)
                         if config.use_relay or config.relay_service:
@@ -436,7 +449,11 @@ class P2P(Dialling):
             await self.ensure_connected(peer_id)
             ips = sorted(observed_ips(self, peer_id))
             lane = await self.lanes.open(
-                peer_id, ips[0] if ips else None, self.nursery, self._keep_late_lane
+                peer_id,
+                ips[0] if ips else None,
+                self.nursery,
+                self._keep_late_lane,
+                path=connection_path(self, peer_id),
             )
             if lane is not None:
                 return lane

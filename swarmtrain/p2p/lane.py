@@ -57,6 +57,8 @@ from swarmtrain.p2p.lane_books import (
     LaneBook,
     PendingHandshakes,
     TicketBook,
+    first_lane_wait,
+    lane_reuse_time,
     retry_delay,
     wait_after_ticket,
 )
@@ -66,6 +68,7 @@ from swarmtrain.p2p.lane_connections import (
     StripeToken,
     dial,
     dial_stripe,
+    set_congestion,
     show_ticket,
     stripe_timeout,
     tcp_rtt,
@@ -74,8 +77,8 @@ from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSeal
 from swarmtrain.p2p.lane_stream import LaneStream
 from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit, lanes_within_fd_limit
-from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME
-from swarmtrain.p2p.stripe_core import MAX_STRIPES
+from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
+from swarmtrain.p2p.stripe_core import MAX_STRIPES, stripes_for_path
 from swarmtrain.proto import p2p_pb2
 
 logger = logging.getLogger(__name__)
@@ -83,14 +86,21 @@ logger = logging.getLogger(__name__)
 TICKET_METHOD = "swarmtrain::Lane.ticket"
 LANE_VERSION = 1
 HANDSHAKE_TIMEOUT = 5.0
-OPEN_WAIT = 0.5  # a call waits this long for a new lane before it goes over libp2p
+#: a call waits this long for a new lane before it goes over libp2p (a first lane to a peer:
+#: more on a long path, ``lane_books.first_lane_wait``)
+OPEN_WAIT = 0.5
 #: a call to a peer whose last lane opened waits this long for a new one (ticket, dial and
 #: handshakes on a long lossy path) before it goes over libp2p
 KNOWN_PEER_WAIT = 6.0
 MAX_PEERS_REMEMBERED = 4096
-DEFAULT_STRIPES = 4  # connections per lane on a long path (P2PConfig.lane_stripes)
+#: the most connections per lane on a long path (P2PConfig.lane_stripes; how many: chosen per
+#: path, ``stripe_core.stripes_for_path``); half the default ``max_lanes_per_peer``, so a peer
+#: may hold two striped lanes to a callee at once
+DEFAULT_STRIPES = 8
 DEFAULT_STRIPE_MIN_RTT = 0.01  # s: stripe when the lane's TCP RTT is at least this
-# an idle lane may be taken for a newcomer once no caller would reuse it (plus latency)
+# an idle lane may be taken for a newcomer once a caller would no longer reuse a cheap one;
+# a lane that was dear to open is reused longer (``lane_books.lane_reuse_time``): on a full
+# host its caller may find it reset (a unary call then retries on a new stream)
 STALE_LANE_AFTER = CALLER_STREAM_REUSE_TIME + 1.0
 
 
@@ -106,14 +116,19 @@ class DataLanes:
         limits: ResourceLimits | None = None,
         stripes: int = DEFAULT_STRIPES,
         stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT,
+        congestion: str | None = None,
     ):
         """``stripes``: the most connections one of our lanes spreads over (1: plain
         lanes), used when the first connection's TCP RTT is at least ``stripe_min_rtt``
-        seconds; the callee may grant fewer (``stripe_core``)."""
+        seconds; the callee may grant fewer (``stripe_core``). ``congestion``: the TCP
+        congestion control of our lane sockets, the ones we dial and the ones we accept
+        (None: the system's default; where the kernel refuses it, logged once)."""
         if not 1 <= stripes <= MAX_STRIPES:
             raise ValueError(f"lane stripes must be in 1..{MAX_STRIPES}, got {stripes}")
         limits = limits if limits is not None else ResourceLimits()
         self.stripes, self.stripe_min_rtt = stripes, stripe_min_rtt
+        self.congestion = congestion
+        self._congestion_refused = False
         self._p2p = p2p
         self._listen_host = listen_host
         self._port = port
@@ -143,6 +158,19 @@ class DataLanes:
         self.striped_lanes_opened = 0
         self.striped_lanes_accepted = 0
         self.fallbacks = 0
+
+    def _prepare_socket(self, raw: socket.socket) -> None:
+        """Socket options of a lane socket (before it connects, or once accepted)."""
+        if self.congestion is None or self._congestion_refused:
+            return
+        error = set_congestion(raw, self.congestion)
+        if error is not None:
+            self._congestion_refused = True  # once: the next sockets keep the default
+            logger.warning(
+                "lane congestion control %r refused (%s): lanes keep the system's default",
+                self.congestion,
+                error,
+            )
 
     @property
     def port(self) -> int | None:
@@ -200,6 +228,7 @@ class DataLanes:
                         continue
                     raw = socket.socket(fileno=conn.detach())
                     raw.setblocking(False)
+                    self._prepare_socket(raw)
                     try:
                         ip = raw.getpeername()[0]
                     except OSError:
@@ -355,11 +384,15 @@ class DataLanes:
         nursery: trio.Nursery,
         on_late_lane: Callable[[Any, Any], None],  # (peer_id, lane)
         wait: float | None = None,
+        path: tuple[float, float | None] | None = None,
     ) -> LaneStream | StripedLane | None:
         """A lane to ``peer_id`` at ``remote_ip`` if one opens within ``wait`` seconds
-        (default ``OPEN_WAIT``, ``KNOWN_PEER_WAIT`` for a peer whose last lane opened; once
-        the ticket came, at least a few of its round trips more:
-        ``wait_after_ticket``), else None (the caller goes over libp2p). An attempt still
+        (default: ``KNOWN_PEER_WAIT`` for a peer whose last lane opened, else ``OPEN_WAIT``
+        plus a few of the libp2p connection's round trips, ``path``'s RTT:
+        ``first_lane_wait``; once the ticket came, at least a few of its round trips more:
+        ``wait_after_ticket``), else None (the caller goes over libp2p). ``path``: (RTT,
+        loss) of the libp2p connection (``autonat.connection_path``), which also sets how
+        many stripes we ask for (``stripe_core.stripes_for_path``). An attempt still
         running after ``wait`` goes on in ``nursery`` and hands its lane to ``on_late_lane``
         (e.g. the idle pool), so a slow path or a firewall that drops packets never stalls a
         call for ``CONNECT_TIMEOUT``."""
@@ -373,7 +406,11 @@ class DataLanes:
         settled = trio.Event()
         waiting = True
         if wait is None:
-            wait = KNOWN_PEER_WAIT if peer_id in self._lanes_worked else OPEN_WAIT
+            if peer_id in self._lanes_worked:
+                wait = KNOWN_PEER_WAIT
+            else:
+                rtt = path[0] if path is not None else None
+                wait = first_lane_wait(rtt, OPEN_WAIT, KNOWN_PEER_WAIT)
         patience = trio.CancelScope(deadline=trio.current_time() + wait)
 
         def on_ticket(seconds: float) -> None:
@@ -385,7 +422,7 @@ class DataLanes:
 
         async def attempt() -> None:
             try:
-                lane = await self._open_or_remember(peer_id, remote_ip, on_ticket)
+                lane = await self._open_or_remember(peer_id, remote_ip, on_ticket, path)
             finally:
                 self._opening.discard(peer_id)
             if lane is not None and not waiting:
@@ -410,12 +447,21 @@ class DataLanes:
         return handover[0] if handover else None
 
     async def _open_or_remember(
-        self, peer_id, remote_ip: str, on_ticket: Callable[[float], None] | None = None
+        self,
+        peer_id,
+        remote_ip: str,
+        on_ticket: Callable[[float], None] | None = None,
+        path: tuple[float, float | None] | None = None,
     ) -> LaneStream | StripedLane | None:
         offered = True
         busy = False
+        started = trio.current_time()
         try:
-            lane = await self._open(peer_id, remote_ip, on_ticket)
+            wanted = self.stripes  # lane_stripe_min_rtt 0: every lane striped, all of them
+            if self.stripe_min_rtt > 0:
+                rtt, loss = path if path is not None else (None, None)
+                wanted = stripes_for_path(rtt, loss, self.stripes)
+            lane = await self._open(peer_id, remote_ip, on_ticket, wanted)
             offered = lane is not None
         except ResourceLimitError as e:  # the callee is up, its lanes are taken: ask again soon
             logger.debug("no data lane to %s (%s): %s", peer_id, remote_ip, e)
@@ -434,6 +480,14 @@ class DataLanes:
                 wait = RETRY_AFTER if not offered else retry_delay(failures)
             self._failed_until[peer_id] = trio.current_time() + wait
             return None
+        opened_in = trio.current_time() - started
+        first = lane.stripes[0] if isinstance(lane, StripedLane) else lane
+        lane.reuse_time = lane_reuse_time(
+            opened_in,
+            tcp_rtt(first.raw) or 0.0,
+            CALLER_STREAM_REUSE_TIME,
+            SERVER_STREAM_IDLE_TIMEOUT,
+        )
         self._failures.pop(peer_id, None)
         self._failed_until.pop(peer_id, None)
         self._lanes_worked[peer_id] = None
@@ -444,21 +498,28 @@ class DataLanes:
         if isinstance(lane, StripedLane):
             self.striped_lanes_opened += 1
         logger.debug(
-            "lane to %s (%s): %d connection(s)",
+            "lane to %s (%s): %d connection(s), opened in %.3f s, reused for %.1f s",
             peer_id,
             remote_ip,
             len(lane.stripes) if isinstance(lane, StripedLane) else 1,
+            opened_in,
+            lane.reuse_time,
         )
         return lane
 
     async def _open(
-        self, peer_id, remote_ip: str, on_ticket: Callable[[float], None] | None = None
+        self,
+        peer_id,
+        remote_ip: str,
+        on_ticket: Callable[[float], None] | None = None,
+        stripes: int | None = None,
     ) -> LaneStream | StripedLane | None:
+        """A new lane of up to ``stripes`` connections (None: ``self.stripes``)."""
         asked = trio.current_time()
         ticket = await self._p2p.call_protobuf_handler(
             peer_id,
             TICKET_METHOD,
-            p2p_pb2.LaneTicketRequest(version=LANE_VERSION, stripes=self.stripes),
+            p2p_pb2.LaneTicketRequest(version=LANE_VERSION, stripes=stripes or self.stripes),
             p2p_pb2.LaneTicket,
             timeout=HANDSHAKE_TIMEOUT,
         )
@@ -472,7 +533,7 @@ class DataLanes:
         )
         granted = min(max(1, ticket.stripes), MAX_STRIPES)  # an older callee: 0, one
         lanes: list[LaneStream] = []
-        first = await dial(remote_ip, ticket.port)
+        first = await dial(remote_ip, ticket.port, prepare=self._prepare_socket)
         try:
             count = 1
             if granted == 1:  # the original handshake: the ticket id alone
@@ -484,7 +545,14 @@ class DataLanes:
             async with trio.open_nursery() as nursery:
                 for stripe in range(1, count):
                     nursery.start_soon(
-                        dial_stripe, remote_ip, ticket, stripe, count, lanes, timeout
+                        dial_stripe,
+                        remote_ip,
+                        ticket,
+                        stripe,
+                        count,
+                        lanes,
+                        timeout,
+                        self._prepare_socket,
                     )
                 await show_ticket(first, ticket, lanes, 0, count, timeout)
             lanes.sort(key=lambda lane: lane.stripe)

@@ -286,3 +286,34 @@ def wait_after_ticket(ticket_seconds: float, limit: float) -> float:
     four more, and on a long path a lost SYN adds a second (its first retransmission), so
     the first call there does not go over libp2p; at most ``limit``."""
     return min(limit, 6.0 * ticket_seconds + min(1.0, 20.0 * ticket_seconds))
+
+
+#: what a caller's reuse time of a lane stays below the callee's idle timeout by (besides
+#: two round trips): the callee's timer starts before the caller's and the next call's first
+#: bytes take a one-way delay to arrive
+LANE_REUSE_MARGIN = 2.0
+#: seconds of reuse time a lane earns per second it took to open
+LANE_REUSE_PER_OPEN_SECOND = 10.0
+
+
+def lane_reuse_time(open_seconds: float, rtt: float, base: float, callee_idle: float) -> float:
+    """How long a caller may reuse an idle lane that took ``open_seconds`` to open (ticket,
+    dials, handshakes) on a path of ``rtt`` seconds: ``base`` (what callers reuse any stream
+    for) plus ``LANE_REUSE_PER_OPEN_SECOND`` per second of opening, so a lane that was dear to
+    open outlives a slow round instead of being opened again; never closer than
+    ``LANE_REUSE_MARGIN + 2 rtt`` to ``callee_idle`` (the callee ends an idle lane then), and
+    never below ``base``."""
+    wanted = base + LANE_REUSE_PER_OPEN_SECOND * max(0.0, open_seconds)
+    limit = callee_idle - LANE_REUSE_MARGIN - 2.0 * max(0.0, rtt)
+    return max(base, min(wanted, limit))
+
+
+def first_lane_wait(path_rtt: float | None, open_wait: float, limit: float) -> float:
+    """How long a bulk call to a peer no lane has opened to yet waits for one before it goes
+    over libp2p, on a path whose libp2p connection has a kernel RTT of ``path_rtt`` seconds
+    (None: unknown): ``open_wait`` plus the ticket's round trips (stream, request, answer: about
+    four) and, on a long path, room for one retransmission, which a lossy path often needs; the
+    ticket's arrival extends it (``wait_after_ticket``). At most ``limit``."""
+    if path_rtt is None or path_rtt <= 0:
+        return open_wait
+    return min(limit, open_wait + 4.0 * path_rtt + min(1.0, 20.0 * path_rtt))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -14,6 +15,7 @@ from swarmtrain.p2p.lane_records import RecordOpener, RecordSealer
 from swarmtrain.p2p.lane_stream import LaneStream
 
 CONNECT_TIMEOUT = 2.0
+TCP_CA_NAME_MAX = 16  # bytes of a congestion control's name with its NUL (Linux)
 
 
 def stripe_timeout(rtt: float) -> float:
@@ -23,13 +25,46 @@ def stripe_timeout(rtt: float) -> float:
     return CONNECT_TIMEOUT + 4.0 * rtt
 
 
+def set_congestion(raw: socket.socket, name: str) -> OSError | None:
+    """Make ``raw`` use the TCP congestion control ``name`` (Linux ``TCP_CONGESTION``); the
+    error where the kernel refuses (not loaded: ENOENT; not in
+    ``net.ipv4.tcp_allowed_congestion_control`` for an unprivileged process: EPERM;
+    unsupported: the option is missing), else None."""
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None:
+        return OSError(f"TCP_CONGESTION is not supported on {sys.platform}")
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, option, name.encode())
+    except OSError as e:
+        return e
+    return None
+
+
+def congestion_of(raw: socket.socket) -> str | None:
+    """The TCP congestion control ``raw`` uses (None where the kernel does not say)."""
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None:
+        return None
+    try:
+        name = raw.getsockopt(socket.IPPROTO_TCP, option, TCP_CA_NAME_MAX)
+    except OSError:
+        return None
+    return name.split(b"\0", 1)[0].decode(errors="replace")
+
+
 async def dial(
-    remote_ip: str, port: int, time_limit: float = CONNECT_TIMEOUT
+    remote_ip: str,
+    port: int,
+    time_limit: float = CONNECT_TIMEOUT,
+    prepare: Callable[[socket.socket], None] | None = None,
 ) -> tuple[socket.socket, Any]:
-    """A TCP connection to ``remote_ip``:``port`` within ``time_limit``: (raw, trio)."""
+    """A TCP connection to ``remote_ip``:``port`` within ``time_limit``: (raw, trio);
+    ``prepare(raw)`` runs before the connection opens (socket options)."""
     family = socket.AF_INET6 if ":" in remote_ip else socket.AF_INET
     raw = socket.socket(family, socket.SOCK_STREAM)
     raw.setblocking(False)
+    if prepare is not None:
+        prepare(raw)
     sock = trio.socket.from_stdlib_socket(raw)
     try:
         with trio.fail_after(time_limit):
@@ -68,14 +103,42 @@ async def show_ticket(
 
 
 async def dial_stripe(
-    remote_ip: str, ticket, stripe: int, count: int, lanes, time_limit: float = CONNECT_TIMEOUT
+    remote_ip: str,
+    ticket,
+    stripe: int,
+    count: int,
+    lanes,
+    time_limit: float = CONNECT_TIMEOUT,
+    prepare: Callable[[socket.socket], None] | None = None,
 ) -> None:
-    connection = await dial(remote_ip, ticket.port, time_limit)
+    connection = await dial(remote_ip, ticket.port, time_limit, prepare)
     try:
         await show_ticket(connection, ticket, lanes, stripe, count, time_limit)
     except BaseException:
         connection[1].close()
         raise
+
+
+#: the loss estimate of a connection that sent fewer segments than this is unknown
+MIN_SEGMENTS_FOR_LOSS = 50
+
+
+def tcp_loss(raw: socket.socket) -> float | None:
+    """An upper estimate of the share of a connected TCP socket's segments that were lost:
+    retransmitted ones over sent ones (``tcpi_total_retrans / tcpi_segs_out``, Linux
+    ``TCP_INFO``), and one in n where none of n was (nothing seen is not no loss); None where
+    unknown or after fewer than ``MIN_SEGMENTS_FOR_LOSS`` segments."""
+    try:
+        info = raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 144)
+    except (AttributeError, OSError):
+        return None
+    if len(info) < 140:
+        return None
+    retransmitted = int.from_bytes(info[100:104], sys.byteorder)
+    sent = int.from_bytes(info[136:140], sys.byteorder)
+    if sent < MIN_SEGMENTS_FOR_LOSS:
+        return None
+    return min(1.0, max(retransmitted, 1) / sent)
 
 
 def tcp_rtt(raw: socket.socket) -> float | None:

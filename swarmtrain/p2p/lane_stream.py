@@ -55,6 +55,9 @@ class LaneStream:
     cancel_safe = True
     #: the most plaintext one record carries (a receive buffer this large takes it in place)
     record_size = MAX_RECORD_PLAINTEXT
+    #: how long the caller's pool may reuse this lane while idle (``lane_books.lane_reuse_time``,
+    #: set when it opened; None: the pool's default)
+    reuse_time: float | None = None
 
     def __init__(self, raw: socket.socket, sock, sealer: RecordSealer, opener: RecordOpener):
         """``raw`` is the connected stdlib socket and ``sock`` its trio wrapper."""

@@ -48,6 +48,9 @@ class StripedLane:
 
     cancel_safe = True
     record_size = STRIPE_RECORD_SIZE
+    #: how long the caller's pool may reuse this lane while idle (``lane_books.lane_reuse_time``,
+    #: set when it opened; None: the pool's default)
+    reuse_time: float | None = None
 
     def __init__(self, stripes: list[LaneStream], window: int | None = None):
         if len(stripes) < 2:

@@ -44,7 +44,7 @@ from swarmtrain.p2p.errors import (
 )
 from swarmtrain.p2p.framing import KIND_END, KIND_MESSAGE, KIND_OPEN, MESSAGE_KINDS, FrameKind
 from swarmtrain.p2p.limits import ByteBudget, PeerCounter, ResourceLimits
-from swarmtrain.p2p.rpc_stream import RPCStream
+from swarmtrain.p2p.rpc_stream import RPCStream, deadline_moved_by_bytes
 from swarmtrain.proto import p2p_pb2
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
@@ -187,18 +187,33 @@ class _IncomingMessages:
     def __init__(self, stream: RPCStream, spec: HandlerSpec, idle_timeout: float):
         self._stream, self._spec, self._idle_timeout = stream, spec, idle_timeout
         self.finished = trio.Event()
+        self._on_bytes: Callable[[int], None] | None = None
 
     def __aiter__(self) -> _IncomingMessages:
         return self
 
+    def set_on_bytes(self, callback: Callable[[int], None] | None) -> None:
+        """Call ``callback(count)`` for every read that brings bytes of this request (a
+        deadline that moves while a large message keeps arriving); None: stop."""
+        self._on_bytes = callback
+
+    def _relay_bytes(self, count: int) -> None:
+        if self._on_bytes is not None:
+            self._on_bytes(count)
+
     async def __anext__(self) -> Message:
+        """The next message; ``RPCTimeoutError`` if none began within ``idle_timeout`` or
+        its bytes stopped coming for that long (a large message over a slow path may take
+        longer: ``stall_core.ProgressDeadline``)."""
         if self.finished.is_set():
             raise StopAsyncIteration
-        with trio.move_on_after(self._idle_timeout) as scope:
-            frame = await self._stream.receive_frame()
+        stream = self._stream
+        moving = deadline_moved_by_bytes(stream, self._idle_timeout, self._relay_bytes)
+        with moving as (scope, guard):
+            frame = await stream.receive_frame()
             if frame is not None and frame.kind in MESSAGE_KINDS:
                 return await receive_item(
-                    self._stream,
+                    stream,
                     frame,
                     self._spec.input_type,
                     "the request",
@@ -206,7 +221,10 @@ class _IncomingMessages:
                     self._spec.attachment_buffer,
                 )
         if scope.cancelled_caught:
-            raise RPCTimeoutError(f"no request message for {self._idle_timeout} s")
+            what = f"{guard.received} bytes of a" if guard.received else "no"
+            raise RPCTimeoutError(
+                f"{what} request message, then nothing for {self._idle_timeout} s"
+            )
         if frame is None:
             raise RPCCancelledError("the caller closed the stream before END")
         if frame.kind == KIND_END:

@@ -20,7 +20,7 @@ from swarmtrain.p2p.rpc import (
     send_item,
     serialize_checked,
 )
-from swarmtrain.p2p.rpc_stream import RPCStream
+from swarmtrain.p2p.rpc_stream import RPCStream, deadline_moved_by_bytes
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
 logger = logging.getLogger("swarmtrain.p2p.rpc")
@@ -151,27 +151,50 @@ class ResponseStream(Generic[TItem]):
     """Async iterator over the responses of a stream-output call: output messages, and
     ``Attached`` ones too in a call opened with ``attachments=True`` (``TItem`` says which).
 
-    ``next_message_timeout`` bounds the wait for each message (RPCTimeoutError).
+    ``next_message_timeout`` bounds the wait for each message (RPCTimeoutError), moved out
+    while the bytes of a large one keep arriving.
     """
 
     def __init__(self, reader: _ResponseReader[Any], next_message_timeout: float | None):
         self._reader = reader
         self._timeout = next_message_timeout
+        self._on_bytes: Callable[[int], None] | None = None
 
     def __aiter__(self) -> ResponseStream[TItem]:
         return self
 
+    def set_on_bytes(self, callback: Callable[[int], None] | None) -> None:
+        """Call ``callback(count)`` for every read that brings bytes of this call's responses
+        (a deadline that moves while a large message keeps arriving); None: stop."""
+        self._on_bytes = callback
+        if not self._timeout:
+            self._reader.stream.on_bytes = callback
+
+    def _relay_bytes(self, count: int) -> None:
+        if self._on_bytes is not None:
+            self._on_bytes(count)
+
     async def __anext__(self) -> TItem:
+        """The next response; with ``next_message_timeout``, ``RPCTimeoutError`` if none began
+        within it or its bytes stopped coming for that long (``stall_core.ProgressDeadline``)."""
         message: Any  # a TItem: the reader yields Attached only if the call was opened so
         if not self._timeout:  # no cancel scope to set up per message
             message = await self._reader.next_message()
             if message is None:
                 raise StopAsyncIteration
             return message
-        with trio.move_on_after(self._timeout) as scope:
-            message = await self._reader.next_message()
+        stream = self._reader.stream
+        try:
+            moving = deadline_moved_by_bytes(stream, self._timeout, self._relay_bytes)
+            with moving as (scope, guard):
+                message = await self._reader.next_message()
+        finally:
+            stream.on_bytes = self._on_bytes
         if scope.cancelled_caught:
-            raise RPCTimeoutError(f"{self._reader.method}: no response for {self._timeout} s")
+            what = f"{guard.received} bytes of a response" if guard.received else "no response"
+            raise RPCTimeoutError(
+                f"{self._reader.method}: {what}, then nothing for {self._timeout} s"
+            )
         if message is None:
             raise StopAsyncIteration
         return message

@@ -1,10 +1,15 @@
 """A libp2p stream carrying RPC frames: buffered frame reads and cancellation-safe writes.
 
-Writes are shielded from cancellation piece by piece (at most ``WRITE_PIECE_SIZE`` bytes each),
-so a cancelled call stops *between* pieces and then closes the stream. (py-libp2p's own frame
-writes are made all-or-nothing too, ``_yamux.TunedYamux._write_frame``: a frame cut
-by a cancellation killed the whole connection, see LIBP2P-NOTES.) Data lanes are
-``cancel_safe``: their writes are not shielded.
+On a stream of our own yamux (``_yamux.TunedYamuxStream``, every stream of our hosts) writes
+are not shielded: its frame writes are all-or-nothing under cancellation
+(``_yamux.TunedYamux._write_frame``: a frame cut by a cancellation killed the whole connection,
+see LIBP2P-NOTES), so a cancelled call stops between frames, also while it waits for the
+peer's flow-control window, and each frame write and window wait is bounded there
+(``FRAME_WRITE_TIMEOUT``, ``WINDOW_WAIT_TIMEOUT``): a write that keeps moving frames is slow,
+not stalled, however long it takes. On any other libp2p stream writes are shielded from
+cancellation piece by piece (at most ``WRITE_PIECE_SIZE`` bytes each, each bounded by
+``WRITE_STALL_TIMEOUT``), so a cancelled call stops *between* pieces and then closes the
+stream. Data lanes are ``cancel_safe``: their writes are not shielded.
 
 This is the one place where the stream errors of both transports (py-libp2p's ``StreamError``
 family and the lanes' ``LaneError`` family) become RPC errors.
@@ -12,18 +17,20 @@ family and the lanes' ``LaneError`` family) become RPC errors.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 import trio
 from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamError, StreamReset
 
+from swarmtrain.p2p._yamux import TunedYamuxStream, WindowWaitTimeout
 from swarmtrain.p2p.errors import (
     LaneClosedError,
     LaneEndOfStream,
     LaneError,
     LaneResetError,
     RPCCancelledError,
-    RPCProtocolError,
     RPCTimeoutError,
 )
 from swarmtrain.p2p.framing import (
@@ -36,6 +43,7 @@ from swarmtrain.p2p.framing import (
     message_header,
 )
 from swarmtrain.p2p.limits import INITIAL_ALLOCATION, ByteBudget, PeerBytes
+from swarmtrain.p2p.stall_core import ProgressDeadline
 from swarmtrain.proto import p2p_pb2
 
 READ_SIZE = 1024 * 1024
@@ -89,6 +97,8 @@ class RPCStream:
         peer's share of it), charged for receive buffers."""
         self.stream = stream
         self._cancel_safe = getattr(stream, "cancel_safe", False)
+        # frames all-or-nothing, stalls bounded per frame (see the module docstring)
+        self._frames_atomic = isinstance(getattr(stream, "muxed_stream", None), TunedYamuxStream)
         # a data lane delivers whole records: a first buffer of one record takes them in place
         first = max(INITIAL_ALLOCATION, getattr(stream, "record_size", 0))
         self._decoder = FrameDecoder(max_message_size, budget, first)
@@ -98,6 +108,9 @@ class RPCStream:
         self.serving_call = False  # server side: a call's OPEN arrived and it has not ended
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: called with the count of every read that brought bytes (a wait whose deadline
+        #: moves while a large message keeps arriving: ``stall_core.ProgressDeadline``)
+        self.on_bytes: Callable[[int], None] | None = None
 
     def set_max_message_size(self, max_message_size: int) -> None:
         self._decoder.max_payload_size = max_message_size
@@ -143,7 +156,11 @@ class RPCStream:
                 return frame
             if self._eof:
                 if self._decoder.in_frame:
-                    raise RPCProtocolError("the stream ended in the middle of a frame")
+                    raise RPCCancelledError(
+                        f"the peer closed the stream in the middle of a frame "
+                        f"({self._decoder.buffered_bytes} bytes of it had arrived): it gave up "
+                        "on the call"
+                    )
                 return None
             await self._receive_more()
 
@@ -154,7 +171,13 @@ class RPCStream:
         self._decoder.begin_attachment(buffer)
         while not self._decoder.attachment_complete:
             if self._eof:
-                raise RPCProtocolError("the stream ended in the middle of an attachment")
+                # The peer's side ended (FIN) before the bytes it announced: a caller or
+                # handler that gave up (cancelled, timed out) ends its stream so. Not a
+                # protocol violation: nothing it sent was malformed.
+                raise RPCCancelledError(
+                    f"the peer closed the stream in the middle of an attachment "
+                    f"({self._decoder.bytes_wanted} bytes were still due): it gave up on the call"
+                )
             await self._receive_more()
         return self._decoder.take_attachment()
 
@@ -168,6 +191,8 @@ class RPCStream:
                 count = await read_into(target)
                 self.bytes_received += count
                 self._decoder.advance(count)
+                if self.on_bytes is not None and count:
+                    self.on_bytes(count)
                 return
             data = await self.stream.read(max(READ_SIZE, self._decoder.bytes_wanted))
         except (StreamEOF, LaneEndOfStream):
@@ -182,12 +207,14 @@ class RPCStream:
             return
         self.bytes_received += len(data)
         self._decoder.feed(data)
+        if self.on_bytes is not None:
+            self.on_bytes(len(data))
 
     async def _write(self, data: bytes | memoryview) -> None:
-        # A data lane's write may be cancelled (and bounds its own stalls); a libp2p stream's
-        # must not be (see the docstring).
+        # A data lane's or our yamux's write may be cancelled (and bounds its own stalls);
+        # another libp2p stream's must not be (see the docstring).
         try:
-            if self._cancel_safe:
+            if self._cancel_safe or self._frames_atomic:
                 await self.stream.write(data)
             else:
                 with trio.CancelScope(shield=True), trio.fail_after(WRITE_STALL_TIMEOUT):
@@ -196,7 +223,11 @@ class RPCStream:
             raise RPCTimeoutError(
                 f"the peer did not accept data for {WRITE_STALL_TIMEOUT} s"
             ) from None
-        except (StreamClosed, StreamReset, LaneClosedError, LaneResetError) as e:
+        except StreamReset as e:
+            if isinstance(e.__cause__, WindowWaitTimeout):  # ours, not the peer's reset
+                raise RPCTimeoutError(f"the peer did not read the stream: {e.__cause__}") from None
+            raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
+        except (StreamClosed, LaneClosedError, LaneResetError) as e:
             raise RPCCancelledError(f"the peer closed the stream: {e!r}") from None
         except (StreamError, LaneError) as e:
             raise RPCCancelledError(f"the stream failed: {e!r}") from None
@@ -277,3 +308,27 @@ class RPCStream:
                 await self.stream.reset()
             except Exception:
                 pass
+
+
+@contextmanager
+def deadline_moved_by_bytes(
+    stream: RPCStream,
+    patience: float,
+    relay: Callable[[int], None] | None = None,
+) -> Iterator[tuple[trio.CancelScope, ProgressDeadline]]:
+    """A cancel scope due ``patience`` s from now whose deadline moves while ``stream``'s bytes
+    keep arriving (``ProgressDeadline``); each count is also passed to ``relay``. On leaving,
+    the stream has no byte hook."""
+    guard = ProgressDeadline(trio.current_time() + patience, patience)
+    with trio.CancelScope(deadline=guard.deadline) as scope:
+
+        def on_bytes(count: int) -> None:
+            scope.deadline = guard.on_bytes(count, trio.current_time())
+            if relay is not None:
+                relay(count)
+
+        stream.on_bytes = on_bytes
+        try:
+            yield scope, guard
+        finally:
+            stream.on_bytes = None

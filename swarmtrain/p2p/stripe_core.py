@@ -20,6 +20,7 @@ stripe's end) raises ``LaneStripeError``; the stream fails as a whole, like a re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterator
 
 from swarmtrain.p2p.errors import LaneStripeError
@@ -32,6 +33,32 @@ MAX_STRIPES = 16
 #: a record numbered this far past the next expected one is refused (an honest sender is
 #: never more ahead than what K connections' kernel buffers hold: far below this)
 MAX_SEQ_LEAD = 1 << 20
+#: the rate one lane's stripes together aim for, Mbit/s: a peer's uplink shared by a few
+#: partners (20-100 Mbit/s homes and clouds)
+STRIPE_TARGET_MBIT = 25.0
+MSS_BYTES = 1448  # a segment's payload at MTU 1500 with TCP timestamps
+
+
+def mathis_mbit(rtt: float, loss: float) -> float:
+    """One loss-based TCP flow's steady-state rate, ``MSS / RTT x 1.22 / sqrt(loss)`` (Mathis,
+    Semke, Mahdavi, Ott 1997), Mbit/s: 0.47 at 300 ms RTT and 1% loss."""
+    return MSS_BYTES * 8 / rtt * 1.22 / math.sqrt(loss) / 1e6
+
+
+def stripes_for_path(rtt: float | None, loss: float | None, cap: int) -> int:
+    """How many stripes to ask for on a path of ``rtt`` seconds losing a ``loss`` share of its
+    segments (the libp2p connection's ``TCP_INFO``; None: unknown): enough flows for
+    ``STRIPE_TARGET_MBIT`` at the Mathis rate of one flow, at most ``cap``
+    (``P2PConfig.lane_stripes``); the cap where either is unknown (a first contact: the lane is
+    then reused for long, ``lane_books.lane_reuse_time``). Whether the lane stripes at all is
+    decided later, by its first connection's RTT (``lane_stripe_min_rtt``); the callee may
+    grant fewer."""
+    if cap < 1:
+        raise ValueError("the stripe cap is at least 1")
+    if rtt is None or rtt <= 0 or loss is None or loss <= 0:
+        return cap
+    wanted = math.ceil(STRIPE_TARGET_MBIT / mathis_mbit(rtt, min(loss, 1.0)))
+    return max(1, min(cap, wanted))
 
 
 def default_window(stripes: int) -> int:

@@ -16,7 +16,8 @@ then answers one line per command (``{"error": ...}`` when a command fails):
   ``part_layout``: the part layout this peer offers in matchmaking, ``partition.PART_LAYOUTS``,
   pinned: not adapted to the link);
   per round: seconds, wall-clock stamps of the all-reduce's start and the step's end, group
-  size, the first averaged value; ``"trace": true`` adds each round's all-reduce timeline
+  size, the first averaged value (``value_range``: the smallest and largest); ``"trace":
+  true`` adds each round's all-reduce timeline
   (``AllReduceTrace`` events) and this host's interface byte counters sampled every
   ``SAMPLE_INTERVAL`` s during the step (``"link"``: ``[time, rx_bytes, tx_bytes]`` rows);
 - ``{"op": "paths"}``: per connected peer, the kinds of connection held
@@ -178,6 +179,8 @@ async def main(options: dict) -> None:
                                 "ended": time.time(),
                                 "group": len(group),
                                 "value": float(averaged[0][0]),
+                                # all equal to the mean unless a slice was left out
+                                "value_range": [float(averaged[0].min()), float(averaged[0].max())],
                                 "paths": _paths(p2p),
                                 "lanes": _counters(p2p),
                                 # what matchmaking offers next (the layout adapts to the link)

@@ -205,6 +205,7 @@ class Lab:
         jitter: float = 0.0,
         loss: float = 0.0,
         mtu: int = DELAY_LINE_MTU,
+        priority: str = "rr",
     ) -> Host:
         """A public host (10.231.<run>.k, like ``add_public_host``) behind its own access
         router (namespace ``<name>dl``) whose forwarding path runs through a packet-level
@@ -214,6 +215,8 @@ class Lab:
         change the settings with ``set_delay_line``. ``mtu`` applies to every link of the
         host's path (the bridge port included): larger packets, fewer for the forwarder.
         ``limit_rate`` then shapes the host's veth and the router's veth towards it.
+        ``priority``: the forwarder's scheduling (``delay_line.PRIORITIES``: ``rr`` real-time
+        round robin, else nice -15; ``nice``; ``none``), so a busy box does not delay packets.
 
         How: the router answers ARP for the host on the bridge and for everything else on the
         host's side (proxy ARP), and policy routing sends what arrives on either veth into a
@@ -266,7 +269,7 @@ class Lab:
             router,
             script,
             *("--tun", tun, "--host", ip, "--delay", str(delay), "--jitter", str(jitter)),
-            *("--loss", str(loss)),
+            *("--loss", str(loss), "--priority", priority),
         )
         line.recv(timeout=10)
         self.exec(router, "ip", "route", "add", "default", "dev", tun, "table", DELAY_LINE_TABLE)

@@ -1,0 +1,118 @@
+"""``P2PConfig.lane_congestion``: the TCP congestion control of lane sockets, set on both
+ends' own sockets (the caller's dialled ones, the callee's accepted ones), real hosts on
+loopback; a name the kernel refuses is logged once and lanes keep working."""
+
+import logging
+import os
+import socket
+
+import pytest
+from google.protobuf.wrappers_pb2 import BytesValue, Int64Value
+
+from swarmtrain.p2p import P2P
+from swarmtrain.p2p.lane_connections import congestion_of
+
+AVAILABLE = "/proc/sys/net/ipv4/tcp_available_congestion_control"
+DEFAULT = "/proc/sys/net/ipv4/tcp_congestion_control"
+
+
+def another_algorithm() -> str:
+    """A loaded algorithm other than the default (the test shows the option took effect)."""
+    if getattr(socket, "TCP_CONGESTION", None) is None:
+        pytest.skip("TCP_CONGESTION is Linux only")
+    try:
+        with open(AVAILABLE) as f:
+            available = f.read().split()
+        with open(DEFAULT) as f:
+            default = f.read().strip()
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4 congestion control files")
+    others = [name for name in available if name != default]
+    if not others:
+        pytest.skip(f"only {default} is loaded")
+    return others[0]
+
+
+def lane_sockets(port: int) -> dict[str, list[str]]:
+    """This process's TCP sockets with local or remote port ``port``: their congestion
+    control, by end ("callee": local port, "caller": remote port)."""
+    found: dict[str, list[str]] = {"callee": [], "caller": []}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            probe = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        with probe:
+            try:
+                if probe.type != socket.SOCK_STREAM or probe.family != socket.AF_INET:
+                    continue
+                local, remote = probe.getsockname()[1], probe.getpeername()[1]
+            except OSError:
+                continue
+            name = congestion_of(probe)
+            if local == port and name:
+                found["callee"].append(name)
+            elif remote == port and name:
+                found["caller"].append(name)
+    return found
+
+
+async def total_size(requests, context):
+    total = 0
+    async for request in requests:
+        total += len(request.value)
+    return Int64Value(value=total)
+
+
+async def bulk_call(caller, callee) -> None:
+    reply = await caller.call_protobuf_handler(
+        callee.peer_id,
+        "t::C.total_size",
+        [BytesValue(value=b"c" * 100_000)],
+        Int64Value,
+        stream_input=True,
+        bulk=True,
+    )
+    assert reply.value == 100_000
+
+
+@pytest.mark.trio
+async def test_lane_sockets_use_the_configured_congestion_control():
+    algorithm = another_algorithm()
+    async with (
+        P2P.create(lane_congestion=algorithm) as a,
+        P2P.create(initial_peers=a.get_visible_maddrs(), lane_congestion=algorithm) as b,
+    ):
+        a.add_protobuf_handler("t::C.total_size", total_size, BytesValue, stream_input=True)
+        await bulk_call(b, a)
+        assert b.statistics()["lanes_opened"] == 1
+        ends = lane_sockets(a.lanes.port)
+        assert ends["caller"] == [algorithm] and ends["callee"] == [algorithm], ends
+
+
+@pytest.mark.trio
+async def test_a_refused_congestion_control_is_logged_once_and_lanes_still_work(caplog):
+    another_algorithm()  # Linux with the option
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.p2p.lane"):
+        async with (
+            P2P.create() as a,
+            P2P.create(initial_peers=a.get_visible_maddrs(), lane_congestion="nosuchcc") as b,
+        ):
+            a.add_protobuf_handler("t::C.total_size", total_size, BytesValue, stream_input=True)
+            for _ in range(2):
+                await bulk_call(b, a)
+                await b._bulk_pool.aclose()  # the next call opens a new lane
+            assert b.statistics()["lanes_opened"] == 2
+    refused = [r for r in caplog.records if "nosuchcc" in r.getMessage()]
+    assert len(refused) == 1
+
+
+def test_lane_congestion_is_validated():
+    from swarmtrain.p2p.host import P2PConfig
+
+    with pytest.raises(TypeError):
+        P2PConfig(lane_congestion=b"bbr")
+    for bad in ("", "x" * 16, "bb r\n"):
+        with pytest.raises(ValueError):
+            P2PConfig(lane_congestion=bad)
+    assert P2PConfig(lane_congestion="bbr").lane_congestion == "bbr"
