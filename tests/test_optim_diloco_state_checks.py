@@ -14,9 +14,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from polling import wait_for
 from swarm_util import HOST
 
 from swarmtrain.averaging.state_checks import RejectReason, StateRejected, TensorSpec
+from swarmtrain.averaging.state_sharing import state_sharing_key
 from swarmtrain.compression import NoCompression
 from swarmtrain.dht import DHT
 from swarmtrain.optim._optimizer_state import TENSOR_KEY, encode_tensors
@@ -273,6 +275,19 @@ def test_a_joiner_rejects_poisoned_diloco_states_and_loads_an_honest_one(caplog)
             assert torch.equal(mine, theirs)
 
         honest.opt.averager.allow_state_sharing = True
+        # the honest peer re-declares in the background: a load before its record is stored
+        # sees only banned donors and returns False at once (its documented behaviour)
+        key = state_sharing_key(honest.opt.averager.prefix)
+        honest_subkey = honest.opt.averager.peer_id.to_bytes()
+
+        def honest_declared() -> bool:
+            found = dhts[-1].get(key, latest=True)
+            item = (
+                found.value.get(honest_subkey) if found and isinstance(found.value, dict) else None
+            )
+            return item is not None and isinstance(item.value, (int, float))
+
+        wait_for(honest_declared, timeout=20, what="the honest donor's declaration")
         assert joiner.opt.load_state_from_peers(timeout=20)
         assert joiner.opt.averager.state_download_failure is None
         assert joiner.opt.inner_step == INNER_STEPS and joiner.opt.outer_step == 1
