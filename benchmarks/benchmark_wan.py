@@ -136,27 +136,17 @@ def bulk_calls(peers, mbit: float, delay: float, args) -> dict:
     }
 
 
-ALLOWED_CC = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
-
-
 @contextlib.contextmanager
 def congestion_allowed(name: str):
-    """A namespace other than the first may default only to an algorithm in the box's
-    ``tcp_allowed_congestion_control`` (else EPERM): add ``name`` to it for the run (it only
-    lets unprivileged sockets pick it; nobody's default changes), restore it afterwards."""
-    with open(ALLOWED_CC) as f:
-        before = f.read().split()
-    if name == "default" or name in before:
+    """``netlab.system.congestion_control_allowed`` for ``--congestion`` (``default``: no
+    change), reporting the list when it was changed."""
+    if name == "default":
         yield
         return
-    with open(ALLOWED_CC, "w") as f:
-        f.write(" ".join([*before, name]))
-    report(allowed_congestion_control_for_the_run=[*before, name])
-    try:
+    with netlab.system.congestion_control_allowed(name) as allowed:
+        if allowed is not None:
+            report(allowed_congestion_control_for_the_run=allowed)
         yield
-    finally:
-        with open(ALLOWED_CC, "w") as f:
-            f.write(" ".join(before))
 
 
 def link_loss(loss: float) -> float:

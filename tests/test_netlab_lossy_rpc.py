@@ -8,7 +8,6 @@ the middle of an attachment".
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import netlab
@@ -20,25 +19,6 @@ LOSS = 0.01
 MBIT = 20.0
 PEERS = 3
 MIB = 4  # per call: ~1-2 minutes at the ~40-60 KB/s one cubic connection gets here
-ALLOWED_CC = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
-
-
-@contextlib.contextmanager
-def cubic_allowed():
-    """A namespace may default only to an algorithm in the box's allowed list: add cubic for
-    the module (nobody's default changes), restore the list afterwards."""
-    with open(ALLOWED_CC) as f:
-        before = f.read().split()
-    if "cubic" in before:
-        yield
-        return
-    with open(ALLOWED_CC, "w") as f:
-        f.write(" ".join([*before, "cubic"]))
-    try:
-        yield
-    finally:
-        with open(ALLOWED_CC, "w") as f:
-            f.write(" ".join(before))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +28,7 @@ def lab_peers():
         reason = "the rate limits need tc (iproute2)"
     if reason is not None:
         pytest.skip(reason)
-    with cubic_allowed(), netlab.Lab() as lab:
+    with netlab.system.congestion_control_allowed("cubic"), netlab.Lab() as lab:
         hosts = [lab.add_delayed_host(f"l{i}", delay=ONE_WAY / 2) for i in range(PEERS)]
         for host in hosts:
             host.exec("sysctl", "-q", "-w", "net.ipv4.tcp_congestion_control=cubic")

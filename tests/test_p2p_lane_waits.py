@@ -15,9 +15,9 @@ from swarmtrain.p2p.lane_books import (
     first_lane_wait,
     lane_reuse_time,
 )
-from swarmtrain.p2p.lane_connections import MIN_SEGMENTS_FOR_LOSS, tcp_loss
 from swarmtrain.p2p.lane_pool import LANE_REUSE_LIMIT
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
+from swarmtrain.p2p.tcp_info import MIN_SEGMENTS_FOR_LOSS, tcp_loss
 from swarmtrain.proto import p2p_pb2
 
 BASE, CALLEE_IDLE = CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT

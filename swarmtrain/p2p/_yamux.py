@@ -49,7 +49,6 @@ import logging
 import os
 import socket
 import struct
-import sys
 
 import trio
 from libp2p.stream_muxer.exceptions import MuxedConnUnavailable, MuxedStreamError
@@ -58,6 +57,7 @@ from libp2p.stream_muxer.yamux import yamux as yamux_module
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from swarmtrain.p2p.stall_core import FrameSizer
+from swarmtrain.p2p.tcp_info import tcp_rtt
 
 #: the largest yamux frame our streams send (py-libp2p: 64 KiB)
 MAX_FRAME_SIZE = 1024 * 1024
@@ -104,22 +104,11 @@ def tcp_socket_of(conn: Yamux):
     return node if hasattr(node, "getsockopt") else None
 
 
-def _tcp_info_rtt(sock) -> float | None:
-    """The kernel's smoothed RTT of ``sock`` in seconds (Linux ``TCP_INFO``), or None."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-    except (AttributeError, OSError):
-        return None
-    if len(info) < 72:
-        return None
-    return int.from_bytes(info[68:72], sys.byteorder) / 1e6
-
-
 def tune_long_path(conn: Yamux) -> float | None:
     """Set ``TCP_NOTSENT_LOWAT`` on ``conn``'s socket when its RTT is at least
     ``LONG_PATH_RTT``; returns the RTT (None: unknown, nothing set)."""
     sock = tcp_socket_of(conn)
-    rtt = None if sock is None else _tcp_info_rtt(sock)
+    rtt = None if sock is None else tcp_rtt(sock)
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
     if rtt is not None and rtt >= LONG_PATH_RTT and option is not None:
         try:

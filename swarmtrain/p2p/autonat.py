@@ -66,7 +66,7 @@ from swarmtrain.p2p.autonat_core import (  # noqa: F401 (re-exported)
     result_of,
 )
 from swarmtrain.p2p.errors import NoSuchMethodError, P2PError
-from swarmtrain.p2p.lane_connections import tcp_loss, tcp_rtt
+from swarmtrain.p2p.tcp_info import tcp_loss, tcp_rtt
 from swarmtrain.proto.autonat_pb2 import AutoNATDialRequest, AutoNATDialResponse, AutoNATStatus
 
 if TYPE_CHECKING:

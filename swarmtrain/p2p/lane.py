@@ -71,7 +71,6 @@ from swarmtrain.p2p.lane_connections import (
     set_congestion,
     show_ticket,
     stripe_timeout,
-    tcp_rtt,
 )
 from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSealer
 from swarmtrain.p2p.lane_stream import LaneStream
@@ -79,6 +78,7 @@ from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit, lanes_within_fd_limit
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
 from swarmtrain.p2p.stripe_core import MAX_STRIPES, stripes_for_path
+from swarmtrain.p2p.tcp_info import tcp_rtt
 from swarmtrain.proto import p2p_pb2
 
 logger = logging.getLogger(__name__)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 
 _iptables_tried = False
+ALLOWED_CC = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
 
 
 def run(*command: str, timeout: float = 10.0, check: bool = True) -> str:
@@ -70,3 +73,23 @@ def iptables_unavailable_reason() -> str | None:
 
 def tc_available() -> bool:
     return shutil.which("tc") is not None
+
+
+@contextlib.contextmanager
+def congestion_control_allowed(name: str) -> Iterator[list[str] | None]:
+    """A namespace other than the first may default only to an algorithm in the box's
+    ``tcp_allowed_congestion_control`` (else EPERM): add ``name`` to it while inside (it only
+    lets unprivileged sockets pick it; nobody's default changes), restore it afterwards.
+    Yields the list in force when it was changed, None when ``name`` was already allowed."""
+    with open(ALLOWED_CC) as f:
+        before = f.read().split()
+    if name in before:
+        yield None
+        return
+    with open(ALLOWED_CC, "w") as f:
+        f.write(" ".join([*before, name]))
+    try:
+        yield [*before, name]
+    finally:
+        with open(ALLOWED_CC, "w") as f:
+            f.write(" ".join(before))
