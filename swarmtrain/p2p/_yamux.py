@@ -57,7 +57,7 @@ from libp2p.stream_muxer.yamux import yamux as yamux_module
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from swarmtrain.p2p.stall_core import FrameSizer
-from swarmtrain.p2p.tcp_info import tcp_rtt
+from swarmtrain.p2p.tcp_info import tcp_rtt, tcp_socket_of
 
 #: the largest yamux frame our streams send (py-libp2p: 64 KiB)
 MAX_FRAME_SIZE = 1024 * 1024
@@ -94,14 +94,6 @@ def _updates_per_read() -> bool:
 class WindowWaitTimeout(MuxedStreamError):
     """The peer opened no send window for ``WINDOW_WAIT_TIMEOUT`` s (it does not read the
     stream); py-libp2p reports it as a reset of the stream, with this as its cause."""
-
-
-def tcp_socket_of(conn: Yamux):
-    """The TCP socket under a yamux connection (Noise over TCP), or None (e.g. relayed)."""
-    node = getattr(conn, "secured_conn", None)
-    for name in ("conn", "read_writer", "read_write_closer", "stream", "stream", "socket"):
-        node = getattr(node, name, None)
-    return node if hasattr(node, "getsockopt") else None
 
 
 def tune_long_path(conn: Yamux) -> float | None:

@@ -66,7 +66,7 @@ from swarmtrain.p2p.autonat_core import (  # noqa: F401 (re-exported)
     result_of,
 )
 from swarmtrain.p2p.errors import NoSuchMethodError, P2PError
-from swarmtrain.p2p.tcp_info import tcp_loss, tcp_rtt
+from swarmtrain.p2p.tcp_info import tcp_loss, tcp_rtt, tcp_socket_of
 from swarmtrain.proto.autonat_pb2 import AutoNATDialRequest, AutoNATDialResponse, AutoNATStatus
 
 if TYPE_CHECKING:
@@ -333,40 +333,13 @@ def observed_ips(p2p: P2P, peer: ID) -> set[str]:
     return ips
 
 
-#: attributes that lead from a swarm connection down to its TCP socket, tried in this order at
-#: each level (py-libp2p 0.8: yamux -> secure session -> Noise reader -> raw connection ->
-#: TrioTCPStream -> trio SocketStream -> socket; a private network's layer in between)
-_TOWARDS_THE_SOCKET = (
-    "muxed_conn",
-    "secured_conn",
-    "conn",
-    "read_write_closer",
-    "stream",
-    "socket",
-)
-_MAX_LAYERS = 12
-
-
-def _tcp_socket(conn: Any) -> Any:
-    for _ in range(_MAX_LAYERS):
-        if callable(getattr(conn, "getsockopt", None)):
-            return conn
-        conn = next(
-            (getattr(conn, n) for n in _TOWARDS_THE_SOCKET if getattr(conn, n, None) is not None),
-            None,
-        )
-        if conn is None:
-            return None
-    return None
-
-
 def connection_path(p2p: P2P, peer: ID) -> tuple[float, float | None] | None:
     """(RTT in seconds, share of segments retransmitted or None) of a direct TCP connection
     to ``peer``, from the kernel (``TCP_INFO``; the one with the smallest RTT if several);
     None without one (relayed, other transports)."""
     paths = []
     for conn in _direct_connections(p2p, peer):
-        sock = _tcp_socket(conn)
+        sock = tcp_socket_of(conn)
         rtt = tcp_rtt(sock) if sock is not None else None
         if rtt:
             paths.append((rtt, tcp_loss(sock)))
