@@ -1,9 +1,10 @@
 """When the progress core fetches the DHT: a slow read does not hold the next one back.
 
-Pure: a jumping clock drives the core as the tracker's fetch loop does (``fetch_due``,
-``on_fetch_started``, ``on_fetch`` when the read ends), against a DHT whose reads take the
-times a test gives and return what was stored when they began. Measured behind NATs at load
-~20 (docs/reliability.md, "The tracker's epoch over relays"): progress reads took 0.1-0.5 s
+Pure, on a jumping clock: first the schedule alone (``FetchSchedule``, ``fetch_period``), then
+the core driven as the tracker's fetch loop drives it (``fetch_due``, ``on_fetch_started``,
+``on_fetch`` when the read ends), against a DHT whose reads take the times a test gives and
+return what was stored when they began. Measured behind NATs at load ~20
+(docs/reliability.md, "The tracker's epoch over relays"): progress reads took 0.1-0.5 s
 mostly, 4-14 s now and then; a tracker that waited for each read before it began the next saw
 a record stored during a slow read only after that read, then a period, then another read.
 """
@@ -17,10 +18,138 @@ import pytest
 
 from swarmtrain.optim import LocalProgress, ProgressConfig, ProgressCore
 from swarmtrain.optim.progress_core import MAX_FETCHES_IN_FLIGHT
+from swarmtrain.optim.progress_fetch_schedule import FetchSchedule, fetch_period
 
 T0 = 1_000_000.0
 TARGET = 100
 PERIOD = 0.5  # min_refresh_period: the swarm is at its target, so the period is the shortest
+
+
+# ---------------------------------------------------------------- the schedule alone
+
+
+def test_the_first_fetch_is_due_at_creation_and_each_start_gets_a_new_number():
+    schedule = FetchSchedule(T0)
+    assert schedule.due(T0) and not schedule.due(T0 - 0.1)
+    assert schedule.last_end is None and schedule.in_flight == 0
+    assert schedule.no_result_since(T0 - 100)
+    first, second = schedule.start(T0), schedule.start(T0)
+    assert first != second and schedule.running(first) and schedule.running(second)
+
+
+def test_a_start_or_a_result_puts_the_next_fetch_a_period_later():
+    schedule = FetchSchedule(T0)
+    number = schedule.start(T0)
+    assert schedule.reschedule(T0, PERIOD, started=True) == T0 + PERIOD
+    assert not schedule.due(T0 + PERIOD - 0.01) and schedule.due(T0 + PERIOD)
+    schedule.end(number, T0 + 0.3)
+    assert schedule.last_end == T0 + 0.3 and schedule.in_flight == 0
+    assert schedule.reschedule(T0 + 0.3, PERIOD, fetched=True) == T0 + 0.3 + PERIOD
+
+
+def test_other_events_only_bring_the_next_fetch_earlier_never_before_the_last_plus_a_period():
+    schedule = FetchSchedule(T0)
+    schedule.end(schedule.start(T0), T0 + 0.4)
+    schedule.reschedule(T0 + 0.4, 3.0, fetched=True)
+    assert schedule.next_time == T0 + 3.4
+    # a shorter period (more peers, a nearer ETA): earlier, from the last fetch's end
+    assert schedule.reschedule(T0 + 0.5, PERIOD) == T0 + 0.4 + PERIOD
+    # a longer one never postpones it
+    assert schedule.reschedule(T0 + 0.6, 10.0) == T0 + 0.4 + PERIOD
+    # a fetch still out anchors the period at its start when that is later than the last end
+    schedule.start(T0 + 1.0)
+    schedule.next_time = T0 + 9.0
+    assert schedule.reschedule(T0 + 1.1, PERIOD) == T0 + 1.0 + PERIOD
+
+
+def test_at_most_max_fetches_run_beside_a_slow_read_and_an_end_frees_a_slot():
+    schedule, now = FetchSchedule(T0), T0
+    numbers = []
+    for _ in range(MAX_FETCHES_IN_FLIGHT):
+        now = max(now, schedule.next_time)
+        assert schedule.due(now)
+        numbers.append(schedule.start(now))
+        schedule.reschedule(now, PERIOD, started=True)  # the first read is slow: still out
+    assert numbers and schedule.in_flight == MAX_FETCHES_IN_FLIGHT
+    assert schedule.next_start(now + 100) == float("inf") and not schedule.due(now + 100)
+    schedule.fail(numbers[0], now + 1)
+    assert schedule.in_flight == MAX_FETCHES_IN_FLIGHT - 1
+    assert not schedule.running(numbers[0]) and schedule.running(numbers[1])
+    assert schedule.next_start(now + 1) == schedule.next_time < float("inf")
+
+
+def test_a_result_makes_the_fetches_begun_before_it_obsolete_and_keeps_the_later_ones():
+    schedule = FetchSchedule(T0)
+    slow, fast, later = schedule.start(T0), schedule.start(T0 + 3.0), schedule.start(T0 + 3.1)
+    schedule.end(fast, T0 + 3.2)
+    assert not schedule.running(slow)  # it would bring an older view: stop it
+    assert schedule.running(later) and schedule.in_flight == 1
+    assert not schedule.no_result_since(T0 + 3.0) and schedule.no_result_since(T0 + 3.05)
+    schedule.end(slow, T0 + 6.0)  # an obsolete result that came anyway
+    assert schedule.in_flight == 1 and schedule.last_end == T0 + 6.0
+    assert not schedule.no_result_since(T0 + 3.0)  # it says nothing about when it began
+    schedule.end(None, T0 + 7.0)  # a fetch the caller did not number: begun at its end
+    assert not schedule.no_result_since(T0 + 7.0) and schedule.running(later)
+
+
+def test_a_failure_counts_as_an_answer_and_the_retry_time_is_the_callers():
+    schedule = FetchSchedule(T0)
+    number = schedule.start(T0)
+    schedule.fail(number, T0 + 2.0)
+    assert schedule.in_flight == 0 and schedule.last_end == T0 + 2.0
+    assert not schedule.no_result_since(T0 + 2.0)
+    retry = T0 + 5.0
+    assert schedule.reschedule(T0 + 2.0, PERIOD, at=retry) == retry
+    # later events keep it, but may not bring it before the failure plus the period
+    assert schedule.reschedule(T0 + 2.1, PERIOD) == T0 + 2.0 + PERIOD
+
+
+def test_alone_at_the_target_a_fetch_is_due_at_once_unless_one_began_since():
+    schedule = FetchSchedule(T0)
+    schedule.end(schedule.start(T0), T0 + 0.1)
+    schedule.reschedule(T0 + 0.1, 3.0, fetched=True)
+    before = schedule.start(T0 + 0.2)  # begun before this peer reached its target
+    schedule.reschedule(T0 + 0.2, 3.0, started=True)
+    alone_since = T0 + 0.3
+    assert schedule.reschedule(T0 + 0.3, 3.0, confirm_since=alone_since) == T0 + 0.3
+    after = schedule.start(T0 + 0.3)
+    assert schedule.reschedule(T0 + 0.3, 3.0, started=True, confirm_since=alone_since) == (
+        T0 + 3.3
+    )  # one began since: no other at once
+    assert schedule.reschedule(T0 + 0.4, 3.0, confirm_since=alone_since) == T0 + 3.3
+    schedule.end(before, T0 + 0.5)
+    assert schedule.no_result_since(alone_since)  # it ended after, but began before
+    schedule.end(after, T0 + 0.6)
+    assert not schedule.no_result_since(alone_since)
+
+
+def test_the_period_is_the_share_of_the_eta_left_before_more_peers_may_join():
+    config = ProgressConfig(target_batch_size=TARGET)
+    assert fetch_period(config, 100.0, 1, alone=True) == config.default_refresh_period
+    # eta * n / max(n + drift_peers, n * (1 + drift_rate)): 20 * 2 / max(5, 2.4)
+    assert fetch_period(config, 20.0, 2, alone=False) == pytest.approx(8.0)
+    assert fetch_period(config, 10.0, 20, alone=False) == pytest.approx(200 / 24)
+    drifty = ProgressConfig(target_batch_size=TARGET, expected_drift_peers=18.0)
+    assert fetch_period(drifty, 20.0, 2, alone=False) == pytest.approx(2.0)  # sooner
+    assert fetch_period(config, 1e9, 5, alone=False) == config.max_refresh_period
+    assert fetch_period(config, 0.0, 5, alone=False) == config.min_refresh_period
+
+
+def test_a_slow_read_gets_company_a_period_after_it_began():
+    schedule, now = FetchSchedule(T0), T0
+    slow = schedule.start(now)
+    schedule.reschedule(now, PERIOD, started=True)
+    now += PERIOD
+    assert schedule.due(now)  # the slow read is still out: the next one starts beside it
+    fast = schedule.start(now)
+    schedule.reschedule(now, PERIOD, started=True)
+    schedule.end(fast, now + 0.2)
+    schedule.reschedule(now + 0.2, PERIOD, fetched=True)
+    assert not schedule.running(slow)  # obsolete: the tracker cancels it
+    assert schedule.next_time == pytest.approx(now + 0.2 + PERIOD)
+
+
+# ------------------------------------------------------ the core, as the tracker drives it
 
 
 def _record(epoch: int, samples: int, time: float) -> LocalProgress:

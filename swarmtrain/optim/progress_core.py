@@ -46,19 +46,10 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   averaging the last epoch, and counting its speed ended epochs at ~55-80% of the target on
   a loaded box. It counts from its first report in the current epoch.)
 - the next DHT fetch comes after ``default_refresh_period`` when we see no other peer, else
-  after ``eta * n / max(n + expected_drift_peers, n * (1 + expected_drift_rate))`` clipped to
-  ``[min_refresh_period, max_refresh_period]``: the more peers may join before the epoch ends,
-  the sooner we look again. The period runs from the end of the last fetch, or from the start
-  of one still out: up to ``MAX_FETCHES_IN_FLIGHT`` fetches may run at once, so a read that
-  is slow (a loaded peer, a relayed path, an RPC timing out) does not hold the next one back,
-  and a record stored meanwhile is seen within about two periods and two typical reads, not
-  behind the slow read (reads faster than the period run one at a time, as before)
-  (:meth:`ProgressCore.fetch_due`, :meth:`ProgressCore.on_fetch_started`). A fetch that ends
-  makes the ones begun before it obsolete (what they would bring is older): they stop counting
-  and the tracker stops them (:meth:`ProgressCore.fetch_running`), so slow reads never fill the
-  slots for long. Gossip and local reports can only bring the next fetch earlier (never before
-  the last fetch, its end or the start of one still out, plus the period computed now), so a
-  steady flow of gossip never postpones the DHT fallback.
+  sooner the more peers may join before the epoch ends, and a slow read does not hold the next
+  one back (up to ``MAX_FETCHES_IN_FLIGHT`` run at once; the schedule and its rules:
+  :mod:`swarmtrain.optim.progress_fetch_schedule`, :meth:`ProgressCore.fetch_due`,
+  :meth:`ProgressCore.on_fetch_started`, :meth:`ProgressCore.fetch_running`).
 
 Records of dead peers (a killed run's, which never said goodbye): the owner of each non-client
 record ahead of this peer (the peer id the record is bound to) is dialled once
@@ -83,11 +74,11 @@ times the duration its first ETA promised, without reaching the target).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .progress_fetch_schedule import MAX_FETCHES_IN_FLIGHT, FetchSchedule, fetch_period
 from .progress_liveness import OwnerCandidate, OwnerLiveness, Probe, ProbeOutcome
 from .progress_types import (
     EPS,
@@ -109,10 +100,6 @@ from .progress_votes import (
 )
 
 __all__ = ["MAX_FETCHES_IN_FLIGHT", "ProgressCore"]
-
-#: DHT fetches of the swarm's progress that may run at once (the next one starts on schedule
-#: while a slow one is still out; see the module docstring)
-MAX_FETCHES_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -160,11 +147,7 @@ class ProgressCore:
         )
         self._implausible_warned: set[bytes] = set()
         self._last_active_epoch = -math.inf
-        self._last_fetch_time: float | None = None
-        self._last_fetch_started: float | None = None  # of the last fetch begun
-        self._last_result_began: float | None = None  # when the newest result's fetch began
-        self._fetches: dict[int, float] = {}  # fetches running: number -> start
-        self._fetch_numbers = itertools.count()
+        self._fetch_schedule = FetchSchedule(now)
         self._fetched_this_epoch = False
         self._alone_at_target_since: float | None = None  # see ``GlobalProgress.confirming_alone``
         self._num_fetches = self._num_merged = self._num_unbound = 0
@@ -202,29 +185,27 @@ class ProgressCore:
     @property
     def last_fetch_time(self) -> float | None:
         """When the last DHT fetch (or failed attempt) ended; None before the first."""
-        return self._last_fetch_time
+        return self._fetch_schedule.last_end
 
     @property
     def fetches_in_flight(self) -> int:
         """DHT fetches started (:meth:`on_fetch_started`) and not ended yet."""
-        return len(self._fetches)
+        return self._fetch_schedule.in_flight
 
     def fetch_running(self, fetch: int) -> bool:
         """Whether fetch ``fetch`` (from :meth:`on_fetch_started`) still counts. False once it
         ended, or once a fetch begun after it ended first (it is obsolete then: stop it)."""
-        return fetch in self._fetches
+        return self._fetch_schedule.running(fetch)
 
     def fetch_due(self, now: float) -> bool:
         """Whether to start a DHT fetch now: its time came and fewer than
         ``MAX_FETCHES_IN_FLIGHT`` are running. Report the start with :meth:`on_fetch_started`."""
-        return self.next_fetch_start(now) <= now
+        return self._fetch_schedule.due(now)
 
     def next_fetch_start(self, now: float) -> float:
         """DHT time at which the next fetch may start (inf while ``MAX_FETCHES_IN_FLIGHT`` run:
         then the end of one of them comes first)."""
-        if len(self._fetches) >= MAX_FETCHES_IN_FLIGHT:
-            return math.inf
-        return self._global.next_fetch_time
+        return self._fetch_schedule.next_start(now)
 
     @property
     def fetched_this_epoch(self) -> bool:
@@ -400,28 +381,9 @@ class ProgressCore:
         """A DHT fetch starts now; returns its number, for :meth:`on_fetch` or
         :meth:`on_fetch_failed` when it ends. The next one is due a period after this start if
         this one is still out then (else a period after it ended)."""
-        number = next(self._fetch_numbers)
-        self._fetches[number] = now
-        self._last_fetch_started = now
+        number = self._fetch_schedule.start(now)
         self._recompute(now, started=True)
         return number
-
-    def _end_fetch(self, fetch: int | None, now: float) -> None:
-        """``fetch`` ended with a result: it and every fetch begun before it stop counting
-        (what they would bring is older than what it brought; :meth:`fetch_running` tells
-        the caller). Without a number it counts as begun at ``now``; an obsolete one (its
-        result came anyway) says nothing about when it began."""
-        if fetch is None:
-            began: float | None = now
-        else:
-            began = self._fetches.pop(fetch, None)
-            if began is not None:
-                for number in [n for n, at in self._fetches.items() if at <= began]:
-                    del self._fetches[number]
-        if began is not None and (
-            self._last_result_began is None or began > self._last_result_began
-        ):
-            self._last_result_began = began
 
     def on_fetch(
         self,
@@ -430,11 +392,11 @@ class ProgressCore:
         fetch: int | None = None,
     ) -> GlobalProgress:
         """A DHT fetch returned ``{peer id: (record or None, expiration_time)}``: the subkeys
-        whose signatures the DHT verified; ``fetch``: its number from :meth:`on_fetch_started`."""
-        self._end_fetch(fetch, now)
+        whose signatures the DHT verified; ``fetch``: its number from :meth:`on_fetch_started`.
+        It and the fetches begun before it stop running (:meth:`fetch_running`)."""
+        self._fetch_schedule.end(fetch, now)
         for key, (progress, expiration_time) in entries.items():
             self._merge(key, progress, expiration_time, now, gossiped=False)
-        self._last_fetch_time = now
         self._fetched_this_epoch = True
         self._num_fetches += 1
         self._recompute(now, fetched=True)
@@ -446,11 +408,9 @@ class ProgressCore:
 
     def on_fetch_failed(self, now: float, fetch: int | None = None) -> GlobalProgress:
         """A DHT fetch (number ``fetch``) failed: try again after ``default_refresh_period``."""
-        if fetch is not None:
-            self._fetches.pop(fetch, None)
         # an attempt: gossip must not bring the retry forward (and, as before, it ends a
         # confirmation alone: the Optimizer would not wait for a DHT that fails)
-        self._last_fetch_time = self._last_fetch_started = self._last_result_began = now
+        self._fetch_schedule.fail(fetch, now)
         self._recompute(now, next_fetch_time=now + self.config.default_refresh_period)
         return self._global
 
@@ -739,38 +699,16 @@ class ProgressCore:
         if at_target and self._alone_at_target_since is None:
             self._alone_at_target_since = now
         alone_since = self._alone_at_target_since or now
-        began = self._last_result_began  # a fetch begun before we got there does not confirm
-        confirming_alone = at_target and (began is None or began < alone_since)
-        last_started = self._last_fetch_started
-        if (
-            confirming_alone
-            and next_fetch_time is None
-            and (last_started is None or last_started < alone_since)
-        ):
-            next_fetch_time = now
-        if not others:
-            period = config.default_refresh_period
-        else:
-            expected_max = max(
-                num_peers + config.expected_drift_peers,
-                num_peers * (1 + config.expected_drift_rate),
-            )
-            period = min(
-                max(eta * num_peers / expected_max, config.min_refresh_period),
-                config.max_refresh_period,
-            )
-        # A period after the last fetch ended, as before; and a period after a fetch began
-        # while it is still out (a slow read does not push the next one back: that one starts
-        # beside it, see fetch_due).
-        ends = [t for t in (self._last_fetch_time, last_started) if t is not None]
-        anchor = max(ends) if ends else None
-        if next_fetch_time is None:
-            if fetched or started:
-                next_fetch_time = now + period
-            elif anchor is None:
-                next_fetch_time = self._global.next_fetch_time
-            else:  # only ever earlier, and never before the last fetch (start or end) + period
-                next_fetch_time = min(self._global.next_fetch_time, anchor + period)
+        # a fetch begun before we got there does not confirm
+        confirming_alone = at_target and self._fetch_schedule.no_result_since(alone_since)
+        next_fetch_time = self._fetch_schedule.reschedule(
+            now,
+            fetch_period(config, eta, num_peers, alone=not others),
+            fetched=fetched,
+            started=started,
+            at=next_fetch_time,
+            confirm_since=alone_since if confirming_alone else None,
+        )
 
         if epoch != self._global.epoch:
             self._epoch_started_at, self._expected_epoch_duration = now, None
