@@ -42,8 +42,9 @@ registered: validators cannot be removed; a DHT runs at most one tracker per pre
 peer id is its record), opens a ``PubSub`` on the DHT's host unless one is
 passed in (or ``use_pubsub=False``), fetches the swarm's progress once
 (and dials the owners of the records ahead of it), then runs five tasks in a task group owned
-by the tracker (DHT reporter, gossip publisher, DHT fetcher, owner prober, gossip receiver) and
-yields. Leaving the ``async with`` publishes a departure record (``None``) when this peer has
+by the tracker (DHT reporter, gossip publisher, DHT fetcher, owner prober, gossip receiver;
+the DHT and gossip tasks are in ``_progress_tracker_dht`` and ``_progress_tracker_gossip``)
+and yields. Leaving the ``async with`` publishes a departure record (``None``) when this peer has
 published anything, bounded by ``shutdown_timeout`` even when cancelled, then stops the tasks
 and closes the ``PubSub`` it opened. The DHT, and a ``PubSub`` passed in, stay open.
 
@@ -63,22 +64,17 @@ import threading
 import warnings
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 import pydantic
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmtrain.dht import (
-    NO_SUBKEY,
     AsyncDHT,
     CompositeValidator,
-    DHTRecord,
-    DHTValueError,
     RecordValidatorBase,
     SchemaValidator,
-    ValueWithExpiration,
-    deserialize,
     get_dht_time,
     serialize,
 )
@@ -88,14 +84,14 @@ from swarmtrain.proto.progress_pb2 import ProgressRecord
 from swarmtrain.utils.change_signal import ChangeSignal
 
 from ._owner_probe import dial_owner
+from ._progress_tracker_dht import ProgressDHTChannel
+from ._progress_tracker_gossip import ProgressGossipChannel
 from .progress_core import ProgressCore
 from .progress_liveness import Probe, ProbeOutcome
 from .progress_records import (
-    _INVALID,
     LocalProgressSchema,
     ProgressTrackerStatistics,
     TrainingProgressSchema,
-    _parse_progress,
     progress_key,
     progress_record_validator,
 )
@@ -105,7 +101,6 @@ from .progress_types import (
     PerformanceEMA,
     ProgressConfig,
     ProgressWarning,
-    describe_eta,
     short_peer_id,
 )
 
@@ -161,7 +156,7 @@ def _peer_id_bytes(peer_ids: Iterable[PeerID | bytes | str]) -> frozenset[bytes]
     return frozenset(found)
 
 
-class AsyncProgressTracker:
+class AsyncProgressTracker(ProgressDHTChannel, ProgressGossipChannel):
     """The trio tracker; build it with ``async with ProgressTracker.create(dht, ...)``.
 
     Methods that cannot block are plain functions; ``wait_*`` and :meth:`refresh` are async.
@@ -531,121 +526,6 @@ class AsyncProgressTracker:
         await self._fetch()
         return self.global_progress
 
-    # ------------------------------------------------------------ DHT tasks
-
-    async def _store_loop(self) -> None:
-        while True:
-            now = get_dht_time()
-            with self._lock:
-                due = self._core.next_store_time(now)
-                record = self._core.take_store(now) if due <= now else None
-            if due > now:
-                with trio.move_on_after(due - now):
-                    await self._changed.wait()
-                continue
-            if record is None:
-                continue
-            expiration = now + self.config.metadata_expiration
-            stored = False
-            try:
-                with trio.move_on_after(self.config.metadata_expiration):
-                    stored = await self.dht.store(
-                        self.training_progress_key,
-                        record.to_dict(),
-                        expiration,
-                        subkey=self._subkey,
-                    )
-            except Exception:
-                logger.warning("could not store progress of %s", self.prefix, exc_info=True)
-            if stored:
-                self._stores += 1
-                if record.samples_accumulated == 0:  # an epoch change (or an announcement)
-                    logger.debug(
-                        "%s: stored epoch %d in %.2f s",
-                        self.prefix,
-                        record.epoch,
-                        get_dht_time() - now,
-                    )
-            else:
-                self._store_failures += 1
-                logger.debug("progress of %s was not stored", self.prefix)
-
-    async def _fetch_loop(self) -> None:
-        # A fetch starts on schedule even while a slow one is still out (at most
-        # MAX_FETCHES_IN_FLIGHT; the core decides): one slow read does not delay what the
-        # next one would bring.
-        async with trio.open_nursery() as fetches:
-            while True:
-                now = get_dht_time()
-                with self._lock:
-                    number = self._core.on_fetch_started(now) if self._core.fetch_due(now) else None
-                    next_start = self._core.next_fetch_start(now)
-                if number is not None:
-                    fetches.start_soon(self._run_fetch, now, number)
-                    continue
-                with trio.move_on_after(max(0.0, next_start - now)):
-                    await self._changed.wait()  # gossip, reports and ended fetches
-
-    async def _fetch(self) -> None:
-        """Fetch the swarm's progress now (besides the scheduled fetches)."""
-        started = get_dht_time()
-        with self._lock:
-            number = self._core.on_fetch_started(started)
-        await self._run_fetch(started, number)
-
-    async def _run_fetch(self, started: float, number: int) -> None:
-        """Fetch ``number``, begun at ``started``; stopped once a fetch begun later ended."""
-        scope = self._fetch_scopes[number] = trio.CancelScope()
-        try:
-            with scope:
-                found = await self.dht.get(self.training_progress_key, latest=True)
-        except Exception:
-            self._fetch_failures += 1
-            logger.warning("could not fetch progress of %s", self.prefix, exc_info=True)
-            with self._lock:
-                self._core.on_fetch_failed(get_dht_time(), number)
-            self._changed.notify()
-            return
-        finally:
-            del self._fetch_scopes[number]
-        if scope.cancelled_caught:
-            return  # obsolete: a fetch begun after it already ended
-        entries: dict[bytes, tuple[LocalProgress | None, float]] = {}
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                if not (isinstance(subkey, bytes) and isinstance(item, ValueWithExpiration)):
-                    continue  # a plain value: not ours (validators reject them)
-                parsed = _parse_progress(item.value)
-                if parsed is not _INVALID:
-                    entries[subkey] = (parsed, item.expiration_time)  # type: ignore[assignment]
-        now = get_dht_time()
-        with self._lock:
-            progress = self._core.on_fetch(entries, now, number)
-            obsolete = [n for n in self._fetch_scopes if not self._core.fetch_running(n)]
-        for stale in obsolete:
-            self._fetch_scopes[stale].cancel()
-        for subkey, (parsed, _) in entries.items():
-            self._note_epoch(subkey, parsed, now, f"fetch ({now - started:.2f} s)")
-        # at the status level once per epoch and change of peers; every fetch at DEBUG
-        status = (progress.epoch, progress.num_peers)
-        level = self._status_loglevel if status != self._last_status else logging.DEBUG
-        self._last_status = status
-        logger.log(
-            level,
-            "%s: %d samples of %d for epoch #%d from %d peers; ETA %s (fetch took %.2f s, next "
-            "in %.2f s)",
-            self.prefix,
-            progress.samples_accumulated,
-            progress.target_batch_size,
-            progress.epoch,
-            progress.num_peers,
-            describe_eta(progress, now),
-            now - started,
-            progress.next_fetch_time - now,
-        )
-        self._log_warnings(now)
-        self._changed.notify()
-
     # ------------------------------------------------------- liveness probes
 
     async def _probe_loop(self) -> None:
@@ -679,76 +559,7 @@ class AsyncProgressTracker:
             logger.info(_PROBE_MESSAGES[outcome], self.prefix, _short_peer_id(probe.peer_id))
             self._changed.notify()
 
-    # --------------------------------------------------------- gossip tasks
-
-    async def _gossip_loop(self) -> None:
-        while True:
-            now = get_dht_time()
-            with self._lock:
-                due = self._core.next_gossip_time(now)
-                ready = due is not None and due <= now
-                record = self._core.take_gossip(now) if ready else None
-            if not ready:
-                with trio.move_on_after(math.inf if due is None else due - now):
-                    await self._changed.wait()
-                continue
-            if record is not None:
-                await self._publish(record, now + self.config.metadata_expiration)
-
-    async def _publish(self, record: LocalProgress | None, expiration: float) -> None:
-        assert self._pubsub is not None
-        value = serialize(None if record is None else record.to_dict())
-        signed = self._validator.sign_value(
-            DHTRecord(self._key_bytes, self._subkey_bytes, value, expiration)
-        )
-        message = ProgressRecord(
-            subkey=self._subkey_bytes, value=signed, expiration_time=expiration
-        )
-        try:
-            await self._pubsub.publish_protobuf(self.training_progress_key, message)
-        except Exception:
-            logger.warning("could not gossip progress of %s", self.prefix, exc_info=True)
-            return
-        self._gossip_sent += 1
-        if record is not None and record.samples_accumulated == 0:
-            logger.debug(
-                "%s: gossiped epoch %d, %.2f s after its report",
-                self.prefix,
-                record.epoch,
-                get_dht_time() - record.time,
-            )
-
-    async def _receive_loop(self, subscription: Any) -> None:
-        async for message in subscription:
-            self._on_gossip(message.message)
-
-    def _on_gossip(self, message: ProgressRecord) -> None:
-        now = get_dht_time()
-        expiration = message.expiration_time
-        if message.subkey == NO_SUBKEY or not math.isfinite(expiration) or expiration <= now:
-            self._gossip_rejected += 1
-            return
-        record = DHTRecord(self._key_bytes, message.subkey, message.value, expiration)
-        try:
-            if not self._validator.validate(record):
-                raise ValueError("rejected by the record validators")
-            subkey = deserialize(message.subkey)
-            value = deserialize(self._validator.strip_value(record), max_size=None)
-        except (DHTValueError, ValueError, TypeError):
-            self._gossip_rejected += 1
-            logger.debug("invalid progress gossip on %s", self.prefix, exc_info=True)
-            return
-        parsed = _parse_progress(value)
-        if parsed is _INVALID or not isinstance(subkey, bytes):
-            self._gossip_rejected += 1
-            return
-        with self._lock:
-            changed = self._core.on_gossip(subkey, parsed, expiration, now)  # type: ignore[arg-type]
-        if changed:
-            self._gossip_received += 1
-            self._note_epoch(subkey, parsed, now, "gossip")  # type: ignore[arg-type]
-            self._log_warnings(now)
-            self._changed.notify()
+    # ------------------------------------------------------------ logging
 
     def _note_epoch(
         self, subkey: bytes, record: LocalProgress | None, now: float, via: str
