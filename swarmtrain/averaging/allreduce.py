@@ -9,6 +9,12 @@ one round::
         for tensor, delta in zip(tensors, result.deltas):
             tensor.add_(delta)
 
+The runner's two sides are in their own modules: the sender
+(:mod:`swarmtrain.averaging.allreduce_sender`: our parts out, the deltas of each remote slice
+back) and the reducer (:mod:`swarmtrain.averaging.allreduce_reducer`: the senders' parts of our
+slice in, its deltas out); what both use on a stream is in
+:mod:`swarmtrain.averaging.allreduce_rpc`.
+
 Resource handling: ``AllReduceService.create`` registers the handler and removes it on exit.
 ``run`` owns a task group with one task per remote reducer (the stream that sends our parts and
 reads back the averaged deltas) and a watchdog for senders that never show up; incoming
@@ -44,15 +50,13 @@ import collections
 import logging
 import math
 from collections.abc import (
-    AsyncGenerator,
     AsyncIterator,
     Callable,
     Hashable,
-    Iterator,
     Mapping,
     Sequence,
 )
-from contextlib import aclosing, asynccontextmanager, contextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -69,21 +73,14 @@ from swarmtrain.averaging.allreduce_core import (
     AllReduceStatistics,
     AveragingMode,
     Failure,
-    Reject,
 )
 from swarmtrain.averaging.allreduce_parts import (
-    INLINE_MAX_BYTES,
-    INLINE_WIRE_TYPES,
     BufferPool,
-    decode_part,
-    encode_part,
-    inline_decode,
-    inline_encode,
-    part_header,
-    part_to_proto,
-    run_codec,
     unwrap,
 )
+from swarmtrain.averaging.allreduce_reducer import AllReduceReducer
+from swarmtrain.averaging.allreduce_rpc import Code, _response
+from swarmtrain.averaging.allreduce_sender import AllReduceSender
 from swarmtrain.averaging.allreduce_trace import AllReduceTrace
 from swarmtrain.averaging.errors import NonFiniteError
 from swarmtrain.averaging.finite import first_non_finite
@@ -91,18 +88,9 @@ from swarmtrain.averaging.partition import DEFAULT_PART_SIZE_BYTES, largest_part
 from swarmtrain.averaging.robust_aggregation import check_aggregation
 from swarmtrain.compression import (
     CompressionBase,
-    CompressionInfo,
-    CompressionType,
     NoCompression,
-    TensorDescriptor,
-    serialize_torch_tensor,
 )
-from swarmtrain.compression.wire import (
-    dtype_name,
-    tensor_to_numpy,
-)
-from swarmtrain.p2p import P2P, Attached, NoSuchMethodError, P2PError, PeerID
-from swarmtrain.p2p.stall_core import ProgressDeadline
+from swarmtrain.p2p import P2P, PeerID
 from swarmtrain.proto import averaging_pb2
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
@@ -117,7 +105,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Code = averaging_pb2.AveragingCode
 # Room for codec metadata on top of a part's raw bytes (codebooks, block scales).
 _PART_OVERHEAD_BYTES = 1 << 16
 # group ids remembered as finished or expected (a stream for one is answered at once)
@@ -126,15 +113,6 @@ _MAX_REMEMBERED_GROUPS = 1024
 _MAX_REMEMBERED_V1_PEERS = 4096
 # how often a stream for an unknown group re-checks ``may_join_unknown_groups``
 _HOOK_POLL_INTERVAL = 0.05
-_REJECT_CODES = {
-    Reject.BAD_GROUP_ID: Code.AVERAGING_BAD_GROUP_ID,
-    Reject.NOT_A_SENDER: Code.AVERAGING_NOT_A_SENDER,
-    Reject.NOT_A_REDUCER: Code.AVERAGING_NOT_A_REDUCER,
-    Reject.DUPLICATE_SENDER: Code.AVERAGING_DUPLICATE_SENDER,
-    Reject.BANNED: Code.AVERAGING_BANNED,
-    Reject.BAD_PART: Code.AVERAGING_BAD_PART,
-    Reject.FINISHED: Code.AVERAGING_FINISHED,
-}
 
 
 def rpc_aggregate_part_name(prefix: str) -> str:
@@ -223,12 +201,6 @@ class AllReduceResult:
     def complete(self) -> bool:
         """Every peer took part in every slice."""
         return not (self.banned_senders or self.failed_reducers or self.timed_out)
-
-
-def _response(
-    code: averaging_pb2.AveragingCode, detail: str = "", **kwargs
-) -> averaging_pb2.AveragingResponse:
-    return averaging_pb2.AveragingResponse(code=code, detail=detail[:1024], **kwargs)
 
 
 class AllReduceService:
@@ -404,7 +376,7 @@ class AllReduceService:
                 yield reply
 
 
-class AllReduceRunner:
+class AllReduceRunner(AllReduceSender, AllReduceReducer):
     """One butterfly all-reduce round of ``tensors`` in ``group``; see the module docstring.
 
     :param service: the host's all-reduce service (its peer must be a member of ``group``)
@@ -586,311 +558,3 @@ class AllReduceRunner:
         peer = self.group.index_of(remote_id)
         if peer is not None and not self._closed:
             self.core.sender_arriving(peer, count, anyio.current_time())
-
-    # ------------------------------------------------------------------ as a sender
-
-    async def _requests_for(
-        self, reducer: int, attached: bool
-    ) -> AsyncIterator[averaging_pb2.AveragingRequest | Attached]:
-        core, compression = self.core, self.config.compression
-        for k in range(core.num_parts_for(reducer)):
-            spec = core.container.part_spec(reducer, k)
-            part = core.container.input_part(reducer, k)
-            info = CompressionInfo(
-                key=spec.tensor_index,
-                descriptor=TensorDescriptor.from_tensor(self.tensors[spec.tensor_index]),
-                part_index=k,
-                part_size=spec.numel,
-                part_offset=spec.start,
-            )
-            inline = inline_encode(compression, part)
-            if attached:  # lossless parts are views of our tensors: no copy before the wire
-                message = await run_codec(inline, encode_part, compression, part, info)
-                part_proto = part_header(message)
-            else:
-                message = await run_codec(inline, compression.compress, part, info)
-                part_proto = part_to_proto(message)
-            request = averaging_pb2.AveragingRequest(part_index=k, part=part_proto)
-            if k == 0:
-                request.group_id = self.group.group_id
-                request.weight = self.weight
-                if self.group.leader is not None:
-                    request.leader = self.group.leader.to_bytes()
-            self.part_bytes_sent += message.nbytes
-            if attached:  # taken back if the reducer turns out to lack v2
-                self._v2_bytes[reducer] = self._v2_bytes.get(reducer, 0) + message.nbytes
-            self._trace("part_queued", reducer, k, message.nbytes)
-            yield Attached(request, message.buffer) if attached else request
-            self._trace("part_written", reducer, k, message.nbytes)
-
-    async def _communicate_with_reducer(self, reducer: int) -> None:
-        core = self.core
-        peer_id = self.group.peer_ids[reducer]
-        try:
-            attached = self.service.speaks_v2(peer_id)
-            try:
-                await self._call_reducer(reducer, attached)
-            except NoSuchMethodError:
-                if not attached or core.container.num_received(reducer):
-                    raise
-                logger.debug("reducer %s has no v2 all-reduce: parts go inside protobufs", peer_id)
-                self.part_bytes_sent -= self._v2_bytes.pop(reducer, 0)
-                serves_v1 = True
-                try:
-                    await self._call_reducer(reducer, attached=False)
-                except NoSuchMethodError:
-                    serves_v1 = False  # neither (e.g. it is leaving): nothing to remember
-                    raise
-                finally:
-                    if serves_v1:
-                        self.service._remember_v1_peer(peer_id)
-        except P2PError as e:
-            logger.debug("reducer %s failed: %r", peer_id, e)
-            core.fail_reducer(reducer, Failure.DISCONNECTED)
-        finally:
-            # A no-op unless the reducer is unfinished (we were cancelled).
-            past_deadline = anyio.current_time() >= self._deadline
-            core.fail_reducer(reducer, Failure.DEADLINE if past_deadline else Failure.DISCONNECTED)
-            self._notify()
-
-    async def _call_reducer(self, reducer: int, attached: bool) -> None:
-        """One call that sends the parts of ``reducer``'s slice and receives their deltas."""
-        core = self.core
-        service = self.service
-        async with service.p2p.iterate_protobuf_handler(
-            self.group.peer_ids[reducer],
-            service.handler_v2_name if attached else service.handler_name,
-            self._requests_for(reducer, attached),
-            averaging_pb2.AveragingResponse,
-            stream_input=True,
-            next_message_timeout=None,
-            max_message_size=service.max_message_size,
-            bulk=True,
-            attachments=attached,
-            attachment_buffer=self._delta_buffer_chooser(reducer) if attached else None,
-        ) as responses:
-            for k in range(core.num_parts_for(reducer)):
-                if not await self._receive_result(reducer, k, responses):
-                    return
-            with anyio.move_on_after(1.0):  # let the reducer end the call cleanly
-                await _next_or_none(responses)
-
-    def _delta_buffer_chooser(self, reducer: int):
-        """Where a lossless delta of ``reducer`` is received: straight into the round's delta
-        buffer when it is the part due next and its header fits, else None (a new array)."""
-        container = self.core.container
-
-        def choose(response: averaging_pb2.AveragingResponse, size: int):
-            k = response.part_index
-            if (
-                response.code != Code.AVERAGING_AVERAGED_PART
-                or response.delta.compression != CompressionType.NONE
-                or k != container.num_received(reducer)
-                or container.reducer_done(reducer)
-            ):
-                return None
-            dtype = container.part_dtype(reducer, k)
-            numel = container.part_spec(reducer, k).numel
-            if response.delta.dtype != dtype_name(dtype) or tuple(response.delta.size) != (numel,):
-                return None
-            if size != numel * dtype.itemsize:
-                return None
-            region = container.delta_target(reducer, k)
-            return None if region is None else tensor_to_numpy(region).view(np.uint8)
-
-        return choose
-
-    async def _receive_result(self, reducer: int, k: int, responses) -> bool:
-        core = self.core
-        deadline = core.reducer_deadline(reducer)
-        with _progress_deadline(responses, deadline, core.reducer_timeout) as scope:
-            response, attachment = unwrap(await _next_or_none(responses))
-        if scope.cancelled_caught:
-            core.fail_reducer(reducer, Failure.TIMEOUT)
-            return False
-        if response is None:
-            core.fail_reducer(reducer, Failure.DISCONNECTED)
-            return False
-        if response.code == Code.AVERAGING_PART_UNCHANGED:
-            ok = core.receive_delta(
-                reducer, response.part_index, None, unchanged=True, now=anyio.current_time()
-            )
-        elif response.code == Code.AVERAGING_AVERAGED_PART:
-            shape = (core.container.part_spec(reducer, k).numel,)
-            dtype = core.container.part_dtype(reducer, k)
-            inline = inline_decode(response.delta, shape[0])
-            out = None  # a lossless attachment may already be in place (_delta_buffer_chooser)
-            if response.delta.compression != CompressionType.NONE and response.part_index == k:
-                out = core.container.delta_target(reducer, k)  # decode straight into place
-            delta = await run_codec(
-                inline, decode_part, response.delta, attachment, shape, dtype, out
-            )
-            ok = core.receive_delta(
-                reducer, response.part_index, delta, unchanged=False, now=anyio.current_time()
-            )
-            if not ok and core.failed_reducers.get(self.group.peer_ids[reducer]) == (
-                Failure.NON_FINITE
-            ):
-                logger.warning(
-                    "peer %s sent NaN or inf averaged values (all-reduce %s): its slice keeps "
-                    "this peer's own values",
-                    self.group.peer_ids[reducer],
-                    self.group.group_id.hex(),
-                )
-        else:
-            logger.debug(
-                "reducer %s answered %s: %s",
-                self.group.peer_ids[reducer],
-                Code.Name(response.code) if response.code in Code.values() else response.code,
-                response.detail,
-            )
-            core.fail_reducer(reducer, Failure.REJECTED)
-            if response.code in (Code.AVERAGING_FINISHED, Code.AVERAGING_BAD_GROUP_ID):
-                # it has no live round for this group: it will not send us its parts either
-                self._notify(core.ban_absent_sender(reducer, Failure.REJECTED))
-            return False
-        self._trace("delta_received", reducer, response.part_index)
-        self._notify()
-        return ok
-
-    # ------------------------------------------------------------------ as a reducer
-
-    async def _serve_sender(
-        self, first, requests, remote_id, attached: bool = False
-    ) -> AsyncGenerator[averaging_pb2.AveragingResponse | Attached]:
-        """Average one sender's parts with the others' and stream back the deltas
-        (``attached``: a v2 call, the deltas go back as attachments)."""
-        core = self.core
-        peer = self.group.index_of(remote_id)
-        if self._closed:
-            yield _response(Code.AVERAGING_FINISHED, "this round is over")
-            return
-        request, payload = unwrap(first)
-        reject = core.open_sender(peer, request.group_id, request.weight, anyio.current_time())
-        if reject is not None:
-            self._notify()
-            yield _response(_REJECT_CODES[reject], f"rejected: {reject.value}")
-            return
-        if peer is None:  # unreachable: open_sender rejects non-members
-            return
-        try:
-            for k in range(core.num_local_parts):
-                if k > 0:
-                    request, payload = unwrap(await self._next_part(peer, requests))
-                    if request is None:
-                        yield self._why_stopped(peer)
-                        return
-                shape, dtype = core.local_part_shape(k)
-                inline = inline_decode(request.part, shape[0])
-                sent = await run_codec(inline, decode_part, request.part, payload, shape, dtype)
-                outcome = core.receive_part(peer, request.part_index, sent, anyio.current_time())
-                self._trace("part_received", peer, request.part_index)
-                self._notify(outcome.completed)
-                if outcome.reject is not None:
-                    detail = f"part {k} rejected"
-                    if core.banned_senders.get(remote_id) == Failure.NON_FINITE:
-                        detail = f"part {k} holds NaN or inf values"
-                        logger.warning(
-                            "peer %s sent NaN or inf values (part %d of all-reduce %s): its "
-                            "contribution is left out of this round",
-                            remote_id,
-                            k,
-                            self.group.group_id.hex(),
-                        )
-                    yield _response(_REJECT_CODES[outcome.reject], detail)
-                    return
-                await self._part_ready[k].wait()
-                if self._closed or core.sender_banned(peer):
-                    yield self._why_stopped(peer)
-                    return
-                result = await self._result(peer, k, sent, request.part.compression, attached)
-                self._trace("delta_queued", peer, k)
-                yield result
-                self._trace("delta_written", peer, k)
-                core.result_sent(peer, k, anyio.current_time())
-                # the delta went out: nothing reads the received part any more
-                sent = None
-                self.service._part_buffers.give(payload)
-                self._notify()
-        finally:
-            self._notify(core.ban_sender(peer, Failure.DISCONNECTED))  # no-op once it is done
-
-    async def _next_part(self, peer: int, requests):
-        """The sender's next request, or None (then it is banned, or the round is over)."""
-        core = self.core
-        deadline = core.sender_deadline(peer)
-        with _progress_deadline(requests, deadline, core.sender_timeout) as scope:
-            self._read_scopes[peer] = scope
-            try:
-                request = await _next_or_none(requests)
-            except P2PError as e:
-                logger.debug("sender %s failed: %r", self.group.peer_ids[peer], e)
-                request = None
-            finally:
-                self._read_scopes.pop(peer, None)
-        if scope.cancelled_caught and not self._closed:
-            self._notify(core.ban_sender(peer, Failure.TIMEOUT))
-            return None
-        if request is None:
-            self._notify(core.ban_sender(peer, Failure.DISCONNECTED))
-        return request
-
-    def _why_stopped(self, peer: int) -> averaging_pb2.AveragingResponse:
-        reason = self.core.banned_senders.get(self.group.peer_ids[peer])
-        if self._closed or reason in (None, Failure.DEADLINE):
-            return _response(Code.AVERAGING_FINISHED, "this round is over")
-        if reason == Failure.TIMEOUT:
-            return _response(Code.AVERAGING_SENDER_TIMEOUT, "no part within sender_timeout")
-        return _response(Code.AVERAGING_BANNED, f"banned: {reason.value}")
-
-    async def _result(
-        self, peer: int, k: int, sent: torch.Tensor, compression: int, attached: bool
-    ) -> averaging_pb2.AveragingResponse | Attached:
-        # ``sent`` was decoded for this call alone (into memory of its own): reuse it
-        delta = self.core.delta_for(peer, k, sent, out=sent)
-        if delta is None:
-            return _response(Code.AVERAGING_PART_UNCHANGED, part_index=k)
-        nbytes = delta.numel() * delta.element_size()
-        inline = compression in INLINE_WIRE_TYPES and nbytes <= INLINE_MAX_BYTES
-        if attached and compression == CompressionType.NONE:
-            message = encode_part(NoCompression(), delta)  # a view: sent before it can change
-        else:
-            message = await run_codec(inline, serialize_torch_tensor, delta, compression)
-        self.delta_bytes_sent += message.nbytes
-        if not attached:
-            return _response(
-                Code.AVERAGING_AVERAGED_PART, part_index=k, delta=part_to_proto(message)
-            )
-        response = _response(Code.AVERAGING_AVERAGED_PART, part_index=k, delta=part_header(message))
-        return Attached(response, message.buffer)
-
-
-@contextmanager
-def _progress_deadline(iterator, deadline: float, patience: float) -> Iterator[anyio.CancelScope]:
-    """A cancel scope ending at ``deadline`` that bytes arriving for ``iterator`` (an RPC's
-    requests or responses) move out while they keep coming (``ProgressDeadline``: up to
-    ``patience`` after the last read, at most one second per ``min_rate`` bytes): a part that
-    crawls over a lossy path is not a stalled sender; one that sends nothing still misses
-    ``deadline``."""
-    guard = ProgressDeadline(deadline, patience)
-    with anyio.CancelScope(deadline=deadline) as scope:
-
-        def on_bytes(count: int) -> None:
-            scope.deadline = guard.on_bytes(count, anyio.current_time())
-
-        watch = getattr(iterator, "set_on_bytes", None)
-        if watch is not None:
-            watch(on_bytes)
-        try:
-            yield scope
-        finally:
-            if watch is not None:
-                watch(None)
-
-
-async def _next_or_none(iterator):
-    """The next item of an async iterator, or None at its end."""
-    try:
-        return await iterator.__anext__()
-    except StopAsyncIteration:
-        return None
