@@ -5,15 +5,13 @@ time takes ``now`` (DHT time: wall-clock seconds, the clock the records carry). 
 (:mod:`swarmtrain.optim.progress_tracker`) feeds this core with what it fetched from the DHT and
 what it heard over gossip, asks it when to store, gossip and fetch, and does the I/O.
 
-Records. Every peer publishes a :class:`LocalProgress` under its own peer id (the subkey of a
-per-peer record, signed with the identity key behind that id: the tracker passes this core
-only records whose signature it verified, keyed by that peer id). One peer id is one record and
-one vote: a record whose ``peer_id`` field is not the id it is stored under is refused (counted
-in :attr:`ProgressCore.num_unbound_refused`), so claims made under many keys for one peer count
-once at most, and never for another peer. A record is versioned by its DHT expiration time: it
-replaces what we hold for its owner only if it does not expire earlier. A record whose
-expiration passed is stale and forgotten; a ``None`` record says its owner left the run. Our own
-record is never taken from the network: the local state is always newer.
+It composes one part per job: the records it holds (:mod:`swarmtrain.optim.progress_record_book`:
+one record and one vote per peer id, versioned by expiration time), the votes and plausibility
+caps (:mod:`swarmtrain.optim.progress_votes`), the ETA (:mod:`swarmtrain.optim.progress_eta`),
+when to fetch (:mod:`swarmtrain.optim.progress_fetch_schedule`), when to store and gossip our
+record (:mod:`swarmtrain.optim.progress_publish`), the owners to dial
+(:mod:`swarmtrain.optim.progress_liveness`) and the warnings
+(:mod:`swarmtrain.optim.progress_warnings`).
 
 Global progress (hivemind's semantics, made robust to a minority of lying peers):
 
@@ -41,10 +39,9 @@ Global progress (hivemind's semantics, made robust to a minority of lying peers)
   the partners their records list, peers known from before; see
   :mod:`swarmtrain.optim.progress_votes`), so free identities claiming samples end no epoch;
 - the ETA extrapolates each such peer's samples from its report time at its samples/s, and
-  divides what remains of ``target_batch_size`` by the samples/s of those peers. (hivemind
-  counts peers behind for speed too, "they will catch up"; but a peer behind is usually still
-  averaging the last epoch, and counting its speed ended epochs at ~55-80% of the target on
-  a loaded box. It counts from its first report in the current epoch.)
+  divides what remains of ``target_batch_size`` by the samples/s of those peers (not those
+  behind: see :mod:`swarmtrain.optim.progress_eta`). It counts from its first report in the
+  current epoch.
 - the next DHT fetch comes after ``default_refresh_period`` when we see no other peer, else
   sooner the more peers may join before the epoch ends, and a slow read does not hold the next
   one back (up to ``MAX_FETCHES_IN_FLIGHT`` run at once; the schedule and its rules:
@@ -63,12 +60,8 @@ or the ETA passed. A peer that sees nobody else and reaches the target first fet
 (at once): peers that start together publish their first records only with their first steps,
 and a peer that ended epochs alone before seeing them would run ahead of its swarm.
 
-Warnings are decisions, returned once each by :meth:`ProgressCore.warnings`:
-:class:`ImplausibleProgress` (a peer's record was ignored or its samples capped, once per peer),
-:class:`ClockSkewDetected` (a record's report time is far in our future, or a gossiped one,
-which travels in milliseconds, far in our past), :class:`LonePeer` (no other peer for
-``lone_peer_timeout`` seconds), :class:`TargetNotReached` (an epoch lasted ``stall_factor``
-times the duration its first ETA promised, without reaching the target).
+Warnings are decisions, returned once each by :meth:`ProgressCore.warnings` (see
+:mod:`swarmtrain.optim.progress_warnings`).
 """
 
 from __future__ import annotations
@@ -76,21 +69,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
+from .progress_eta import estimate_epoch
 from .progress_fetch_schedule import MAX_FETCHES_IN_FLIGHT, FetchSchedule, fetch_period
 from .progress_liveness import OwnerCandidate, OwnerLiveness, Probe, ProbeOutcome
+from .progress_publish import PublishSchedule
+from .progress_record_book import RecordBook
 from .progress_types import (
-    EPS,
-    ClockSkewDetected,
     GlobalProgress,
     ImplausibleProgress,
     LocalProgress,
-    LonePeer,
     PerformanceEMA,
     ProgressConfig,
     ProgressWarning,
-    TargetNotReached,
 )
 from .progress_votes import (
     MIN_KNOWN_RATE,
@@ -98,14 +89,9 @@ from .progress_votes import (
     SampleCredits,
     reference_rate,
 )
+from .progress_warnings import ProgressWarnings
 
 __all__ = ["MAX_FETCHES_IN_FLIGHT", "ProgressCore"]
-
-
-@dataclass(frozen=True)
-class _Record:
-    progress: LocalProgress | None  # None: the peer left
-    expiration_time: float
 
 
 class ProgressCore:
@@ -130,7 +116,7 @@ class ProgressCore:
         self.local_key = peer_id  #: the key of this peer's record: its peer id
         self._ema = PerformanceEMA(config.performance_ema_alpha, now=now)
         self._local = LocalProgress(peer_id, 0, 0, self._ema.samples_per_second, now, client_mode)
-        self._records: dict[bytes, _Record] = {}
+        self._book = RecordBook(peer_id)
         self._liveness = OwnerLiveness(config.probe_retry_period)
         self._credits = SampleCredits()
         self._trained = False  # this peer votes on the epoch once it trained
@@ -145,25 +131,16 @@ class ProgressCore:
             partner_window=config.partner_window,
             trusted_peers=config.trusted_peers,
         )
-        self._implausible_warned: set[bytes] = set()
         self._last_active_epoch = -math.inf
         self._fetch_schedule = FetchSchedule(now)
         self._fetched_this_epoch = False
         self._alone_at_target_since: float | None = None  # see ``GlobalProgress.confirming_alone``
-        self._num_fetches = self._num_merged = self._num_unbound = 0
+        self._num_fetches = 0
         self._num_followed = {"seconded": 0, "stalled": 0}
-        # publishing
-        self._store_pending = self._gossip_pending = self._epoch_changed = False
-        self._last_store_time = self._last_gossip_time = -math.inf
-        self._has_published = False
-        # warnings
-        self._pending_warnings: list[ProgressWarning] = []
-        self._skew_warned: set[bytes] = set()
-        self._alone_since: float | None = None
-        self._lone_warned = False
-        self._epoch_started_at = now
-        self._expected_epoch_duration: float | None = None
-        self._stall_warned_epoch = -1
+        self._publish = PublishSchedule(config.metadata_expiration / 2, config.gossip_period)
+        self._warnings = ProgressWarnings(config)
+        self._epoch_started_at = now  # when the global epoch began (our clock)
+        self._expected_epoch_duration: float | None = None  # what its first ETA promised
         self._global = GlobalProgress(0, 0, config.target_batch_size, 0, 0, math.inf, now)
         self._recompute(now, next_fetch_time=now)
 
@@ -220,7 +197,7 @@ class ProgressCore:
     @property
     def has_published(self) -> bool:
         """Whether a record of ours was handed out for storing or gossip (then say goodbye)."""
-        return self._has_published
+        return self._publish.has_published
 
     @property
     def num_fetches(self) -> int:
@@ -229,13 +206,13 @@ class ProgressCore:
     @property
     def num_merged(self) -> int:
         """Records of other peers that replaced an older one we held (gossip and DHT)."""
-        return self._num_merged
+        return self._book.num_merged
 
     @property
     def num_unbound_refused(self) -> int:
         """Records refused because their ``peer_id`` field was not the id they were stored
         under (a peer claiming to be another, or many peers)."""
-        return self._num_unbound
+        return self._book.num_unbound
 
     @property
     def num_live_partners(self) -> int:
@@ -296,11 +273,9 @@ class ProgressCore:
     def peers(self, now: float) -> dict[bytes, LocalProgress]:
         """Live records of the other peers, by peer id."""
         return {
-            key: record.progress
-            for key, record in self._records.items()
-            if record.progress is not None
-            and record.expiration_time > now
-            and self._liveness.counts(key, record.expiration_time)
+            key: progress
+            for key, progress, expiration_time in self._book.records(now)
+            if self._liveness.counts(key, expiration_time)
         }
 
     def ready_to_update_epoch(self, now: float) -> bool:
@@ -347,17 +322,16 @@ class ProgressCore:
         if epoch == previous.epoch + 1 and not self._votes.behind:  # not stepping alone behind
             self._last_epoch_took = now - self._local_epoch_started_at
         if epoch != previous.epoch:
-            self._epoch_changed = True
             self._trained = True
             self._local_epoch_started_at = now
-        self._store_pending = self._gossip_pending = True
+        self._publish.on_changed(new_epoch=epoch != previous.epoch)
         self._recompute(now)
         return self._local
 
     def announce(self, now: float) -> None:
         """Count as active in the current epoch without samples: publish the record now."""
         self._last_active_epoch = max(self._global.epoch, self._local.epoch)
-        self._store_pending = self._gossip_pending = True
+        self._publish.on_changed()
         self._recompute(now)
 
     def update_epoch(self, new_epoch: int | None, now: float) -> int:
@@ -401,9 +375,9 @@ class ProgressCore:
         self._num_fetches += 1
         self._recompute(now, fetched=True)
         if self.peers(now):
-            self._alone_since, self._lone_warned = None, False
-        elif self._alone_since is None:
-            self._alone_since = now
+            self._warnings.on_others_seen()
+        else:
+            self._warnings.on_nobody_seen(now)
         return self._global
 
     def on_fetch_failed(self, now: float, fetch: int | None = None) -> GlobalProgress:
@@ -423,7 +397,7 @@ class ProgressCore:
             return False
         self._recompute(now)
         if self.peers(now):
-            self._alone_since, self._lone_warned = None, False
+            self._warnings.on_others_seen()
         return True
 
     def on_round_partners(self, peer_ids: Iterable[bytes], epoch: int, now: float) -> None:
@@ -436,19 +410,16 @@ class ProgressCore:
         listed = self._votes.listed_partners()
         if listed != self._local.partners:  # publish whom we vouch for
             self._local = dataclasses.replace(self._local, partners=listed)
-            self._store_pending = self._gossip_pending = True
+            self._publish.on_changed()
         self._recompute(now)
 
     def probes_due(self, now: float) -> list[Probe]:
         """Owners of records ahead of us to dial now (see ``progress_liveness``); report each
         outcome with :meth:`on_probe_result`."""
         candidates = (  # nobody can dial a client; a record not ahead of us does not steer us
-            OwnerCandidate(key, key, record.expiration_time)  # the id the record is bound to
-            for key, record in self._records.items()
-            if record.progress is not None
-            and record.expiration_time > now
-            and not record.progress.client_mode
-            and record.progress.epoch > self._local.epoch
+            OwnerCandidate(key, key, expiration_time)  # the id the record is bound to
+            for key, progress, expiration_time in self._book.records(now)
+            if not progress.client_mode and progress.epoch > self._local.epoch
         )
         return self._liveness.due(candidates, now)
 
@@ -473,23 +444,13 @@ class ProgressCore:
         *,
         gossiped: bool,
     ) -> bool:
-        if key == self.local_key or not math.isfinite(expiration_time):
-            return False
-        if progress is not None and progress.peer_id != key:
-            self._num_unbound += 1  # it claims to be another peer than the one that signed it
-            return False
-        if expiration_time <= now:
-            return False  # stale
-        held = self._records.get(key)
-        if held is not None and held.expiration_time > expiration_time:
-            return False  # older than what we hold
-        if held is not None and held == _Record(progress, expiration_time):
+        if self._book.refuses(key, progress, expiration_time, now):
             return False
         if progress is not None:
-            self._check_clock(progress, now, gossiped)
+            self._warnings.check_clock(progress, now, gossiped)
         self._credits.track(
             key,
-            held.progress if held is not None else None,
+            self._book.held(key),
             progress,
             now,
             global_epoch=self._global.epoch,
@@ -497,96 +458,34 @@ class ProgressCore:
             witnessed=self._epoch_witnessed,
             target=self.config.target_batch_size,
         )
-        self._records[key] = _Record(progress, expiration_time)
-        self._num_merged += 1
+        self._book.put(key, progress, expiration_time)
         return True
-
-    def _warn_implausible(self, key: bytes, warning: ImplausibleProgress) -> None:
-        if key not in self._implausible_warned:
-            self._implausible_warned.add(key)
-            self._pending_warnings.append(warning)
-
-    def _check_clock(self, progress: LocalProgress, now: float, gossiped: bool) -> None:
-        offset = progress.time - now
-        # a gossiped record left its owner at most gossip_period after its report time
-        if gossiped and offset < 0:
-            offset = min(0.0, offset + self.config.gossip_period)
-        elif offset < 0:
-            return  # a record from the DHT may be old: its age says nothing about clocks
-        if abs(offset) <= self.config.max_clock_skew:
-            return
-        if progress.peer_id not in self._skew_warned:
-            self._skew_warned.add(progress.peer_id)
-            self._pending_warnings.append(ClockSkewDetected(progress.peer_id, offset))
 
     # ------------------------------------------------------------ publishing
 
     def next_store_time(self, now: float) -> float:
         """DHT time at which to call :meth:`take_store` (at once after a report)."""
-        if self._store_pending:
-            return now
-        return self._last_store_time + self.config.metadata_expiration / 2
+        return self._publish.next_store_time(now)
 
     def take_store(self, now: float) -> LocalProgress | None:
         """The record to store in the DHT now (None: this peer is not active)."""
-        self._store_pending = False
-        self._last_store_time = now
-        if not self.is_active:
-            return None
-        self._has_published = True
-        return self._local
+        return self._local if self._publish.take_store(now, self.is_active) else None
 
     def next_gossip_time(self, now: float) -> float | None:
         """DHT time at which to call :meth:`take_gossip`; None if there is nothing to say."""
-        if not self._gossip_pending:
-            return None
-        if self._epoch_changed:
-            return now
-        return max(now, self._last_gossip_time + self.config.gossip_period)
+        return self._publish.next_gossip_time(now)
 
     def take_gossip(self, now: float) -> LocalProgress | None:
         """The record to gossip now (None: nothing new, or this peer is not active)."""
-        pending = self._gossip_pending
-        self._gossip_pending = self._epoch_changed = False
-        self._last_gossip_time = now
-        if not (pending and self.is_active):
-            return None
-        self._has_published = True
-        return self._local
+        return self._local if self._publish.take_gossip(now, self.is_active) else None
 
     # --------------------------------------------------------------- warnings
 
     def warnings(self, now: float) -> list[ProgressWarning]:
         """Warnings not returned before (each condition is reported once)."""
-        found, self._pending_warnings = self._pending_warnings, []
-        alone_since = self._alone_since
-        if (
-            alone_since is not None
-            and not self._lone_warned
-            and now - alone_since >= self.config.lone_peer_timeout
-        ):
-            self._lone_warned = True
-            found.append(LonePeer(self._global.epoch, now - alone_since))
-        progress, expected = self._global, self._expected_epoch_duration
-        waited = now - self._epoch_started_at
-        if (
-            expected is not None
-            and self._stall_warned_epoch != progress.epoch
-            and progress.samples_accumulated < progress.target_batch_size
-            and waited > self.config.stall_factor * max(expected, self.config.min_refresh_period)
-            and waited > self.config.min_stall_time
-        ):
-            self._stall_warned_epoch = progress.epoch
-            found.append(
-                TargetNotReached(
-                    progress.epoch,
-                    progress.samples_accumulated,
-                    progress.target_batch_size,
-                    waited,
-                    expected,
-                )
-            )
-        return found
+        return self._warnings.take(
+            now, self._global, self._epoch_started_at, self._expected_epoch_duration
+        )
 
     # ------------------------------------------------------------------ math
 
@@ -599,18 +498,10 @@ class ProgressCore:
         next_fetch_time: float | None = None,
     ) -> None:
         config = self.config
-        self._records = {
-            key: record for key, record in self._records.items() if record.expiration_time > now
-        }
-        self._liveness.prune(
-            {k: r.expiration_time for k, r in self._records.items() if r.progress is not None}
-        )
+        self._book.prune(now)
+        self._liveness.prune({key: expiration for key, _, expiration in self._book.records(now)})
         self._votes.prune(self._local.epoch)
-        live = {
-            key: record.progress
-            for key, record in self._records.items()
-            if record.progress is not None and self._liveness.counts(key, record.expiration_time)
-        }
+        live = self.peers(now)
         self._credits.keep_only(live)
         # if our partners are 2+ epochs ahead now, we have been behind since the last recompute
         # that found us in step (a stalled box recomputes nothing: the stall counts)
@@ -629,7 +520,7 @@ class ProgressCore:
         self._ignored = {key for key, peer in live.items() if peer.epoch > epoch + 1}
         for key in self._ignored:
             peer = live[key]
-            self._warn_implausible(
+            self._warnings.implausible(
                 key,
                 ImplausibleProgress(peer.peer_id, key, peer.epoch, peer.samples_accumulated, epoch),
             )
@@ -649,45 +540,20 @@ class ProgressCore:
             local_epoch_took=max(0.0, now - self._local_epoch_started_at),
         )
 
-        samples, estimated, rate = 0.0, 0.0, 0.0
-        if active_self and self._local.epoch == epoch:  # our own samples are not in doubt
-            local = self._local
-            rate += local.samples_per_second
-            samples += local.samples_accumulated
-            elapsed = max(0.0, now - local.time)
-            estimated += local.samples_accumulated + elapsed * local.samples_per_second
-        vouched = self._votes.vouched  # None: every record's samples count
-        for key, peer in others.items():
-            counts = vouched is None or key in vouched
-            carry = self._credits.carries.get(key)
-            if peer.epoch == epoch + 1 and carry is not None and carry.credit.epoch == epoch:
-                if not counts:
-                    continue
-                bound = carry.credit.bound(max_rate, carry.left_at)
-                samples += min(carry.samples, bound)
-                estimated += min(carry.samples, bound)
-                continue
-            if peer.epoch != epoch:
-                continue
-            credit = self._credits.credits.get(key)
-            bound = math.inf if credit is None else credit.bound(max_rate, now)
-            if peer.samples_accumulated > 2 * bound:
-                allowed = int(bound)
-                self._warn_implausible(
-                    key,
-                    ImplausibleProgress(
-                        peer.peer_id, key, peer.epoch, peer.samples_accumulated, epoch, allowed
-                    ),
-                )  # reported even when nobody vouches for it: the claim is a lie either way
-            if not counts:
-                continue
-            peer_rate = min(peer.samples_per_second, max_rate)
-            rate += peer_rate
-            samples += min(peer.samples_accumulated, bound)
-            elapsed = max(0.0, now - peer.time)
-            estimated += min(peer.samples_accumulated + elapsed * peer_rate, bound)
-        samples = int(samples)
-        eta = max(0.0, config.target_batch_size - estimated) / (rate + EPS)
+        counted_self = active_self and self._local.epoch == epoch
+        estimate = estimate_epoch(
+            epoch,
+            self._local if counted_self else None,
+            others,
+            self._credits,
+            self._votes.vouched,  # None: every record's samples count
+            max_rate,
+            config.target_batch_size,
+            now,
+        )
+        for key, warning in estimate.implausible:
+            self._warnings.implausible(key, warning)
+        samples, rate, eta = estimate.samples, estimate.rate, estimate.eta
 
         num_peers = len(participants)
         # alone at the target: confirm with a fetch begun after we got there (a peer that
