@@ -7,49 +7,31 @@ and fetching everyone's, on the schedule the core decides
 from __future__ import annotations
 
 import logging
-import threading
-from typing import TYPE_CHECKING
 
 import trio
 
 from swarmtrain.dht import AsyncDHT, ValueWithExpiration, get_dht_time
-from swarmtrain.utils.change_signal import ChangeSignal
 
-from .progress_core import ProgressCore
+from ._progress_tracker_arrivals import ProgressArrivals
 from .progress_records import _INVALID, _parse_progress
-from .progress_types import LocalProgress, ProgressConfig, describe_eta
+from .progress_types import LocalProgress, describe_eta
 
 __all__ = ["ProgressDHTChannel"]
 
 logger = logging.getLogger("swarmtrain.optim.progress_tracker")
 
 
-class ProgressDHTChannel:
+class ProgressDHTChannel(ProgressArrivals):
     """``AsyncProgressTracker``'s DHT tasks: the reporter and the fetcher."""
 
     # set by AsyncProgressTracker.__init__
     dht: AsyncDHT
-    prefix: str
-    config: ProgressConfig
-    training_progress_key: str
-    _core: ProgressCore
-    _subkey: bytes
-    _lock: threading.Lock
-    _changed: ChangeSignal
     _status_loglevel: int
     _last_status: tuple[int, int] | None
     _fetch_failures: int
     _stores: int
     _store_failures: int
     _fetch_scopes: dict[int, trio.CancelScope]
-
-    if TYPE_CHECKING:  # AsyncProgressTracker's methods that the fetcher uses
-
-        def _note_epoch(
-            self, subkey: bytes, record: LocalProgress | None, now: float, via: str
-        ) -> None: ...
-
-        def _log_warnings(self, now: float) -> None: ...
 
     async def _store_loop(self) -> None:
         while True:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
@@ -24,42 +23,27 @@ from swarmtrain.dht import (
 )
 from swarmtrain.p2p.pubsub import PubSub
 from swarmtrain.proto.progress_pb2 import ProgressRecord
-from swarmtrain.utils.change_signal import ChangeSignal
 
-from .progress_core import ProgressCore
+from ._progress_tracker_arrivals import ProgressArrivals
 from .progress_records import _INVALID, _parse_progress
-from .progress_types import LocalProgress, ProgressConfig
+from .progress_types import LocalProgress
 
 __all__ = ["ProgressGossipChannel"]
 
 logger = logging.getLogger("swarmtrain.optim.progress_tracker")
 
 
-class ProgressGossipChannel:
+class ProgressGossipChannel(ProgressArrivals):
     """``AsyncProgressTracker``'s gossip tasks: the publisher and the receiver."""
 
     # set by AsyncProgressTracker.__init__
-    prefix: str
-    config: ProgressConfig
-    training_progress_key: str
-    _core: ProgressCore
     _key_bytes: bytes
     _subkey_bytes: bytes
     _validator: RecordValidatorBase
     _pubsub: PubSub | None
-    _lock: threading.Lock
-    _changed: ChangeSignal
     _gossip_sent: int
     _gossip_received: int
     _gossip_rejected: int
-
-    if TYPE_CHECKING:  # AsyncProgressTracker's methods that the receiver uses
-
-        def _note_epoch(
-            self, subkey: bytes, record: LocalProgress | None, now: float, via: str
-        ) -> None: ...
-
-        def _log_warnings(self, now: float) -> None: ...
 
     async def _gossip_loop(self) -> None:
         while True:

@@ -84,6 +84,7 @@ from swarmtrain.proto.progress_pb2 import ProgressRecord
 from swarmtrain.utils.change_signal import ChangeSignal
 
 from ._owner_probe import dial_owner
+from ._progress_tracker_arrivals import _short_peer_id
 from ._progress_tracker_dht import ProgressDHTChannel
 from ._progress_tracker_gossip import ProgressGossipChannel
 from .progress_core import ProgressCore
@@ -100,8 +101,6 @@ from .progress_types import (
     LocalProgress,
     PerformanceEMA,
     ProgressConfig,
-    ProgressWarning,
-    short_peer_id,
 )
 
 __all__ = [
@@ -121,16 +120,8 @@ _PROBE_MESSAGES = {
     "while another peer of the run answers",
     ProbeOutcome.REACHABLE: "%s: peer %s answered: its progress record counts again",
 }
-_MAX_EPOCHS_SEEN = 4096
 #: (peer id, prefix) of the trackers open in this process: a peer id holds one record per run
 _OPEN_TRACKERS: set[tuple[bytes, str]] = set()
-
-
-def _short_peer_id(peer_id: bytes) -> str:
-    try:
-        return str(PeerID(peer_id))[-12:]
-    except Exception:
-        return short_peer_id(peer_id)
 
 
 _NonNegativeInt = Annotated[int, pydantic.Field(ge=0)]
@@ -558,34 +549,3 @@ class AsyncProgressTracker(ProgressDHTChannel, ProgressGossipChannel):
         if changed:
             logger.info(_PROBE_MESSAGES[outcome], self.prefix, _short_peer_id(probe.peer_id))
             self._changed.notify()
-
-    # ------------------------------------------------------------ logging
-
-    def _note_epoch(
-        self, subkey: bytes, record: LocalProgress | None, now: float, via: str
-    ) -> None:
-        """Log (DEBUG) the first record of a peer's newer epoch on each channel (gossip, fetch):
-        how late it reached us."""
-        if record is None or subkey == self._subkey:
-            return
-        channel = via.split(" ", 1)[0]
-        seen = self._epochs_seen.setdefault(channel, {})
-        if record.epoch <= seen.get(subkey, -1):
-            return
-        if len(seen) >= _MAX_EPOCHS_SEEN:
-            seen.clear()  # for logs only: a flood of identities costs no memory
-        seen[subkey] = record.epoch
-        logger.debug(
-            "%s: peer %s at epoch %d via %s, %.2f s after its report",
-            self.prefix,
-            _short_peer_id(subkey),
-            record.epoch,
-            via,
-            now - record.time,
-        )
-
-    def _log_warnings(self, now: float) -> None:
-        with self._lock:
-            warnings: list[ProgressWarning] = self._core.warnings(now)
-        for warning in warnings:
-            logger.warning("%s: %s", self.prefix, warning)
