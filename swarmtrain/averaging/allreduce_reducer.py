@@ -14,8 +14,6 @@ import anyio
 import torch
 
 from swarmtrain.averaging.allreduce_core import (
-    AllReduceCore,
-    AllReduceGroup,
     Failure,
     Reject,
 )
@@ -32,16 +30,17 @@ from swarmtrain.averaging.allreduce_parts import (
 )
 from swarmtrain.averaging.allreduce_rpc import (
     Code,
+    RunnerSide,
     _next_or_none,
     _progress_deadline,
     _response,
 )
 from swarmtrain.compression import CompressionType, NoCompression, serialize_torch_tensor
-from swarmtrain.p2p import Attached, P2PError, PeerID
+from swarmtrain.p2p import Attached, P2PError
 from swarmtrain.proto import averaging_pb2
 
 if TYPE_CHECKING:
-    from swarmtrain.averaging.allreduce import AllReduceService
+    pass
 
 __all__ = ["AllReduceReducer"]
 
@@ -58,25 +57,14 @@ _REJECT_CODES = {
 }
 
 
-class AllReduceReducer:
+class AllReduceReducer(RunnerSide):
     """``AllReduceRunner`` as a reducer: the senders' parts of our slice in, deltas out."""
 
-    # set by AllReduceRunner.__init__ / run
-    service: AllReduceService
-    group: AllReduceGroup[PeerID]
+    # set by AllReduceRunner.__init__
     delta_bytes_sent: int
     _part_ready: list[anyio.Event]
     _read_scopes: dict[int, anyio.CancelScope]
     _closed: bool
-
-    if TYPE_CHECKING:  # AllReduceRunner's members that the reducer side uses
-
-        @property
-        def core(self) -> AllReduceCore: ...
-
-        def _trace(self, kind: str, peer: int, part: int, nbytes: int = 0) -> None: ...
-
-        def _notify(self, completed: tuple[int, ...] = ()) -> None: ...
 
     async def _serve_sender(
         self, first, requests, remote_id, attached: bool = False

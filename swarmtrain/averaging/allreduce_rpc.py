@@ -1,19 +1,43 @@
-"""What both sides of an all-reduce round use on their RPC streams: responses, and reads
-that wait for the next message with a deadline that arriving bytes move out."""
+"""What both sides of an all-reduce round use: the runner's members they share
+(:class:`RunnerSide`, their base), responses, and reads that wait for the next message with a
+deadline that arriving bytes move out."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import anyio
 
+from swarmtrain.averaging.allreduce_core import AllReduceCore, AllReduceGroup
+from swarmtrain.p2p import PeerID
 from swarmtrain.p2p.stall_core import ProgressDeadline
 from swarmtrain.proto import averaging_pb2
 
-__all__ = ["Code"]
+if TYPE_CHECKING:
+    from swarmtrain.averaging.allreduce import AllReduceService
+
+__all__ = ["Code", "RunnerSide"]
 
 Code = averaging_pb2.AveragingCode
+
+
+class RunnerSide:
+    """The members of ``AllReduceRunner`` that its sender and reducer sides share."""
+
+    # set by AllReduceRunner.__init__
+    service: AllReduceService
+    group: AllReduceGroup[PeerID]
+
+    if TYPE_CHECKING:  # AllReduceRunner's members that both sides use
+
+        @property
+        def core(self) -> AllReduceCore: ...
+
+        def _trace(self, kind: str, peer: int, part: int, nbytes: int = 0) -> None: ...
+
+        def _notify(self, completed: tuple[int, ...] = ()) -> None: ...
 
 
 def _response(

@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import torch
 
-from swarmtrain.averaging.allreduce_core import AllReduceCore, AllReduceGroup, Failure
+from swarmtrain.averaging.allreduce_core import Failure
 from swarmtrain.averaging.allreduce_parts import (
     decode_part,
     encode_part,
@@ -25,41 +25,35 @@ from swarmtrain.averaging.allreduce_parts import (
     run_codec,
     unwrap,
 )
-from swarmtrain.averaging.allreduce_rpc import Code, _next_or_none, _progress_deadline
+from swarmtrain.averaging.allreduce_rpc import (
+    Code,
+    RunnerSide,
+    _next_or_none,
+    _progress_deadline,
+)
 from swarmtrain.compression import CompressionInfo, CompressionType, TensorDescriptor
 from swarmtrain.compression.wire import dtype_name, tensor_to_numpy
-from swarmtrain.p2p import Attached, NoSuchMethodError, P2PError, PeerID
+from swarmtrain.p2p import Attached, NoSuchMethodError, P2PError
 from swarmtrain.proto import averaging_pb2
 
 if TYPE_CHECKING:
-    from swarmtrain.averaging.allreduce import AllReduceConfig, AllReduceService
+    from swarmtrain.averaging.allreduce import AllReduceConfig
 
 __all__ = ["AllReduceSender"]
 
 logger = logging.getLogger("swarmtrain.averaging.allreduce")
 
 
-class AllReduceSender:
+class AllReduceSender(RunnerSide):
     """``AllReduceRunner`` as a sender: our parts to each remote reducer, its deltas back."""
 
-    # set by AllReduceRunner.__init__ / run
-    service: AllReduceService
-    group: AllReduceGroup[PeerID]
+    # set by AllReduceRunner.__init__
     config: AllReduceConfig
     tensors: tuple[torch.Tensor, ...]
     weight: float
     part_bytes_sent: int
     _v2_bytes: dict[int, int]
     _deadline: float
-
-    if TYPE_CHECKING:  # AllReduceRunner's members that the sender side uses
-
-        @property
-        def core(self) -> AllReduceCore: ...
-
-        def _trace(self, kind: str, peer: int, part: int, nbytes: int = 0) -> None: ...
-
-        def _notify(self, completed: tuple[int, ...] = ()) -> None: ...
 
     async def _requests_for(
         self, reducer: int, attached: bool
