@@ -469,8 +469,12 @@ class P2P(Dialling):
         """Whether we hand out lane tickets: listening, and not known to be behind a NAT."""
         return not self.config.client_mode and self.reachability != Reachability.PRIVATE
 
-    async def _serve_lane(self, lane, remote_id: ID, on_call=None) -> None:
-        await self._rpc_server.serve_stream(lane, remote_id, on_call)
+    async def _serve_lane(
+        self, lane, remote_id: ID, on_call=None, idle_timeout: float | None = None
+    ) -> None:
+        """Serve the calls of a data lane; ``idle_timeout``: the lane's own (None: a libp2p
+        stream's)."""
+        await self._rpc_server.serve_stream(lane, remote_id, on_call, idle_timeout)
 
     # ------------------------------------------------------------------- RPC
 

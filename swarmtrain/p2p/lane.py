@@ -49,8 +49,16 @@ from typing import Any
 
 import trio
 
-from swarmtrain.p2p.errors import AddressInUseError, LaneError, LaneResetError, ResourceLimitError
+from swarmtrain.p2p.errors import (
+    AddressInUseError,
+    LaneError,
+    LaneResetError,
+    ResourceLimitError,
+    RPCError,
+)
 from swarmtrain.p2p.lane_books import (
+    LANE_IDLE_TIMEOUT,
+    MAX_LANE_IDLE_TIMEOUT,
     MAX_PENDING_HANDSHAKES,
     RETRY_AFTER,
     RETRY_BUSY,
@@ -59,6 +67,7 @@ from swarmtrain.p2p.lane_books import (
     TicketBook,
     first_lane_wait,
     lane_reuse_time,
+    lane_reuse_window,
     retry_delay,
     wait_after_ticket,
 )
@@ -77,6 +86,7 @@ from swarmtrain.p2p.lane_stream import LaneStream
 from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit, lanes_within_fd_limit
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
+from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.p2p.stripe_core import MAX_STRIPES, stripes_for_path
 from swarmtrain.p2p.tcp_info import tcp_rtt
 from swarmtrain.proto import p2p_pb2
@@ -98,9 +108,9 @@ MAX_PEERS_REMEMBERED = 4096
 #: may hold two striped lanes to a callee at once
 DEFAULT_STRIPES = 8
 DEFAULT_STRIPE_MIN_RTT = 0.01  # s: stripe when the lane's TCP RTT is at least this
-# an idle lane may be taken for a newcomer once a caller would no longer reuse a cheap one;
-# a lane that was dear to open is reused longer (``lane_books.lane_reuse_time``): on a full
-# host its caller may find it reset (a unary call then retries on a new stream)
+# on a full host, an idle lane may be taken for a newcomer once it sat idle this long (longer
+# than the gaps between the calls of one round); its caller may still reuse it: a call sent
+# on it meanwhile gets NOT_SERVED and goes again over another stream (``LaneBook``)
 STALE_LANE_AFTER = CALLER_STREAM_REUSE_TIME + 1.0
 
 
@@ -117,17 +127,22 @@ class DataLanes:
         stripes: int = DEFAULT_STRIPES,
         stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT,
         congestion: str | None = None,
+        idle_timeout: float = LANE_IDLE_TIMEOUT,
     ):
         """``stripes``: the most connections one of our lanes spreads over (1: plain
         lanes), used when the first connection's TCP RTT is at least ``stripe_min_rtt``
         seconds; the callee may grant fewer (``stripe_core``). ``congestion``: the TCP
         congestion control of our lane sockets, the ones we dial and the ones we accept
-        (None: the system's default; where the kernel refuses it, logged once)."""
+        (None: the system's default; where the kernel refuses it, logged once).
+        ``idle_timeout``: how long a lane waits for its caller's next call, at most (each
+        side's: the callee grants the smaller of both in the ticket; an older peer's lanes
+        keep the server's stream idle timeout, 30 s)."""
         if not 1 <= stripes <= MAX_STRIPES:
             raise ValueError(f"lane stripes must be in 1..{MAX_STRIPES}, got {stripes}")
         limits = limits if limits is not None else ResourceLimits()
         self.stripes, self.stripe_min_rtt = stripes, stripe_min_rtt
         self.congestion = congestion
+        self.idle_timeout = idle_timeout
         self._congestion_refused = False
         self._p2p = p2p
         self._listen_host = listen_host
@@ -149,6 +164,9 @@ class DataLanes:
         # for a new lane rather than go over libp2p, which on a long lossy path is far slower
         self._lanes_worked: OrderedDict[object, None] = OrderedDict()
         self._opening: set[object] = set()
+        # the idle timeout the callee granted in its last ticket to each peer (popped by
+        # _open_or_remember; absent: an older callee)
+        self._idle_granted: dict[object, float] = {}
         self.pending_handshakes = PendingHandshakes(
             MAX_PENDING_HANDSHAKES, limits.max_pending_handshakes_per_ip
         )
@@ -205,7 +223,10 @@ class DataLanes:
         self.open_lanes.check(peer, now, tickets=held)
         wanted = min(max(1, request.stripes), MAX_STRIPES)
         granted = max(1, min(wanted, self.open_lanes.room(peer, now, tickets=held)))
-        ticket_id, ticket = self.tickets.issue(peer, now, stripes=granted)
+        # a caller that sets idle_timeout keeps lanes idle that long and understands
+        # NOT_SERVED; an older one gets the server's stream idle timeout (and a bare close)
+        idle = min(request.idle_timeout, self.idle_timeout) if request.idle_timeout > 0 else None
+        ticket_id, ticket = self.tickets.issue(peer, now, stripes=granted, idle_timeout=idle)
         return p2p_pb2.LaneTicket(
             version=LANE_VERSION,
             ticket_id=ticket_id,
@@ -214,6 +235,7 @@ class DataLanes:
             port=self.port,
             expires_in=self.tickets.ttl,
             stripes=granted,
+            idle_timeout=idle or 0.0,
         )
 
     async def _accept_loop(self, listener) -> None:
@@ -265,7 +287,9 @@ class DataLanes:
                 handed_over = await self._join_stripe(raw, sock, ticket_id, ticket, stripe)
                 return
             try:
-                taken = book.admit(token, ticket.peer_id, trio.current_time())
+                taken = book.admit(
+                    token, ticket.peer_id, trio.current_time(), _reuse_window_of(ticket)
+                )
             except ResourceLimitError as e:
                 logger.debug("refusing a lane of %s: %s", ticket.peer_id, e)
                 return
@@ -281,7 +305,11 @@ class DataLanes:
                 if scope.cancelled_caught:
                     return
                 self.lanes_accepted += 1
-                await self._p2p._serve_lane(lane, ticket.peer_id, self._marker(token))
+                await self._p2p._serve_lane(
+                    lane, ticket.peer_id, self._marker(token), ticket.idle_timeout
+                )
+            if token.cancelled_caught and ticket.idle_timeout is not None:
+                await _tell_not_served(lane, [lane])  # taken for a newcomer while idle
         except (OSError, LaneError) as e:
             logger.debug("lane connection failed: %r", e)
         finally:
@@ -321,7 +349,9 @@ class DataLanes:
         lane = None
         try:
             try:
-                taken = book.admit(token, ticket.peer_id, trio.current_time())
+                taken = book.admit(
+                    token, ticket.peer_id, trio.current_time(), _reuse_window_of(ticket)
+                )
             except ResourceLimitError as e:
                 logger.debug("refusing a stripe of %s: %s", ticket.peer_id, e)
                 group.scope.cancel()
@@ -353,6 +383,7 @@ class DataLanes:
                 self._close_group(ticket_id, group)
 
     async def _serve_striped(self, ticket_id: bytes, ticket, group: StripeGroup) -> bool:
+        striped = None
         with group.scope:
             with trio.move_on_after(self.tickets.ttl):  # its stripes' dials may be slow
                 await group.complete.wait()
@@ -362,7 +393,11 @@ class DataLanes:
             striped = StripedLane([group.lanes[i] for i in range(group.count)])
             self.lanes_accepted += 1
             self.striped_lanes_accepted += 1
-            await self._p2p._serve_lane(striped, ticket.peer_id, self._marker(*group.tokens))
+            await self._p2p._serve_lane(
+                striped, ticket.peer_id, self._marker(*group.tokens), ticket.idle_timeout
+            )
+        if striped is not None and group.scope.cancelled_caught and ticket.idle_timeout is not None:
+            await _tell_not_served(striped, striped.stripes)  # a stripe was taken while idle
         return True
 
     def _close_group(self, ticket_id: bytes, group: StripeGroup) -> None:
@@ -456,6 +491,7 @@ class DataLanes:
         offered = True
         busy = False
         started = trio.current_time()
+        self._idle_granted.pop(peer_id, None)
         try:
             wanted = self.stripes  # lane_stripe_min_rtt 0: every lane striped, all of them
             if self.stripe_min_rtt > 0:
@@ -487,6 +523,7 @@ class DataLanes:
             tcp_rtt(first.raw) or 0.0,
             CALLER_STREAM_REUSE_TIME,
             SERVER_STREAM_IDLE_TIMEOUT,
+            self._idle_granted.pop(peer_id, None),
         )
         self._failures.pop(peer_id, None)
         self._failed_until.pop(peer_id, None)
@@ -519,13 +556,19 @@ class DataLanes:
         ticket = await self._p2p.call_protobuf_handler(
             peer_id,
             TICKET_METHOD,
-            p2p_pb2.LaneTicketRequest(version=LANE_VERSION, stripes=stripes or self.stripes),
+            p2p_pb2.LaneTicketRequest(
+                version=LANE_VERSION,
+                stripes=stripes or self.stripes,
+                idle_timeout=self.idle_timeout,
+            ),
             p2p_pb2.LaneTicket,
             timeout=HANDSHAKE_TIMEOUT,
         )
         ticket_seconds = trio.current_time() - asked
         if not ticket.ticket_id or ticket.version != LANE_VERSION:
             return None
+        if ticket.idle_timeout > 0:  # (NaN is not: an older callee's 30 s then)
+            self._idle_granted[peer_id] = min(ticket.idle_timeout, MAX_LANE_IDLE_TIMEOUT)
         if on_ticket is not None:
             on_ticket(ticket_seconds)
         logger.debug(
@@ -564,6 +607,29 @@ class DataLanes:
                 lane.reset_now()
             first[1].close()
             raise
+
+
+def _reuse_window_of(ticket) -> float:
+    """How long the caller of ``ticket``'s lane may reuse it while idle (the callee's book)."""
+    idle = ticket.idle_timeout if ticket.idle_timeout is not None else SERVER_STREAM_IDLE_TIMEOUT
+    return lane_reuse_window(idle)
+
+
+async def _tell_not_served(lane: LaneStream | StripedLane, stripes: list[LaneStream]) -> None:
+    """Tell the caller of an idle lane we close that nothing of a call it sent meanwhile was
+    read (ERROR ``NOT_SERVED``: it sends the call again elsewhere), and close the lane only
+    once the caller closed its side (or after ``HANDSHAKE_TIMEOUT``), so no reset drops the
+    answer."""
+    with trio.CancelScope(shield=True), trio.move_on_after(HANDSHAKE_TIMEOUT):
+        try:
+            await RPCStream(lane, max_message_size=0).send_error(  # (it reads nothing)
+                p2p_pb2.NOT_SERVED, "LaneTaken", "the idle lane was taken for a newcomer"
+            )
+        except (RPCError, LaneError, OSError) as e:
+            logger.debug("could not tell a lane's caller it was not served: %r", e)
+        async with trio.open_nursery() as nursery:
+            for stripe in stripes:
+                nursery.start_soon(stripe.close_after_peer, HANDSHAKE_TIMEOUT)
 
 
 def lanes_disabled_by_env() -> bool:
