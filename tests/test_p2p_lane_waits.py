@@ -11,9 +11,12 @@ from swarmtrain.p2p import lane as lane_module
 from swarmtrain.p2p.autonat import connection_path, connection_rtt
 from swarmtrain.p2p.lane import TICKET_METHOD
 from swarmtrain.p2p.lane_books import (
+    LANE_IDLE_TIMEOUT,
     LANE_REUSE_MARGIN,
+    MAX_LANE_IDLE_TIMEOUT,
     first_lane_wait,
     lane_reuse_time,
+    lane_reuse_window,
 )
 from swarmtrain.p2p.lane_pool import LANE_REUSE_LIMIT
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
@@ -42,7 +45,27 @@ def test_a_lane_slow_to_open_outlives_a_slow_round_but_not_the_callee():
             reuse = lane_reuse_time(open_seconds, rtt, BASE, CALLEE_IDLE)
             assert reuse >= BASE
             assert reuse == BASE or reuse <= CALLEE_IDLE - LANE_REUSE_MARGIN - 2 * rtt
-    assert LANE_REUSE_LIMIT <= CALLEE_IDLE
+
+
+def test_a_lane_the_callee_keeps_for_minutes_is_reused_until_just_before_it_closes():
+    granted = LANE_IDLE_TIMEOUT  # the ticket's idle_timeout
+    assert lane_reuse_time(0.002, 0.0001, BASE, CALLEE_IDLE, granted) == pytest.approx(
+        granted - LANE_REUSE_MARGIN - 0.0002
+    )
+    assert lane_reuse_time(1.5, 0.3, BASE, CALLEE_IDLE, granted) == pytest.approx(
+        granted - LANE_REUSE_MARGIN - 0.6
+    )
+    assert lane_reuse_window(granted) == granted - LANE_REUSE_MARGIN  # what the callee counts
+    # a short grant is a hard limit, below the base too; never negative
+    assert lane_reuse_time(0.0, 0.0, BASE, CALLEE_IDLE, 3.0) == pytest.approx(1.0)
+    assert lane_reuse_time(0.0, 0.3, BASE, CALLEE_IDLE, 1.0) == 0.0
+    # an older callee grants nothing: the old rule, below its 30 s
+    for open_seconds, rtt in ((0.002, 0.0001), (1.5, 0.3), (500.0, 2.0)):
+        old_rule = lane_reuse_time(open_seconds, rtt, BASE, CALLEE_IDLE)
+        assert lane_reuse_time(open_seconds, rtt, BASE, CALLEE_IDLE, None) == old_rule
+        assert old_rule < CALLEE_IDLE
+    # the pool keeps a lane as long as any ticket may grant
+    assert LANE_REUSE_LIMIT >= MAX_LANE_IDLE_TIMEOUT >= LANE_IDLE_TIMEOUT > CALLEE_IDLE
 
 
 def test_a_first_lane_waits_longer_on_a_long_path_within_the_limit():
