@@ -72,9 +72,12 @@ from swarmtrain.p2p.lane_books import (
     wait_after_ticket,
 )
 from swarmtrain.p2p.lane_connections import (
+    AUTO_CONGESTION,
     CONNECT_TIMEOUT,
     StripeGroup,
     StripeToken,
+    congestion_for_path,
+    congestion_of,
     dial,
     dial_stripe,
     set_congestion,
@@ -126,17 +129,18 @@ class DataLanes:
         limits: ResourceLimits | None = None,
         stripes: int = DEFAULT_STRIPES,
         stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT,
-        congestion: str | None = None,
+        congestion: str | None = AUTO_CONGESTION,
         idle_timeout: float = LANE_IDLE_TIMEOUT,
     ):
         """``stripes``: the most connections one of our lanes spreads over (1: plain
         lanes), used when the first connection's TCP RTT is at least ``stripe_min_rtt``
         seconds; the callee may grant fewer (``stripe_core``). ``congestion``: the TCP
         congestion control of our lane sockets, the ones we dial and the ones we accept
-        (None: the system's default; where the kernel refuses it, logged once).
-        ``idle_timeout``: how long a lane waits for its caller's next call, at most (each
-        side's: the callee grants the smaller of both in the ticket; an older peer's lanes
-        keep the server's stream idle timeout, 30 s)."""
+        (None: the system's default; ``"auto"``: ``LONG_PATH_CONGESTION`` on a long path, RTT
+        >= ``stripe_min_rtt``; where the kernel refuses it, logged once). ``idle_timeout``: how
+        long a lane waits for its caller's next call, at most (each side's: the callee grants
+        the smaller of both in the ticket; an older peer's lanes keep the server's stream idle
+        timeout, 30 s)."""
         if not 1 <= stripes <= MAX_STRIPES:
             raise ValueError(f"lane stripes must be in 1..{MAX_STRIPES}, got {stripes}")
         limits = limits if limits is not None else ResourceLimits()
@@ -179,7 +183,7 @@ class DataLanes:
 
     def _prepare_socket(self, raw: socket.socket) -> None:
         """Socket options of a lane socket (before it connects, or once accepted)."""
-        if self.congestion is None or self._congestion_refused:
+        if self.congestion in (None, AUTO_CONGESTION) or self._congestion_refused:
             return
         error = set_congestion(raw, self.congestion)
         if error is not None:
@@ -188,6 +192,26 @@ class DataLanes:
                 "lane congestion control %r refused (%s): lanes keep the system's default",
                 self.congestion,
                 error,
+            )
+
+    def _fit_to_path(self, raw: socket.socket, rtt: float | None) -> None:
+        """Under ``lane_congestion="auto"``, a connected lane socket on a long path (``rtt`` >=
+        ``stripe_min_rtt``) gets ``LONG_PATH_CONGESTION``; where the kernel refuses, that is
+        logged once and lanes keep the system's default."""
+        name = congestion_for_path(self.congestion, rtt, self.stripe_min_rtt)
+        if name is None or self._congestion_refused:
+            return
+        error = set_congestion(raw, name)
+        if error is not None:
+            self._congestion_refused = True
+            logger.info(
+                "lanes on long paths would use %s congestion control, which random loss and "
+                "idle gaps do not slow; the kernel refused it (%s), so they keep the system's "
+                "default. To allow it: modprobe tcp_bbr and add %s to "
+                "net.ipv4.tcp_allowed_congestion_control; lane_congestion=None silences this",
+                name,
+                error,
+                name,
             )
 
     @property
@@ -283,6 +307,7 @@ class DataLanes:
                 self.pending_handshakes.done(handshake)
             if ticket is None:
                 return
+            self._fit_to_path(raw, tcp_rtt(raw))
             if count > 1:
                 handed_over = await self._join_stripe(raw, sock, ticket_id, ticket, stripe)
                 return
@@ -535,10 +560,11 @@ class DataLanes:
         if isinstance(lane, StripedLane):
             self.striped_lanes_opened += 1
         logger.debug(
-            "lane to %s (%s): %d connection(s), opened in %.3f s, reused for %.1f s",
+            "lane to %s (%s): %d connection(s) (%s), opened in %.3f s, reused for %.1f s",
             peer_id,
             remote_ip,
             len(lane.stripes) if isinstance(lane, StripedLane) else 1,
+            congestion_of(first.raw),
             opened_in,
             lane.reuse_time,
         )
@@ -579,12 +605,18 @@ class DataLanes:
         first = await dial(remote_ip, ticket.port, prepare=self._prepare_socket)
         try:
             count = 1
+            rtt = tcp_rtt(first[0]) or ticket_seconds  # no sample: a SYN was re-sent
+            self._fit_to_path(first[0], rtt)
             if granted == 1:  # the original handshake: the ticket id alone
                 return await show_ticket(first, ticket, lanes)
-            rtt = tcp_rtt(first[0]) or ticket_seconds  # no sample: a SYN was re-sent
             if rtt >= self.stripe_min_rtt:
                 count = granted
             timeout = stripe_timeout(rtt)
+
+            def prepare_stripe(raw: socket.socket) -> None:
+                self._prepare_socket(raw)
+                self._fit_to_path(raw, rtt)  # the first connection's RTT is the path's
+
             async with trio.open_nursery() as nursery:
                 for stripe in range(1, count):
                     nursery.start_soon(
@@ -595,7 +627,7 @@ class DataLanes:
                         count,
                         lanes,
                         timeout,
-                        self._prepare_socket,
+                        prepare_stripe,
                     )
                 await show_ticket(first, ticket, lanes, 0, count, timeout)
             lanes.sort(key=lambda lane: lane.stripe)
