@@ -30,11 +30,15 @@ libp2p) and ``max_tickets_per_peer`` unredeemed tickets (its oldest is dropped);
 of all tickets drops from the peer holding the most when full, so nobody's flood of
 tickets stops others from getting one. The host holds at most ``max_lanes_total`` lanes (one
 file descriptor each; at most half the soft ``ulimit -n``): when all are open, a new lane
-takes the place of a stale idle one (``lane_books.LaneBook``: idle longer than callers reuse
-streams, the oldest of the peer holding the most lanes), else it is refused and its caller
-goes over libp2p, asking again after ``RETRY_BUSY``. Connections that have not shown a
-ticket are capped per source IP and in all (the oldest is closed for a new one), and closed
-after ``HANDSHAKE_TIMEOUT``, so silent sockets cannot keep an honest caller out.
+takes the place of a stale idle one (``lane_books.LaneBook``: idle longer than the gaps in a
+round, past its caller's reuse window first, else idle the longest; a caller that reused it
+meanwhile is told nothing was served, ``NOT_SERVED``, and sends the call again), else it is
+refused and its caller goes over libp2p, asking again after ``RETRY_BUSY``. Idle lanes wait
+for their caller's next call for minutes (``LANE_IDLE_TIMEOUT``, granted in the ticket; older
+peers: a libp2p stream's 30 s), so a lane outlives the gaps between slow rounds. Connections
+that have not shown a ticket are capped per source IP and in all (the oldest is closed for a
+new one), and closed after ``HANDSHAKE_TIMEOUT``, so silent sockets cannot keep an honest
+caller out.
 """
 
 from __future__ import annotations
@@ -652,7 +656,7 @@ async def _tell_not_served(lane: LaneStream | StripedLane, stripes: list[LaneStr
     read (ERROR ``NOT_SERVED``: it sends the call again elsewhere), and close the lane only
     once the caller closed its side (or after ``HANDSHAKE_TIMEOUT``), so no reset drops the
     answer."""
-    with trio.CancelScope(shield=True), trio.move_on_after(HANDSHAKE_TIMEOUT):
+    with trio.move_on_after(HANDSHAKE_TIMEOUT):
         try:
             await RPCStream(lane, max_message_size=0).send_error(  # (it reads nothing)
                 p2p_pb2.NOT_SERVED, "LaneTaken", "the idle lane was taken for a newcomer"

@@ -23,7 +23,7 @@ RETRY_BUSY = 10.0  # after a callee refused a lane because its lanes are all tak
 #: how long a lane waits for its caller's next call (both sides' default; the callee grants
 #: the smaller of the two in the ticket). Rounds on long lossy paths come minutes apart; an
 #: idle lane costs one file descriptor, counted in ``LaneBook``, which takes idle lanes for
-#: newcomers when full; and home NATs that forget idle TCP flows do so after 5 minutes or more
+#: newcomers when full; a few minutes stays well under the idle time NATs keep TCP flows
 LANE_IDLE_TIMEOUT = 240.0
 #: the longest idle timeout a caller takes from a ticket (and its bulk pool keeps a lane)
 MAX_LANE_IDLE_TIMEOUT = 600.0

@@ -57,7 +57,7 @@ DEFAULT_MAX_MESSAGE_SIZE = 256 * 1024 * 1024
 DEFAULT_REQUEST_IDLE_TIMEOUT = 60.0
 _DRAIN_TIMEOUT = 5.0  # seconds to wait for the END of a request the handler left unread
 # A callee keeps an idle stream open this long for the caller's next call (callers reuse
-# streams for at most CALLER_STREAM_REUSE_TIME, well inside this).
+# streams for at most CALLER_STREAM_REUSE_TIME, well inside this; a data lane has its own).
 SERVER_STREAM_IDLE_TIMEOUT = 30.0
 CALLER_STREAM_REUSE_TIME = 15.0
 
