@@ -9,7 +9,7 @@ import trio
 from google.protobuf.wrappers_pb2 import BytesValue, Int64Value
 from polling import wait_until
 
-from swarmtrain.p2p import P2P, CallNotServedError, ResourceLimits
+from swarmtrain.p2p import P2P, CallNotServedError, ResourceLimits, lane_caller
 from swarmtrain.p2p import lane as lane_module
 from swarmtrain.p2p import rpc as rpc_module
 from swarmtrain.p2p.lane import TICKET_METHOD
@@ -83,8 +83,8 @@ def scale_down_stream_timeouts(monkeypatch) -> None:
     """libp2p streams idle out after STREAM_IDLE at the callee and callers keep any stream
     for OLD_REUSE (what an older callee's lanes get: ``lane_reuse_time``'s old rule)."""
     monkeypatch.setattr(rpc_module, "SERVER_STREAM_IDLE_TIMEOUT", STREAM_IDLE)
-    monkeypatch.setattr(lane_module, "SERVER_STREAM_IDLE_TIMEOUT", STREAM_IDLE)
-    monkeypatch.setattr(lane_module, "CALLER_STREAM_REUSE_TIME", OLD_REUSE)
+    monkeypatch.setattr(lane_caller, "SERVER_STREAM_IDLE_TIMEOUT", STREAM_IDLE)
+    monkeypatch.setattr(lane_caller, "CALLER_STREAM_REUSE_TIME", OLD_REUSE)
 
 
 def idle_lanes(p2p: P2P, peer) -> list:
@@ -123,7 +123,7 @@ async def test_the_callees_idle_timeout_closes_a_lane_and_the_next_call_opens_a_
     monkeypatch,
 ):
     # a caller that would reuse its lane past the callee's timeout (its own clock is slow)
-    monkeypatch.setattr(lane_module, "lane_reuse_time", lambda *args: 10 * IDLE_GAP)
+    monkeypatch.setattr(lane_caller, "lane_reuse_time", lambda *args: 10 * IDLE_GAP)
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         callee = Callee(a)
         a.lanes.idle_timeout = IDLE_GAP / 2

@@ -6,7 +6,7 @@ import pytest
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue, Int64Value
 
-from swarmtrain.p2p import P2P
+from swarmtrain.p2p import P2P, lane_caller
 from swarmtrain.p2p import lane as lane_module
 from swarmtrain.p2p.autonat import connection_path, connection_rtt
 from swarmtrain.p2p.lane import TICKET_METHOD
@@ -136,7 +136,7 @@ async def test_the_libp2p_connection_reports_its_kernel_rtt_and_loss():
 
 @pytest.mark.trio
 async def test_a_call_to_a_known_peer_waits_for_its_next_lane(monkeypatch):
-    monkeypatch.setattr(lane_module, "OPEN_WAIT", 0.05)  # a stranger's call would not wait
+    monkeypatch.setattr(lane_caller, "OPEN_WAIT", 0.05)  # a stranger's call would not wait
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         serve(a)
         await bulk_call(b, a)  # the first lane (fast ticket)
@@ -151,8 +151,8 @@ async def test_a_call_to_a_known_peer_waits_for_its_next_lane(monkeypatch):
 
 @pytest.mark.trio
 async def test_without_the_known_peer_wait_the_call_goes_over_libp2p(monkeypatch):
-    monkeypatch.setattr(lane_module, "OPEN_WAIT", 0.05)
-    monkeypatch.setattr(lane_module, "KNOWN_PEER_WAIT", 0.05)
+    monkeypatch.setattr(lane_caller, "OPEN_WAIT", 0.05)
+    monkeypatch.setattr(lane_caller, "KNOWN_PEER_WAIT", 0.05)
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         serve(a)
         await bulk_call(b, a)
@@ -164,14 +164,14 @@ async def test_without_the_known_peer_wait_the_call_goes_over_libp2p(monkeypatch
 
 @pytest.mark.trio
 async def test_a_first_lane_waits_as_long_as_its_path_needs(monkeypatch):
-    monkeypatch.setattr(lane_module, "OPEN_WAIT", 0.05)
+    monkeypatch.setattr(lane_caller, "OPEN_WAIT", 0.05)
     seen_rtts = []
 
     def long_path_wait(path_rtt, open_wait, limit):
         seen_rtts.append(path_rtt)
         return 3 * TICKET_DELAY  # what first_lane_wait gives a long path
 
-    monkeypatch.setattr(lane_module, "first_lane_wait", long_path_wait)
+    monkeypatch.setattr(lane_caller, "first_lane_wait", long_path_wait)
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         serve(a)
         slow_tickets(a)
@@ -187,7 +187,7 @@ IDLE_GAP = 1.0  # a caller's pause between calls: longer than the default reuse 
 
 @pytest.mark.trio
 async def test_a_lane_is_reused_for_its_own_time_and_a_libp2p_stream_is_not(monkeypatch):
-    monkeypatch.setattr(lane_module, "lane_reuse_time", lambda *args: 3 * IDLE_GAP)
+    monkeypatch.setattr(lane_caller, "lane_reuse_time", lambda *args: 3 * IDLE_GAP)
     async with (
         P2P.create() as a,
         P2P.create(use_data_lanes=False) as c,

@@ -1,6 +1,7 @@
 """The books a data lane's callee and caller keep (sans-IO): tickets, open lanes (per peer
-and in all), connections that have not shown a ticket yet, and how long a caller parks a
-peer whose lane failed. How lanes use them is ``lane.py``'s job."""
+and in all), connections that have not shown a ticket yet, how long a caller parks a peer
+whose lane failed, waits for a lane and reuses it; and the protocol's names and numbers both
+sides share. How lanes use them is ``lane.py``'s job."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from swarmtrain.p2p.errors import ResourceLimitError
 from swarmtrain.p2p.lane_records import KEY_SIZE, TICKET_ID_SIZE
 from swarmtrain.p2p.limits import ResourceLimits
 
+TICKET_METHOD = "swarmtrain::Lane.ticket"
+LANE_VERSION = 1
+HANDSHAKE_TIMEOUT = 5.0
 TICKET_TTL = 10.0
 MAX_OUTSTANDING_TICKETS = 1024
 MAX_PENDING_HANDSHAKES = 64  # connections that have not shown a valid ticket yet
