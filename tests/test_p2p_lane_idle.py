@@ -1,8 +1,12 @@
 """How long idle data lanes live, between real hosts on loopback: the callee's own idle timeout
 for lanes (``LaneTicket.idle_timeout``; older peers keep the 30 s of any stream), the caller
 reusing a lane for it, and a lane its callee takes for a newcomer while the caller reuses it
-(``RPCErrorCode.NOT_SERVED``: the call is sent again over another stream). Timeouts are
-scaled down: what is under test is an idle time, so the tests sleep through it."""
+(``RPCErrorCode.NOT_SERVED``: the call is sent again over another stream; the callee closes
+the lane only after its caller, so no reset drops the answer). Timeouts are scaled down:
+what is under test is an idle time, so the tests sleep through it."""
+
+import os
+import socket
 
 import pytest
 import trio
@@ -12,8 +16,10 @@ from polling import wait_until
 from swarmtrain.p2p import P2P, CallNotServedError, ResourceLimits, lane_caller
 from swarmtrain.p2p import lane as lane_module
 from swarmtrain.p2p import rpc as rpc_module
+from swarmtrain.p2p.errors import LaneEndOfStream, LaneResetError
 from swarmtrain.p2p.lane import TICKET_METHOD
 from swarmtrain.p2p.lane_books import LANE_REUSE_MARGIN, lane_reuse_time
+from swarmtrain.p2p.lane_records import RecordOpener, RecordSealer
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
 from swarmtrain.proto import p2p_pb2
 
@@ -249,3 +255,66 @@ async def test_a_newcomer_takes_the_idle_lane_and_its_caller_goes_on_without_it(
         assert await streamed_bulk_call(b, a) == [PAYLOAD] * 3
         assert b._bulk_pool.streams_reused == 0
         assert callee.calls == 3
+
+
+# ------------------------------------------------------------------ closing after the peer
+
+
+def lane_pair() -> tuple[lane_module.LaneStream, lane_module.LaneStream]:
+    """Two ends of a lane over a loopback TCP connection (caller, callee)."""
+    to_callee, to_caller = os.urandom(32), os.urandom(32)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        raw_caller = socket.create_connection(server.getsockname())
+        raw_callee, _ = server.accept()
+    ends = []
+    for raw, sealer, opener in (
+        (raw_caller, to_callee, to_caller),
+        (raw_callee, to_caller, to_callee),
+    ):
+        raw.setblocking(False)
+        sock = trio.socket.from_stdlib_socket(raw)
+        ends.append(lane_module.LaneStream(raw, sock, RecordSealer(sealer), RecordOpener(opener)))
+    return ends[0], ends[1]
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("closing", ["after_peer", "at_once"])
+async def test_an_answer_on_a_lane_closed_unread_arrives_and_the_caller_is_not_reset(closing):
+    caller, callee = lane_pair()
+    seen: dict = {"sent": 0}
+
+    async def caller_side() -> None:
+        try:
+            for _ in range(16):  # 16 MiB: more than the sockets' buffers hold
+                await caller.write(b"c" * (1 << 20))
+                seen["sent"] += 1
+        except LaneResetError:
+            seen["write"] = "reset"
+        seen["answer"] = await caller.read()
+        try:
+            await caller.read()
+        except LaneEndOfStream:
+            seen["end"] = "clean"
+        except LaneResetError:
+            seen["end"] = "reset"
+        await caller.close()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller_side)
+            with trio.fail_after(10):
+                await wait_until(lambda: seen["sent"] >= 1)
+            await callee.write(b"not served")  # the callee read none of the call
+            if closing == "after_peer":
+                with trio.fail_after(10):
+                    await callee.close_after_peer(linger=30.0)  # ends when the caller closes
+            else:
+                await callee.reset()  # (how a taken lane was closed before)
+    finally:
+        await caller.reset()
+        await callee.reset()
+    assert seen["answer"] == b"not served"
+    if closing == "after_peer":
+        assert seen == {"sent": 16, "answer": b"not served", "end": "clean"}
+    else:  # closing with the call unread resets the connection: the caller's writes fail
+        assert seen["write"] == "reset" and seen["end"] == "reset" and seen["sent"] < 16
