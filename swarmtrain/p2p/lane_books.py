@@ -214,6 +214,13 @@ class LaneBook:
         stale = sum(1 for lane in self._lanes.values() if self._is_stale(lane, now))
         return max(0, min(per_peer, self.total - len(self._lanes) + stale))
 
+    def stripes_to_grant(self, peer_id, wanted: int, now: float, tickets: int = 0) -> int:
+        """How many connections a striped lane of ``peer_id`` gets when it asks for
+        ``wanted``: within the ``room`` there is, and at most half the per-peer cap, so one
+        lane never takes a peer's whole share (a second call to us, e.g. the other half of a
+        round, would have to go over libp2p). At least one: a plain lane."""
+        return max(1, min(wanted, self.room(peer_id, now, tickets), self.per_peer // 2))
+
     def admit(self, token, peer_id, now: float, reuse_window: float = math.inf) -> list:
         """Count a new lane ``token`` of ``peer_id`` (idle until its first call), whose
         caller reuses it while idle for less than ``reuse_window`` seconds, or raise

@@ -64,7 +64,7 @@ class LaneCallee:
         held = self.tickets.outstanding(peer)
         self.open_lanes.check(peer, now, tickets=held)
         wanted = min(max(1, request.stripes), MAX_STRIPES)
-        granted = max(1, min(wanted, self.open_lanes.room(peer, now, tickets=held)))
+        granted = self.open_lanes.stripes_to_grant(peer, wanted, now, tickets=held)
         # a caller that sets idle_timeout keeps lanes idle that long and understands
         # NOT_SERVED; an older one gets the server's stream idle timeout (and a bare close)
         idle = min(request.idle_timeout, self.idle_timeout) if request.idle_timeout > 0 else None
