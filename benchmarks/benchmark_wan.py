@@ -4,7 +4,7 @@ butterfly time, at 50 / 150 ms one-way delay, 1% loss, 100 / 20 Mbit/s. Root onl
     sudo nice -n 5 python benchmarks/benchmark_wan.py [--floats 4194304] [--peers 4] [--rounds 3]
         [--tcp-butterfly 2] [--part-layout 0|1] [--trace FILE] [--latency packet|proxy]
         [--mtu 1500] [--log LOGGER ...] [--congestion cubic|bbr|reno|default]
-        [--stripes K] [--lane-congestion bbr] [--forwarder-priority rr|nice|none]
+        [--stripes K] [--lane-congestion auto|bbr|none] [--forwarder-priority rr|nice|none]
         [--no-lanes]
 
 A ``tests/netlab`` lab per delay: ``--peers`` public hosts on one bridge, each with a ``tc
@@ -194,8 +194,10 @@ def run_lab(delay: float, configs: list[tuple[float, float]], args) -> None:
         started = time.monotonic()
         log = {"log": args.log} if args.log else {}
         lanes = {} if args.stripes is None else {"lane_stripes": args.stripes}
-        if args.lane_congestion:
-            lanes["lane_congestion"] = args.lane_congestion
+        if args.lane_congestion:  # "none": the namespace's default on every lane
+            lanes["lane_congestion"] = (
+                None if args.lane_congestion == "none" else args.lane_congestion
+            )
         if args.no_lanes:  # every bulk call over the one libp2p connection (yamux)
             lanes["use_data_lanes"] = False
         first = lab.spawn(
@@ -392,7 +394,8 @@ def main() -> None:
     parser.add_argument(
         "--lane-congestion",
         help="every peer's P2PConfig.lane_congestion (the lane sockets' TCP congestion "
-        "control, e.g. bbr in cubic namespaces; default: the namespace's)",
+        "control, e.g. bbr in cubic namespaces; none: the namespace's; default: the "
+        "library's, auto: bbr on long paths where allowed)",
     )
     parser.add_argument(
         "--forwarder-priority",

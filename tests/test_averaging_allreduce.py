@@ -30,7 +30,7 @@ from swarmtrain.compression import (
     TopKSparsification,
     serialize_torch_tensor,
 )
-from swarmtrain.p2p import P2P, Attached
+from swarmtrain.p2p import P2P, Attached, ResourceLimits
 from swarmtrain.proto import averaging_pb2
 
 pytestmark = pytest.mark.trio
@@ -688,3 +688,50 @@ async def test_a_sender_stalling_inside_its_first_part_is_banned_in_bounded_time
         check_averaged(tensors[i], results[i], want)
     # sender_timeout, plus ~2 s bought by the half part and the trickle (4 KiB/s)
     assert config.sender_timeout <= elapsed < config.sender_timeout + 6
+
+
+async def test_a_lane_its_reducer_takes_as_the_round_starts_does_not_fail_the_slice():
+    """The reducer's host, full of lanes, takes the idle lane a sender is about to reuse for a
+    newcomer: the reducer read none of the call (NOT_SERVED), so the sender sends it again
+    (here over libp2p: the newcomer's fresh lane fills the reducer) and the round completes."""
+    tensors = random_tensors(2, seed=9)
+    async with AsyncExitStack() as stack:
+        a = await stack.enter_async_context(P2P.create(limits=ResourceLimits(max_lanes_total=1)))
+        b = await stack.enter_async_context(P2P.create(initial_peers=a.get_visible_maddrs()))
+        services = [
+            await stack.enter_async_context(AllReduceService.create(host, "test"))
+            for host in (a, b)
+        ]
+        a.lanes.open_lanes.stale_after = 0.2  # (16 s by default)
+        group = AllReduceGroup(b"round-1", (a.peer_id, b.peer_id), (1.0, 1.0))
+
+        async def round_of(group):
+            runners = [AllReduceRunner(services[i], group, tensors[i], config=FAST) for i in (0, 1)]
+            return await run_all(runners)
+
+        first = await round_of(group)
+        assert all(r.complete for r in first)
+        assert b.statistics()["lanes_opened"] == 1  # b's lane to a, idle in b's pool now
+        await trio.sleep(0.3)  # the idle time under test: a may take the lane now
+        taken: list[trio.CancelScope] = []
+        acquire = b._bulk_pool.acquire
+
+        async def acquire_as_a_newcomer_arrives(peer_id, max_message_size):
+            stream, reused = await acquire(peer_id, max_message_size)
+            if reused and peer_id == a.peer_id and not taken:
+                newcomer = trio.CancelScope()  # a's book takes b's idle lane for it
+                taken.append(newcomer)
+                for token in a.lanes.open_lanes.admit(newcomer, "newcomer", trio.current_time()):
+                    token.cancel()
+            return stream, reused
+
+        b._bulk_pool.acquire = acquire_as_a_newcomer_arrives
+        second = await round_of(dataclasses.replace(group, group_id=b"round-2"))
+        assert taken and a.lanes.open_lanes.evicted == 1
+        want = weighted_mean(tensors, [1, 1], range(2))
+        for i in (0, 1):
+            assert second[i].complete, second[i]
+            check_averaged(tensors[i], second[i], want)
+        # b's parts were counted once, not once per call it sent
+        assert second[1].part_bytes_sent == first[1].part_bytes_sent
+        a.lanes.open_lanes.done(taken[0])

@@ -33,6 +33,11 @@ def another_algorithm() -> str:
     return others[0]
 
 
+def system_default() -> str:
+    with open(DEFAULT) as f:
+        return f.read().strip()
+
+
 def lane_sockets(port: int) -> dict[str, list[str]]:
     """This process's TCP sockets with local or remote port ``port``: their congestion
     control, by end ("callee": local port, "caller": remote port)."""
@@ -116,3 +121,77 @@ def test_lane_congestion_is_validated():
         with pytest.raises(ValueError):
             P2PConfig(lane_congestion=bad)
     assert P2PConfig(lane_congestion="bbr").lane_congestion == "bbr"
+
+
+def test_auto_gives_only_long_paths_the_long_path_congestion_control():
+    from swarmtrain.p2p.lane_connections import (
+        AUTO_CONGESTION,
+        LONG_PATH_CONGESTION,
+        congestion_for_path,
+    )
+
+    assert congestion_for_path(AUTO_CONGESTION, 0.3, 0.01) == LONG_PATH_CONGESTION
+    assert congestion_for_path(AUTO_CONGESTION, 0.01, 0.01) == LONG_PATH_CONGESTION
+    assert congestion_for_path(AUTO_CONGESTION, 0.002, 0.01) is None  # a LAN
+    assert congestion_for_path(AUTO_CONGESTION, None, 0.01) is None  # RTT unknown
+    assert congestion_for_path(AUTO_CONGESTION, 0.0, 0.0) == LONG_PATH_CONGESTION
+    for setting in (None, "cubic", "bbr"):  # set before connecting, or never
+        assert congestion_for_path(setting, 0.3, 0.01) is None
+
+
+def test_lane_congestion_defaults_to_auto():
+    from swarmtrain.p2p.host import P2PConfig
+    from swarmtrain.p2p.lane_connections import AUTO_CONGESTION
+
+    assert P2PConfig().lane_congestion == AUTO_CONGESTION
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("long_path", [True, False])
+async def test_auto_sets_the_long_path_congestion_control_on_long_paths_only(
+    monkeypatch, long_path
+):
+    """Real lanes on loopback under the default ``"auto"``: with ``lane_stripe_min_rtt=0``
+    every path counts as long and both ends' lane sockets switch (to a loaded algorithm other
+    than the system's, so the switch shows); with the default threshold loopback is short and
+    they keep the system's."""
+    from swarmtrain.p2p import lane_connections
+
+    algorithm, default = another_algorithm(), system_default()
+    monkeypatch.setattr(lane_connections, "LONG_PATH_CONGESTION", algorithm)
+    options = {"lane_stripes": 1}
+    if long_path:
+        options["lane_stripe_min_rtt"] = 0.0
+    async with (
+        P2P.create(**options) as a,
+        P2P.create(initial_peers=a.get_visible_maddrs(), **options) as b,
+    ):
+        a.add_protobuf_handler("t::C.total_size", total_size, BytesValue, stream_input=True)
+        await bulk_call(b, a)
+        assert b.statistics()["lanes_opened"] == 1
+        ends = lane_sockets(a.lanes.port)
+        expected = algorithm if long_path else default
+        assert ends["caller"] == [expected] and ends["callee"] == [expected], ends
+
+
+@pytest.mark.trio
+async def test_auto_refused_by_the_kernel_is_logged_once_and_lanes_still_work(monkeypatch, caplog):
+    from swarmtrain.p2p import lane_connections
+
+    another_algorithm()  # Linux with the option
+    monkeypatch.setattr(lane_connections, "LONG_PATH_CONGESTION", "nosuchcc")
+    with caplog.at_level(logging.INFO, logger="swarmtrain.p2p.lane"):
+        async with (
+            P2P.create(lane_stripe_min_rtt=0.0, lane_stripes=1) as a,
+            P2P.create(
+                initial_peers=a.get_visible_maddrs(), lane_stripe_min_rtt=0.0, lane_stripes=1
+            ) as b,
+        ):
+            a.add_protobuf_handler("t::C.total_size", total_size, BytesValue, stream_input=True)
+            for _ in range(2):
+                await bulk_call(b, a)
+                await b._bulk_pool.aclose()  # the next call opens a new lane
+            assert b.statistics()["lanes_opened"] == 2
+    refused = [r for r in caplog.records if "nosuchcc" in r.getMessage()]
+    assert len(refused) == 2, [r.getMessage() for r in refused]  # once per host (both ends)
+    assert all(r.levelno == logging.INFO for r in refused)

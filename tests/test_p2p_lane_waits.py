@@ -6,14 +6,17 @@ import pytest
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue, Int64Value
 
-from swarmtrain.p2p import P2P
+from swarmtrain.p2p import P2P, lane_caller
 from swarmtrain.p2p import lane as lane_module
 from swarmtrain.p2p.autonat import connection_path, connection_rtt
 from swarmtrain.p2p.lane import TICKET_METHOD
 from swarmtrain.p2p.lane_books import (
+    LANE_IDLE_TIMEOUT,
     LANE_REUSE_MARGIN,
+    MAX_LANE_IDLE_TIMEOUT,
     first_lane_wait,
     lane_reuse_time,
+    lane_reuse_window,
 )
 from swarmtrain.p2p.lane_pool import LANE_REUSE_LIMIT
 from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
@@ -42,7 +45,27 @@ def test_a_lane_slow_to_open_outlives_a_slow_round_but_not_the_callee():
             reuse = lane_reuse_time(open_seconds, rtt, BASE, CALLEE_IDLE)
             assert reuse >= BASE
             assert reuse == BASE or reuse <= CALLEE_IDLE - LANE_REUSE_MARGIN - 2 * rtt
-    assert LANE_REUSE_LIMIT <= CALLEE_IDLE
+
+
+def test_a_lane_the_callee_keeps_for_minutes_is_reused_until_just_before_it_closes():
+    granted = LANE_IDLE_TIMEOUT  # the ticket's idle_timeout
+    assert lane_reuse_time(0.002, 0.0001, BASE, CALLEE_IDLE, granted) == pytest.approx(
+        granted - LANE_REUSE_MARGIN - 0.0002
+    )
+    assert lane_reuse_time(1.5, 0.3, BASE, CALLEE_IDLE, granted) == pytest.approx(
+        granted - LANE_REUSE_MARGIN - 0.6
+    )
+    assert lane_reuse_window(granted) == granted - LANE_REUSE_MARGIN  # what the callee counts
+    # a short grant is a hard limit, below the base too; never negative
+    assert lane_reuse_time(0.0, 0.0, BASE, CALLEE_IDLE, 3.0) == pytest.approx(1.0)
+    assert lane_reuse_time(0.0, 0.3, BASE, CALLEE_IDLE, 1.0) == 0.0
+    # an older callee grants nothing: the old rule, below its 30 s
+    for open_seconds, rtt in ((0.002, 0.0001), (1.5, 0.3), (500.0, 2.0)):
+        old_rule = lane_reuse_time(open_seconds, rtt, BASE, CALLEE_IDLE)
+        assert lane_reuse_time(open_seconds, rtt, BASE, CALLEE_IDLE, None) == old_rule
+        assert old_rule < CALLEE_IDLE
+    # the pool keeps a lane as long as any ticket may grant
+    assert LANE_REUSE_LIMIT >= MAX_LANE_IDLE_TIMEOUT >= LANE_IDLE_TIMEOUT > CALLEE_IDLE
 
 
 def test_a_first_lane_waits_longer_on_a_long_path_within_the_limit():
@@ -113,7 +136,7 @@ async def test_the_libp2p_connection_reports_its_kernel_rtt_and_loss():
 
 @pytest.mark.trio
 async def test_a_call_to_a_known_peer_waits_for_its_next_lane(monkeypatch):
-    monkeypatch.setattr(lane_module, "OPEN_WAIT", 0.05)  # a stranger's call would not wait
+    monkeypatch.setattr(lane_caller, "OPEN_WAIT", 0.05)  # a stranger's call would not wait
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         serve(a)
         await bulk_call(b, a)  # the first lane (fast ticket)
@@ -128,8 +151,8 @@ async def test_a_call_to_a_known_peer_waits_for_its_next_lane(monkeypatch):
 
 @pytest.mark.trio
 async def test_without_the_known_peer_wait_the_call_goes_over_libp2p(monkeypatch):
-    monkeypatch.setattr(lane_module, "OPEN_WAIT", 0.05)
-    monkeypatch.setattr(lane_module, "KNOWN_PEER_WAIT", 0.05)
+    monkeypatch.setattr(lane_caller, "OPEN_WAIT", 0.05)
+    monkeypatch.setattr(lane_caller, "KNOWN_PEER_WAIT", 0.05)
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         serve(a)
         await bulk_call(b, a)
@@ -141,14 +164,14 @@ async def test_without_the_known_peer_wait_the_call_goes_over_libp2p(monkeypatch
 
 @pytest.mark.trio
 async def test_a_first_lane_waits_as_long_as_its_path_needs(monkeypatch):
-    monkeypatch.setattr(lane_module, "OPEN_WAIT", 0.05)
+    monkeypatch.setattr(lane_caller, "OPEN_WAIT", 0.05)
     seen_rtts = []
 
     def long_path_wait(path_rtt, open_wait, limit):
         seen_rtts.append(path_rtt)
         return 3 * TICKET_DELAY  # what first_lane_wait gives a long path
 
-    monkeypatch.setattr(lane_module, "first_lane_wait", long_path_wait)
+    monkeypatch.setattr(lane_caller, "first_lane_wait", long_path_wait)
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         serve(a)
         slow_tickets(a)
@@ -164,7 +187,7 @@ IDLE_GAP = 1.0  # a caller's pause between calls: longer than the default reuse 
 
 @pytest.mark.trio
 async def test_a_lane_is_reused_for_its_own_time_and_a_libp2p_stream_is_not(monkeypatch):
-    monkeypatch.setattr(lane_module, "lane_reuse_time", lambda *args: 3 * IDLE_GAP)
+    monkeypatch.setattr(lane_caller, "lane_reuse_time", lambda *args: 3 * IDLE_GAP)
     async with (
         P2P.create() as a,
         P2P.create(use_data_lanes=False) as c,

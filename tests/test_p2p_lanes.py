@@ -7,7 +7,7 @@ import trio
 from google.protobuf.wrappers_pb2 import BytesValue, Int64Value, StringValue
 from lane_util import lane_over_socketpair
 
-from swarmtrain.p2p import P2P, RemoteError, RPCTimeoutError
+from swarmtrain.p2p import P2P, RemoteError, RPCTimeoutError, lane_caller
 from swarmtrain.p2p import lane as lane_module
 from swarmtrain.p2p.lane import TICKET_METHOD
 from swarmtrain.p2p.lane_books import TicketBook
@@ -257,7 +257,7 @@ async def test_bulk_call_falls_back_to_libp2p_without_a_lane():
 
 @pytest.mark.trio
 async def test_a_lane_slower_than_the_call_serves_the_next_call(monkeypatch):
-    monkeypatch.setattr(lane_module, "OPEN_WAIT", 0.0)  # no call waits for a new lane
+    monkeypatch.setattr(lane_caller, "OPEN_WAIT", 0.0)  # no call waits for a new lane
     async with P2P.create() as a, P2P.create(initial_peers=a.get_visible_maddrs()) as b:
         serve(a)
         payload = [BytesValue(value=b"q" * 500_000)] * 3

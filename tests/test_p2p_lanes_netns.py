@@ -48,7 +48,7 @@ async def _peer(hosts: int) -> None:
     import trio
     from google.protobuf.wrappers_pb2 import BytesValue, StringValue
 
-    from swarmtrain.p2p import P2P
+    from swarmtrain.p2p import P2P, lane_caller
     from swarmtrain.p2p import lane as lane_module
     from swarmtrain.p2p.autonat import observed_ips
     from swarmtrain.p2p.host import as_peer_id
@@ -73,7 +73,7 @@ async def _peer(hosts: int) -> None:
         keys = ("lanes_opened", "lanes_accepted", "lane_fallbacks")
         return {key: stats[key] for key in keys} | {"tickets": len(p2p.lanes.tickets), "seen": seen}
 
-    default_open_wait = getattr(lane_module, "OPEN_WAIT", None)
+    default_open_wait = getattr(lane_caller, "OPEN_WAIT", None)
     async with contextlib.AsyncExitStack() as stack:
         p2ps, seens, infos = [], [], []
         for _ in range(hosts):
@@ -115,7 +115,7 @@ async def _peer(hosts: int) -> None:
                     chunks = [os.urandom(MIB) for _ in range(command["mib"])]
                     # how long a call waits for a lane that is still opening (when the lane
                     # code has such a wait; the default otherwise)
-                    lane_module.OPEN_WAIT = command.get("open_wait", default_open_wait)
+                    lane_caller.OPEN_WAIT = command.get("open_wait", default_open_wait)
                     started = trio.current_time()
                     reply = await p2p.call_protobuf_handler(
                         command["peer"],

@@ -193,37 +193,47 @@ def test_the_lane_cap_leaves_half_the_open_file_limit_to_the_rest():
     assert lanes_within_fd_limit(512, 1) == 1
 
 
-def test_a_full_lane_book_takes_a_stale_idle_lane_of_the_biggest_holder():
+def test_a_full_lane_book_takes_the_stale_idle_lane_its_caller_least_needs():
     book = LaneBook(total=6, per_peer=4, stale_after=16.0)
-    for i in range(4):
-        assert book.admit(f"a{i}", "a", now=float(i)) == []
+    for i in range(4):  # a's callers reuse idle lanes for up to 200 s
+        assert book.admit(f"a{i}", "a", now=float(i), reuse_window=200.0) == []
     with pytest.raises(ResourceLimitError, match="too many data lanes from one peer"):
         book.admit("a4", "a", now=4.0)  # per peer first
     with pytest.raises(ResourceLimitError, match="4 open or ticketed"):
         book.check("b", now=4.0, tickets=4)  # unredeemed tickets count for the peer
-    assert book.admit("b0", "b", now=4.0) == [] and book.admit("b1", "b", now=5.0) == []
+    # b is an older caller: it reuses an idle lane for less than 28 s
+    assert book.admit("b0", "b", now=4.0, reuse_window=28.0) == []
+    assert book.admit("b1", "b", now=5.0, reuse_window=28.0) == []
     for token in ("a0", "a1", "a2", "a3", "b0", "b1"):
         book.busy(token)  # all serving calls: nothing can be taken
     with pytest.raises(ResourceLimitError, match=r"in use \(6 of 6 in all, none idle for 16 s\)"):
         book.admit("c0", "c", now=100.0)
     assert len(book) == 6 and book.refused == 3 and book.evicted == 0
-    book.idle("b0", now=5.0)  # b's lane went idle first, but b holds fewer lanes than a
-    book.idle("a3", now=20.0)
-    book.idle("a1", now=30.0)
+    book.idle("a3", now=100.0)
+    book.idle("a1", now=110.0)
+    book.idle("b0", now=120.0)
     with pytest.raises(ResourceLimitError, match="all in use"):
-        book.check("c", now=20.0)  # nothing idle for 16 s yet
-    assert book.admit("c0", "c", now=25.0) == ["b0"]  # b0 is stale, a3 not yet
-    # at 60 s: a3 and a1 are stale; a holds the most lanes: its lane idle the longest goes
-    assert book.admit("c1", "c", now=60.0) == ["a3"]
-    assert book.admit("d0", "d", now=60.0) == ["a1"]
-    assert book.count("a") == 2 and book.count("b") == 1 and book.count("c") == 2
-    book.busy("c0")
-    with pytest.raises(ResourceLimitError):  # fresh idle lanes (c1, d0) are not taken
-        book.admit("e0", "e", now=61.0)
-    book.done("a0")  # a closed lane frees its place
-    assert book.admit("e0", "e", now=61.0) == [] and len(book) == 6 and book.evicted == 3
-    book.done("b0")  # (a taken lane's own done() later changes nothing)
-    assert len(book) == 6 and book.count("b") == 1
+        book.check("c", now=115.0)  # nothing idle for 16 s yet
+    # at 140 s: a3 (40 s), a1 (30 s) and b0 (20 s) are stale; none past its reuse window:
+    # the one idle the longest goes
+    assert book.admit("c0", "c", now=140.0, reuse_window=200.0) == ["a3"]
+    # at 150 s: b0 is past its caller's 28 s (idle 30 s, b will not send on it again): it
+    # goes before a1, idle 40 s but still reused
+    assert book.admit("d0", "d", now=150.0, reuse_window=200.0) == ["b0"]
+    assert book.admit("e0", "e", now=150.0, reuse_window=200.0) == ["a1"]
+    assert book.count("a") == 2 and book.count("b") == 1 and book.count("c") == 1
+    with pytest.raises(ResourceLimitError):  # fresh idle lanes (c0, d0, e0) are not taken
+        book.admit("f0", "f", now=151.0)
+    # a tie in idle time: the lane of the peer holding the most goes
+    for token in ("c0", "d0", "e0"):
+        book.busy(token)
+    book.idle("a0", now=151.0)
+    book.idle("b1", now=151.0)
+    assert book.admit("f0", "f", now=170.0) == ["a0"]
+    book.done("a2")  # a closed lane frees its place
+    assert book.admit("g0", "g", now=170.0) == [] and len(book) == 6 and book.evicted == 4
+    book.done("a3")  # (a taken lane's own done() later changes nothing)
+    assert len(book) == 6 and book.count("a") == 0
 
 
 def test_ticket_floods_and_silent_sockets_cannot_crowd_out_others():

@@ -213,6 +213,19 @@ def test_the_lane_book_grants_stripes_within_its_room():
     assert book.room("c", now=10.0) == 4  # all six are stale idle lanes now; per-peer cap
 
 
+def test_one_striped_lane_gets_at_most_half_a_peers_lane_share():
+    book = LaneBook(total=64, per_peer=16, stale_after=10.0)
+    assert book.stripes_to_grant("a", 16, now=0.0) == 8  # not the whole share of 16
+    for i in range(8):
+        book.admit(f"a{i}", "a", now=0.0)
+    assert book.stripes_to_grant("a", 16, now=0.0) == 8  # room for a second lane
+    assert book.stripes_to_grant("a", 3, now=0.0) == 3
+    for i in range(8, 14):
+        book.admit(f"a{i}", "a", now=0.0)
+    assert book.stripes_to_grant("a", 16, now=0.0) == 2  # the room left
+    assert LaneBook(total=64, per_peer=1, stale_after=10.0).stripes_to_grant("b", 8, 0.0) == 1
+
+
 def test_a_call_waits_a_few_round_trips_after_its_ticket():
     assert wait_after_ticket(0.001, 4.0) == pytest.approx(0.026)  # a LAN: a few ms
     assert wait_after_ticket(0.3, 4.0) == pytest.approx(2.8)  # 3-4 RTTs and a lost SYN

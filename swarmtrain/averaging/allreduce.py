@@ -425,7 +425,7 @@ class AllReduceRunner(AllReduceSender, AllReduceReducer):
         self._started = False
         self._deadline = math.inf
         self.part_bytes_sent = self.delta_bytes_sent = 0  #: see ``AllReduceResult``
-        self._v2_bytes: dict[int, int] = {}  # part bytes sent per reducer over v2
+        self._call_bytes: dict[int, int] = {}  # part bytes sent per reducer in its last call
 
     def _trace(self, kind: str, peer: int, part: int, nbytes: int = 0) -> None:
         trace = self.service.trace

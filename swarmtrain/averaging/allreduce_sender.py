@@ -33,7 +33,7 @@ from swarmtrain.averaging.allreduce_rpc import (
 )
 from swarmtrain.compression import CompressionInfo, CompressionType, TensorDescriptor
 from swarmtrain.compression.wire import dtype_name, tensor_to_numpy
-from swarmtrain.p2p import Attached, NoSuchMethodError, P2PError
+from swarmtrain.p2p import Attached, CallNotServedError, NoSuchMethodError, P2PError
 from swarmtrain.proto import averaging_pb2
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class AllReduceSender(RunnerSide):
     tensors: tuple[torch.Tensor, ...]
     weight: float
     part_bytes_sent: int
-    _v2_bytes: dict[int, int]
+    _call_bytes: dict[int, int]
     _deadline: float
 
     async def _requests_for(
@@ -83,8 +83,8 @@ class AllReduceSender(RunnerSide):
                 if self.group.leader is not None:
                     request.leader = self.group.leader.to_bytes()
             self.part_bytes_sent += message.nbytes
-            if attached:  # taken back if the reducer turns out to lack v2
-                self._v2_bytes[reducer] = self._v2_bytes.get(reducer, 0) + message.nbytes
+            # taken back if the call is sent again (a reducer without v2, or one that read none)
+            self._call_bytes[reducer] = self._call_bytes.get(reducer, 0) + message.nbytes
             self._trace("part_queued", reducer, k, message.nbytes)
             yield Attached(request, message.buffer) if attached else request
             self._trace("part_written", reducer, k, message.nbytes)
@@ -95,12 +95,12 @@ class AllReduceSender(RunnerSide):
         try:
             attached = self.service.speaks_v2(peer_id)
             try:
-                await self._call_reducer(reducer, attached)
+                await self._call_reducer_again_if_unread(reducer, attached)
             except NoSuchMethodError:
                 if not attached or core.container.num_received(reducer):
                     raise
                 logger.debug("reducer %s has no v2 all-reduce: parts go inside protobufs", peer_id)
-                self.part_bytes_sent -= self._v2_bytes.pop(reducer, 0)
+                self.part_bytes_sent -= self._call_bytes.pop(reducer, 0)
                 serves_v1 = True
                 try:
                     await self._call_reducer(reducer, attached=False)
@@ -118,6 +118,19 @@ class AllReduceSender(RunnerSide):
             past_deadline = anyio.current_time() >= self._deadline
             core.fail_reducer(reducer, Failure.DEADLINE if past_deadline else Failure.DISCONNECTED)
             self._notify()
+
+    async def _call_reducer_again_if_unread(self, reducer: int, attached: bool) -> None:
+        """``_call_reducer``, sent once more (over another lane or libp2p) when the reducer
+        closed the stream without reading any of it (``CallNotServedError``: an idle lane it
+        took for a newcomer just as we reused it). Other failures are raised."""
+        try:
+            await self._call_reducer(reducer, attached)
+        except CallNotServedError:
+            if self.core.container.num_received(reducer):
+                raise  # (not sent before any answer: never the case)
+            logger.debug("reducer %s read none of our call: sending it again", reducer)
+            self.part_bytes_sent -= self._call_bytes.pop(reducer, 0)
+            await self._call_reducer(reducer, attached)
 
     async def _call_reducer(self, reducer: int, attached: bool) -> None:
         """One call that sends the parts of ``reducer``'s slice and receives their deltas."""

@@ -8,6 +8,9 @@ from swarmtrain.p2p.errors import (
     AddressInUseError as AddressInUseError,
 )
 from swarmtrain.p2p.errors import (
+    CallNotServedError as CallNotServedError,
+)
+from swarmtrain.p2p.errors import (
     MessageTooLargeError as MessageTooLargeError,
 )
 from swarmtrain.p2p.errors import (
@@ -57,6 +60,7 @@ from swarmtrain.p2p.rpc import RPCContext as RPCContext
 __all__ = [
     "AddressInUseError",
     "Attached",
+    "CallNotServedError",
     "IdentityError",
     "MessageTooLargeError",
     "NoSuchMethodError",

@@ -48,6 +48,12 @@ class RPCCancelledError(RPCError):
     """The other side cancelled the call (closed or reset the stream before it finished)."""
 
 
+class CallNotServedError(RPCCancelledError):
+    """The callee closed the (reused) stream before it read anything of the call, so nothing
+    of it was served: the call may be sent again on another stream (a data lane the callee
+    took for a newcomer while it was idle, ``RPCErrorCode.NOT_SERVED``)."""
+
+
 class RPCTimeoutError(RPCError, TimeoutError):
     """The call (or the next message of a stream) did not complete within its timeout."""
 

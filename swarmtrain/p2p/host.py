@@ -65,6 +65,7 @@ from swarmtrain.p2p.lane import (
     lane_listen_host,
     lanes_disabled_by_env,
 )
+from swarmtrain.p2p.lane_connections import AUTO_CONGESTION
 from swarmtrain.p2p.lane_pool import BulkStreamPool
 from swarmtrain.p2p.lane_stripes import StripedLane
 from swarmtrain.p2p.limits import ResourceLimits, fd_soft_limit
@@ -124,9 +125,11 @@ class P2PConfig:
     # connection's RTT and loss, ``stripes_for_path``); 1: one connection per lane.
     lane_stripes: int = DEFAULT_STRIPES
     lane_stripe_min_rtt: float = DEFAULT_STRIPE_MIN_RTT
-    # The TCP congestion control of our lane sockets (e.g. "bbr", which does not take random
-    # loss for congestion; Linux ``TCP_CONGESTION``); None: the system's. Refused: logged once.
-    lane_congestion: str | None = None
+    # The TCP congestion control of our lane sockets (Linux ``TCP_CONGESTION``): "auto" gives
+    # lanes on a long path (RTT >= ``lane_stripe_min_rtt``) BBR, which neither random loss nor
+    # the idle gaps between rounds slow, where the kernel lets this process set it; a name:
+    # every lane socket; None: the system's. Refused: logged once, lanes keep the default.
+    lane_congestion: str | None = AUTO_CONGESTION
     # Private runs (swarmtrain.p2p.private_network): only peers with the same key (>= 32 bytes,
     # or a key file path, loaded here) complete the handshake with us.
     swarm_key: bytes | str | None = field(default=None, repr=False)
@@ -469,8 +472,12 @@ class P2P(Dialling):
         """Whether we hand out lane tickets: listening, and not known to be behind a NAT."""
         return not self.config.client_mode and self.reachability != Reachability.PRIVATE
 
-    async def _serve_lane(self, lane, remote_id: ID, on_call=None) -> None:
-        await self._rpc_server.serve_stream(lane, remote_id, on_call)
+    async def _serve_lane(
+        self, lane, remote_id: ID, on_call=None, idle_timeout: float | None = None
+    ) -> None:
+        """Serve the calls of a data lane; ``idle_timeout``: the lane's own (None: a libp2p
+        stream's)."""
+        await self._rpc_server.serve_stream(lane, remote_id, on_call, idle_timeout)
 
     # ------------------------------------------------------------------- RPC
 

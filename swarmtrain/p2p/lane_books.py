@@ -1,9 +1,11 @@
 """The books a data lane's callee and caller keep (sans-IO): tickets, open lanes (per peer
-and in all), connections that have not shown a ticket yet, and how long a caller parks a
-peer whose lane failed. How lanes use them is ``lane.py``'s job."""
+and in all), connections that have not shown a ticket yet, how long a caller parks a peer
+whose lane failed, waits for a lane and reuses it; and the protocol's names and numbers both
+sides share. How lanes use them is ``lane.py``'s job."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
@@ -13,12 +15,22 @@ from swarmtrain.p2p.errors import ResourceLimitError
 from swarmtrain.p2p.lane_records import KEY_SIZE, TICKET_ID_SIZE
 from swarmtrain.p2p.limits import ResourceLimits
 
+TICKET_METHOD = "swarmtrain::Lane.ticket"
+LANE_VERSION = 1
+HANDSHAKE_TIMEOUT = 5.0
 TICKET_TTL = 10.0
 MAX_OUTSTANDING_TICKETS = 1024
 MAX_PENDING_HANDSHAKES = 64  # connections that have not shown a valid ticket yet
 RETRY_FIRST = 10.0  # after a first failed lane; doubles per failure in a row
 RETRY_AFTER = 300.0
 RETRY_BUSY = 10.0  # after a callee refused a lane because its lanes are all taken
+#: how long a lane waits for its caller's next call (both sides' default; the callee grants
+#: the smaller of the two in the ticket). Rounds on long lossy paths come minutes apart; an
+#: idle lane costs one file descriptor, counted in ``LaneBook``, which takes idle lanes for
+#: newcomers when full; a few minutes stays well under the idle time NATs keep TCP flows
+LANE_IDLE_TIMEOUT = 240.0
+#: the longest idle timeout a caller takes from a ticket (and its bulk pool keeps a lane)
+MAX_LANE_IDLE_TIMEOUT = 600.0
 
 
 @dataclass
@@ -28,6 +40,9 @@ class _Ticket:
     callee_key: bytes
     expires_at: float
     stripes: int = 1  # connections the ticket admits (a striped lane: stripe_core)
+    # how long its lane waits for a call (None: the caller is older than idle timeouts in
+    # tickets: the server's stream idle timeout, and no NOT_SERVED on eviction)
+    idle_timeout: float | None = None
     count: int | None = None  # stripes the caller said it uses (set by the first one)
     redeemed: set[int] = field(default_factory=set)  # stripe indices that connected
 
@@ -73,7 +88,9 @@ class TicketBook:
                     del counter[ticket.peer_id]
         return ticket
 
-    def issue(self, peer_id, now: float, stripes: int = 1) -> tuple[bytes, _Ticket]:
+    def issue(
+        self, peer_id, now: float, stripes: int = 1, idle_timeout: float | None = None
+    ) -> tuple[bytes, _Ticket]:
         if stripes < 1:
             raise ValueError("a ticket admits at least one connection")
         for ticket_id in [k for k, t in self._tickets.items() if t.expires_at <= now]:
@@ -84,7 +101,12 @@ class TicketBook:
             self._drop_oldest_of(self._per_peer.most_common(1)[0][0])
         ticket_id = os.urandom(TICKET_ID_SIZE)
         ticket = _Ticket(
-            peer_id, os.urandom(KEY_SIZE), os.urandom(KEY_SIZE), now + self.ttl, stripes
+            peer_id,
+            os.urandom(KEY_SIZE),
+            os.urandom(KEY_SIZE),
+            now + self.ttl,
+            stripes,
+            idle_timeout,
         )
         self._tickets[ticket_id] = ticket
         self._per_peer[peer_id] += 1
@@ -140,20 +162,30 @@ class TicketBook:
         return len(self._tickets)
 
 
+@dataclass(slots=True)
+class _OpenLane:
+    peer_id: Hashable
+    idle_since: float | None  # None: serving a call
+    reuse_window: float  # its caller reuses it while idle for less than this
+
+
 class LaneBook:
     """A callee's open lanes (sans-IO): at most ``per_peer`` of one peer, ``total`` in all.
 
     Each lane is busy (serving a call) or idle since some time. When all ``total`` are open, a
     new lane takes the place of a *stale* idle lane, one idle for at least ``stale_after``
-    seconds (longer than a caller keeps an idle stream for reuse, so no caller is about to
-    send a call on it): the oldest such lane of the peer holding the most lanes. With no stale
-    lane the new one is refused (``ResourceLimitError``; its caller goes over libp2p). So one
-    peer, or many identities, holding every lane idle cannot keep others off lanes for long,
-    and lanes that are in use are never cut."""
+    seconds (a caller between the calls of one round has no lane idle that long): first one
+    past its own reuse window (its caller will not send on it again), else the one idle the
+    longest (the least likely to carry a call soon), of the peer holding the most lanes on a
+    tie. A caller that reused a taken lane meanwhile learns that nothing of its call was read
+    (``RPCErrorCode.NOT_SERVED``) and sends it again. With no stale lane the new one is
+    refused (``ResourceLimitError``; its caller goes over libp2p). So one peer, or many
+    identities, holding every lane idle cannot keep others off lanes for long, and lanes that
+    are in use are never cut."""
 
     def __init__(self, total: int, per_peer: int, stale_after: float):
         self.total, self.per_peer, self.stale_after = total, per_peer, stale_after
-        self._lanes: dict[object, tuple[Hashable, float | None]] = {}  # token -> (peer, idle since)
+        self._lanes: dict[object, _OpenLane] = {}
         self._per_peer: Counter[Hashable] = Counter()
         self.refused = 0
         self.evicted = 0
@@ -179,15 +211,19 @@ class LaneBook:
         """How many new lanes of ``peer_id`` (which holds ``tickets`` unredeemed ticket
         slots) would be admitted now: what a striped lane's ticket may grant."""
         per_peer = self.per_peer - self._per_peer.get(peer_id, 0) - tickets
-        stale = sum(
-            1
-            for _, since in self._lanes.values()
-            if since is not None and now - since >= self.stale_after
-        )
+        stale = sum(1 for lane in self._lanes.values() if self._is_stale(lane, now))
         return max(0, min(per_peer, self.total - len(self._lanes) + stale))
 
-    def admit(self, token, peer_id, now: float) -> list:
-        """Count a new lane ``token`` of ``peer_id`` (idle until its first call), or raise
+    def stripes_to_grant(self, peer_id, wanted: int, now: float, tickets: int = 0) -> int:
+        """How many connections a striped lane of ``peer_id`` gets when it asks for
+        ``wanted``: within the ``room`` there is, and at most half the per-peer cap, so one
+        lane never takes a peer's whole share (a second call to us, e.g. the other half of a
+        round, would have to go over libp2p). At least one: a plain lane."""
+        return max(1, min(wanted, self.room(peer_id, now, tickets), self.per_peer // 2))
+
+    def admit(self, token, peer_id, now: float, reuse_window: float = math.inf) -> list:
+        """Count a new lane ``token`` of ``peer_id`` (idle until its first call), whose
+        caller reuses it while idle for less than ``reuse_window`` seconds, or raise
         ``ResourceLimitError``. Returns the tokens of lanes to close to make room."""
         self.check(peer_id, now)
         evict = []
@@ -197,38 +233,44 @@ class LaneBook:
             self.done(stale)
             self.evicted += 1
             evict.append(stale)
-        self._lanes[token] = (peer_id, now)
+        self._lanes[token] = _OpenLane(peer_id, now, reuse_window)
         self._per_peer[peer_id] += 1
         return evict
 
     def busy(self, token) -> None:
         """The lane ``token`` serves a call (it cannot be taken)."""
-        if token in self._lanes:
-            self._lanes[token] = (self._lanes[token][0], None)
+        lane = self._lanes.get(token)
+        if lane is not None:
+            lane.idle_since = None
 
     def idle(self, token, now: float) -> None:
         """The lane ``token`` waits for its next call since ``now``."""
-        if token in self._lanes:
-            self._lanes[token] = (self._lanes[token][0], now)
+        lane = self._lanes.get(token)
+        if lane is not None:
+            lane.idle_since = now
 
     def done(self, token) -> None:
         """The lane ``token`` is closed (or was taken: then this was already called)."""
-        entry = self._lanes.pop(token, None)
-        if entry is not None:
-            peer_id = entry[0]
-            self._per_peer[peer_id] -= 1
-            if self._per_peer[peer_id] <= 0:
-                del self._per_peer[peer_id]
+        lane = self._lanes.pop(token, None)
+        if lane is not None:
+            self._per_peer[lane.peer_id] -= 1
+            if self._per_peer[lane.peer_id] <= 0:
+                del self._per_peer[lane.peer_id]
+
+    def _is_stale(self, lane: _OpenLane, now: float) -> bool:
+        return lane.idle_since is not None and now - lane.idle_since >= self.stale_after
 
     def _stale_lane(self, now: float):
-        """The lane to take for a newcomer: the oldest stale idle lane of the peer holding the
-        most lanes (None: no lane is stale)."""
+        """The lane to take for a newcomer (None: no lane is stale): one past its reuse
+        window first, then the one idle the longest, then that of the peer holding the most."""
         best = None
-        best_key: tuple[int, float] | None = None
-        for token, (peer_id, since) in self._lanes.items():
-            if since is None or now - since < self.stale_after:
+        best_key: tuple[bool, float, int] | None = None
+        for token, lane in self._lanes.items():
+            if not self._is_stale(lane, now):
                 continue
-            key = (self._per_peer[peer_id], -since)  # most lanes first, then idle longest
+            assert lane.idle_since is not None
+            idle = now - lane.idle_since
+            key = (idle >= lane.reuse_window, idle, self._per_peer[lane.peer_id])
             if best_key is None or key > best_key:
                 best, best_key = token, key
         return best
@@ -292,17 +334,35 @@ def wait_after_ticket(ticket_seconds: float, limit: float) -> float:
 #: two round trips): the callee's timer starts before the caller's and the next call's first
 #: bytes take a one-way delay to arrive
 LANE_REUSE_MARGIN = 2.0
-#: seconds of reuse time a lane earns per second it took to open
+#: seconds of reuse time a lane earns per second it took to open (a callee that does not say
+#: how long it keeps idle lanes)
 LANE_REUSE_PER_OPEN_SECOND = 10.0
 
 
-def lane_reuse_time(open_seconds: float, rtt: float, base: float, callee_idle: float) -> float:
+def lane_reuse_window(idle_timeout: float) -> float:
+    """How long a caller reuses an idle lane the callee keeps for ``idle_timeout`` seconds,
+    at most (besides two round trips): what the callee's ``LaneBook`` counts as still in use."""
+    return max(0.0, idle_timeout - LANE_REUSE_MARGIN)
+
+
+def lane_reuse_time(
+    open_seconds: float,
+    rtt: float,
+    base: float,
+    callee_idle: float,
+    granted_idle: float | None = None,
+) -> float:
     """How long a caller may reuse an idle lane that took ``open_seconds`` to open (ticket,
-    dials, handshakes) on a path of ``rtt`` seconds: ``base`` (what callers reuse any stream
-    for) plus ``LANE_REUSE_PER_OPEN_SECOND`` per second of opening, so a lane that was dear to
-    open outlives a slow round instead of being opened again; never closer than
-    ``LANE_REUSE_MARGIN + 2 rtt`` to ``callee_idle`` (the callee ends an idle lane then), and
-    never below ``base``."""
+    dials, handshakes) on a path of ``rtt`` seconds.
+
+    A callee that said how long it keeps this lane idle (``granted_idle``, the ticket's
+    ``idle_timeout``): up to ``LANE_REUSE_MARGIN + 2 rtt`` before that, so a lane outlives the
+    gaps between slow rounds. An older callee keeps idle streams for ``callee_idle``: then
+    ``base`` (what callers reuse any stream for) plus ``LANE_REUSE_PER_OPEN_SECOND`` per
+    second of opening, never closer than ``LANE_REUSE_MARGIN + 2 rtt`` to ``callee_idle``,
+    and never below ``base``."""
+    if granted_idle is not None:
+        return max(0.0, lane_reuse_window(granted_idle) - 2.0 * max(0.0, rtt))
     wanted = base + LANE_REUSE_PER_OPEN_SECOND * max(0.0, open_seconds)
     limit = callee_idle - LANE_REUSE_MARGIN - 2.0 * max(0.0, rtt)
     return max(base, min(wanted, limit))

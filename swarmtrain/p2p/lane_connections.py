@@ -16,6 +16,22 @@ from swarmtrain.p2p.lane_stream import LaneStream
 
 CONNECT_TIMEOUT = 2.0
 TCP_CA_NAME_MAX = 16  # bytes of a congestion control's name with its NUL (Linux)
+#: ``P2PConfig.lane_congestion``'s default: lane sockets on a long path use
+#: ``LONG_PATH_CONGESTION`` where the kernel lets this process set it, others the system's
+AUTO_CONGESTION = "auto"
+#: random loss does not slow it, and the kernel does not send it back to slow start after an
+#: idle gap (``tcp_slow_start_after_idle`` skips congestion controls with their own model)
+LONG_PATH_CONGESTION = "bbr"
+
+
+def congestion_for_path(setting: str | None, rtt: float | None, long_path_rtt: float) -> str | None:
+    """The congestion control to give a connected lane socket whose RTT is ``rtt`` seconds
+    under the ``lane_congestion`` ``setting``: ``LONG_PATH_CONGESTION`` under ``"auto"`` when
+    the RTT is known and at least ``long_path_rtt``, else None (leave it as it is; an explicit
+    name is set before the socket connects)."""
+    if setting != AUTO_CONGESTION or rtt is None or rtt < long_path_rtt:
+        return None
+    return LONG_PATH_CONGESTION
 
 
 def stripe_timeout(rtt: float) -> float:

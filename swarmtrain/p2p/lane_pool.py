@@ -1,10 +1,11 @@
 """The caller's pool of idle bulk streams: each data lane is reused for its own reuse time.
 
-A lane that took long to open (a long lossy path: tickets, dials and handshakes of several
-stripes) is worth keeping across a slow round; a libp2p stream is not dear to open. The pool's
-outer bound is ``LANE_REUSE_LIMIT``; a stream is reused only while it has been idle for less
-than its own ``reuse_time`` (``lane_books.lane_reuse_time``; a libp2p stream and a lane without
-one: ``default_reuse_time``)."""
+A lane is kept as long as its callee keeps it idle (the ticket's ``idle_timeout``, minutes;
+an older callee's 30 s: longer the dearer it was to open), so it outlives the gaps between
+slow rounds; a libp2p stream is not dear to open. The pool's outer bound is
+``LANE_REUSE_LIMIT``; a stream is reused only while it has been idle for less than its own
+``reuse_time`` (``lane_books.lane_reuse_time``; a libp2p stream and a lane without one:
+``default_reuse_time``)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from typing import Any
 
 import trio
 
-from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME, SERVER_STREAM_IDLE_TIMEOUT
+from swarmtrain.p2p.lane_books import MAX_LANE_IDLE_TIMEOUT
+from swarmtrain.p2p.rpc import CALLER_STREAM_REUSE_TIME
 from swarmtrain.p2p.rpc_client import OpenStream, StreamPool
 from swarmtrain.p2p.rpc_stream import RPCStream
 
-#: no idle stream of the bulk pool is reused after this long: the callee ends idle streams
-LANE_REUSE_LIMIT = SERVER_STREAM_IDLE_TIMEOUT
+#: no idle stream of the bulk pool is reused after this long (the longest idle timeout a
+#: callee's ticket may grant)
+LANE_REUSE_LIMIT = MAX_LANE_IDLE_TIMEOUT
 
 
 class BulkStreamPool(StreamPool):

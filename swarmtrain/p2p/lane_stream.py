@@ -301,6 +301,33 @@ class LaneStream:
         finally:
             self._close_socket()
 
+    async def close_after_peer(self, linger: float) -> None:
+        """End our direction with an end record, then drop what the peer still sends until it
+        ends or closes its side (at most ``linger`` seconds), then close: a socket closed with
+        bytes unread resets the connection, and a reset may drop what we sent last (a
+        ``NOT_SERVED`` answer, on a lossy path). Never raises."""
+        if self.closed:
+            return
+        try:
+            if not self._sealer.ended and not self._broken:
+                async with self._send_lock:
+                    await self._send_all(self._sealer.seal_end())
+            self._raw.shutdown(socket.SHUT_WR)
+            scratch = bytearray(RECV_BUFFER_FIRST)
+            with trio.move_on_after(linger):
+                while True:
+                    try:
+                        if not self._raw.recv_into(scratch):
+                            break  # the peer closed its side
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_readable(self._raw.fileno())
+        except (OSError, LaneResetError, LaneClosedError, trio.TooSlowError):
+            pass  # cut or stalled: closed below all the same
+        except trio.ClosedResourceError:
+            pass
+        finally:
+            self._close_socket()
+
     async def reset(self) -> None:
         self._close_socket()
 

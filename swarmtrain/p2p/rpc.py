@@ -33,6 +33,7 @@ import trio
 from google.protobuf.message import DecodeError, Message
 
 from swarmtrain.p2p.errors import (
+    CallNotServedError,
     MessageTooLargeError,
     NoSuchMethodError,
     RemoteError,
@@ -56,7 +57,7 @@ DEFAULT_MAX_MESSAGE_SIZE = 256 * 1024 * 1024
 DEFAULT_REQUEST_IDLE_TIMEOUT = 60.0
 _DRAIN_TIMEOUT = 5.0  # seconds to wait for the END of a request the handler left unread
 # A callee keeps an idle stream open this long for the caller's next call (callers reuse
-# streams for at most CALLER_STREAM_REUSE_TIME, well inside this).
+# streams for at most CALLER_STREAM_REUSE_TIME, well inside this; a data lane has its own).
 SERVER_STREAM_IDLE_TIMEOUT = 30.0
 CALLER_STREAM_REUSE_TIME = 15.0
 
@@ -165,6 +166,8 @@ def _remote_failure(method: str, header: p2p_pb2.RPCFrameHeader) -> RPCError:
         return RPCProtocolError(f"{method}: the peer reported a protocol error: {text}")
     if code == ErrorCode.CANCELLED:
         return RPCCancelledError(f"{method}: the peer cancelled the call: {text}")
+    if code == ErrorCode.NOT_SERVED:
+        return CallNotServedError(f"{method}: the peer closed the stream unread: {text}")
     if code == ErrorCode.TIMEOUT:
         return RPCTimeoutError(f"{method}: the peer timed out: {text}")
     if code == ErrorCode.RESOURCE_EXHAUSTED:
@@ -253,6 +256,9 @@ class RPCServer:
             self.limits.max_inbound_calls_per_peer, "concurrent inbound calls"
         )
         self.request_idle_timeout = DEFAULT_REQUEST_IDLE_TIMEOUT
+        #: how long a stream waits for the caller's next call (``serve_stream`` may be given
+        #: its own)
+        self.stream_idle_timeout = SERVER_STREAM_IDLE_TIMEOUT
         self._handlers: dict[str, HandlerSpec] = {}
         self._active_calls: set[trio.CancelScope] = set()
         self._closing = False
@@ -315,14 +321,22 @@ class RPCServer:
             await self._became_idle.wait()
 
     async def serve_stream(
-        self, net_stream, remote_id, on_call: Callable[[bool], None] | None = None
+        self,
+        net_stream,
+        remote_id,
+        on_call: Callable[[bool], None] | None = None,
+        idle_timeout: float | None = None,
     ) -> None:
-        """Serve one incoming call. Never raises: failures go to the caller or the debug log.
+        """Serve the calls of one incoming stream. Never raises: failures go to the caller or
+        the debug log.
 
-        A peer past ``limits.max_inbound_calls_per_peer`` streams gets ERROR(RESOURCE_EXHAUSTED)
-        at once; receive buffers are charged to the host's ``budget`` and to the peer's share
-        of it. ``on_call(True)`` is called when a call's OPEN arrived, ``on_call(False)`` when
-        it ended and the stream waits for the next one (a data lane's book of idle lanes)."""
+        ``idle_timeout``: how long the stream waits for each call, the first one included
+        (a data lane's own, ``lane.LANE_IDLE_TIMEOUT``); None: ``request_idle_timeout`` for
+        the first call and ``stream_idle_timeout`` for each next one. A peer past
+        ``limits.max_inbound_calls_per_peer`` streams gets ERROR(RESOURCE_EXHAUSTED) at once;
+        receive buffers are charged to the host's ``budget`` and to the peer's share of it.
+        ``on_call(True)`` is called when a call's OPEN arrived, ``on_call(False)`` when it
+        ended and the stream waits for the next one (a data lane's book of idle lanes)."""
         stream = RPCStream(
             net_stream, self.default_max_message_size, self.budget.for_peer(remote_id)
         )
@@ -344,9 +358,11 @@ class RPCServer:
                         scope.cancel()
                     # One stream carries calls one after another: the caller may reuse it
                     # after a call ended with END.
-                    idle_timeout = self.request_idle_timeout
-                    while await self._serve(stream, remote_id, idle_timeout, on_call):
-                        idle_timeout = SERVER_STREAM_IDLE_TIMEOUT
+                    first = self.request_idle_timeout if idle_timeout is None else idle_timeout
+                    after = self.stream_idle_timeout if idle_timeout is None else idle_timeout
+                    waiting = first
+                    while await self._serve(stream, remote_id, waiting, on_call):
+                        waiting = after
             except trio.Cancelled:
                 # py-libp2p itself is being cancelled (host shutdown): still tell the caller.
                 if stream.serving_call:

@@ -10,7 +10,12 @@ from typing import Any, Generic, TypeVar
 import trio
 from google.protobuf.message import Message
 
-from swarmtrain.p2p.errors import RPCCancelledError, RPCProtocolError, RPCTimeoutError
+from swarmtrain.p2p.errors import (
+    CallNotServedError,
+    RPCCancelledError,
+    RPCProtocolError,
+    RPCTimeoutError,
+)
 from swarmtrain.p2p.framing import KIND_END, KIND_ERROR, MESSAGE_KINDS, FrameKind
 from swarmtrain.p2p.rpc import (
     CALLER_STREAM_REUSE_TIME,
@@ -308,7 +313,10 @@ async def call_unary_output(
     max_message_size: int,
 ) -> TOut:
     """A call with one response. A reused stream that turns out dead before any answer (the
-    callee closed it meanwhile) is retried once on a fresh stream; stream inputs are not."""
+    callee closed it meanwhile) is retried once on a fresh stream; stream inputs are not,
+    unless the callee said it read none of the call (``CallNotServedError``) and the requests
+    are a list or tuple (sent again as they are)."""
+    replayable = not stream_input or isinstance(requests, (list, tuple))
     for attempt in range(2):
         reader = None
         try:
@@ -328,7 +336,7 @@ async def call_unary_output(
                     raise RPCProtocolError(f"{method}: the peer sent more than one response")
                 assert not isinstance(response, Attached)  # the call takes no attachments
                 return response
-        except RPCCancelledError:
+        except RPCCancelledError as e:
             stale = (
                 reader is not None
                 and reader.reused
@@ -336,6 +344,9 @@ async def call_unary_output(
             )
             if attempt == 0 and stale and not stream_input:
                 logger.debug("%s: a reused stream to %s was dead; retrying", method, peer_id)
+                continue
+            if attempt == 0 and isinstance(e, CallNotServedError) and replayable:
+                logger.debug("%s: %s did not serve the call; retrying", method, peer_id)
                 continue
             raise
     raise AssertionError("unreachable")
