@@ -86,7 +86,10 @@ async def test_a_node_answering_late_for_a_while_is_kept_and_read_again():
         answers.late = False
         # it answers again: the reader reads it without any rejoin (it was never alone)
         with trio.fail_after(30):
-            while (found := await reader.get("on_slow", latest=True)) is None:
+            while True:
+                found = await reader.get("on_slow", latest=True)
+                if found is not None:
+                    break
                 await trio.sleep(POLL)
         assert found.value == "slow's"
         assert not reader.routing_table.is_stale(slow.node_id)
