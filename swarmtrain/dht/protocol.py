@@ -384,7 +384,7 @@ class DHTProtocol:
             return None
         except P2PError as e:
             failure = classify_call_error(e)
-            log = logger.debug if failure is CallFailure.UNRESPONSIVE else logger.warning
+            log = logger.warning if failure.bans else logger.debug
             log("%s to %s failed (%s): %s", method, peer_id, failure.value, e)
             self._on_failure(peer_id, failure)
             return None
