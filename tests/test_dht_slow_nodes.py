@@ -137,3 +137,25 @@ async def test_a_node_that_starts_lying_is_banned_and_dropped_at_once(lie):
         assert in_routing_table(reader, honest) and not reader.routing_table.is_stale(
             honest.node_id
         )
+
+
+@pytest.mark.trio
+async def test_a_node_whose_only_contact_is_slow_keeps_asking_it():
+    """Backoffs only steer lookups toward fresh nodes: a node with none left asks its stale
+    contacts anyway (a long backoff here, so the second read falls inside it)."""
+    async with swarm(2, blacklist_time=30.0) as s:
+        alone, slow = s.nodes
+        store_only_on(slow, "on_slow", "slow's")
+        answers = TamperedAnswers(slow, delay=2 * FAST["wait_timeout"])
+        answers.late = True
+        with trio.fail_after(60):
+            assert await alone.get("on_slow", latest=True) is None
+            assert answers.late_requests == {alone.p2p.peer_id: 1}
+            assert alone.protocol.blacklist.is_backed_off(slow.p2p.peer_id, get_dht_time())
+            assert alone.routing_table.num_fresh_nodes() == 0 and in_routing_table(alone, slow)
+            answers.late = False
+            found = await alone.get("on_slow", latest=True)  # asked despite the backoff
+        assert found is not None and found.value == "slow's"
+        assert answers.late_requests == {alone.p2p.peer_id: 1}
+        assert not alone.protocol.blacklist.is_backed_off(slow.p2p.peer_id, get_dht_time())
+        assert alone.routing_table.num_fresh_nodes() == 1
