@@ -159,3 +159,34 @@ async def test_a_node_whose_only_contact_is_slow_keeps_asking_it():
         assert answers.late_requests == {alone.p2p.peer_id: 1}
         assert not alone.protocol.blacklist.is_backed_off(slow.p2p.peer_id, get_dht_time())
         assert alone.routing_table.num_fresh_nodes() == 1
+
+
+@pytest.mark.trio
+async def test_three_nodes_whose_rpcs_all_time_out_for_a_while_keep_each_other():
+    """Issue #18 itself: at load >= 18 every RPC between three nodes timed out for a while;
+    each node dropped the others and read only its own records afterwards."""
+    async with swarm(3) as s:
+        for i, node in enumerate(s.nodes):
+            store_only_on(node, f"on_{i}", i)
+        answers = [TamperedAnswers(node, delay=2 * FAST["wait_timeout"]) for node in s.nodes]
+        for node_answers in answers:
+            node_answers.late = True
+        with trio.fail_after(90):
+            while min(sum(a.late_requests.values()) for a in answers) < 4:
+                async with trio.open_nursery() as nursery:
+                    for i, node in enumerate(s.nodes):
+                        nursery.start_soon(node.get, f"on_{(i + 1) % 3}", True)
+                assert all(len(node.routing_table) == 2 for node in s.nodes)
+                await trio.sleep(POLL)
+        assert all(node.routing_table.num_fresh_nodes() == 0 for node in s.nodes)
+        for node_answers in answers:
+            node_answers.late = False
+        with trio.fail_after(60):
+            for node in s.nodes:
+                for i in range(3):
+                    while True:
+                        found = await node.get(f"on_{i}", latest=True)
+                        if found is not None:
+                            break
+                        await trio.sleep(POLL)
+                    assert found.value == i
