@@ -432,6 +432,9 @@ class RoutingTable(Generic[PeerT]):
         if k < 0:
             raise ValueError(f"k must be non-negative, got {k}")
         query = int(query_id)
+        if not any(bucket.failures for bucket in self.buckets):
+            fresh = (item for item in self if item[0] != exclude)
+            return heapq.nsmallest(k, fresh, key=lambda item: item[0] ^ query)
         candidates = (
             (bucket.is_stale(node_id), node_id ^ query, node_id, peer_id)
             for bucket in self.buckets
