@@ -328,3 +328,39 @@ def test_a_split_keeps_the_failures_of_its_nodes():
     left, right = bucket.split()
     assert right.failures == {DHTID(8): NodeFailures(1, 3, 3)} and not left.failures
     assert left.eviction is right.eviction is POLICY
+
+
+def test_random_failures_never_shrink_the_table():
+    """Seeded random swarms of arrivals, answers and timeouts on a jumping clock: a failure
+    never lowers the number of main-list nodes (an evicted node is always replaced), and the
+    table's bookkeeping stays consistent."""
+    evictions = 0
+    for seed in range(10):
+        rng = random.Random(seed)
+        table = RoutingTable(DHTID(rng.getrandbits(160)), bucket_size=3, eviction=POLICY)
+        ids = random_ids(rng, 60)
+        seen: list[DHTID] = []
+        now = 0.0
+        for _ in range(400):
+            now += rng.expovariate(1.0)
+            action = rng.random()
+            if action < 0.3 or not seen:
+                node_id = rng.choice(ids)
+                table.add_or_update_node(node_id, f"p{node_id}", now=now)
+                seen.append(node_id)
+            elif action < 0.4:
+                node_id = rng.choice(seen)
+                if table.get_peer_id(node_id) is not None:
+                    table.add_or_update_node(node_id, f"p{node_id}", now=now)
+            else:
+                before, node_id = len(table), rng.choice(seen)
+                was_main = node_id in table
+                evictions += table.register_failure(node_id, now=now) and was_main
+                assert len(table) == before
+            check_invariants(table)
+            for bucket in table.buckets:
+                assert set(bucket.failures) <= set(bucket.nodes)
+                for node_id in [*bucket.nodes, *bucket.replacement_nodes]:
+                    assert table.get_node_id(f"p{node_id}") == node_id
+            assert table.num_fresh_nodes() + table.statistics().num_stale_nodes == len(table)
+    assert evictions > 0  # the walk did replace failing nodes
