@@ -127,7 +127,7 @@ async def _worker_main() -> None:
     async def counting_call(self, peer_id, *args, **kwargs):
         costs["rpcs"] += 1
         counter = rpc_counter.get()
-        if counter is not None and not self.blacklist.is_banned(peer_id, get_dht_time()):
+        if counter is not None and not self._skips(peer_id, get_dht_time()):
             counter[0] += 1
         return await original_call(self, peer_id, *args, **kwargs)
 

@@ -3,6 +3,7 @@ import inspect
 import swarmtrain.dht
 from swarmtrain.dht import (
     blacklist,
+    call_failures,
     identifiers,
     routing,
     serialization,
@@ -14,6 +15,7 @@ from swarmtrain.dht import (
 
 MODULES = [
     blacklist,
+    call_failures,
     identifiers,
     routing,
     serialization,

@@ -4,8 +4,11 @@ The modules below are pure (no I/O); the networked node builds on them.
 """
 
 from .asyncio_node import AsyncioDHTNode as AsyncioDHTNode
+from .blacklist import DEFAULT_MAX_BACKOFF_TIME as DEFAULT_MAX_BACKOFF_TIME
 from .blacklist import Blacklist as Blacklist
 from .blacklist import BlacklistStatistics as BlacklistStatistics
+from .call_failures import CallFailure as CallFailure
+from .call_failures import classify_call_error as classify_call_error
 from .dht import DHT as DHT
 from .dht import AsyncDHT as AsyncDHT
 from .dht import AsyncioDHT as AsyncioDHT
@@ -21,7 +24,9 @@ from .protocol import DHTProtocol as DHTProtocol
 from .protocol import DHTProtocolLimits as DHTProtocolLimits
 from .protocol import MalformedRequestError as MalformedRequestError
 from .protocol import NodeIdMismatchError as NodeIdMismatchError
+from .routing import EvictionPolicy as EvictionPolicy
 from .routing import KBucket as KBucket
+from .routing import NodeFailures as NodeFailures
 from .routing import PingRequest as PingRequest
 from .routing import RoutingTable as RoutingTable
 from .routing import RoutingTableStatistics as RoutingTableStatistics

@@ -82,7 +82,9 @@ class DHTNodeConfig:
     :param refresh_timeout: look up a random id in every bucket unused for this long (None: off)
     :param cache_locally: keep values found by ``get`` in the local cache
     :param cache_nearest: also store them in the cache of this many nearest nodes that lacked them
-    :param blacklist_time: first ban (seconds) of an unresponsive peer; doubles per failure
+    :param blacklist_time: first ban (seconds) of a misbehaving peer and first backoff of an
+      unresponsive one (kept in the routing table, stale); each doubles per failure
+      (``backoff_rate``), a backoff up to 30 s (see :mod:`~swarmtrain.dht.call_failures`)
     :param storage_size: at most this many keys stored for others (None: unbounded); when full,
       the key written longest ago is evicted
     :param cache_size: at most this many keys in the cache of values found (same rule)

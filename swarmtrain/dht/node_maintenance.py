@@ -1,7 +1,8 @@
 """Keeping a :class:`~swarmtrain.dht.node.DHTNode` in the DHT: the bootstrap from its initial
-peers (or the peers its host is connected to), asking them again while its routing table is
-empty, and the periodic refresh of buckets unused for ``refresh_timeout``. The node runs the
-two loops in its task group."""
+peers (or the peers its host is connected to), asking them again while the node is alone (no
+node of its routing table answered since its last failure: the table is empty or every node
+in it is stale), and the periodic refresh of buckets unused for ``refresh_timeout``. The node
+runs the two loops in its task group."""
 
 from __future__ import annotations
 
@@ -72,30 +73,36 @@ class RoutingMaintenance:
         async with trio.open_nursery() as nursery:
             for peer in peers:
                 nursery.start_soon(self._call, self.protocol.call_ping, peer)
-        if initial_peers and len(self.protocol.routing_table) == 0 and not retry:
+        if initial_peers and self.is_alone() and not retry:
             logger.warning(
                 "none of the initial DHT peers answered; starting alone and asking them again "
                 "every %.0f-%.0f s until one answers",
                 REJOIN_FIRST_DELAY,
                 REJOIN_MAX_DELAY,
             )
-        if len(self.protocol.routing_table) > 0:
+        if not self.is_alone():
             await self.find_nearest_nodes([self.node_id])
 
+    def is_alone(self) -> bool:
+        """Whether no node of the routing table answered since its last failure (a table of
+        stale nodes keeps them: they may be slow, not gone)."""
+        return self.protocol.routing_table.num_fresh_nodes() == 0
+
     async def rejoin_while_alone(self, initial_peers: Sequence[str]) -> None:
-        """While the routing table is empty (the bootstrap failed: the initial peers were
-        down, or too slow under load; or every known node left), ask the initial peers again,
-        waiting ``REJOIN_FIRST_DELAY`` s, doubling to ``REJOIN_MAX_DELAY`` s. A node that
-        gave up on them at startup would otherwise stay a DHT of its own for good."""
+        """While the node is alone (:meth:`is_alone`: the bootstrap failed, the initial peers
+        being down or too slow under load; or every known node stopped answering), ask the
+        initial peers again, waiting ``REJOIN_FIRST_DELAY`` s, doubling to ``REJOIN_MAX_DELAY``
+        s. A node that gave up on them at startup would otherwise stay a DHT of its own for
+        good."""
         delay = REJOIN_FIRST_DELAY
         while True:
             await trio.sleep(delay * random.uniform(0.9, 1.1))
-            if len(self.protocol.routing_table) > 0:
+            if not self.is_alone():
                 delay = REJOIN_FIRST_DELAY
                 continue
             self.num_rejoins += 1
             await self.bootstrap(initial_peers, retry=True)
-            if len(self.protocol.routing_table) > 0:
+            if not self.is_alone():
                 logger.info("joined the DHT through the initial peers (retry %d)", self.num_rejoins)
                 delay = REJOIN_FIRST_DELAY
             else:

@@ -8,19 +8,23 @@ validator before it touches any state: a malformed request fails as a whole with
 validator rejects is answered with ``store_ok=False``, and so is a record the storage refuses
 (:class:`~swarmtrain.dht.storage_quota.StoreOutcome`: an expiration beyond the horizon, the
 caller's quota used up, ...; each refusal reason is logged once per peer). Client side,
-``call_*`` return None when the peer does not answer in ``wait_timeout`` seconds (the peer is
-then blacklisted for a while and dropped from the routing table) and never raise for network
-failures. Values a peer returns with an expiration beyond the horizon are ignored (no honest
-node stores them).
+``call_*`` return None when the peer does not answer in ``wait_timeout`` seconds and never
+raise for network failures. What a failure costs the peer depends on its kind
+(:mod:`~swarmtrain.dht.call_failures`): a timeout, refused dial or reset backs the peer off
+and marks it stale in the routing table, where it stays until it answers again or a replacement
+takes its place (:class:`~swarmtrain.dht.routing.EvictionPolicy`); a backed-off peer is skipped
+while the routing table holds a fresh node, and asked anyway when it does not. A malformed
+answer bans the peer and drops it at once. Values a peer returns with an expiration beyond the
+horizon are ignored (no honest node stores them).
 
 Peers that call us with a node id (non-client nodes) and peers that answer us are added to the
-routing table; when a bucket is full, the protocol pings its stalest node in the owner's task
-group (``nursery``) and keeps whichever answers.
+routing table (fresh, their backoff lifted); when a bucket is full, the protocol pings its
+stalest node in the owner's task group (``nursery``) and keeps whichever answers.
 
 Node ids are bound to peer ids (``DHTID.from_peer_id``): a request whose node id is not its
 caller's fails with :class:`NodeIdMismatchError`, a response whose node id is not its sender's
-is dropped and the sender blacklisted, and ``nearest_peers`` entries whose node id is not their
-peer id's are dropped (the peer that listed them is blacklisted too). So nothing enters the
+is dropped and the sender banned, and ``nearest_peers`` entries whose node id is not their
+peer id's are dropped (the peer that listed them is banned too). So nothing enters the
 routing table or a search at a place its peer did not get by hashing its identity.
 
 Resource handling: :meth:`serve` registers the handlers and :meth:`close` removes them; the
@@ -43,6 +47,7 @@ from swarmtrain.p2p import P2P, P2PError, PeerID, RemoteError
 from swarmtrain.proto import dht_pb2
 
 from .blacklist import Blacklist
+from .call_failures import CallFailure, classify_call_error
 from .identifiers import DHTID
 from .protocol_addresses import PeerAddresses
 from .protocol_messages import (
@@ -61,7 +66,7 @@ from .protocol_types import (
     merge_found_values,
     parse_dht_id,
 )
-from .routing import PingRequest, RoutingTable
+from .routing import EvictionPolicy, PingRequest, RoutingTable
 from .serialization import check_serialized_subkey
 from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration, get_dht_time
 from .storage_quota import StorageQuota, StoreOutcome
@@ -106,13 +111,16 @@ class DHTProtocol:
         max_subkeys: int | None = None,
         storage_quota: StorageQuota | None = None,
         max_expiration_horizon: float | None = None,
+        eviction: EvictionPolicy | None = None,
     ):
         self.p2p, self.node_id, self.client_mode = p2p, node_id, client_mode
         self.record_validator = record_validator
         self.bucket_size, self.prefix, self.wait_timeout = bucket_size, prefix, wait_timeout
         self.limits = limits if limits is not None else DHTProtocolLimits()
         self.blacklist: Blacklist[PeerID] = blacklist if blacklist is not None else Blacklist()
-        self.routing_table: RoutingTable[PeerID] = RoutingTable(node_id, bucket_size, depth_modulo)
+        self.routing_table: RoutingTable[PeerID] = RoutingTable(
+            node_id, bucket_size, depth_modulo, eviction=eviction
+        )
         self.max_expiration_horizon = max_expiration_horizon
         # records of peers may expire up to the allowance later than our own are capped at
         horizon = (
@@ -178,14 +186,34 @@ class DHTProtocol:
                 pass
 
     async def _check_stale_node(self, request: PingRequest[PeerID]) -> None:
-        if await self.call_ping(request.peer_id) != request.node_id:
-            self.routing_table.remove(request.node_id)
+        # an answer or a failure is reported to the routing table by _call; a ping skipped
+        # (a backed-off peer) just ends
+        await self.call_ping(request.peer_id)
+        self.routing_table.end_ping(request.node_id)
 
-    def _on_failure(self, peer_id: PeerID) -> None:
-        self.blacklist.register_failure(peer_id, get_dht_time())
+    def _on_failure(self, peer_id: PeerID, failure: CallFailure) -> None:
+        """A call to ``peer_id`` failed: back off or ban it; mark it stale or drop it."""
+        now = get_dht_time()
+        if failure.bans:
+            self.blacklist.register_failure(peer_id, now)
+        else:
+            self.blacklist.register_unresponsive(peer_id, now)
         node_id = self.routing_table.get_node_id(peer_id)
-        if node_id is not None:
+        if node_id is None:
+            return
+        if failure.drops:
             self.routing_table.remove(node_id)
+        else:
+            self.routing_table.register_failure(node_id, now=now)
+
+    def _skips(self, peer_id: PeerID, now: float) -> bool:
+        """Whether a call to ``peer_id`` is not sent: it is banned, or backed off while the
+        routing table holds a fresh node (a node with nobody fresh asks everyone it knows)."""
+        if self.blacklist.is_banned(peer_id, now):
+            return True
+        return (
+            self.blacklist.is_backed_off(peer_id, now) and self.routing_table.num_fresh_nodes() > 0
+        )
 
     # ---------------------------------------------------------------- server
 
@@ -195,6 +223,7 @@ class DHTProtocol:
         if node_id is None:
             return  # a client: never routed to
         self._addresses.remember_addrs(remote_id, tuple(maddrs), addrs)
+        self.blacklist.register_success(remote_id)  # it reached us: no longer backed off
         self.update_routing_table(node_id, remote_id)
 
     async def rpc_ping(self, request: dht_pb2.DHTPingRequest, context) -> dht_pb2.DHTPingResponse:
@@ -339,7 +368,7 @@ class DHTProtocol:
     # ---------------------------------------------------------------- client
 
     async def _call(self, peer_id: PeerID, method: str, request, response_type):
-        if self.blacklist.is_banned(peer_id, get_dht_time()):
+        if self._skips(peer_id, get_dht_time()):
             return None
         try:
             response = await self.p2p.call_protobuf_handler(
@@ -354,16 +383,17 @@ class DHTProtocol:
             logger.warning("%s rejected our %s: %s", peer_id, method, e)
             return None
         except P2PError as e:
-            logger.debug("%s to %s failed: %s", method, peer_id, e)
-            self._on_failure(peer_id)
+            failure = classify_call_error(e)
+            log = logger.warning if failure.bans else logger.debug
+            log("%s to %s failed (%s): %s", method, peer_id, failure.value, e)
+            self._on_failure(peer_id, failure)
             return None
         self.blacklist.register_success(peer_id)
         try:
             node_id, _, _ = self._addresses.parse_node_info(peer_id, response.peer)
         except MalformedRequestError as e:
-            logger.warning("malformed %s response from %s: %s", method, peer_id, e)
-            if isinstance(e, NodeIdMismatchError):
-                self._on_failure(peer_id)
+            logger.warning("malformed %s response from %s (banned): %s", method, peer_id, e)
+            self._on_failure(peer_id, CallFailure.MISBEHAVED)
             return None
         if node_id is not None:
             self.update_routing_table(node_id, peer_id)
@@ -397,7 +427,8 @@ class DHTProtocol:
         if response is None:
             return None
         if len(response.store_ok) != len(items):
-            logger.warning("%s answered rpc_store with a wrong number of results", peer_id)
+            logger.warning("%s answered rpc_store with a wrong number of results (banned)", peer_id)
+            self._on_failure(peer_id, CallFailure.MISBEHAVED)
             return None
         return list(response.store_ok)
 
@@ -418,7 +449,8 @@ class DHTProtocol:
         if response is None:
             return None
         if len(response.results) != len(key_ids):
-            logger.warning("%s answered rpc_find with a wrong number of results", peer_id)
+            logger.warning("%s answered rpc_find with a wrong number of results (banned)", peer_id)
+            self._on_failure(peer_id, CallFailure.MISBEHAVED)
             return None
         now = get_dht_time()
         found, num_unbound = {}, 0
@@ -434,11 +466,11 @@ class DHTProtocol:
             # older version); use the rest of its answer, but ask it nothing more for a while
             logger.warning(
                 "%s listed %d nearest peers whose node ids are not derived from their peer ids;"
-                " ignored them and blacklisted it",
+                " ignored them and banned it",
                 peer_id,
                 num_unbound,
             )
-            self._on_failure(peer_id)
+            self._on_failure(peer_id, CallFailure.MISBEHAVED)
         return found
 
 

@@ -1,6 +1,13 @@
 """Kademlia routing table (sans-IO): decides whom to ping, never pings.
 
 Peer ids are opaque hashable values here (the node layer uses libp2p peer-id strings).
+
+A node that stops answering is not dropped at once (a loaded machine misses a few deadlines):
+:meth:`RoutingTable.register_failure` marks it stale, lookups rank it after fresh nodes, and it
+gives its place to a replacement only after several consecutive failures spread over some
+time (:class:`EvictionPolicy`), and only if a replacement is waiting; an answer makes it fresh
+again. So failures alone never empty a table. A misbehaving node is removed at once
+(:meth:`RoutingTable.remove`).
 """
 
 from __future__ import annotations
@@ -15,17 +22,26 @@ from typing import Generic, TypeVar, cast
 from .identifiers import DHTID
 from .storage import get_dht_time
 
-__all__ = ["KBucket", "PingRequest", "RoutingTable", "RoutingTableStatistics"]
+__all__ = [
+    "EvictionPolicy",
+    "KBucket",
+    "NodeFailures",
+    "PingRequest",
+    "RoutingTable",
+    "RoutingTableStatistics",
+]
 
 PeerT = TypeVar("PeerT", bound=Hashable)
 
 
 @dataclass(frozen=True)
 class PingRequest(Generic[PeerT]):
-    """Action: ping this node; if it does not answer, call ``RoutingTable.remove(node_id)``.
+    """Action: ping this node, then report the outcome: ``add_or_update_node`` if it
+    answered (the newcomer stays a replacement), ``register_failure`` if it did not, and
+    :meth:`RoutingTable.end_ping` if the ping was not sent.
 
-    A full bucket asks for its least-recently-seen node to be checked; if the node answers,
-    report it with ``add_or_update_node`` and the newcomer stays a replacement.
+    A full bucket asks for its stalest node to be checked (a stale one first, else the least
+    recently seen).
     """
 
     node_id: DHTID
@@ -41,21 +57,70 @@ class RoutingTableStatistics:
     num_buckets: int
     num_pending_pings: int
     max_depth: int
+    num_stale_nodes: int = 0  #: main-list nodes whose last request failed
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """When a main-list node that stopped answering gives its place to a waiting replacement:
+    after ``max_failures`` consecutive failures, the first at least ``min_failing_time``
+    seconds before the last (a burst of concurrent timeouts counts as one moment)."""
+
+    max_failures: int = 3
+    min_failing_time: float = 10.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_failures, bool) or not (
+            isinstance(self.max_failures, int) and self.max_failures >= 1
+        ):
+            raise ValueError(f"max_failures must be a positive integer, got {self.max_failures!r}")
+        if not self.min_failing_time >= 0:
+            raise ValueError(f"min_failing_time must be >= 0, got {self.min_failing_time!r}")
+
+
+@dataclass(frozen=True)
+class NodeFailures:
+    """Consecutive failed requests to a node since it last answered."""
+
+    count: int
+    first: float  #: time of the first of them
+    last: float  #: time of the latest
+
+    def after(self, now: float) -> NodeFailures:
+        """These failures and one more at ``now``."""
+        return NodeFailures(self.count + 1, self.first, max(self.last, now))
+
+    def allow_eviction(self, policy: EvictionPolicy) -> bool:
+        """Whether the node may give its place to a replacement under ``policy``."""
+        return self.count >= policy.max_failures and self.last - self.first >= (
+            policy.min_failing_time
+        )
 
 
 class KBucket(Generic[PeerT]):
     """Up to ``size`` nodes whose ids lie in ``[lower, upper)``, least-recently-seen first.
 
     Nodes that arrive while the bucket is full wait in a replacement list (also at most ``size``,
-    oldest dropped first) and are promoted when a main node is removed.
+    oldest dropped first) and are promoted when a main node is removed, or evicted after
+    failing as ``eviction`` says; a newcomer takes the place of a main node that may be
+    evicted at once.
     """
 
-    def __init__(self, lower: int, upper: int, size: int, depth: int = 0):
+    def __init__(
+        self,
+        lower: int,
+        upper: int,
+        size: int,
+        depth: int = 0,
+        eviction: EvictionPolicy | None = None,
+    ):
         if not 0 <= lower < upper or size < 1:
             raise ValueError(f"invalid bucket lower={lower}, upper={upper}, size={size}")
         self.lower, self.upper, self.size, self.depth = lower, upper, size, depth
+        self.eviction = eviction if eviction is not None else EvictionPolicy()
         self.nodes: dict[DHTID, PeerT] = {}  # insertion order = least recently seen first
         self.replacement_nodes: dict[DHTID, PeerT] = {}  # same order
+        self.failures: dict[DHTID, NodeFailures] = {}  # stale main-list nodes
         self.pending_pings: set[DHTID] = set()
         self.last_updated = float("-inf")
 
@@ -71,14 +136,16 @@ class KBucket(Generic[PeerT]):
     def add_or_update_node(
         self, node_id: DHTID, peer_id: PeerT, now: float
     ) -> tuple[bool, DHTID | None]:
-        """Mark ``node_id`` as just seen.
+        """Mark ``node_id`` as just seen (fresh: its failures are forgotten).
 
-        :returns: (whether the node is now in the main list, replacement node dropped to make room)
+        :returns: (whether the node is now in the main list, a node that left the bucket to
+          make room: the oldest replacement, or a failing main node evicted for the newcomer)
         """
         if not self.has_in_range(node_id):
             raise ValueError(f"{node_id!r} is outside bucket [{self.lower:#x}, {self.upper:#x})")
         self.last_updated = max(self.last_updated, now)
         self.pending_pings.discard(node_id)
+        self.failures.pop(node_id, None)
         if node_id in self.nodes:
             del self.nodes[node_id]
             self.nodes[node_id] = peer_id
@@ -88,6 +155,11 @@ class KBucket(Generic[PeerT]):
             self.nodes[node_id] = peer_id
             return True, None
         self.replacement_nodes.pop(node_id, None)
+        evicted = self._evictable_node()
+        if evicted is not None:
+            self._remove_main(evicted)
+            self.nodes[node_id] = peer_id
+            return True, evicted
         self.replacement_nodes[node_id] = peer_id
         if len(self.replacement_nodes) > self.size:
             dropped = next(iter(self.replacement_nodes))
@@ -95,13 +167,49 @@ class KBucket(Generic[PeerT]):
             return False, dropped
         return False, None
 
+    def _evictable_node(self) -> DHTID | None:
+        for node_id, failures in self.failures.items():
+            if failures.allow_eviction(self.eviction):
+                return node_id
+        return None
+
     def request_ping_node(self) -> PingRequest[PeerT] | None:
-        """The least-recently-seen main node not already awaiting a ping, or None."""
-        for node_id, peer_id in self.nodes.items():
+        """The stalest main node not already awaiting a ping (a failing one first, else the
+        least recently seen), or None."""
+        candidates = [*self.failures, *self.nodes]
+        for node_id in candidates:
             if node_id not in self.pending_pings:
                 self.pending_pings.add(node_id)
-                return PingRequest(node_id, peer_id)
+                return PingRequest(node_id, self.nodes[node_id])
         return None
+
+    def register_failure(self, node_id: DHTID, now: float) -> bool:
+        """A request to ``node_id`` failed on the network (no answer in time, refused, reset).
+
+        A replacement is dropped; a main node is marked stale and evicted (the most recently
+        seen replacement taking its place) once :attr:`eviction` allows it and a replacement
+        is waiting. :returns: whether the node left the bucket
+        """
+        self.pending_pings.discard(node_id)
+        if self.replacement_nodes.pop(node_id, None) is not None:
+            return True
+        if node_id not in self.nodes:
+            return False
+        previous = self.failures.get(node_id)
+        failures = NodeFailures(1, now, now) if previous is None else previous.after(now)
+        self.failures[node_id] = failures
+        if failures.allow_eviction(self.eviction) and self.replacement_nodes:
+            return self.remove(node_id)
+        return False
+
+    def is_stale(self, node_id: DHTID) -> bool:
+        """Whether ``node_id`` is a main node whose last request failed."""
+        return node_id in self.failures
+
+    def _remove_main(self, node_id: DHTID) -> None:
+        del self.nodes[node_id]
+        self.failures.pop(node_id, None)
+        self.pending_pings.discard(node_id)
 
     def remove(self, node_id: DHTID) -> bool:
         """Forget a node; a removed main node is replaced by the most recently seen replacement."""
@@ -110,7 +218,7 @@ class KBucket(Generic[PeerT]):
             return True
         if node_id not in self.nodes:
             return False
-        del self.nodes[node_id]
+        self._remove_main(node_id)
         if self.replacement_nodes:
             promoted, peer_id = self.replacement_nodes.popitem()
             self.nodes[promoted] = peer_id
@@ -122,8 +230,8 @@ class KBucket(Generic[PeerT]):
             raise ValueError("a bucket of width 1 cannot be split")
         midpoint = (self.lower + self.upper) // 2
         halves = (
-            KBucket[PeerT](self.lower, midpoint, self.size, self.depth + 1),
-            KBucket[PeerT](midpoint, self.upper, self.size, self.depth + 1),
+            KBucket[PeerT](self.lower, midpoint, self.size, self.depth + 1, self.eviction),
+            KBucket[PeerT](midpoint, self.upper, self.size, self.depth + 1, self.eviction),
         )
         for half in halves:
             half.last_updated = self.last_updated
@@ -134,6 +242,8 @@ class KBucket(Generic[PeerT]):
                 target[node_id] = peer_id
         for node_id in self.pending_pings:
             halves[node_id >= midpoint].pending_pings.add(node_id)
+        for node_id, failures in self.failures.items():  # main nodes stay main nodes
+            halves[node_id >= midpoint].failures[node_id] = failures
         return halves
 
     def __len__(self) -> int:
@@ -142,7 +252,7 @@ class KBucket(Generic[PeerT]):
     def __repr__(self) -> str:
         return (
             f"KBucket(depth={self.depth}, nodes={len(self.nodes)}/{self.size}, "
-            f"replacements={len(self.replacement_nodes)}, "
+            f"stale={len(self.failures)}, replacements={len(self.replacement_nodes)}, "
             f"range=[{self.lower:#x}, {self.upper:#x}))"
         )
 
@@ -153,15 +263,27 @@ class RoutingTable(Generic[PeerT]):
     A full bucket is split if it covers ``node_id`` or its depth is not a multiple of
     ``depth_modulo`` (Kademlia paper, section 4.2); otherwise the newcomer becomes a replacement
     and :meth:`add_or_update_node` returns a :class:`PingRequest` for the bucket's stalest node.
+    Failed requests are reported with :meth:`register_failure` (``eviction`` says when a
+    failing node gives way to a replacement; see the module doc).
     """
 
-    def __init__(self, node_id: DHTID, bucket_size: int = 20, depth_modulo: int = 5):
+    def __init__(
+        self,
+        node_id: DHTID,
+        bucket_size: int = 20,
+        depth_modulo: int = 5,
+        *,
+        eviction: EvictionPolicy | None = None,
+    ):
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be positive, got {bucket_size}")
         if depth_modulo < 1:
             raise ValueError(f"depth_modulo must be positive, got {depth_modulo}")
         self.node_id, self.bucket_size, self.depth_modulo = node_id, bucket_size, depth_modulo
-        self.buckets: list[KBucket[PeerT]] = [KBucket(DHTID.MIN, DHTID.MAX, bucket_size)]
+        self.eviction = eviction if eviction is not None else EvictionPolicy()
+        self.buckets: list[KBucket[PeerT]] = [
+            KBucket(DHTID.MIN, DHTID.MAX, bucket_size, eviction=self.eviction)
+        ]
         self._lowers: list[int] = [DHTID.MIN]
         self._uid_to_peer_id: dict[DHTID, PeerT] = {}
         self._peer_id_to_uid: dict[PeerT, DHTID] = {}
@@ -220,10 +342,37 @@ class RoutingTable(Generic[PeerT]):
             del self._peer_id_to_uid[peer_id]
 
     def remove(self, node_id: DHTID) -> bool:
-        """Forget a node (e.g. it failed a ping); a replacement takes its place. True if known."""
+        """Forget a node at once (it misbehaved); a replacement takes its place. True if known."""
         removed = self.buckets[self.get_bucket_index(node_id)].remove(node_id)
         self._forget(node_id)
         return removed
+
+    def register_failure(self, node_id: DHTID, *, now: float | None = None) -> bool:
+        """A request to ``node_id`` failed on the network at ``now`` (default:
+        :func:`~swarmtrain.dht.storage.get_dht_time`): the node is stale until it answers again,
+        and evicted only as :class:`EvictionPolicy` allows and if a replacement is waiting.
+
+        :returns: whether the node left the table
+        """
+        if now is None:
+            now = get_dht_time()
+        left = self.buckets[self.get_bucket_index(node_id)].register_failure(node_id, now)
+        if left:
+            self._forget(node_id)
+        return left
+
+    def end_ping(self, node_id: DHTID) -> None:
+        """A :class:`PingRequest` for ``node_id`` ended without a report (it was not sent)."""
+        self.buckets[self.get_bucket_index(node_id)].pending_pings.discard(node_id)
+
+    def is_stale(self, node_id: DHTID) -> bool:
+        """Whether ``node_id`` is a main-list node whose last request failed."""
+        return self.buckets[self.get_bucket_index(node_id)].is_stale(node_id)
+
+    def num_fresh_nodes(self) -> int:
+        """Main-list nodes that answered since their last failure (0: this node is alone,
+        though it may still know stale nodes)."""
+        return sum(len(bucket.nodes) - len(bucket.failures) for bucket in self.buckets)
 
     def __delitem__(self, node_id: DHTID) -> None:
         if not self.remove(node_id):
@@ -278,12 +427,21 @@ class RoutingTable(Generic[PeerT]):
     def get_nearest_neighbors(
         self, query_id: int, k: int, exclude: DHTID | None = None
     ) -> list[tuple[DHTID, PeerT]]:
-        """Up to ``k`` main-list nodes nearest to ``query_id`` by XOR distance, nearest first."""
+        """Up to ``k`` main-list nodes nearest to ``query_id`` by XOR distance, nearest first,
+        stale nodes after all fresh ones (they fill the list only if fresh nodes are too few)."""
         if k < 0:
             raise ValueError(f"k must be non-negative, got {k}")
         query = int(query_id)
-        candidates = (item for item in self if item[0] != exclude)
-        return heapq.nsmallest(k, candidates, key=lambda item: item[0] ^ query)
+        if not any(bucket.failures for bucket in self.buckets):
+            fresh = (item for item in self if item[0] != exclude)
+            return heapq.nsmallest(k, fresh, key=lambda item: item[0] ^ query)
+        candidates = (
+            (bucket.is_stale(node_id), node_id ^ query, node_id, peer_id)
+            for bucket in self.buckets
+            for node_id, peer_id in bucket.nodes.items()
+            if node_id != exclude
+        )
+        return [(node_id, peer_id) for _, _, node_id, peer_id in heapq.nsmallest(k, candidates)]
 
     def get_stale_buckets(self, now: float, max_age: float) -> list[KBucket[PeerT]]:
         """Buckets that saw no node for more than ``max_age`` seconds before ``now``."""
@@ -307,6 +465,7 @@ class RoutingTable(Generic[PeerT]):
             num_buckets=len(self.buckets),
             num_pending_pings=sum(len(b.pending_pings) for b in self.buckets),
             max_depth=max(bucket.depth for bucket in self.buckets),
+            num_stale_nodes=sum(len(b.failures) for b in self.buckets),
         )
 
     def __repr__(self) -> str:
