@@ -162,6 +162,46 @@ async def test_client_mode_peer_is_reachable_through_relay():
                 assert back.value == "kcab"
 
 
+def _streams_to(host: P2P, peer) -> int:
+    conns = host.host.get_network().connections.get(peer) or []
+    return sum(len(conn.get_streams()) for conn in conns if not conn.is_closed)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("closed", [0, 1], ids=["older_closed", "newer_closed"])
+async def test_closing_one_of_two_circuits_leaves_the_other(closed):
+    # Two relayed connections between one pair (both dialled at once, or a redial). py-libp2p
+    # 0.8.1's relay cleaned a finished circuit up by peer id, and its entry held the newest
+    # circuit: closing the older connection closed the newer one's streams at the relay too
+    # (the other connection died, its calls failed or were redialled).
+    async with P2P.create() as relay:
+        async with (
+            P2P.create(
+                initial_peers=relay.get_visible_maddrs(), client_mode=True, use_hole_punching=False
+            ) as nat_peer,
+            P2P.create(use_hole_punching=False) as dialer,
+        ):
+            nat_peer.add_protobuf_handler(REVERSE, reverse, StringValue)
+            await dialer.connect(circuits(nat_peer)[0])
+            await dialer.relay.dial_through_relay(nat_peer.peer_id, circuits(nat_peer))
+            conns = list(dialer.host.get_network().connections[nat_peer.peer_id])
+            assert dialer.connection_paths()[nat_peer.peer_id] == ["relayed", "relayed"]
+            assert _streams_to(relay, dialer.peer_id) == 2  # one hop stream per circuit
+            await conns[closed].close()
+            with trio.fail_after(5.0):  # the relay ended that circuit
+                await wait_until(lambda: _streams_to(relay, dialer.peer_id) < 2)
+            with trio.fail_after(5.0):
+                reply = await dialer.call_protobuf_handler(
+                    nat_peer.peer_id, REVERSE, StringValue(value="kept"), StringValue, timeout=5.0
+                )
+            assert reply.value == "tpek"
+            assert dialer.relay.statistics().relayed_dials == 2  # the other one carried it
+            assert dialer.connection_paths()[nat_peer.peer_id] == ["relayed"]
+            assert _streams_to(relay, dialer.peer_id) == 1
+            spliced = relay.relay.circuit_relay
+            assert (spliced.circuits_spliced, spliced.circuits_reset) == (1, 0)  # ended cleanly
+
+
 @pytest.mark.trio
 @pytest.mark.parametrize("target_listens", [True, False], ids=["listening", "client_mode"])
 async def test_relayed_connection_is_upgraded_by_hole_punching(target_listens):

@@ -1,0 +1,176 @@
+"""What a circuit relay adds to small messages (issue 18.2): relayed against direct, one run.
+
+    sudo nice -n 10 python benchmarks/benchmark_relay_rpc.py [--blocks 3] [--rpcs 200]
+
+A ``tests/netlab`` lab (root only, network namespaces; no added delay, no rate limit) holds two
+swarms side by side, each a public hub (bootstrap peer, relay) and two peers x and y:
+
+- direct: x and y public, y dials x's address;
+- relayed: x and y each behind its own cone NAT (hole punching off, so the pair stays on the
+  relay; both reserve a slot on the hub), y dials x's ``/p2p-circuit`` address.
+
+Every peer runs ``tests/netlab/latency_peer.py`` (a DHT, a PubSub, an echo handler). Blocks
+alternate direct and relayed; each block measures, from y (x for gossip), timed inside the
+peer process:
+
+- ``rpc``: ``--rpcs`` sequential echo calls of 32 bytes to x (and ``--large`` calls of
+  ``--large-kib`` KiB), with the RPC streams opened meanwhile;
+- ``dht``: ``--dht`` stores of fresh keys, then a get of each (a 3-node swarm: the hub, x, y);
+- ``gossip``: x publishes ``--gossip`` messages 50 ms apart; y's delay from publish to
+  receipt (``time.monotonic``, one clock for the whole box).
+
+Prints JSON lines: per block and kind the median (ms) and count, then the medians over all
+blocks and the ratio relayed / direct, and ``uptime``'s load at the start and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import netlab
+
+RUNNER = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "tests", "netlab", "latency_peer.py"
+)
+LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0"]
+KINDS = ("rpc", "rpc_large", "dht_store", "dht_get", "gossip")
+
+
+def report(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def load() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def checked(answer: dict) -> dict:
+    if "error" in answer:
+        raise RuntimeError(answer["error"])
+    return answer
+
+
+class Swarm:
+    """A hub and peers x, y (public or behind cone NATs) running ``latency_peer.py``."""
+
+    def __init__(self, lab: netlab.Lab, name: str, relayed: bool, timeout: float):
+        self.name = name
+        hub = lab.add_public_host(f"{name}hub")
+        self.peers = {
+            "hub": lab.spawn(hub, RUNNER, json.dumps({"dht": {"host_maddrs": LISTEN_ALL}}))
+        }
+        hub_info = checked(self.peers["hub"].recv(timeout))
+        hub_addr = next(a for a in hub_info["maddrs"] if f"/ip4/{hub.ip}/" in a)
+        self.hosts = {}
+        for peer in ("x", "y"):
+            if relayed:
+                host = lab.add_home(f"{name}{peer}", nat="cone").add_host(f"{name}{peer}h")
+            else:
+                host = lab.add_public_host(f"{name}{peer}")
+            self.hosts[peer] = host
+            dht = {"host_maddrs": LISTEN_ALL, "initial_peers": [hub_addr]}
+            if relayed:  # reserve on the hub whatever AutoNAT says; stay on the relay
+                dht.update(use_auto_relay=True, use_hole_punching=False)
+            self.peers[peer] = lab.spawn(host, RUNNER, json.dumps({"dht": dht}))
+        self.info = {p: checked(self.peers[p].recv(timeout)) for p in ("x", "y")}
+        if relayed:
+            maddrs = checked(self.ask("x", {"op": "wait_circuit", "timeout": timeout}))["maddrs"]
+            x_addr = next(a for a in maddrs if "/p2p-circuit" in a)
+            checked(self.ask("y", {"op": "wait_circuit", "timeout": timeout}))
+        else:
+            x_addr = next(a for a in self.info["x"]["maddrs"] if f"/ip4/{self.hosts['x'].ip}/" in a)
+        paths = checked(self.ask("y", {"op": "connect", "maddr": x_addr}))["paths"]
+        if set(paths) != ({"relayed"} if relayed else {"direct"}):  # x may have dialled y too
+            raise RuntimeError(f"{name}: y reaches x over {paths}")
+        for peer in ("x", "y"):
+            checked(self.ask(peer, {"op": "wait_mesh", "count": 2, "timeout": timeout}))
+
+    def ask(self, peer: str, message: dict, timeout: float = 300.0) -> dict:
+        return checked(self.peers[peer].ask(message, timeout))
+
+    def measure(self, args, block: int) -> dict[str, list[float]]:
+        x = self.info["x"]["peer_id"]
+        rpc = self.ask("y", {"op": "rpc", "peer": x, "count": args.rpcs, "size": 32})
+        large = self.ask(
+            "y", {"op": "rpc", "peer": x, "count": args.large, "size": args.large_kib << 10}
+        )
+        dht = self.ask("y", {"op": "dht", "count": args.dht, "prefix": f"{self.name}/{block}"})
+        self.ask("y", {"op": "received"})  # forget anything earlier
+        self.ask("x", {"op": "publish", "count": args.gossip, "interval": 0.05})
+        time.sleep(1.0)  # the last messages on their way
+        delays = self.ask("y", {"op": "received"})["delays"]
+        if len(delays) < args.gossip:
+            report(swarm=self.name, block=block, gossip_lost=args.gossip - len(delays))
+        return {
+            "rpc": rpc["seconds"],
+            "rpc_large": large["seconds"],
+            "rpc_streams_opened": [rpc["rpc_streams_opened"]],
+            "dht_store": dht["store"],
+            "dht_get": dht["get"],
+            "gossip": list(delays.values()),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", type=int, default=3, help="alternating blocks per swarm")
+    parser.add_argument("--rpcs", type=int, default=200, help="small echo calls per block")
+    parser.add_argument("--large", type=int, default=20, help="large echo calls per block")
+    parser.add_argument("--large-kib", type=int, default=256, help="size of a large echo call")
+    parser.add_argument("--dht", type=int, default=20, help="stores (and gets) per block")
+    parser.add_argument("--gossip", type=int, default=60, help="gossip messages per block")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+    reason = netlab.unavailable_reason() or netlab.iptables_unavailable_reason()
+    if reason:
+        sys.exit(f"netlab unavailable: {reason}")
+    report(load_start=load(), args=vars(args))
+    samples: dict[str, dict[str, list[float]]] = {"direct": {}, "relayed": {}}
+    with netlab.Lab() as lab:
+        swarms = {
+            "direct": Swarm(lab, "d", relayed=False, timeout=args.timeout),
+            "relayed": Swarm(lab, "r", relayed=True, timeout=args.timeout),
+        }
+        for swarm in swarms.values():  # warm-up: streams, routing tables, the mesh
+            swarm.ask("y", {"op": "rpc", "peer": swarm.info["x"]["peer_id"], "count": 20})
+            swarm.ask("y", {"op": "dht", "count": 2, "prefix": f"{swarm.name}/warm"})
+        for block in range(args.blocks):
+            for name, swarm in swarms.items():
+                measured = swarm.measure(args, block)
+                for kind, values in measured.items():
+                    samples[name].setdefault(kind, []).extend(values)
+                report(
+                    block=block,
+                    swarm=name,
+                    **{
+                        kind: round(1e3 * statistics.median(v), 3) if kind in KINDS else v
+                        for kind, v in measured.items()
+                        if v
+                    },
+                )
+    summary = {}
+    for kind in KINDS:
+        direct = statistics.median(samples["direct"][kind])
+        relayed = statistics.median(samples["relayed"][kind])
+        summary[kind] = {
+            "direct_ms": round(1e3 * direct, 3),
+            "relayed_ms": round(1e3 * relayed, 3),
+            "ratio": round(relayed / direct, 2),
+            "samples": [len(samples["direct"][kind]), len(samples["relayed"][kind])],
+        }
+        report(kind=kind, **summary[kind])
+    report(
+        rpc_streams_opened={n: sum(samples[n]["rpc_streams_opened"]) for n in samples},
+        load_end=load(),
+    )
+
+
+if __name__ == "__main__":
+    main()
