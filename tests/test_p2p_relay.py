@@ -203,6 +203,45 @@ async def test_closing_one_of_two_circuits_leaves_the_other(closed):
 
 
 @pytest.mark.trio
+async def test_relayed_peer_stays_reachable_after_identify_replaced_its_addresses():
+    # A peer behind a NAT listens on a private address. py-libp2p's identify replaces all the
+    # addresses a dialler knows for it with its listen addresses: its circuit address was
+    # gone, and once the relayed connection closed nobody could dial it again.
+    unreachable = "/ip4/127.0.0.1/tcp/9"  # what a private listen address is to the dialler
+    async with P2P.create() as relay:
+        async with (
+            P2P.create(
+                initial_peers=relay.get_visible_maddrs(),
+                announce_maddrs=[unreachable],
+                use_auto_relay=True,
+                use_hole_punching=False,
+            ) as nat_peer,
+            P2P.create(use_hole_punching=False) as dialer,
+        ):
+            nat_peer.add_protobuf_handler(REVERSE, reverse, StringValue)
+            (circuit,) = circuits(nat_peer)
+            await dialer.connect(circuit)
+
+            def known() -> list[str]:
+                return [
+                    a.split(f"/p2p/{nat_peer.peer_id}")[0]
+                    for a in dialer.known_addrs(nat_peer.peer_id)
+                ]
+
+            with trio.fail_after(5.0):  # the dialler identified the peer
+                await wait_until(lambda: unreachable in known())
+            assert circuit.split(f"/p2p/{nat_peer.peer_id}")[0] in known()
+            for conn in list(dialer.host.get_network().connections[nat_peer.peer_id]):
+                await conn.close()
+            assert not dialer.is_connected(nat_peer.peer_id)
+            reply = await dialer.call_protobuf_handler(
+                nat_peer.peer_id, REVERSE, StringValue(value="again"), StringValue
+            )
+            assert reply.value == "niaga"
+            assert dialer.relay.statistics().relayed_dials == 2
+
+
+@pytest.mark.trio
 @pytest.mark.parametrize("target_listens", [True, False], ids=["listening", "client_mode"])
 async def test_relayed_connection_is_upgraded_by_hole_punching(target_listens):
     # With a listening target both sides dial each other (DCUtR simultaneous open); a
