@@ -77,8 +77,12 @@ async def main(options: dict) -> None:
                 if op == "quit":
                     return
                 elif op == "connect":
-                    with trio.fail_after(command.get("timeout", 30)):
-                        peer = await p2p.connect(command["maddr"])
+                    try:
+                        with trio.fail_after(command.get("timeout", 30)):
+                            peer = await p2p.connect(command["maddr"])
+                    except Exception as e:
+                        target = command["maddr"].rsplit("/p2p/", 1)[-1]
+                        raise RuntimeError(f"{e!r}; known: {p2p.known_addrs(target)}") from e
                     say({"paths": p2p.connection_paths().get(peer, [])})
                 elif op == "wait_circuit":
                     with trio.fail_after(command.get("timeout", 60)):
