@@ -1,7 +1,7 @@
 """A latency-probe peer for netlab: run inside a namespace, driven by JSON lines on stdin.
 
 ``python latency_peer.py '<json options>'`` starts a DHT (its ``P2P`` host, with the options'
-``dht`` keywords) and a ``PubSub`` subscribed to ``TOPIC``, registers an echo handler, prints
+``dht`` keywords; ``log``: logger names to print at DEBUG on stderr) and a ``PubSub`` subscribed to ``TOPIC``, registers an echo handler, prints
 ``{"ready": ..., "peer_id", "maddrs"}`` and then answers one line per command (``{"error":
 ...}`` when a command fails). Every duration is measured inside this process (``perf_counter``
 around the awaited call), so the harness's pipes are not part of it:
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import struct
 import sys
 import time
@@ -44,6 +45,13 @@ async def main(options: dict) -> None:
 
     from swarmtrain.dht import DHT, get_dht_time
     from swarmtrain.p2p.pubsub import PubSub
+
+    if options.get("log"):  # logger names to print at DEBUG on stderr
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(created).3f %(name)s %(message)s"))
+        for name in options["log"]:
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(logging.DEBUG)
 
     async def echo(request, context):
         return request
