@@ -1,10 +1,11 @@
 """A latency-probe peer for netlab: run inside a namespace, driven by JSON lines on stdin.
 
 ``python latency_peer.py '<json options>'`` starts a DHT (its ``P2P`` host, with the options'
-``dht`` keywords; ``log``: logger names to print at DEBUG on stderr) and a ``PubSub`` subscribed to ``TOPIC``, registers an echo handler, prints
-``{"ready": ..., "peer_id", "maddrs"}`` and then answers one line per command (``{"error":
-...}`` when a command fails). Every duration is measured inside this process (``perf_counter``
-around the awaited call), so the harness's pipes are not part of it:
+``dht`` keywords; ``log``: logger names to print at DEBUG on stderr) and a ``PubSub``
+subscribed to ``TOPIC``, registers an echo handler, prints ``{"ready": ..., "peer_id",
+"maddrs"}`` and then answers one line per command (``{"error": ...}`` when a command fails).
+Every duration is measured inside this process (``perf_counter`` around the awaited call), so
+the harness's pipes are not part of it:
 
 - ``{"op": "connect", "maddr"}``: dial a peer; the kinds of connection held to it;
 - ``{"op": "wait_circuit", "timeout"}``: wait for a ``/p2p-circuit`` address, then the addresses;
