@@ -105,6 +105,11 @@ def test_wildcard_relay_addresses_become_the_ips_we_reach_the_relay_at():
     ]
     # reached only through a relayed connection (no IP): wildcard addresses are dropped
     assert specify_relay_addrs(addrs[:1], set()) == []
+    # a wildcard relay's own addresses list this machine's IPs, loopback last: that one is
+    # the dialler's own machine unless the dialler reaches the relay over loopback too
+    expanded = ["/ip4/10.0.0.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001", "/ip6/::1/tcp/4001"]
+    assert specify_relay_addrs(expanded, {"10.0.0.1"}) == expanded[:1]
+    assert specify_relay_addrs(expanded, {"127.0.0.1"}) == expanded
 
 
 def test_reservation_renewal_schedule():
