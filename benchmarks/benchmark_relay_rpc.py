@@ -15,6 +15,8 @@ peer process:
 
 - ``rpc``: ``--rpcs`` sequential echo calls of 32 bytes to x (and ``--large`` calls of
   ``--large-kib`` KiB), with the RPC streams opened meanwhile;
+- ``redial``: ``--redials`` times, y closes its connections to x, then calls it once (a new
+  dial, direct or through the relay, and a call; a failure is counted, not timed);
 - ``dht``: ``--dht`` stores of fresh keys, then a get of each (a 3-node swarm: the hub, x, y);
 - ``gossip``: x publishes ``--gossip`` messages 50 ms apart; y's delay from publish to
   receipt (``time.monotonic``, one clock for the whole box).
@@ -41,7 +43,7 @@ RUNNER = os.path.join(
 )
 LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0"]
 FAILED_DIAL_MEMORY = 11.0  # seconds: our hosts' negative dial cache, and a margin
-KINDS = ("rpc", "rpc_large", "dht_store", "dht_get", "gossip")
+KINDS = ("rpc", "rpc_large", "redial", "dht_store", "dht_get", "gossip")
 
 
 def report(**fields) -> None:
@@ -70,6 +72,7 @@ class Swarm:
         hub_info = checked(self.peers["hub"].recv(timeout))
         hub_addr = next(a for a in hub_info["maddrs"] if f"/ip4/{hub.ip}/" in a)
         self.hosts = {}
+        self.info = {}
         for peer in ("x", "y"):
             if relayed:
                 host = lab.add_home(f"{name}{peer}", nat="cone").add_host(f"{name}{peer}h")
@@ -79,14 +82,16 @@ class Swarm:
             dht = {"host_maddrs": LISTEN_ALL, "initial_peers": [hub_addr]}
             if relayed:  # reserve on the hub whatever AutoNAT says; stay on the relay
                 dht.update(use_auto_relay=True, use_hole_punching=False)
+            elif peer == "y":  # y dials x first, before the DHT tells it of x
+                dht["initial_peers"].append(self._public_addr("x"))
             self.peers[peer] = lab.spawn(host, RUNNER, json.dumps({"dht": dht}))
-        self.info = {p: checked(self.peers[p].recv(timeout)) for p in ("x", "y")}
+            self.info[peer] = checked(self.peers[peer].recv(timeout))
         if relayed:
             maddrs = checked(self.ask("x", {"op": "wait_circuit", "timeout": timeout}))["maddrs"]
             x_addr = next(a for a in maddrs if "/p2p-circuit" in a)
             checked(self.ask("y", {"op": "wait_circuit", "timeout": timeout}))
         else:
-            x_addr = next(a for a in self.info["x"]["maddrs"] if f"/ip4/{self.hosts['x'].ip}/" in a)
+            x_addr = self._public_addr("x")
         for attempt in range(3):  # a dial the DHT tried first may sit in the negative cache
             try:
                 paths = self.ask("y", {"op": "connect", "maddr": x_addr})["paths"]
@@ -101,6 +106,10 @@ class Swarm:
         for peer in ("x", "y"):
             checked(self.ask(peer, {"op": "wait_mesh", "count": 2, "timeout": timeout}))
 
+    def _public_addr(self, peer: str) -> str:
+        ip = self.hosts[peer].ip
+        return next(a for a in self.info[peer]["maddrs"] if f"/ip4/{ip}/" in a)
+
     def ask(self, peer: str, message: dict, timeout: float = 300.0) -> dict:
         return checked(self.peers[peer].ask(message, timeout))
 
@@ -110,6 +119,9 @@ class Swarm:
         large = self.ask(
             "y", {"op": "rpc", "peer": x, "count": args.large, "size": args.large_kib << 10}
         )
+        redial = self.ask("y", {"op": "redial", "peer": x, "count": args.redials})
+        if redial["failures"]:
+            report(swarm=self.name, block=block, redial_failures=redial["failures"])
         dht = self.ask("y", {"op": "dht", "count": args.dht, "prefix": f"{self.name}/{block}"})
         self.ask("y", {"op": "received"})  # forget anything earlier
         self.ask("x", {"op": "publish", "count": args.gossip, "interval": 0.05})
@@ -121,6 +133,8 @@ class Swarm:
             "rpc": rpc["seconds"],
             "rpc_large": large["seconds"],
             "rpc_streams_opened": [rpc["rpc_streams_opened"]],
+            "redial": redial["seconds"],
+            "redial_failed": [len(redial["failures"])],
             "dht_store": dht["store"],
             "dht_get": dht["get"],
             "gossip": list(delays.values()),
@@ -133,6 +147,7 @@ def main() -> None:
     parser.add_argument("--rpcs", type=int, default=200, help="small echo calls per block")
     parser.add_argument("--large", type=int, default=20, help="large echo calls per block")
     parser.add_argument("--large-kib", type=int, default=256, help="size of a large echo call")
+    parser.add_argument("--redials", type=int, default=10, help="disconnect + call per block")
     parser.add_argument("--dht", type=int, default=20, help="stores (and gets) per block")
     parser.add_argument("--gossip", type=int, default=60, help="gossip messages per block")
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -166,17 +181,19 @@ def main() -> None:
                 )
     summary = {}
     for kind in KINDS:
-        direct = statistics.median(samples["direct"][kind])
-        relayed = statistics.median(samples["relayed"][kind])
+        got = {name: samples[name].get(kind, []) for name in samples}
+        medians = {name: statistics.median(v) if v else None for name, v in got.items()}
+        direct, relayed = medians["direct"], medians["relayed"]
         summary[kind] = {
-            "direct_ms": round(1e3 * direct, 3),
-            "relayed_ms": round(1e3 * relayed, 3),
-            "ratio": round(relayed / direct, 2),
-            "samples": [len(samples["direct"][kind]), len(samples["relayed"][kind])],
+            "direct_ms": None if direct is None else round(1e3 * direct, 3),
+            "relayed_ms": None if relayed is None else round(1e3 * relayed, 3),
+            "ratio": None if not (direct and relayed) else round(relayed / direct, 2),
+            "samples": [len(got["direct"]), len(got["relayed"])],
         }
         report(kind=kind, **summary[kind])
     report(
         rpc_streams_opened={n: sum(samples[n]["rpc_streams_opened"]) for n in samples},
+        redials_failed={n: sum(samples[n]["redial_failed"]) for n in samples},
         load_end=load(),
     )
 

@@ -11,6 +11,9 @@ the harness's pipes are not part of it:
 - ``{"op": "wait_circuit", "timeout"}``: wait for a ``/p2p-circuit`` address, then the addresses;
 - ``{"op": "rpc", "peer", "count", "size"}``: ``count`` sequential echo calls of ``size`` bytes;
   each round trip's seconds, and how many RPC streams this host opened and reused meanwhile;
+- ``{"op": "redial", "peer", "count"}``: ``count`` times: close every connection to ``peer``,
+  then one echo call (a new dial, direct or through the relay, and the call); the seconds of
+  each, and the failures;
 - ``{"op": "dht", "count", "prefix"}``: ``count`` sequential DHT stores of a fresh key, then a
   get of each; the seconds of each;
 - ``{"op": "wait_mesh", "count", "timeout"}``: wait until ``count`` peers subscribe to ``TOPIC``;
@@ -112,6 +115,20 @@ async def main(options: dict) -> None:
                         seconds.append(time.perf_counter() - started)
                     after = _stream_counts(p2p)
                     say({"seconds": seconds, **{k: after[k] - before[k] for k in after}})
+                elif op == "redial":
+                    seconds, failures = [], []
+                    payload = BytesValue(value=b"x" * 32)
+                    for _ in range(command["count"]):
+                        await _disconnect(p2p, command["peer"])
+                        started = time.perf_counter()
+                        try:
+                            await p2p.call_protobuf_handler(
+                                command["peer"], ECHO, payload, BytesValue, timeout=10
+                            )
+                            seconds.append(time.perf_counter() - started)
+                        except Exception as e:
+                            failures.append(repr(e)[:200])
+                    say({"seconds": seconds, "failures": failures})
                 elif op == "dht":
                     prefix = command.get("prefix", "latency")
                     stores, gets = [], []
@@ -144,6 +161,18 @@ async def main(options: dict) -> None:
                     say({"error": f"unknown op {op!r}"})
             except Exception as e:
                 say({"error": f"{op}: {e!r}"})
+
+
+async def _disconnect(p2p, peer: str) -> None:
+    """Close every connection to ``peer`` and wait until we see none (at most 5 s)."""
+    from swarmtrain.p2p.dialling import as_peer_id
+
+    peer_id = as_peer_id(peer)
+    for conn in list(p2p.host.get_network().connections.get(peer_id) or []):
+        await conn.close()
+    with trio.move_on_after(5.0):
+        while p2p.is_connected(peer_id):  # noqa: ASYNC110 (no event for it)
+            await trio.sleep(0.01)
 
 
 def _stream_counts(p2p) -> dict[str, int]:
