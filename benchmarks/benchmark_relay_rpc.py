@@ -15,13 +15,15 @@ peer process:
 
 - ``rpc``: ``--rpcs`` sequential echo calls of 32 bytes to x (and ``--large`` calls of
   ``--large-kib`` KiB), with the RPC streams opened meanwhile;
-- ``redial``: ``--redials`` times, y closes its connections to x, then calls it once (a new
-  dial, direct or through the relay, and a call; a failure is counted, not timed);
 - ``dht``: ``--dht`` stores of fresh keys, then a get of each (a 3-node swarm: the hub, x, y);
 - ``gossip``: x publishes ``--gossip`` messages 50 ms apart; y's delay from publish to
-  receipt (``time.monotonic``, one clock for the whole box).
+  receipt (``time.monotonic``, one clock for the whole box);
 
-Prints JSON lines: per block and kind the median (ms) and count, then the medians over all
+and after the last block ``redial``: ``--redials`` times, y closes its connections to x, then
+calls it once (a new dial, direct or through the relay, and a call; a failure is counted, not
+timed).
+
+Prints JSON lines: per block and kind the median (ms), then the medians over all
 blocks and the ratio relayed / direct, and ``uptime``'s load at the start and the end.
 """
 
@@ -119,9 +121,6 @@ class Swarm:
         large = self.ask(
             "y", {"op": "rpc", "peer": x, "count": args.large, "size": args.large_kib << 10}
         )
-        redial = self.ask("y", {"op": "redial", "peer": x, "count": args.redials})
-        if redial["failures"]:
-            report(swarm=self.name, block=block, redial_failures=redial["failures"])
         dht = self.ask("y", {"op": "dht", "count": args.dht, "prefix": f"{self.name}/{block}"})
         self.ask("y", {"op": "received"})  # forget anything earlier
         self.ask("x", {"op": "publish", "count": args.gossip, "interval": 0.05})
@@ -133,12 +132,19 @@ class Swarm:
             "rpc": rpc["seconds"],
             "rpc_large": large["seconds"],
             "rpc_streams_opened": [rpc["rpc_streams_opened"]],
-            "redial": redial["seconds"],
-            "redial_failed": [len(redial["failures"])],
             "dht_store": dht["store"],
             "dht_get": dht["get"],
             "gossip": list(delays.values()),
         }
+
+    def measure_redials(self, args) -> dict[str, list[float]]:
+        """Last (a failed redial leaves y without a connection to x): ``--redials`` times, y
+        closes its connections to x and calls it once."""
+        x = self.info["x"]["peer_id"]
+        redial = self.ask("y", {"op": "redial", "peer": x, "count": args.redials})
+        if redial["failures"]:
+            report(swarm=self.name, redial_failures=redial["failures"][:2])
+        return {"redial": redial["seconds"], "redial_failed": [len(redial["failures"])]}
 
 
 def main() -> None:
@@ -179,6 +185,10 @@ def main() -> None:
                         if v
                     },
                 )
+        for name, swarm in swarms.items():
+            measured = swarm.measure_redials(args)
+            for kind, values in measured.items():
+                samples[name].setdefault(kind, []).extend(values)
     summary = {}
     for kind in KINDS:
         got = {name: samples[name].get(kind, []) for name in samples}
