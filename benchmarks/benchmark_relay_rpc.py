@@ -1,11 +1,11 @@
 """What a circuit relay adds to small messages (issue 18.2): relayed against direct, one run.
 
-    sudo nice -n 10 python benchmarks/benchmark_relay_rpc.py [--blocks 3] [--rpcs 200]
+    sudo PYTHONPATH=. nice -n 10 python benchmarks/benchmark_relay_rpc.py [--blocks 3] [--rpcs 200]
 
 A ``tests/netlab`` lab (root only, network namespaces; no added delay, no rate limit) holds two
 swarms side by side, each a public hub (bootstrap peer, relay) and two peers x and y:
 
-- direct: x and y public, y dials x's address;
+- direct: x and y public, y dials x's address (an initial peer of y);
 - relayed: x and y each behind its own cone NAT (hole punching off, so the pair stays on the
   relay; both reserve a slot on the hub), y dials x's ``/p2p-circuit`` address.
 
