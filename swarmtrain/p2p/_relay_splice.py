@@ -58,10 +58,11 @@ class SplicingCircuitRelay(CircuitV2Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        # circuits (by their two streams) of which one direction ended cleanly
-        self._half_done: set[frozenset[int]] = set()
-        self.circuits_spliced = 0
-        self.circuits_reset = 0
+        # circuits (by their two streams) of which one direction ended: "half" (EOF: the
+        # other still copies) or "reset" (both streams reset: the other ends at once)
+        self._ending: dict[frozenset[int], str] = {}
+        self.circuits_spliced = 0  # ended cleanly (EOF both ways)
+        self.circuits_reset = 0  # ended by a reset, an error or a limit
 
     async def _relay_data(  # type: ignore[override]  # same call, keyword defaults as stock
         self,
@@ -79,9 +80,13 @@ class SplicingCircuitRelay(CircuitV2Protocol):
                 await _copy(src_stream, dst_stream, circuit_data_limit)
             if cap.cancelled_caught:
                 raise _CircuitEnded(f"duration limit of the circuit with {peer_id}")
-        except (_CircuitEnded, Exception) as e:  # a reset, a broken stream or a limit
+        except Exception as e:  # a reset, a broken stream or a limit
+            other = self._ending.pop(circuit, None)
+            if other == "reset":
+                return  # the other direction reset both streams
+            if other is None:
+                self._ending[circuit] = "reset"  # the other direction ends with our reset
             logger.debug("circuit with %s reset: %s", peer_id, e)
-            self._half_done.discard(circuit)
             self._forget(src_stream, dst_stream)
             self.circuits_reset += 1
             with trio.CancelScope(shield=True):
@@ -89,15 +94,17 @@ class SplicingCircuitRelay(CircuitV2Protocol):
                 await _reset(dst_stream)
             return
         # EOF: the source will send no more; the other direction may still carry data
-        if circuit not in self._half_done:
-            self._half_done.add(circuit)
+        other = self._ending.pop(circuit, None)
+        if other == "reset":
+            return
+        if other is None:
+            self._ending[circuit] = "half"
             with trio.CancelScope(shield=True), trio.move_on_after(SPLICE_CLOSE_TIMEOUT):
                 try:
                     await dst_stream.close_write()
                 except Exception:
                     await _reset(dst_stream)
             return
-        self._half_done.discard(circuit)
         self._forget(src_stream, dst_stream)
         self.circuits_spliced += 1
         with trio.CancelScope(shield=True), trio.move_on_after(SPLICE_CLOSE_TIMEOUT):
