@@ -132,6 +132,31 @@ FACTS: list[tuple[str, str, object, str]] = [
         True,
         "p2p/_tuning.py (identify_dialled_peers_only)",
     ),
+    (
+        "identify replaces all of a peer's addresses: its listen addresses through "
+        "PeerStore.clear_addrs, its signed record through consume_peer_record (which clears "
+        "the peer's PeerData itself)",
+        "['clear_addrs' in identify_update.update_peerstore_from_identify.__code__.co_names, "
+        "'clear_addrs' in PeerStore.consume_peer_record.__code__.co_names, "
+        "type(new_host().get_peerstore()) is PeerStore]",
+        [True, True, True],
+        "p2p/_libp2p_fixes.py (CircuitKeepingPeerStore keeps /p2p-circuit addresses)",
+    ),
+    # -- circuit relay v2
+    (
+        "the relay splices each direction of a circuit in "
+        "CircuitV2Protocol._relay_data(src, dst, peer, deadline, data limit), started by "
+        "_handle_connect; it cleans up through _active_relays, a dict with one circuit per peer",
+        "[list(inspect.signature(CircuitV2Protocol._relay_data).parameters), "
+        "'_relay_data' in CircuitV2Protocol._handle_connect.__code__.co_names, "
+        "'_active_relays' in CircuitV2Protocol._relay_data.__code__.co_names]",
+        [
+            ["self", "src_stream", "dst_stream", "peer_id", "deadline", "circuit_data_limit"],
+            True,
+            True,
+        ],
+        "p2p/_relay_splice.py (SplicingCircuitRelay: our copy loop, cleanup per circuit)",
+    ),
     # -- TCP and Noise
     (
         "TrioTCPStream.read reads under read_lock from a trio stream",
@@ -396,6 +421,9 @@ from libp2p.transport.tcp import tcp
 from libp2p.transport.manager import TransportManager
 from libp2p.transport.upgrader import TransportUpgrader
 from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.peerstore import PeerStore
+from libp2p.identity import update as identify_update
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.network.auto_connector import AutoConnector
 import libp2p.security.noise.patterns as noise_patterns
 from libp2p.security.secure_session import SecureSession

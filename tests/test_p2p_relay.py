@@ -105,6 +105,11 @@ def test_wildcard_relay_addresses_become_the_ips_we_reach_the_relay_at():
     ]
     # reached only through a relayed connection (no IP): wildcard addresses are dropped
     assert specify_relay_addrs(addrs[:1], set()) == []
+    # a wildcard relay's own addresses list this machine's IPs, loopback last: that one is
+    # the dialler's own machine unless the dialler reaches the relay over loopback too
+    expanded = ["/ip4/10.0.0.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001", "/ip6/::1/tcp/4001"]
+    assert specify_relay_addrs(expanded, {"10.0.0.1"}) == expanded[:1]
+    assert specify_relay_addrs(expanded, {"127.0.0.1"}) == expanded
 
 
 def test_reservation_renewal_schedule():
@@ -160,6 +165,85 @@ async def test_client_mode_peer_is_reachable_through_relay():
                     dialer.peer_id, REVERSE, StringValue(value="back"), StringValue
                 )
                 assert back.value == "kcab"
+
+
+def _streams_to(host: P2P, peer) -> int:
+    conns = host.host.get_network().connections.get(peer) or []
+    return sum(len(conn.get_streams()) for conn in conns if not conn.is_closed)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("closed", [0, 1], ids=["older_closed", "newer_closed"])
+async def test_closing_one_of_two_circuits_leaves_the_other(closed):
+    # Two relayed connections between one pair (both dialled at once, or a redial). py-libp2p
+    # 0.8.1's relay cleaned a finished circuit up by peer id, and its entry held the newest
+    # circuit: closing the older connection closed the newer one's streams at the relay too
+    # (the other connection died, its calls failed or were redialled).
+    async with P2P.create() as relay:
+        async with (
+            P2P.create(
+                initial_peers=relay.get_visible_maddrs(), client_mode=True, use_hole_punching=False
+            ) as nat_peer,
+            P2P.create(use_hole_punching=False) as dialer,
+        ):
+            nat_peer.add_protobuf_handler(REVERSE, reverse, StringValue)
+            await dialer.connect(circuits(nat_peer)[0])
+            await dialer.relay.dial_through_relay(nat_peer.peer_id, circuits(nat_peer))
+            conns = list(dialer.host.get_network().connections[nat_peer.peer_id])
+            assert dialer.connection_paths()[nat_peer.peer_id] == ["relayed", "relayed"]
+            assert _streams_to(relay, dialer.peer_id) == 2  # one hop stream per circuit
+            await conns[closed].close()
+            with trio.fail_after(5.0):  # the relay ended that circuit
+                await wait_until(lambda: _streams_to(relay, dialer.peer_id) < 2)
+            with trio.fail_after(5.0):
+                reply = await dialer.call_protobuf_handler(
+                    nat_peer.peer_id, REVERSE, StringValue(value="kept"), StringValue, timeout=5.0
+                )
+            assert reply.value == "tpek"
+            assert dialer.relay.statistics().relayed_dials == 2  # the other one carried it
+            assert dialer.connection_paths()[nat_peer.peer_id] == ["relayed"]
+            assert _streams_to(relay, dialer.peer_id) == 1
+            spliced = relay.relay.circuit_relay
+            assert (spliced.circuits_spliced, spliced.circuits_reset) == (1, 0)  # ended cleanly
+
+
+@pytest.mark.trio
+async def test_relayed_peer_stays_reachable_after_identify_replaced_its_addresses():
+    # A peer behind a NAT listens on a private address. py-libp2p's identify replaces all the
+    # addresses a dialler knows for it with its listen addresses: its circuit address was
+    # gone, and once the relayed connection closed nobody could dial it again.
+    unreachable = "/ip4/127.0.0.1/tcp/9"  # what a private listen address is to the dialler
+    async with P2P.create() as relay:
+        async with (
+            P2P.create(
+                initial_peers=relay.get_visible_maddrs(),
+                announce_maddrs=[unreachable],
+                use_auto_relay=True,
+                use_hole_punching=False,
+            ) as nat_peer,
+            P2P.create(use_hole_punching=False) as dialer,
+        ):
+            nat_peer.add_protobuf_handler(REVERSE, reverse, StringValue)
+            (circuit,) = circuits(nat_peer)
+            await dialer.connect(circuit)
+
+            def known() -> list[str]:
+                return [
+                    a.split(f"/p2p/{nat_peer.peer_id}")[0]
+                    for a in dialer.known_addrs(nat_peer.peer_id)
+                ]
+
+            with trio.fail_after(5.0):  # the dialler identified the peer
+                await wait_until(lambda: unreachable in known())
+            assert circuit.split(f"/p2p/{nat_peer.peer_id}")[0] in known()
+            for conn in list(dialer.host.get_network().connections[nat_peer.peer_id]):
+                await conn.close()
+            assert not dialer.is_connected(nat_peer.peer_id)
+            reply = await dialer.call_protobuf_handler(
+                nat_peer.peer_id, REVERSE, StringValue(value="again"), StringValue
+            )
+            assert reply.value == "niaga"
+            assert dialer.relay.statistics().relayed_dials == 2
 
 
 @pytest.mark.trio

@@ -9,6 +9,10 @@ py-libp2p host in the same process behaves as stock py-libp2p.
   cancellation, writers woken by window updates, window updates in batches, no RTT pings.
 - TCP + Noise (``_io_tuning``): buffered socket reads, one socket write per muxer frame.
 - DCUtR's source-bound TCP dials (``_libp2p_fixes.HolePunchTCP``): no socket leak when cancelled.
+- The peerstore (``_libp2p_fixes.CircuitKeepingPeerStore``): a peer's ``/p2p-circuit``
+  addresses survive identify replacing its addresses with its (private) listen addresses.
+- Relayed circuits (``_relay_splice.SplicingCircuitRelay``, passed by ``relay.py``): our own
+  copy loop between a circuit's two streams, cleaned up per circuit, not per peer.
 - Inbound connections (``_inbound_handler``): each one's handler task, and its inbound slot,
   end with the connection (py-libp2p kept them until the host stopped: 300 connect/disconnect
   cycles locked a host out of inbound connections for good).
@@ -99,7 +103,7 @@ def log_connections_to_module_logger(host) -> None:
 def tune_host(host) -> None:
     """Give a new py-libp2p host (not yet running) swarmtrain's per-host behaviour."""
     from swarmtrain.p2p._inbound_handler import end_inbound_handlers_with_their_connections
-    from swarmtrain.p2p._libp2p_fixes import use_hole_punch_tcp
+    from swarmtrain.p2p._libp2p_fixes import keep_circuit_addrs, use_hole_punch_tcp
     from swarmtrain.p2p._multistream import use_pipelined_multistream
     from swarmtrain.p2p._yamux import use_tuned_yamux
 
@@ -107,6 +111,7 @@ def tune_host(host) -> None:
     remove_dial_delay(host)
     log_connections_to_module_logger(host)
     use_hole_punch_tcp(host)
+    keep_circuit_addrs(host)
     end_inbound_handlers_with_their_connections(host)
     use_pipelined_multistream(host)
     if os.environ.get("SWARMTRAIN_IDENTIFY_INBOUND") != "1":

@@ -6,13 +6,23 @@ this one. Here such an address becomes one per IP of this machine, the IP of the
 first (the one ``swarmtrain node`` prints to join with), loopback last. The default route's IP
 comes from a connected UDP socket (no packet is sent); the others from the host name's
 addresses.
+
+Our hosts give py-libp2p ``DialableAddrs`` as their ``addrs_factory``, so the addresses the
+host itself advertises (identify's listen addresses and signed peer record, DCUtR) are these
+too: a host listening on ``0.0.0.0`` told every peer that identified it ``/ip4/0.0.0.0/...``
+only, which replaced the addresses that peer knew (py-libp2p's identify is authoritative), and
+the DHT handed it on: a dial of it failed at once, and py-libp2p's negative dial cache then
+refused every dial of that peer for 10 s, good addresses included.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 from collections.abc import Iterable
+
+import multiaddr
 
 # documentation addresses (RFC 5737 / 3849): connect() on UDP only picks a route to them
 _ROUTE_PROBES = {socket.AF_INET: "192.0.2.123", socket.AF_INET6: "2001:db8::123"}
@@ -62,3 +72,26 @@ def expand_unspecified(maddrs: Iterable[str]) -> list[str]:
             candidates = [f"/{parts[1]}/{ip}/{rest}" for ip in interface_ips(unspecified[1])]
         expanded.extend(c for c in candidates if c not in expanded)
     return expanded
+
+
+#: how long ``DialableAddrs`` reuses an expansion (interfaces rarely change)
+EXPANSION_CACHE_SECONDS = 10.0
+
+
+class DialableAddrs:
+    """py-libp2p's ``addrs_factory`` for our hosts: the host's candidate addresses with each
+    wildcard one expanded (:func:`expand_unspecified`), the expansion reused for
+    ``EXPANSION_CACHE_SECONDS``."""
+
+    def __init__(self) -> None:
+        self._cached: tuple[float, tuple[str, ...], list[multiaddr.Multiaddr]] | None = None
+
+    def __call__(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+        key = tuple(str(a) for a in candidates)
+        now = time.monotonic()
+        cached = self._cached
+        if cached is not None and cached[1] == key and now - cached[0] < EXPANSION_CACHE_SECONDS:
+            return list(cached[2])
+        addrs = [multiaddr.Multiaddr(a) for a in expand_unspecified(key)]
+        self._cached = (now, key, addrs)
+        return list(addrs)

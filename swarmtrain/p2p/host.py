@@ -40,7 +40,7 @@ from swarmtrain.p2p._tuning import (
     configure_process,
     tune_host,
 )
-from swarmtrain.p2p.addresses import expand_unspecified
+from swarmtrain.p2p.addresses import DialableAddrs, expand_unspecified
 from swarmtrain.p2p.autonat import AutoNAT, Reachability, connection_path, observed_ips
 from swarmtrain.p2p.connection_limits import (
     SwarmResourceManager,
@@ -215,6 +215,8 @@ def _build_host(key_pair: KeyPair, config: P2PConfig, noise: PrivateNoiseTranspo
     kwargs: dict[str, Any] = {}
     if config.announce_maddrs:
         kwargs["announce_addrs"] = [multiaddr.Multiaddr(a) for a in config.announce_maddrs]
+    else:  # what identify and DCUtR advertise: no wildcard address (p2p/addresses.py)
+        kwargs["addrs_factory"] = DialableAddrs()
     # py-libp2p builds one transport per kind of address in ``listen_addrs`` (and ignores the
     # enable_* flags when it finds any), so a TCP listener could not dial a WebSocket peer and
     # vice versa. We list one address of every kind we want to *dial*; the host only listens on

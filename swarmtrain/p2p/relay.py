@@ -50,12 +50,12 @@ from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
-from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
 
+from swarmtrain.p2p._relay_splice import SplicingCircuitRelay
 from swarmtrain.p2p.autonat import observed_ips
 from swarmtrain.p2p.errors import P2PError, PeerUnreachableError
 from swarmtrain.p2p.relay_routes import (
@@ -133,6 +133,8 @@ class RelayManager:
         self._timeout = timeout
         self._reservations: dict[ID, _Reservation] = {}
         self._dcutr: DCUtRProtocol | None = None
+        # py-libp2p's hop/stop protocol with our splice of each circuit (``_relay_splice``)
+        self.circuit_relay: SplicingCircuitRelay | None = None
         self._relayed_dials = 0
         self._punches_ok = 0
         self._punches_failed = 0
@@ -163,8 +165,10 @@ class RelayManager:
                     max_reservations=self._max_reservations,
                 )
                 # allow_hop=False still serves the "stop" side: accepting relayed connections.
-                protocol = CircuitV2Protocol(self._host, limits=limits, allow_hop=self.serve)
-                await stack.enter_async_context(background_trio_service(protocol))
+                self.circuit_relay = SplicingCircuitRelay(
+                    self._host, limits=limits, allow_hop=self.serve
+                )
+                await stack.enter_async_context(background_trio_service(self.circuit_relay))
             if self.hole_punching:
                 self._dcutr = DCUtRProtocol(
                     self._host,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -65,8 +66,11 @@ def specify_relay_addrs(
 ) -> list[str]:
     """A relay's addresses with each wildcard one (``/ip4/0.0.0.0/...``, ``/ip6/::/...``: what a
     relay listening on all interfaces reports in its reservation) replaced by one per IP we
-    reach the relay at; dialling a wildcard address reaches the dialler's own machine."""
+    reach the relay at; dialling a wildcard address reaches the dialler's own machine. Loopback
+    addresses (a wildcard relay lists this machine's IPs, loopback last) are kept only when we
+    reach the relay over loopback ourselves: elsewhere they lead to the dialler's machine too."""
     ips = sorted(observed_ips)
+    local = any(ipaddress.ip_address(ip).is_loopback for ip in ips if _is_ip(ip))
     result: list[str] = []
     for addr in relay_addrs:
         parts = str(addr).split("/")
@@ -77,8 +81,19 @@ def specify_relay_addrs(
             candidates = [
                 f"/{family}/{ip}/{rest}" for ip in ips if (":" in ip) == (family == "ip6")
             ]
+        elif len(parts) > 2 and parts[1] in ("ip4", "ip6") and _is_ip(parts[2]):
+            if ipaddress.ip_address(parts[2]).is_loopback and not local:
+                candidates = []
         result.extend(c for c in candidates if c not in result)
     return result
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def circuit_addrs_via(relay: ID, relay_addrs: Iterable[multiaddr.Multiaddr | str], us: ID):
