@@ -81,6 +81,19 @@ async def bulk_call(caller, callee) -> None:
     assert reply.value == 100_000
 
 
+async def two_lanes(callee_options: dict, caller_options: dict) -> None:
+    """Two bulk calls from a caller to a callee, each over a new lane."""
+    async with (
+        P2P.create(**callee_options) as a,
+        P2P.create(initial_peers=a.get_visible_maddrs(), **caller_options) as b,
+    ):
+        a.add_protobuf_handler("t::C.total_size", total_size, BytesValue, stream_input=True)
+        for _ in range(2):
+            await bulk_call(b, a)
+            await b._bulk_pool.aclose()  # the next call opens a new lane
+        assert b.statistics()["lanes_opened"] == 2
+
+
 @pytest.mark.trio
 async def test_lane_sockets_use_the_configured_congestion_control():
     algorithm = another_algorithm()
@@ -99,15 +112,7 @@ async def test_lane_sockets_use_the_configured_congestion_control():
 async def test_a_refused_congestion_control_is_logged_once_and_lanes_still_work(caplog):
     another_algorithm()  # Linux with the option
     with caplog.at_level(logging.WARNING, logger="swarmtrain.p2p.lane"):
-        async with (
-            P2P.create() as a,
-            P2P.create(initial_peers=a.get_visible_maddrs(), lane_congestion="nosuchcc") as b,
-        ):
-            a.add_protobuf_handler("t::C.total_size", total_size, BytesValue, stream_input=True)
-            for _ in range(2):
-                await bulk_call(b, a)
-                await b._bulk_pool.aclose()  # the next call opens a new lane
-            assert b.statistics()["lanes_opened"] == 2
+        await two_lanes({}, {"lane_congestion": "nosuchcc"})
     refused = [r for r in caplog.records if "nosuchcc" in r.getMessage()]
     assert len(refused) == 1
 
@@ -180,18 +185,9 @@ async def test_auto_refused_by_the_kernel_is_logged_once_and_lanes_still_work(mo
 
     another_algorithm()  # Linux with the option
     monkeypatch.setattr(lane_connections, "LONG_PATH_CONGESTION", "nosuchcc")
+    long_paths = {"lane_stripe_min_rtt": 0.0, "lane_stripes": 1}
     with caplog.at_level(logging.INFO, logger="swarmtrain.p2p.lane"):
-        async with (
-            P2P.create(lane_stripe_min_rtt=0.0, lane_stripes=1) as a,
-            P2P.create(
-                initial_peers=a.get_visible_maddrs(), lane_stripe_min_rtt=0.0, lane_stripes=1
-            ) as b,
-        ):
-            a.add_protobuf_handler("t::C.total_size", total_size, BytesValue, stream_input=True)
-            for _ in range(2):
-                await bulk_call(b, a)
-                await b._bulk_pool.aclose()  # the next call opens a new lane
-            assert b.statistics()["lanes_opened"] == 2
+        await two_lanes(long_paths, long_paths)
     refused = [r for r in caplog.records if "nosuchcc" in r.getMessage()]
     assert len(refused) == 2, [r.getMessage() for r in refused]  # once per host (both ends)
     assert all(r.levelno == logging.INFO for r in refused)

@@ -293,13 +293,17 @@ class LaneStream:
         if self.closed:
             return
         try:
-            if not self._sealer.ended and not self._broken:
-                async with self._send_lock:
-                    await self._send_all(self._sealer.seal_end())
+            await self._send_end()
         except (LaneResetError, LaneClosedError, LaneRecordError):
             pass
         finally:
             self._close_socket()
+
+    async def _send_end(self) -> None:
+        """Our end record, unless it went out already or the lane broke."""
+        if not self._sealer.ended and not self._broken:
+            async with self._send_lock:
+                await self._send_all(self._sealer.seal_end())
 
     async def close_after_peer(self, linger: float) -> None:
         """End our direction with an end record, then drop what the peer still sends until it
@@ -309,9 +313,7 @@ class LaneStream:
         if self.closed:
             return
         try:
-            if not self._sealer.ended and not self._broken:
-                async with self._send_lock:
-                    await self._send_all(self._sealer.seal_end())
+            await self._send_end()
             self._raw.shutdown(socket.SHUT_WR)
             scratch = bytearray(RECV_BUFFER_FIRST)
             with trio.move_on_after(linger):
