@@ -1,0 +1,399 @@
+"""Find what blocks a trio event loop: task steps that ran longer than a threshold.
+
+A trio task runs from one ``await`` that suspends to the next without giving the loop back; a
+*step* that takes 8 s freezes every other task of the process (a peer's gossip, its DHT
+answers, its all-reduce parts) for 8 s. :class:`LoopStallDetector` is a trio
+``Instrument`` that times every step and records those over ``threshold`` seconds:
+
+- the task's name, where it resumed (the ``await`` its step started from) and where it
+  suspended again (the next ``await``; empty when the task finished), the innermost frames of
+  our code or a library's, not trio's;
+- the step's wall time, the loop thread's CPU time during it (``time.thread_time``) and the
+  garbage collector's time in that thread, so a stall is *starved* (CPU well below wall time:
+  the process or the thread was not scheduled, or waited for the GIL), *gc* (mostly a cyclic
+  collection) or *blocking* (the step's own work: serialization, tensor math, a sync call);
+- with ``sample_stacks`` (default), a watchdog thread that looks every ``threshold / 2`` s
+  and, while one step is still running past the threshold, takes the loop thread's stack:
+  the code that actually held the loop, which the two ``await`` points only bracket.
+
+Memory is bounded: the last ``max_records`` stalls are kept, plus counters and a fixed
+log-scale histogram of every step's wall time (for percentiles). Each stall is logged at
+WARNING on this module's logger.
+
+Off by default. ``SWARMTRAIN_LOOP_STALLS=0.1`` (seconds) in the environment makes every
+swarmtrain host (``P2P.create``, so every DHT, averager and optimizer, trio or blocking) add a
+detector to the loop it runs in, once per loop. In code: ``watch_loop_stalls(0.1)`` from a
+trio task (returns the detector, idempotent per loop), or ``detect_loop_stalls(0.1)`` as a
+context manager around part of a run.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any
+
+import trio
+
+logger = logging.getLogger(__name__)
+
+#: the environment variable: a threshold in seconds (``0.1``); unset, empty or ``0``: off
+LOOP_STALLS_ENV = "SWARMTRAIN_LOOP_STALLS"
+DEFAULT_THRESHOLD = 0.1
+DEFAULT_MAX_RECORDS = 256
+#: a stall whose CPU time is below this fraction of its wall time counts as starved
+STARVED_CPU_FRACTION = 0.5
+_STACK_DEPTH = 12
+
+_detector_of_run: trio.lowlevel.RunVar[LoopStallDetector] = trio.lowlevel.RunVar(
+    "swarmtrain_loop_stall_detector"
+)
+
+
+@dataclass(frozen=True)
+class LoopStall:
+    """One task step that held the loop longer than the threshold."""
+
+    task: str
+    wall_s: float
+    cpu_s: float  # the loop thread's CPU time during the step
+    gc_s: float  # cyclic garbage collection in the loop thread during the step
+    resumed_at: str  # ``path:line function`` of the await the step started from
+    suspended_at: str  # the await it stopped at; "" if the task finished
+    ended_at: float  # ``time.time()`` when the step ended
+    stack: tuple[str, ...] = ()  # the loop thread's stack sampled during the step, innermost first
+
+    @property
+    def kind(self) -> str:
+        """``starved`` (not scheduled: CPU well below wall), ``gc`` or ``blocking``."""
+        if self.cpu_s < STARVED_CPU_FRACTION * self.wall_s:
+            return "starved"
+        if self.gc_s >= 0.5 * self.cpu_s:
+            return "gc"
+        return "blocking"
+
+    def describe(self) -> str:
+        where = self.stack[0] if self.stack else self.suspended_at or "(task finished)"
+        return (
+            f"{self.wall_s * 1000:.0f} ms ({self.kind}: cpu {self.cpu_s * 1000:.0f} ms, "
+            f"gc {self.gc_s * 1000:.0f} ms) in task {self.task!r}, "
+            f"from {self.resumed_at} to {self.suspended_at or '(task finished)'}; at {where}"
+        )
+
+
+@dataclass(frozen=True)
+class LoopStallStatistics:
+    steps: int
+    stalls: int
+    starved: int
+    gc: int
+    blocking: int
+    max_stall_s: float
+    stalled_s: float  # total wall time of the stalls
+    step_p99_s: float  # upper bound of the 99th percentile of every step's wall time
+    step_max_s: float
+
+
+class StepHistogram:
+    """Counts durations in fixed log-scale buckets (4 per doubling, 10 us to ~3 h): bounded
+    memory, percentiles accurate to a bucket (19%)."""
+
+    BASE_S = 1e-5
+    PER_DOUBLING = 4
+    BUCKETS = 4 * 30
+
+    def __init__(self) -> None:
+        self.counts = [0] * self.BUCKETS
+        self.total = 0
+
+    def add(self, seconds: float) -> None:
+        if seconds <= self.BASE_S:
+            index = 0
+        else:
+            index = int(math.log2(seconds / self.BASE_S) * self.PER_DOUBLING) + 1
+        self.counts[min(index, self.BUCKETS - 1)] += 1
+        self.total += 1
+
+    def upper_bound(self, index: int) -> float:
+        return self.BASE_S * 2 ** (index / self.PER_DOUBLING)
+
+    def quantile(self, q: float) -> float:
+        """The upper bound of the bucket holding the ``q`` quantile (0 when empty)."""
+        if not self.total:
+            return 0.0
+        rank = math.ceil(q * self.total)
+        seen = 0
+        for index, count in enumerate(self.counts):
+            seen += count
+            if seen >= rank:
+                return self.upper_bound(index)
+        return self.upper_bound(self.BUCKETS - 1)
+
+
+def _code_text(code: CodeType, line: int | None) -> str:
+    path = "/".join(code.co_filename.rsplit("/", 2)[-2:])
+    return f"{path}:{line} {code.co_name}"
+
+
+_plumbing_codes: dict[CodeType, bool] = {}
+
+
+def _is_plumbing(code: CodeType) -> bool:
+    plumbing = _plumbing_codes.get(code)
+    if plumbing is None:
+        path = code.co_filename
+        plumbing = "/trio/" in path or "/anyio/" in path or path.endswith("contextlib.py")
+        if len(_plumbing_codes) < 65536:  # bounded: code objects are few, but not fixed
+            _plumbing_codes[code] = plumbing
+    return plumbing
+
+
+def _awaiting_position(coro: Any) -> tuple[CodeType, int | None] | None:
+    """A suspended coroutine chain's innermost frame outside trio, anyio and contextlib
+    (the outermost frame when all are plumbing); None when it has finished."""
+    found = None
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None and (found is None or not _is_plumbing(frame.f_code)):
+            found = (frame.f_code, frame.f_lineno)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return found
+
+
+def awaiting_at(coro: Any) -> str:
+    """Where a suspended coroutine waits (``path:line function``), "" when it has finished."""
+    position = _awaiting_position(coro)
+    return "" if position is None else _code_text(*position)
+
+
+def thread_stack(ident: int, depth: int = _STACK_DEPTH) -> tuple[str, ...]:
+    """The innermost ``depth`` frames of a thread's stack, leaving out trio's own frames."""
+    frame = sys._current_frames().get(ident)
+    stack: list[str] = []
+    while frame is not None and len(stack) < depth:
+        if not _is_plumbing(frame.f_code):
+            stack.append(_code_text(frame.f_code, frame.f_lineno))
+        frame = frame.f_back
+    return tuple(stack)
+
+
+class LoopStallDetector(trio.abc.Instrument):
+    """A trio instrument recording task steps longer than ``threshold`` seconds (see the
+    module's docstring). Add it with ``watch_loop_stalls`` or ``detect_loop_stalls``; read
+    ``stalls`` and ``statistics()``; ``close()`` (or the end of the run) stops its watchdog."""
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_THRESHOLD,
+        *,
+        max_records: int = DEFAULT_MAX_RECORDS,
+        sample_stacks: bool = True,
+        log: bool = True,
+    ) -> None:
+        if not threshold > 0:
+            raise ValueError(f"threshold must be positive seconds, got {threshold}")
+        if max_records < 1:
+            raise ValueError(f"max_records must be at least 1, got {max_records}")
+        self.threshold = threshold
+        self.log = log
+        self._records: deque[LoopStall] = deque(maxlen=max_records)
+        self._histogram = StepHistogram()
+        self._counts = {"starved": 0, "gc": 0, "blocking": 0}
+        self._max_stall = self._stalled = self._max_step = 0.0
+        self._loop_ident: int | None = None
+        # the running step: (perf_counter, thread_time, gc seconds); None between steps
+        self._step: tuple[float, float, float] | None = None
+        self._resumed_at: tuple[CodeType, int | None] | None = None
+        self._step_seq = 0
+        self._gc_seconds = 0.0
+        self._gc_started: float | None = None
+        self._sampled: tuple[int, tuple[str, ...]] | None = None  # (step seq, stack)
+        self._lock = threading.Lock()  # the watchdog's sample vs. the step's end
+        self._closed = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._sample_stacks = sample_stacks
+        gc.callbacks.append(self._on_gc)
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def stalls(self) -> tuple[LoopStall, ...]:
+        """The most recent stalls, oldest first (at most ``max_records``)."""
+        return tuple(self._records)
+
+    def statistics(self) -> LoopStallStatistics:
+        counts = self._counts
+        return LoopStallStatistics(
+            steps=self._histogram.total,
+            stalls=sum(counts.values()),
+            starved=counts["starved"],
+            gc=counts["gc"],
+            blocking=counts["blocking"],
+            max_stall_s=self._max_stall,
+            stalled_s=self._stalled,
+            step_p99_s=self._histogram.quantile(0.99),
+            step_max_s=self._max_step,
+        )
+
+    def close(self) -> None:
+        """Stop the watchdog thread and the GC callback (idempotent). Records stay readable."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            gc.callbacks.remove(self._on_gc)
+        except ValueError:
+            pass
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join()
+
+    # ------------------------------------------------------------------ trio hooks
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self._loop_ident is None:
+            self._start(threading.get_ident())
+        self._step_seq += 1
+        self._resumed_at = _awaiting_position(task.coro)
+        self._step = (time.perf_counter(), time.thread_time(), self._gc_seconds)
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        step = self._step
+        if step is None:
+            return  # the step that added this instrument
+        wall, cpu = time.perf_counter() - step[0], time.thread_time() - step[1]
+        self._step = None
+        self._histogram.add(wall)
+        if wall > self._max_step:
+            self._max_step = wall
+        if wall <= self.threshold:
+            return
+        with self._lock:
+            sampled = self._sampled
+            seq = self._step_seq
+        stall = LoopStall(
+            task=task.name,
+            wall_s=wall,
+            cpu_s=cpu,
+            gc_s=self._gc_seconds - step[2],
+            resumed_at="" if self._resumed_at is None else _code_text(*self._resumed_at),
+            suspended_at=awaiting_at(task.coro),
+            ended_at=time.time(),
+            stack=sampled[1] if sampled is not None and sampled[0] == seq else (),
+        )
+        self._record(stall)
+
+    def after_run(self) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _record(self, stall: LoopStall) -> None:
+        self._records.append(stall)
+        self._counts[stall.kind] += 1
+        self._stalled += stall.wall_s
+        self._max_stall = max(self._max_stall, stall.wall_s)
+        if self.log:
+            logger.warning("trio loop stalled %s", stall.describe())
+
+    def _start(self, ident: int) -> None:
+        self._loop_ident = ident
+        if self._sample_stacks and not self._closed.is_set():
+            self._watchdog = threading.Thread(
+                target=self._watch, name="swarmtrain-loop-stall-watchdog", daemon=True
+            )
+            self._watchdog.start()
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if threading.get_ident() != self._loop_ident:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            self._gc_seconds += time.perf_counter() - self._gc_started
+            self._gc_started = None
+
+    def _watch(self) -> None:
+        """Take the loop thread's stack once per step that runs past the threshold."""
+        assert self._loop_ident is not None
+        interval = self.threshold / 2
+        while not self._closed.wait(interval):
+            step, seq = self._step, self._step_seq
+            if step is None or time.perf_counter() - step[0] <= self.threshold:
+                continue
+            if self._sampled is not None and self._sampled[0] == seq:
+                continue
+            stack = thread_stack(self._loop_ident)
+            with self._lock:
+                if self._step_seq == seq and self._step is step:
+                    self._sampled = (seq, stack)
+
+
+# ---------------------------------------------------------------------- switching it on
+
+
+def threshold_from_env() -> float | None:
+    """``SWARMTRAIN_LOOP_STALLS`` as seconds; None when unset, empty, ``0`` or not a number
+    (the last with a warning)."""
+    text = os.environ.get(LOOP_STALLS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        threshold = float(text)
+    except ValueError:
+        logger.warning("%s=%r is not a number of seconds: ignored", LOOP_STALLS_ENV, text)
+        return None
+    if not math.isfinite(threshold) or threshold < 0:
+        logger.warning("%s=%r is not a positive number of seconds: ignored", LOOP_STALLS_ENV, text)
+        return None
+    return threshold or None
+
+
+def watch_loop_stalls(threshold: float = DEFAULT_THRESHOLD, **kwargs: Any) -> LoopStallDetector:
+    """Add a :class:`LoopStallDetector` to the running trio loop, or return the one already
+    added by this function (its threshold unchanged). Call from a trio task. It stays for the
+    rest of the run (``detect_loop_stalls`` removes its detector)."""
+    try:
+        return _detector_of_run.get()
+    except LookupError:
+        pass
+    detector = LoopStallDetector(threshold, **kwargs)
+    trio.lowlevel.add_instrument(detector)
+    _detector_of_run.set(detector)
+    return detector
+
+
+def watch_from_env() -> LoopStallDetector | None:
+    """``watch_loop_stalls`` with ``SWARMTRAIN_LOOP_STALLS``'s threshold when it is set (every
+    swarmtrain host calls this when it starts); None when it is not."""
+    threshold = threshold_from_env()
+    if threshold is None:
+        return None
+    return watch_loop_stalls(threshold)
+
+
+@contextmanager
+def detect_loop_stalls(
+    threshold: float = DEFAULT_THRESHOLD, **kwargs: Any
+) -> Iterator[LoopStallDetector]:
+    """A detector on the running trio loop for the ``with`` block only (then removed and
+    closed; its records stay readable)."""
+    detector = LoopStallDetector(threshold, **kwargs)
+    trio.lowlevel.add_instrument(detector)
+    try:
+        yield detector
+    finally:
+        try:
+            trio.lowlevel.remove_instrument(detector)
+        except KeyError:
+            pass
+        detector.close()
