@@ -50,6 +50,7 @@ def _stall(wall: float, cpu: float, gc: float = 0.0) -> LoopStall:
 def test_a_stall_is_starved_gc_or_blocking():
     assert _stall(1.0, 0.1).kind == "starved"
     assert _stall(1.0, 0.9, gc=0.6).kind == "gc"
+    assert _stall(1.0, 0.3, gc=0.6).kind == "gc"  # a collection on a busy box
     assert _stall(1.0, 0.9, gc=0.1).kind == "blocking"
     assert "blocking" in _stall(1.0, 0.9).describe()
 

@@ -75,11 +75,12 @@ class LoopStall:
 
     @property
     def kind(self) -> str:
-        """``starved`` (not scheduled: CPU well below wall), ``gc`` or ``blocking``."""
+        """``gc`` (a cyclic collection took half the step or more), ``starved`` (CPU well
+        below wall time: not scheduled, or waiting for the GIL) or ``blocking``."""
+        if self.gc_s >= 0.5 * self.wall_s:
+            return "gc"
         if self.cpu_s < STARVED_CPU_FRACTION * self.wall_s:
             return "starved"
-        if self.gc_s >= 0.5 * self.cpu_s:
-            return "gc"
         return "blocking"
 
     def describe(self) -> str:
@@ -152,7 +153,12 @@ def _is_plumbing(code: CodeType) -> bool:
     plumbing = _plumbing_codes.get(code)
     if plumbing is None:
         path = code.co_filename
-        plumbing = "/trio/" in path or "/anyio/" in path or path.endswith("contextlib.py")
+        plumbing = (
+            "/trio/" in path
+            or "/anyio/" in path
+            or path.endswith(("contextlib.py", "threading.py"))
+            or path == __file__  # our GC callback, where a collection's stack is sampled
+        )
         if len(_plumbing_codes) < 65536:  # bounded: code objects are few, but not fixed
             _plumbing_codes[code] = plumbing
     return plumbing
