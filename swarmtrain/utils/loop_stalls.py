@@ -8,10 +8,12 @@ answers, its all-reduce parts) for 8 s. :class:`LoopStallDetector` is a trio
 - the task's name, where it resumed (the ``await`` its step started from) and where it
   suspended again (the next ``await``; empty when the task finished), the innermost frames of
   our code or a library's, not trio's;
-- the step's wall time, the loop thread's CPU time during it (``time.thread_time``) and the
-  garbage collector's time in that thread, so a stall is *starved* (CPU well below wall time:
-  the process or the thread was not scheduled, or waited for the GIL), *gc* (mostly a cyclic
-  collection) or *blocking* (the step's own work: serialization, tensor math, a sync call);
+- the step's wall time, the loop thread's CPU time during it (``time.thread_time``), on Linux
+  its time runnable but not on a core (the run queue, ``/proc/.../schedstat``), and the
+  garbage collector's time in that thread, so a stall is one of: *gc* (mostly a cyclic
+  collection), *starved* (waiting for a core: the machine's load), *waiting* (neither running
+  nor runnable: waiting for the GIL that another thread of the process holds, or in a
+  blocking call) or *blocking* (the step's own CPU work: serialization, tensor math);
 - with ``sample_stacks`` (default), a watchdog thread that looks every ``threshold / 2`` s
   and, while one step is still running past the threshold, takes the loop thread's stack:
   the code that actually held the loop, which the two ``await`` points only bracket.
@@ -51,7 +53,8 @@ logger = logging.getLogger(__name__)
 LOOP_STALLS_ENV = "SWARMTRAIN_LOOP_STALLS"
 DEFAULT_THRESHOLD = 0.1
 DEFAULT_MAX_RECORDS = 256
-#: a stall whose CPU time is below this fraction of its wall time counts as starved
+#: a stall whose CPU time is below this fraction of its wall time was not running: it waited
+#: (for a core: starved; for the GIL, a lock or a call: waiting)
 STARVED_CPU_FRACTION = 0.5
 _STACK_DEPTH = 12
 
@@ -72,24 +75,34 @@ class LoopStall:
     suspended_at: str  # the await it stopped at; "" if the task finished
     ended_at: float  # ``time.time()`` when the step ended
     stack: tuple[str, ...] = ()  # the loop thread's stack sampled during the step, innermost first
+    runqueue_s: float | None = None  # runnable but not on a core (Linux); None: unknown
 
     @property
     def kind(self) -> str:
-        """``gc`` (a cyclic collection took half the step or more), ``starved`` (CPU well
-        below wall time: not scheduled, or waiting for the GIL) or ``blocking``."""
+        """``gc`` (a cyclic collection took half the step or more); else, with CPU time well
+        below wall time, ``starved`` (most of the rest in the run queue, or unknown) or
+        ``waiting`` (the GIL, a lock, a blocking call); else ``blocking``."""
         if self.gc_s >= 0.5 * self.wall_s:
             return "gc"
         if self.cpu_s < STARVED_CPU_FRACTION * self.wall_s:
-            return "starved"
+            off_cpu = self.wall_s - self.cpu_s
+            if self.runqueue_s is None or self.runqueue_s >= 0.5 * off_cpu:
+                return "starved"
+            return "waiting"
         return "blocking"
 
     def describe(self) -> str:
         where = self.stack[0] if self.stack else self.suspended_at or "(task finished)"
         return (
             f"{self.wall_s * 1000:.0f} ms ({self.kind}: cpu {self.cpu_s * 1000:.0f} ms, "
-            f"gc {self.gc_s * 1000:.0f} ms) in task {self.task!r}, "
+            f"gc {self.gc_s * 1000:.0f} ms, run queue {_ms(self.runqueue_s)}) "
+            f"in task {self.task!r}, "
             f"from {self.resumed_at} to {self.suspended_at or '(task finished)'}; at {where}"
         )
+
+
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,7 @@ class LoopStallStatistics:
     steps: int
     stalls: int
     starved: int
+    waiting: int
     gc: int
     blocking: int
     max_stall_s: float
@@ -214,11 +228,12 @@ class LoopStallDetector(trio.abc.Instrument):
         self.log = log
         self._records: deque[LoopStall] = deque(maxlen=max_records)
         self._histogram = StepHistogram()
-        self._counts = {"starved": 0, "gc": 0, "blocking": 0}
+        self._counts = {"starved": 0, "waiting": 0, "gc": 0, "blocking": 0}
         self._max_stall = self._stalled = self._max_step = 0.0
         self._loop_ident: int | None = None
-        # the running step: (perf_counter, thread_time, gc seconds); None between steps
-        self._step: tuple[float, float, float] | None = None
+        # the running step: (perf_counter, thread_time, gc seconds, run queue); None between
+        self._step: tuple[float, float, float, float] | None = None
+        self._schedstat: int | None = None  # the loop thread's /proc schedstat (Linux)
         self._resumed_at: tuple[CodeType, int | None] | None = None
         self._step_seq = 0
         self._gc_seconds = 0.0
@@ -243,6 +258,7 @@ class LoopStallDetector(trio.abc.Instrument):
             steps=self._histogram.total,
             stalls=sum(counts.values()),
             starved=counts["starved"],
+            waiting=counts["waiting"],
             gc=counts["gc"],
             blocking=counts["blocking"],
             max_stall_s=self._max_stall,
@@ -260,6 +276,9 @@ class LoopStallDetector(trio.abc.Instrument):
             gc.callbacks.remove(self._on_gc)
         except ValueError:
             pass
+        if self._schedstat is not None:
+            os.close(self._schedstat)
+            self._schedstat = None
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join()
 
@@ -270,7 +289,7 @@ class LoopStallDetector(trio.abc.Instrument):
             self._start(threading.get_ident())
         self._step_seq += 1
         self._resumed_at = _awaiting_position(task.coro)
-        self._step = (time.perf_counter(), time.thread_time(), self._gc_seconds)
+        self._step = (time.perf_counter(), time.thread_time(), self._gc_seconds, self._runqueue())
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         step = self._step
@@ -290,6 +309,7 @@ class LoopStallDetector(trio.abc.Instrument):
             task=task.name,
             wall_s=wall,
             cpu_s=cpu,
+            runqueue_s=None if self._schedstat is None else self._runqueue() - step[3],
             gc_s=self._gc_seconds - step[2],
             resumed_at="" if self._resumed_at is None else _code_text(*self._resumed_at),
             suspended_at=awaiting_at(task.coro),
@@ -311,8 +331,22 @@ class LoopStallDetector(trio.abc.Instrument):
         if self.log:
             logger.warning("trio loop stalled %s", stall.describe())
 
+    def _runqueue(self) -> float:
+        """The loop thread's total run-queue wait in seconds (0.0 where unknown)."""
+        if self._schedstat is None:
+            return 0.0
+        try:
+            return int(os.pread(self._schedstat, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
     def _start(self, ident: int) -> None:
         self._loop_ident = ident
+        try:
+            path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+            self._schedstat = os.open(path, os.O_RDONLY)
+        except OSError:
+            self._schedstat = None  # not Linux, or no schedstats: stalls say "starved"
         if self._sample_stacks and not self._closed.is_set():
             self._watchdog = threading.Thread(
                 target=self._watch, name="swarmtrain-loop-stall-watchdog", daemon=True
