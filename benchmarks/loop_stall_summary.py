@@ -16,7 +16,7 @@ from collections import defaultdict
 
 LINE = re.compile(
     r"trio loop stalled (?P<ms>\d+) ms \((?P<kind>\w+): cpu (?P<cpu>\d+) ms, gc (?P<gc>\d+) ms"
-    r"(?:, run queue (?P<runqueue>[\d?]+)(?: ms)?)?\)"
+    r"(?:, run queue (?P<runqueue>[\d?]+)(?: ms)?)?(?P<extra>[^)]*)\)"
     r" in task '(?P<task>[^']*)', from (?P<start>.*?) to (?P<end>.*?); at (?P<at>.*)$"
 )
 

@@ -10,8 +10,10 @@ task's steps, so load cannot turn a pass into a fail.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
+import threading
 import time
 
 import pytest
@@ -197,3 +199,31 @@ async def test_the_env_variable_switches_it_on_for_a_host(monkeypatch):
         _blocks_the_loop(0.4)
         await trio.lowlevel.checkpoint()
     assert detector.statistics().stalls >= 1
+
+
+@pytest.mark.trio
+@pytest.mark.skipif(sys.platform != "linux", reason="threads' CPU from /proc")
+async def test_other_threads_cpu_and_collections_are_attributed():
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, name="spinner")
+    collector = threading.Thread(target=gc.collect, name="collector")
+    with detect_loop_stalls(0.2) as detector:
+        await trio.lowlevel.checkpoint()
+        spinner.start()
+        collector.start()
+        try:
+            _blocks_the_loop(0.6)  # while another thread spins and one collects garbage
+        finally:
+            stop.set()
+            spinner.join()
+            collector.join()
+        await trio.lowlevel.checkpoint()
+    (stall,) = [stall for stall in detector.stalls if stall.wall_s >= 0.6]
+    assert stall.gc_others_s > 0 and stall.gc_s == 0
+    assert "spinner" in [name for name, _ in stall.busy_threads]
+    assert "spinner" in stall.describe()

@@ -76,13 +76,17 @@ class LoopStall:
     ended_at: float  # ``time.time()`` when the step ended
     stack: tuple[str, ...] = ()  # the loop thread's stack sampled during the step, innermost first
     runqueue_s: float | None = None  # runnable but not on a core (Linux); None: unknown
+    gc_others_s: float = 0.0  # collections in other threads meanwhile (they hold the GIL)
+    #: other threads' CPU seconds from the watchdog's look to the step's end, busiest first
+    #: (Linux): who held the GIL while the loop was ``waiting``
+    busy_threads: tuple[tuple[str, float], ...] = ()
 
     @property
     def kind(self) -> str:
         """``gc`` (a cyclic collection took half the step or more); else, with CPU time well
         below wall time, ``starved`` (most of the rest in the run queue, or unknown) or
         ``waiting`` (the GIL, a lock, a blocking call); else ``blocking``."""
-        if self.gc_s >= 0.5 * self.wall_s:
+        if self.gc_s + self.gc_others_s >= 0.5 * self.wall_s:
             return "gc"
         if self.cpu_s < STARVED_CPU_FRACTION * self.wall_s:
             off_cpu = self.wall_s - self.cpu_s
@@ -93,9 +97,15 @@ class LoopStall:
 
     def describe(self) -> str:
         where = self.stack[0] if self.stack else self.suspended_at or "(task finished)"
+        others = ""
+        if self.gc_others_s:
+            others += f", gc in other threads {_ms(self.gc_others_s)}"
+        if self.busy_threads:
+            busy = ", ".join(f"{name} {_ms(cpu)}" for name, cpu in self.busy_threads)
+            others += f", other threads' cpu: {busy}"
         return (
             f"{self.wall_s * 1000:.0f} ms ({self.kind}: cpu {self.cpu_s * 1000:.0f} ms, "
-            f"gc {self.gc_s * 1000:.0f} ms, run queue {_ms(self.runqueue_s)}) "
+            f"gc {self.gc_s * 1000:.0f} ms, run queue {_ms(self.runqueue_s)}{others}) "
             f"in task {self.task!r}, "
             f"from {self.resumed_at} to {self.suspended_at or '(task finished)'}; at {where}"
         )
@@ -207,6 +217,38 @@ def thread_stack(ident: int, depth: int = _STACK_DEPTH) -> tuple[str, ...]:
     return tuple(stack)
 
 
+def _thread_cpu(native_id: int) -> float | None:
+    """A thread's CPU seconds from ``/proc/self/task/<id>/schedstat`` (None: gone or not
+    Linux). Safe for threads that exited, unlike their pthread CPU clocks."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat", "rb") as file:
+            return int(file.read().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _threads_cpu(exclude: set[int | None]) -> dict[int, tuple[str, float]]:
+    """``{native id: (name, CPU seconds)}`` of this process's other Python threads."""
+    found = {}
+    for thread in threading.enumerate():
+        if thread.ident in exclude or thread.native_id is None:
+            continue
+        cpu = _thread_cpu(thread.native_id)
+        if cpu is not None:
+            found[thread.native_id] = (thread.name, cpu)
+    return found
+
+
+def _busiest(before: dict[int, tuple[str, float]], top: int = 3) -> tuple[tuple[str, float], ...]:
+    """The threads that used the most CPU since ``before`` (over 1 ms), busiest first."""
+    used = []
+    for native_id, (name, cpu) in before.items():
+        now = _thread_cpu(native_id)
+        if now is not None and now - cpu > 0.001:
+            used.append((name, now - cpu))
+    return tuple(sorted(used, key=lambda entry: -entry[1])[:top])
+
+
 class LoopStallDetector(trio.abc.Instrument):
     """A trio instrument recording task steps longer than ``threshold`` seconds (see the
     module's docstring). Add it with ``watch_loop_stalls`` or ``detect_loop_stalls``; read
@@ -231,14 +273,17 @@ class LoopStallDetector(trio.abc.Instrument):
         self._counts = {"starved": 0, "waiting": 0, "gc": 0, "blocking": 0}
         self._max_stall = self._stalled = self._max_step = 0.0
         self._loop_ident: int | None = None
-        # the running step: (perf_counter, thread_time, gc seconds, run queue); None between
-        self._step: tuple[float, float, float, float] | None = None
+        # the running step: (perf_counter, thread_time, gc seconds, run queue, other threads'
+        # gc seconds); None between steps
+        self._step: tuple[float, float, float, float, float] | None = None
         self._schedstat: int | None = None  # the loop thread's /proc schedstat (Linux)
         self._resumed_at: tuple[CodeType, int | None] | None = None
         self._step_seq = 0
-        self._gc_seconds = 0.0
+        self._gc_seconds = 0.0  # in the loop thread
+        self._gc_other_seconds = 0.0  # in other threads
         self._gc_started: float | None = None
-        self._sampled: tuple[int, tuple[str, ...]] | None = None  # (step seq, stack)
+        # (step seq, stack, {native thread id: (name, cpu seconds)}) taken by the watchdog
+        self._sampled: tuple[int, tuple[str, ...], dict[int, tuple[str, float]]] | None = None
         self._lock = threading.Lock()  # the watchdog's sample vs. the step's end
         self._closed = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -289,7 +334,13 @@ class LoopStallDetector(trio.abc.Instrument):
             self._start(threading.get_ident())
         self._step_seq += 1
         self._resumed_at = _awaiting_position(task.coro)
-        self._step = (time.perf_counter(), time.thread_time(), self._gc_seconds, self._runqueue())
+        self._step = (
+            time.perf_counter(),
+            time.thread_time(),
+            self._gc_seconds,
+            self._runqueue(),
+            self._gc_other_seconds,
+        )
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         step = self._step
@@ -315,6 +366,8 @@ class LoopStallDetector(trio.abc.Instrument):
             suspended_at=awaiting_at(task.coro),
             ended_at=time.time(),
             stack=sampled[1] if sampled is not None and sampled[0] == seq else (),
+            gc_others_s=self._gc_other_seconds - step[4],
+            busy_threads=_busiest(sampled[2]) if sampled is not None and sampled[0] == seq else (),
         )
         self._record(stall)
 
@@ -354,13 +407,16 @@ class LoopStallDetector(trio.abc.Instrument):
             self._watchdog.start()
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if threading.get_ident() != self._loop_ident:
-            return
+        # collections never overlap (each holds the GIL), so one start time serves all threads
         if phase == "start":
             self._gc_started = time.perf_counter()
         elif self._gc_started is not None:
-            self._gc_seconds += time.perf_counter() - self._gc_started
+            took = time.perf_counter() - self._gc_started
             self._gc_started = None
+            if threading.get_ident() == self._loop_ident:
+                self._gc_seconds += took
+            else:
+                self._gc_other_seconds += took
 
     def _watch(self) -> None:
         """Take the loop thread's stack once per step that runs past the threshold."""
@@ -373,9 +429,10 @@ class LoopStallDetector(trio.abc.Instrument):
             if self._sampled is not None and self._sampled[0] == seq:
                 continue
             stack = thread_stack(self._loop_ident)
+            others = _threads_cpu(exclude={self._loop_ident, threading.get_ident()})
             with self._lock:
                 if self._step_seq == seq and self._step is step:
-                    self._sampled = (seq, stack)
+                    self._sampled = (seq, stack, others)
 
 
 # ---------------------------------------------------------------------- switching it on
