@@ -218,12 +218,35 @@ async def test_other_threads_cpu_and_collections_are_attributed():
         collector.start()
         try:
             _blocks_the_loop(0.6)  # while another thread spins and one collects garbage
+            collector.join()
+            await trio.lowlevel.checkpoint()  # the step ends while the spinner still runs
         finally:
             stop.set()
             spinner.join()
-            collector.join()
-        await trio.lowlevel.checkpoint()
     (stall,) = [stall for stall in detector.stalls if stall.wall_s >= 0.6]
     assert stall.gc_others_s > 0 and stall.gc_s == 0
     assert "spinner" in [name for name, _ in stall.busy_threads]
     assert "spinner" in stall.describe()
+
+
+def _holds_the_gil(after: float, iterations: int) -> None:
+    time.sleep(after)
+    sum(range(iterations))  # a C loop: no bytecode, so the GIL is never handed over
+
+
+@pytest.mark.trio
+async def test_a_loop_that_cannot_wake_up_on_time_is_reported():
+    """While the loop sleeps, another thread holds the GIL: the loop's I/O wait overruns its
+    timeout; no task step is long, the scheduler's wake-up is late."""
+    holder = threading.Thread(target=_holds_the_gil, args=(0.05, 60_000_000))
+    with detect_loop_stalls(0.1, sample_stacks=False) as detector:
+        await trio.lowlevel.checkpoint()
+        started = time.perf_counter()
+        holder.start()
+        await trio.sleep(0.3)
+        overslept = time.perf_counter() - started - 0.3
+        await trio.to_thread.run_sync(holder.join)
+    wakes = [stall for stall in detector.stalls if stall.task == loop_stalls.IO_WAIT_TASK]
+    if overslept > 0.2:  # the sum outlasted the sleep (it takes ~1 s on a quiet box)
+        assert wakes and wakes[0].wall_s > 0.1
+        assert wakes[0].kind in ("waiting", "starved")

@@ -57,6 +57,8 @@ DEFAULT_MAX_RECORDS = 256
 #: (for a core: starved; for the GIL, a lock or a call: waiting)
 STARVED_CPU_FRACTION = 0.5
 _STACK_DEPTH = 12
+#: the task name of a stall outside task steps: an I/O wait that overran its timeout
+IO_WAIT_TASK = "<trio scheduler: I/O wait past its timeout>"
 
 _detector_of_run: trio.lowlevel.RunVar[LoopStallDetector] = trio.lowlevel.RunVar(
     "swarmtrain_loop_stall_detector"
@@ -279,6 +281,9 @@ class LoopStallDetector(trio.abc.Instrument):
         self._schedstat: int | None = None  # the loop thread's /proc schedstat (Linux)
         self._resumed_at: tuple[CodeType, int | None] | None = None
         self._step_seq = 0
+        # the I/O wait in progress: (perf_counter, timeout, thread_time, run queue, other
+        # threads' gc seconds); None between waits
+        self._io_wait: tuple[float, float, float, float, float] | None = None
         self._gc_seconds = 0.0  # in the loop thread
         self._gc_other_seconds = 0.0  # in other threads
         self._gc_started: float | None = None
@@ -368,6 +373,38 @@ class LoopStallDetector(trio.abc.Instrument):
             stack=sampled[1] if sampled is not None and sampled[0] == seq else (),
             gc_others_s=self._gc_other_seconds - step[4],
             busy_threads=_busiest(sampled[2]) if sampled is not None and sampled[0] == seq else (),
+        )
+        self._record(stall)
+
+    def before_io_wait(self, timeout: float) -> None:
+        self._io_wait = (
+            time.perf_counter(),
+            timeout,
+            time.thread_time(),
+            self._runqueue(),
+            self._gc_other_seconds,
+        )
+
+    def after_io_wait(self, timeout: float) -> None:
+        """A wait for I/O that overran its timeout: the loop could not run when it was due
+        (no core, or the GIL held by another thread): a stall outside any task step."""
+        wait = self._io_wait
+        if wait is None:
+            return
+        self._io_wait = None
+        overrun = time.perf_counter() - wait[0] - wait[1]
+        if overrun <= self.threshold:
+            return
+        stall = LoopStall(
+            task=IO_WAIT_TASK,
+            wall_s=overrun,
+            cpu_s=time.thread_time() - wait[2],
+            gc_s=0.0,
+            resumed_at="",
+            suspended_at="",
+            ended_at=time.time(),
+            runqueue_s=None if self._schedstat is None else self._runqueue() - wait[3],
+            gc_others_s=self._gc_other_seconds - wait[4],
         )
         self._record(stall)
 
