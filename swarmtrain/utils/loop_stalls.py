@@ -79,8 +79,8 @@ class LoopStall:
     stack: tuple[str, ...] = ()  # the loop thread's stack sampled during the step, innermost first
     runqueue_s: float | None = None  # runnable but not on a core (Linux); None: unknown
     gc_others_s: float = 0.0  # collections in other threads meanwhile (they hold the GIL)
-    #: other threads' CPU seconds from the watchdog's look to the step's end, busiest first
-    #: (Linux): who held the GIL while the loop was ``waiting``
+    #: other threads' CPU seconds during the step (from the watchdog's last look before it,
+    #: at most ``threshold / 2`` earlier), busiest first (Linux): who held the GIL meanwhile
     busy_threads: tuple[tuple[str, float], ...] = ()
 
     @property
@@ -288,7 +288,11 @@ class LoopStallDetector(trio.abc.Instrument):
         self._gc_other_seconds = 0.0  # in other threads
         self._gc_started: float | None = None
         # (step seq, stack, {native thread id: (name, cpu seconds)}) taken by the watchdog
-        self._sampled: tuple[int, tuple[str, ...], dict[int, tuple[str, float]]] | None = None
+        self._sampled: tuple[int, tuple[str, ...]] | None = None  # (step seq, stack)
+        # (perf_counter, {native thread id: (name, cpu seconds)}) noted by the watchdog (Linux)
+        self._threads_seen: deque[tuple[float, dict[int, tuple[str, float]]]] | None = (
+            deque(maxlen=4) if sys.platform == "linux" else None
+        )
         self._lock = threading.Lock()  # the watchdog's sample vs. the step's end
         self._closed = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -372,9 +376,17 @@ class LoopStallDetector(trio.abc.Instrument):
             ended_at=time.time(),
             stack=sampled[1] if sampled is not None and sampled[0] == seq else (),
             gc_others_s=self._gc_other_seconds - step[4],
-            busy_threads=_busiest(sampled[2]) if sampled is not None and sampled[0] == seq else (),
+            busy_threads=self._busy_since(step[0]),
         )
         self._record(stall)
+
+    def _busy_since(self, started: float) -> tuple[tuple[str, float], ...]:
+        """Other threads' CPU since the watchdog's last note before ``started``."""
+        seen = list(self._threads_seen or ())
+        before = [threads for at, threads in seen if at <= started]
+        if before:
+            return _busiest(before[-1])
+        return _busiest(seen[0][1]) if seen else ()
 
     def before_io_wait(self, timeout: float) -> None:
         self._io_wait = (
@@ -400,11 +412,12 @@ class LoopStallDetector(trio.abc.Instrument):
             wall_s=overrun,
             cpu_s=time.thread_time() - wait[2],
             gc_s=0.0,
-            resumed_at="",
-            suspended_at="",
+            resumed_at="(I/O wait)",
+            suspended_at="(I/O wait)",
             ended_at=time.time(),
             runqueue_s=None if self._schedstat is None else self._runqueue() - wait[3],
             gc_others_s=self._gc_other_seconds - wait[4],
+            busy_threads=self._busy_since(wait[0] + wait[1]),
         )
         self._record(stall)
 
@@ -456,20 +469,24 @@ class LoopStallDetector(trio.abc.Instrument):
                 self._gc_other_seconds += took
 
     def _watch(self) -> None:
-        """Take the loop thread's stack once per step that runs past the threshold."""
+        """Every ``threshold / 2`` s: note the other threads' CPU clocks (so a stall can say
+        who ran during it, even when a thread held the GIL so long that this thread could not
+        run); take the loop thread's stack once per step that runs past the threshold."""
         assert self._loop_ident is not None
         interval = self.threshold / 2
+        exclude: set[int | None] = {self._loop_ident, threading.get_ident()}
         while not self._closed.wait(interval):
+            if self._threads_seen is not None:
+                self._threads_seen.append((time.perf_counter(), _threads_cpu(exclude)))
             step, seq = self._step, self._step_seq
             if step is None or time.perf_counter() - step[0] <= self.threshold:
                 continue
             if self._sampled is not None and self._sampled[0] == seq:
                 continue
             stack = thread_stack(self._loop_ident)
-            others = _threads_cpu(exclude={self._loop_ident, threading.get_ident()})
             with self._lock:
                 if self._step_seq == seq and self._step is step:
-                    self._sampled = (seq, stack, others)
+                    self._sampled = (seq, stack)
 
 
 # ---------------------------------------------------------------------- switching it on
