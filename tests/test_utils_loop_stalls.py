@@ -227,6 +227,7 @@ async def test_other_threads_cpu_and_collections_are_attributed():
     assert stall.gc_others_s > 0 and stall.gc_s == 0
     assert "spinner" in [name for name, _ in stall.busy_threads]
     assert "spinner" in stall.describe()
+    assert "spin" in stall.others_at["spinner"]  # where it was when the watchdog looked
 
 
 def _holds_the_gil(after: float, iterations: int) -> None:

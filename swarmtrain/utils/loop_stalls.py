@@ -41,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
 
@@ -82,6 +82,8 @@ class LoopStall:
     #: other threads' CPU seconds during the step (from the watchdog's last look before it,
     #: at most ``threshold / 2`` earlier), busiest first (Linux): who held the GIL meanwhile
     busy_threads: tuple[tuple[str, float], ...] = ()
+    #: where the other threads were when the watchdog sampled the loop's stack (by name)
+    others_at: dict[str, str] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -103,7 +105,11 @@ class LoopStall:
         if self.gc_others_s:
             others += f", gc in other threads {_ms(self.gc_others_s)}"
         if self.busy_threads:
-            busy = ", ".join(f"{name} {_ms(cpu)}" for name, cpu in self.busy_threads)
+            busy = ", ".join(
+                f"{name} {_ms(cpu)}"
+                + (f" at {self.others_at[name]}" if name in self.others_at else "")
+                for name, cpu in self.busy_threads
+            )
             others += f", other threads' cpu: {busy}"
         return (
             f"{self.wall_s * 1000:.0f} ms ({self.kind}: cpu {self.cpu_s * 1000:.0f} ms, "
@@ -219,6 +225,19 @@ def thread_stack(ident: int, depth: int = _STACK_DEPTH) -> tuple[str, ...]:
     return tuple(stack)
 
 
+def _other_threads_at(exclude: set[int | None]) -> dict[str, str]:
+    """``{thread name: its innermost frame outside trio}`` of the other Python threads."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    found = {}
+    for ident, frame in sys._current_frames().items():
+        if ident in exclude or ident not in names:
+            continue
+        while frame is not None and _is_plumbing(frame.f_code) and frame.f_back is not None:
+            frame = frame.f_back
+        found[names[ident]] = _code_text(frame.f_code, frame.f_lineno)
+    return found
+
+
 def _thread_cpu(native_id: int) -> float | None:
     """A thread's CPU seconds from ``/proc/self/task/<id>/schedstat`` (None: gone or not
     Linux). Safe for threads that exited, unlike their pthread CPU clocks."""
@@ -288,7 +307,8 @@ class LoopStallDetector(trio.abc.Instrument):
         self._gc_other_seconds = 0.0  # in other threads
         self._gc_started: float | None = None
         # (step seq, stack, {native thread id: (name, cpu seconds)}) taken by the watchdog
-        self._sampled: tuple[int, tuple[str, ...]] | None = None  # (step seq, stack)
+        # (step seq, the loop thread's stack, {other thread's name: its innermost frame})
+        self._sampled: tuple[int, tuple[str, ...], dict[str, str]] | None = None
         # (perf_counter, {native thread id: (name, cpu seconds)}) noted by the watchdog (Linux)
         self._threads_seen: deque[tuple[float, dict[int, tuple[str, float]]]] | None = (
             deque(maxlen=4) if sys.platform == "linux" else None
@@ -377,6 +397,7 @@ class LoopStallDetector(trio.abc.Instrument):
             stack=sampled[1] if sampled is not None and sampled[0] == seq else (),
             gc_others_s=self._gc_other_seconds - step[4],
             busy_threads=self._busy_since(step[0]),
+            others_at=sampled[2] if sampled is not None and sampled[0] == seq else {},
         )
         self._record(stall)
 
@@ -484,9 +505,10 @@ class LoopStallDetector(trio.abc.Instrument):
             if self._sampled is not None and self._sampled[0] == seq:
                 continue
             stack = thread_stack(self._loop_ident)
+            others = _other_threads_at(exclude)
             with self._lock:
                 if self._step_seq == seq and self._step is step:
-                    self._sampled = (seq, stack)
+                    self._sampled = (seq, stack, others)
 
 
 # ---------------------------------------------------------------------- switching it on
