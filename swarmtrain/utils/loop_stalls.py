@@ -306,12 +306,12 @@ class LoopStallDetector(trio.abc.Instrument):
         self._gc_seconds = 0.0  # in the loop thread
         self._gc_other_seconds = 0.0  # in other threads
         self._gc_started: float | None = None
-        # (step seq, stack, {native thread id: (name, cpu seconds)}) taken by the watchdog
         # (step seq, the loop thread's stack, {other thread's name: its innermost frame})
         self._sampled: tuple[int, tuple[str, ...], dict[str, str]] | None = None
-        # (perf_counter, {native thread id: (name, cpu seconds)}) noted by the watchdog (Linux)
+        # (perf_counter, {native thread id: (name, cpu seconds)}) noted by the watchdog (Linux),
+        # the last 32 thresholds' worth: a longer stall counts other threads' CPU from then
         self._threads_seen: deque[tuple[float, dict[int, tuple[str, float]]]] | None = (
-            deque(maxlen=4) if sys.platform == "linux" else None
+            deque(maxlen=64) if sys.platform == "linux" else None
         )
         self._lock = threading.Lock()  # the watchdog's sample vs. the step's end
         self._closed = threading.Event()
