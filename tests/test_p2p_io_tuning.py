@@ -2,9 +2,10 @@
 
 import pytest
 import trio
+import trio.testing
 from libp2p.io.trio import TrioTCPStream
 
-from swarmtrain.p2p._io_tuning import BufferedTCPStream
+from swarmtrain.p2p._io_tuning import CHECKPOINT_BYTES, BufferedTCPStream
 
 pytestmark = pytest.mark.trio
 
@@ -54,3 +55,31 @@ async def test_concurrent_readers_and_read_all_never_reorder_bytes():
     assert joined == data
     await reader.close()
     await writer.close()
+
+
+async def test_a_burst_of_small_reads_from_the_buffer_lets_other_tasks_run():
+    """A 1 MiB burst read as 1 KiB pieces (a yamux reader parsing small frames) is served from
+    one recv; without checkpoints the loop would run nothing else until the burst is parsed."""
+    sender, receiver = trio.testing.memory_stream_pair()  # one receive_some returns it all
+    reader = BufferedTCPStream(receiver)  # type: ignore[arg-type]
+    burst = bytes(i % 253 for i in range(1024 * 1024))
+    await sender.send_all(burst)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await trio.lowlevel.checkpoint()
+            ticks += 1
+
+    got = bytearray()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await trio.lowlevel.checkpoint()  # the ticker starts
+        before = ticks
+        while len(got) < len(burst):
+            got += await reader.read(1024)
+        during = ticks - before
+        nursery.cancel_scope.cancel()
+    assert bytes(got) == burst
+    assert during >= len(burst) // CHECKPOINT_BYTES - 1

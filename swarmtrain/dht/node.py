@@ -43,7 +43,7 @@ from .node_config import check_hivemind_only_keywords as check_hivemind_only_key
 from .node_maintenance import REJOIN_FIRST_DELAY as REJOIN_FIRST_DELAY
 from .node_maintenance import REJOIN_MAX_DELAY as REJOIN_MAX_DELAY
 from .node_maintenance import RoutingMaintenance
-from .node_values import cache_items, decode, validated
+from .node_values import cache_items, decode, validated_off_loop
 from .peer_records import PeerRecordValidator
 from .protocol import (
     DHTProtocol,
@@ -82,6 +82,7 @@ class DHTNode:
         self.p2p, self.node_id, self.config = p2p, node_id, config
         self.record_validator = record_validator
         self._nursery = nursery
+        self._read_validation = trio.CapacityLimiter(1)  # large found values, one at a time
         self.protocol = DHTProtocol(
             p2p,
             node_id,
@@ -222,7 +223,8 @@ class DHTNode:
     async def _search(
         self, queries: list[DHTID], beam_size: int, on_result=None, include_self: bool = False
     ) -> tuple[dict[DHTID, dict[DHTID, PeerID]], dict[DHTID, set[DHTID]]]:
-        """Beam search; ``on_result(query, node_id, FindResult) -> should_stop`` sees answers.
+        """Beam search; ``await on_result(query, node_id, FindResult) -> should_stop`` sees
+        answers.
 
         With ``include_self`` (ignored for a client), this node takes a place in the beam
         without an RPC (the caller has read its own storage) and may be among the results.
@@ -248,7 +250,7 @@ class DHTNode:
                 result = response[query]
                 for neighbor, peer_id in result.nearest.items():
                     peers.setdefault(neighbor, peer_id)
-                should_stop = on_result(query, node_id, result) if on_result else False
+                should_stop = await on_result(query, node_id, result) if on_result else False
                 answer[query] = (list(result.nearest), should_stop)
             return answer
 
@@ -374,16 +376,15 @@ class DHTNode:
         """Validated (still serialized) values of ``serialized_keys``, searched together."""
         key_of = {DHTID.from_serialized_key(key): key for key in dict.fromkeys(serialized_keys)}
         now = get_dht_time()
-        best = {
-            key_id: validated(self.protocol, key, self.protocol.lookup_locally(key_id, now))
-            for key_id, key in key_of.items()
-        }
+        best = {}
+        for key_id, key in key_of.items():
+            best[key_id] = await self._validated(key, self.protocol.lookup_locally(key_id, now))
         queries = [key_id for key_id in key_of if best[key_id] is None or latest]
         if queries:
             lacking: dict[DHTID, list[DHTID]] = {key_id: [] for key_id in queries}
 
-            def on_result(query: DHTID, node_id: DHTID, result) -> bool:
-                found = validated(self.protocol, key_of[query], result.value)
+            async def on_result(query: DHTID, node_id: DHTID, result) -> bool:
+                found = await self._validated(key_of[query], result.value)
                 if found is None:
                     lacking[query].append(node_id)
                 best[query] = merge_found_values(best[query], found, get_dht_time())
@@ -398,6 +399,12 @@ class DHTNode:
                     self._cache(key_of[key_id], best_found, found_nodes[key_id], lacking[key_id])
         return {key: best[key_id] for key_id, key in key_of.items()}
 
+    async def _validated(
+        self, serialized_key: bytes, found: FoundValue | None
+    ) -> FoundValue | None:
+        """``found`` without invalid records; large values are checked in a worker thread."""
+        return await validated_off_loop(self.protocol, serialized_key, found, self._read_validation)
+
     def _cache(
         self,
         serialized_key: bytes,
@@ -406,8 +413,8 @@ class DHTNode:
         lacking: list[DHTID],
     ) -> None:
         items = cache_items(serialized_key, found)
-        if self.config.cache_locally:
-            self.protocol.store_locally(items, in_cache=True)
+        if self.config.cache_locally:  # validated by the search already
+            self.protocol.store_validated_locally(items, in_cache=True)
         targets = [node_id for node_id in nearest if node_id in lacking]
         for node_id in targets[: self.config.cache_nearest]:
             self._nursery.start_soon(

@@ -278,6 +278,13 @@ class DHTProtocol:
         """Validate all items (raising before any change if one is malformed), then store."""
         return self._store_valid(items, [self.validate_record(item) for item in items], in_cache)
 
+    def store_validated_locally(
+        self, items: Sequence[StoreItem], in_cache: bool = False
+    ) -> list[bool]:
+        """Store items this node validated already (a search's results), without checking
+        them again on the loop."""
+        return self._store_valid(items, [True] * len(items), in_cache)
+
     def _store_valid(
         self,
         items: Sequence[StoreItem],

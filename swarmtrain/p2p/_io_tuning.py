@@ -2,7 +2,9 @@
 
 - Buffered socket reads: Noise reads every message as a 2-byte length then a body, each a
   socket ``recv`` and a trio checkpoint. ``BufferedTCPStream`` pulls up to
-  ``READ_BUFFER_SIZE`` bytes per ``recv`` and serves small reads from that buffer.
+  ``READ_BUFFER_SIZE`` bytes per ``recv`` and serves small reads from that buffer, with a
+  checkpoint every ``CHECKPOINT_BYTES`` served (a burst of small frames would otherwise be
+  parsed in one task step, holding the loop).
 - One socket write per muxer frame: Noise splits a large write into 64 KiB messages and
   writes each with its own ``send_all``; ``BatchingNoiseReadWriter`` encrypts all messages of
   one write and sends them at once.
@@ -24,6 +26,8 @@ from libp2p.security.noise import io as noise_io
 from libp2p.security.noise.io import NoiseTransportReadWriter
 
 READ_BUFFER_SIZE = 1024 * 1024
+#: bytes served from the buffer between two checkpoints of the reading task
+CHECKPOINT_BYTES = 64 * 1024
 _SIZE_LEN = noise_io.NoisePacketReadWriter.size_len_bytes
 _MAX_PLAINTEXT = noise_io.MAX_PLAINTEXT_LENGTH
 
@@ -36,8 +40,13 @@ class BufferedTCPStream(TrioTCPStream):
     """py-libp2p's TCP stream reading up to ``READ_BUFFER_SIZE`` bytes per ``recv``."""
 
     _buffer: bytearray | None = None
+    _served = 0  # bytes served from the buffer since the last checkpoint
 
     async def read(self, n: int | None = None) -> bytes:
+        if self._buffer and self._served >= CHECKPOINT_BYTES:
+            # before taking, so readers still return bytes in the order they took them
+            self._served = 0
+            await trio.lowlevel.checkpoint()
         if n is None:  # whatever is available: the buffer first, never behind a later recv
             if self._buffer:
                 return self._take(len(self._buffer))
@@ -57,6 +66,7 @@ class BufferedTCPStream(TrioTCPStream):
                 ) from error
             except trio.ClosedResourceError:
                 return b""
+            self._served = 0  # the recv was a checkpoint
             if len(data) <= n:
                 return data
             self._buffer = bytearray(data[n:])
@@ -67,6 +77,7 @@ class BufferedTCPStream(TrioTCPStream):
         assert buffer is not None  # callers take only from a non-empty buffer
         chunk = bytes(buffer[:n])
         del buffer[:n]
+        self._served += len(chunk)
         return chunk
 
 

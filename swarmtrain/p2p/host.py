@@ -74,6 +74,7 @@ from swarmtrain.p2p.private_network import PrivateNoiseTransport, resolve_swarm_
 from swarmtrain.p2p.relay import RelayManager
 from swarmtrain.p2p.rpc_stream import RPCStream
 from swarmtrain.p2p.stripe_core import MAX_STRIPES
+from swarmtrain.utils import loop_stalls
 from swarmtrain.utils.async_context import async_context_only
 from swarmtrain.utils.exception_groups import collapse_exception_groups
 
@@ -323,6 +324,7 @@ class P2P(Dialling):
         )
         check_libp2p_version()
         configure_process(quiet_logging=config.quiet_logging)
+        loop_stalls.watch_from_env()
         key_pair = load_or_create_identity(config.identity_path)
         listen = [] if config.client_mode else [_with_ws_port(a) for a in config.host_maddrs]
         check_addresses_free(listen)

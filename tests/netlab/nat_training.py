@@ -25,6 +25,7 @@ LOG = (
     "swarmtrain.averaging.matchmaking",
     "swarmtrain.averaging.async_averager",
     "swarmtrain.optim",
+    "swarmtrain.utils.loop_stalls",  # with SWARMTRAIN_LOOP_STALLS=0.1 in the environment
 )
 
 

@@ -196,6 +196,8 @@ def train(dht, options: dict, command: dict, commands: queue.Queue) -> None:
             averaging_timeout=command.get("averaging_timeout", 60.0),
             load_state_timeout=60.0,
         )
+    if command.get("freeze_startup_objects"):  # cheaper full collections (README)
+        swarmtrain.utils.freeze_startup_objects()
     try:
         loss_before, _ = evaluate(model, eval_set)
         if command.get("join"):  # a newcomer: take the swarm's state first
