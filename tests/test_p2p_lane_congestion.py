@@ -191,3 +191,59 @@ async def test_auto_refused_by_the_kernel_is_logged_once_and_lanes_still_work(mo
     refused = [r for r in caplog.records if "nosuchcc" in r.getMessage()]
     assert len(refused) == 2, [r.getMessage() for r in refused]  # once per host (both ends)
     assert all(r.levelno == logging.INFO for r in refused)
+
+
+def test_a_caller_dials_few_stripes_only_when_both_ends_use_the_long_path_control():
+    from swarmtrain.p2p.lane_connections import (
+        LONG_PATH_CONGESTION,
+        LONG_PATH_STRIPES,
+        stripes_to_dial,
+    )
+
+    both = LONG_PATH_CONGESTION
+    assert stripes_to_dial(8, both, both) == LONG_PATH_STRIPES
+    assert stripes_to_dial(1, both, both) == 1
+    assert stripes_to_dial(8, both, None) == 8  # the callee sends with cubic: many flows
+    assert stripes_to_dial(8, None, both) == 8
+    assert stripes_to_dial(8, "cubic", "cubic") == 8
+
+
+def test_the_long_path_control_is_what_this_process_may_set(monkeypatch):
+    from swarmtrain.p2p import lane_connections
+
+    another_algorithm()  # Linux with the option
+    assert lane_connections.long_path_congestion(None) is None
+    assert lane_connections.long_path_congestion("cubic") == "cubic"
+    expected = lane_connections.LONG_PATH_CONGESTION
+    probe = socket.socket()
+    with probe:
+        if lane_connections.set_congestion(probe, expected) is not None:
+            expected = None
+    assert lane_connections.long_path_congestion("auto") == expected
+    monkeypatch.setattr(lane_connections, "LONG_PATH_CONGESTION", "nosuchcc")
+    assert lane_connections.long_path_congestion("auto") is None  # refused: the system's
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("callee_setting", ["auto", None])
+async def test_a_striped_lane_dials_few_stripes_when_both_ends_use_the_long_path_control(
+    monkeypatch, callee_setting
+):
+    """Real hosts, every path counted as long (``lane_stripe_min_rtt=0``), the long-path
+    control patched to a loaded algorithm this process may set: the caller dials
+    ``LONG_PATH_STRIPES`` connections when the callee's ticket says it uses that control too,
+    all granted ones when it keeps the system's."""
+    from swarmtrain.p2p import lane_connections
+
+    monkeypatch.setattr(lane_connections, "LONG_PATH_CONGESTION", another_algorithm())
+    options = {"lane_stripe_min_rtt": 0.0, "lane_stripes": 8}
+    async with (
+        P2P.create(lane_congestion=callee_setting, **options) as a,
+        P2P.create(initial_peers=a.get_visible_maddrs(), **options) as b,
+    ):
+        a.add_protobuf_handler("t::C.total_size", total_size, BytesValue, stream_input=True)
+        await bulk_call(b, a)
+        assert b.statistics()["striped_lanes_opened"] == 1
+        dialled = len(lane_sockets(a.lanes.port)["caller"])
+        expected = lane_connections.LONG_PATH_STRIPES if callee_setting == "auto" else 8
+        assert dialled == expected

@@ -75,6 +75,7 @@ from swarmtrain.p2p.lane_connections import (
     AUTO_CONGESTION,
     StripeGroup,
     congestion_for_path,
+    long_path_congestion,
     set_congestion,
 )
 from swarmtrain.p2p.lane_connections import CONNECT_TIMEOUT as CONNECT_TIMEOUT
@@ -130,6 +131,7 @@ class DataLanes(LaneCallee, LaneCaller):
         self.congestion = congestion
         self.idle_timeout = idle_timeout
         self._congestion_refused = False
+        self._long_path_congestion = long_path_congestion(congestion)
         self._p2p = p2p
         self._listen_host = listen_host
         self._port = port
@@ -175,6 +177,11 @@ class DataLanes(LaneCallee, LaneCaller):
                 self.congestion,
                 error,
             )
+
+    @property
+    def long_path_congestion(self) -> str | None:
+        """The congestion control our lane sockets use on a long path (None: the system's)."""
+        return None if self._congestion_refused else self._long_path_congestion
 
     def _fit_to_path(self, raw: socket.socket, rtt: float | None) -> None:
         """Under ``lane_congestion="auto"``, a connected lane socket on a long path (``rtt`` >=

@@ -46,6 +46,10 @@ class LaneCallee:
     lanes_accepted: int
     striped_lanes_accepted: int
 
+    @property
+    def long_path_congestion(self) -> str | None:
+        raise NotImplementedError
+
     def _prepare_socket(self, raw: socket.socket) -> None:
         raise NotImplementedError
 
@@ -78,6 +82,7 @@ class LaneCallee:
             expires_in=self.tickets.ttl,
             stripes=granted,
             idle_timeout=idle or 0.0,
+            long_path_congestion=self.long_path_congestion or "",
         )
 
     async def _accept_loop(self, listener) -> None:

@@ -32,6 +32,7 @@ from swarmtrain.p2p.lane_connections import (
     dial_stripe,
     show_ticket,
     stripe_timeout,
+    stripes_to_dial,
 )
 from swarmtrain.p2p.lane_stream import LaneStream
 from swarmtrain.p2p.lane_stripes import StripedLane
@@ -66,6 +67,10 @@ class LaneCaller:
     lanes_opened: int
     striped_lanes_opened: int
     fallbacks: int
+
+    @property
+    def long_path_congestion(self) -> str | None:
+        raise NotImplementedError
 
     def _prepare_socket(self, raw: socket.socket) -> None:
         raise NotImplementedError
@@ -246,7 +251,9 @@ class LaneCaller:
             if granted == 1:  # the original handshake: the ticket id alone
                 return await show_ticket(first, ticket, lanes)
             if rtt >= self.stripe_min_rtt:
-                count = granted
+                count = stripes_to_dial(
+                    granted, self.long_path_congestion, ticket.long_path_congestion or None
+                )
             timeout = stripe_timeout(rtt)
 
             def prepare_stripe(raw: socket.socket) -> None:

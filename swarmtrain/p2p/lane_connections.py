@@ -24,6 +24,39 @@ AUTO_CONGESTION = "auto"
 LONG_PATH_CONGESTION = "bbr"
 
 
+#: stripes per lane when both ends' sockets on the path use ``LONG_PATH_CONGESTION``: it is
+#: not loss-bound, so two flows fill a lossy path, and each further flow adds a tail whose
+#: losses cost whole RTTs to recover (benchmarks/RESULTS.md)
+LONG_PATH_STRIPES = 2
+
+
+def long_path_congestion(setting: str | None) -> str | None:
+    """The congestion control our lane sockets will use on a long path under the
+    ``lane_congestion`` ``setting``: the name it gives; under ``"auto"``
+    ``LONG_PATH_CONGESTION`` where this process may set it (probed on a fresh socket), else
+    None (the system's)."""
+    if setting is None:
+        return None
+    if setting != AUTO_CONGESTION:
+        return setting
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        refused = set_congestion(probe, LONG_PATH_CONGESTION)
+    finally:
+        probe.close()
+    return LONG_PATH_CONGESTION if refused is None else None
+
+
+def stripes_to_dial(granted: int, ours: str | None, theirs: str | None) -> int:
+    """How many of the ``granted`` stripes a caller dials on a long path: fewer
+    (``LONG_PATH_STRIPES``) when both ends' sockets there use ``LONG_PATH_CONGESTION``
+    (``ours``: ``long_path_congestion``, ``theirs``: the ticket's), all of them otherwise (a
+    loss-based control needs many flows: ``stripe_core.stripes_for_path``)."""
+    if ours == theirs == LONG_PATH_CONGESTION:
+        return max(1, min(granted, LONG_PATH_STRIPES))
+    return granted
+
+
 def congestion_for_path(setting: str | None, rtt: float | None, long_path_rtt: float) -> str | None:
     """The congestion control to give a connected lane socket whose RTT is ``rtt`` seconds
     under the ``lane_congestion`` ``setting``: ``LONG_PATH_CONGESTION`` under ``"auto"`` when
