@@ -79,13 +79,25 @@ def test_threshold_from_env(monkeypatch, text, expected):
 # ------------------------------------------------------------------------ a real trio loop
 
 
-def _blocks_the_loop(seconds: float) -> None:
-    time.sleep(seconds)
+def _sampled(detector: LoopStallDetector | None) -> bool:
+    """Whether the watchdog has taken the stack of the loop step in progress (a busy box may
+    schedule its thread late: a step that must show a sample lasts until it has one)."""
+    if detector is None:
+        return True
+    sampled = detector._sampled
+    return sampled is not None and sampled[0] == detector._step_seq
 
 
-async def blocking_task() -> None:
+def _blocks_the_loop(seconds: float, detector: LoopStallDetector | None = None) -> None:
+    end = time.monotonic() + seconds
+    limit = end + 10.0
+    while time.monotonic() < end or (not _sampled(detector) and time.monotonic() < limit):
+        time.sleep(0.01)
+
+
+async def blocking_task(detector: LoopStallDetector | None = None) -> None:
     await trio.lowlevel.checkpoint()
-    _blocks_the_loop(0.6)
+    _blocks_the_loop(0.6, detector)
     await trio.lowlevel.checkpoint()
 
 
@@ -94,16 +106,17 @@ async def yielding_task() -> None:
         await trio.sleep(0.001)
 
 
-def _busy(seconds: float) -> int:
+def _busy(seconds: float, detector: LoopStallDetector | None = None) -> int:
     end, n = time.thread_time() + seconds, 0
-    while time.thread_time() < end:
+    limit = time.monotonic() + 10.0
+    while time.thread_time() < end or (not _sampled(detector) and time.monotonic() < limit):
         n += 1
     return n
 
 
-async def busy_task() -> None:
+async def busy_task(detector: LoopStallDetector | None = None) -> None:
     await trio.lowlevel.checkpoint()
-    _busy(0.4)
+    _busy(0.4, detector)
 
 
 @pytest.mark.trio
@@ -112,9 +125,9 @@ async def test_a_blocking_task_is_reported_with_its_name_and_place(caplog):
     with detect_loop_stalls(0.2) as detector:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(yielding_task, name="yielder")
-            nursery.start_soon(blocking_task, name="blocker")
+            nursery.start_soon(blocking_task, detector, name="blocker")
             await trio.sleep(0.05)
-            nursery.start_soon(busy_task, name="busy")
+            nursery.start_soon(busy_task, detector, name="busy")
             await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     stalls = detector.stalls
