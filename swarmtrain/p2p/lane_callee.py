@@ -20,7 +20,7 @@ from swarmtrain.p2p.lane_books import (
     TicketBook,
     lane_reuse_window,
 )
-from swarmtrain.p2p.lane_connections import StripeGroup, StripeToken
+from swarmtrain.p2p.lane_connections import LaneSocketOptions, StripeGroup, StripeToken
 from swarmtrain.p2p.lane_records import TICKET_ID_SIZE, RecordOpener, RecordSealer
 from swarmtrain.p2p.lane_stream import LaneStream
 from swarmtrain.p2p.lane_stripes import StripedLane
@@ -33,7 +33,7 @@ from swarmtrain.proto import p2p_pb2
 logger = logging.getLogger("swarmtrain.p2p.lane")  # one logger for all of a host's lanes
 
 
-class LaneCallee:
+class LaneCallee(LaneSocketOptions):
     """The callee's methods of ``DataLanes`` (its state is set up there)."""
 
     _p2p: Any
@@ -45,16 +45,6 @@ class LaneCallee:
     _forming: dict[bytes, StripeGroup]
     lanes_accepted: int
     striped_lanes_accepted: int
-
-    @property
-    def long_path_congestion(self) -> str | None:
-        raise NotImplementedError
-
-    def _prepare_socket(self, raw: socket.socket) -> None:
-        raise NotImplementedError
-
-    def _fit_to_path(self, raw: socket.socket, rtt: float | None) -> None:
-        raise NotImplementedError
 
     @property
     def port(self) -> int | None:

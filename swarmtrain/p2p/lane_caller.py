@@ -27,6 +27,7 @@ from swarmtrain.p2p.lane_books import (
 )
 from swarmtrain.p2p.lane_connections import (
     CONNECT_TIMEOUT,
+    LaneSocketOptions,
     congestion_of,
     dial,
     dial_stripe,
@@ -52,7 +53,7 @@ KNOWN_PEER_WAIT = 6.0
 MAX_PEERS_REMEMBERED = 4096
 
 
-class LaneCaller:
+class LaneCaller(LaneSocketOptions):
     """The caller's methods of ``DataLanes`` (its state is set up there)."""
 
     _p2p: Any
@@ -67,16 +68,6 @@ class LaneCaller:
     lanes_opened: int
     striped_lanes_opened: int
     fallbacks: int
-
-    @property
-    def long_path_congestion(self) -> str | None:
-        raise NotImplementedError
-
-    def _prepare_socket(self, raw: socket.socket) -> None:
-        raise NotImplementedError
-
-    def _fit_to_path(self, raw: socket.socket, rtt: float | None) -> None:
-        raise NotImplementedError
 
     async def open(
         self,

@@ -57,6 +57,24 @@ def stripes_to_dial(granted: int, ours: str | None, theirs: str | None) -> int:
     return granted
 
 
+class LaneSocketOptions:
+    """What both ends' methods of ``DataLanes`` (``LaneCallee``, ``LaneCaller``) call to set
+    up a lane socket; ``DataLanes`` implements it."""
+
+    @property
+    def long_path_congestion(self) -> str | None:
+        """The congestion control our lane sockets use on a long path (None: the system's)."""
+        raise NotImplementedError
+
+    def _prepare_socket(self, raw: socket.socket) -> None:
+        """Socket options of a lane socket (before it connects, or once accepted)."""
+        raise NotImplementedError
+
+    def _fit_to_path(self, raw: socket.socket, rtt: float | None) -> None:
+        """Options that depend on the connected socket's RTT."""
+        raise NotImplementedError
+
+
 def congestion_for_path(setting: str | None, rtt: float | None, long_path_rtt: float) -> str | None:
     """The congestion control to give a connected lane socket whose RTT is ``rtt`` seconds
     under the ``lane_congestion`` ``setting``: ``LONG_PATH_CONGESTION`` under ``"auto"`` when
