@@ -31,7 +31,8 @@ control of every host's namespace (``net.ipv4.tcp_congestion_control``; a new na
 otherwise inherits this box's default, ``bbr`` here); ``default`` leaves it alone.
 ``--stripes K`` sets every peer's ``lane_stripes`` (the most connections per data lane on a
 long path, each lane asks for a count chosen from its path's RTT and loss,
-``swarmtrain.p2p.stripe_core``; default: the library's).
+``swarmtrain.p2p.stripe_core``, and dials 2 when both ends use BBR there,
+``lane_connections.stripes_to_dial``; default: the library's).
 ``--no-lanes``: peers without data lanes, so every bulk call takes the libp2p connection
 (what peers behind NAT get), to measure that fallback.
 ``--trace FILE``: every peer records its rounds' part timelines (``AllReduceTrace``) and its
@@ -389,7 +390,8 @@ def main() -> None:
     parser.add_argument(
         "--stripes",
         type=int,
-        help="every peer's lane_stripes (TCP connections per data lane on a long path)",
+        help="every peer's lane_stripes (the most TCP connections per data lane on a long "
+        "path; with BBR at both ends a lane dials 2 of them: --lane-congestion none for K)",
     )
     parser.add_argument(
         "--lane-congestion",
