@@ -82,7 +82,6 @@ class DHTNode:
         self.p2p, self.node_id, self.config = p2p, node_id, config
         self.record_validator = record_validator
         self._nursery = nursery
-        self._read_validation = trio.CapacityLimiter(1)  # large found values, one at a time
         self.protocol = DHTProtocol(
             p2p,
             node_id,
@@ -403,7 +402,7 @@ class DHTNode:
         self, serialized_key: bytes, found: FoundValue | None
     ) -> FoundValue | None:
         """``found`` without invalid records; large values are checked in a worker thread."""
-        return await validated_off_loop(self.protocol, serialized_key, found, self._read_validation)
+        return await validated_off_loop(self.protocol, serialized_key, found)
 
     def _cache(
         self,

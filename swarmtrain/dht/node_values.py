@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
-from .protocol_types import FoundValue, MalformedRequestError, StoreItem
+from .protocol_types import INLINE_VALIDATION_BYTES, FoundValue, MalformedRequestError, StoreItem
 from .serialization import deserialize
 from .storage import DictionaryDHTValue, ValueWithExpiration, get_dht_time
 from .validation import NO_SUBKEY, DHTRecord, RecordValidatorBase
@@ -17,10 +17,6 @@ if TYPE_CHECKING:
     from .protocol import DHTProtocol
 
 __all__ = ["cache_items", "decode", "found_bytes", "validated", "validated_off_loop"]
-
-#: a found value with more bytes than this is validated in a worker thread (a signed record
-#: costs ~0.15 ms to check: a dictionary of 2,000 peers' records held the loop 0.3 s per answer)
-INLINE_VALIDATION_BYTES = 16 * 1024
 
 
 def validated(
@@ -60,15 +56,15 @@ async def validated_off_loop(
     protocol: DHTProtocol,
     serialized_key: bytes,
     found: FoundValue | None,
-    limiter: trio.CapacityLimiter,
 ) -> FoundValue | None:
-    """:func:`validated`, in a worker thread (under ``limiter``) when ``found`` holds more than
-    ``INLINE_VALIDATION_BYTES``, so a large dictionary never holds the event loop. ``found``
-    must be this caller's own object (an answer, or the storage's snapshot)."""
+    """:func:`validated`, in the node's validation thread (``protocol.validation_limiter``)
+    when ``found`` holds more than ``INLINE_VALIDATION_BYTES``, so a large dictionary never
+    holds the event loop. ``found`` must be this caller's own object (an answer, or the
+    storage's snapshot)."""
     if found_bytes(found) <= INLINE_VALIDATION_BYTES:
         return validated(protocol, serialized_key, found)
     return await trio.to_thread.run_sync(
-        validated, protocol, serialized_key, found, limiter=limiter
+        validated, protocol, serialized_key, found, limiter=protocol.validation_limiter
     )
 
 

@@ -57,6 +57,7 @@ from .protocol_messages import (
 )
 from .protocol_types import (
     EXPIRATION_CLOCK_ALLOWANCE,
+    INLINE_VALIDATION_BYTES,
     DHTProtocolLimits,
     FindResult,
     FoundValue,
@@ -84,9 +85,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-#: a store request with more value bytes than this is validated in a worker thread; below it,
-#: the bounded decoder (``dht.serialization``) keeps the work on the loop to a few ms
-INLINE_VALIDATION_BYTES = 16 * 1024
 
 
 class DHTProtocol:
@@ -136,7 +134,7 @@ class DHTProtocol:
         )
         self._logged_refusals: set[tuple[PeerID, StoreOutcome]] = set()
         self._nursery = nursery
-        self._validation_limiter = trio.CapacityLimiter(1)
+        self.validation_limiter = trio.CapacityLimiter(1)  # large records, one thread per node
         self._serving = False
         self._closed = False
         self._addresses = PeerAddresses(p2p, node_id, client_mode=client_mode, limits=self.limits)
@@ -251,7 +249,7 @@ class DHTProtocol:
         if sum(len(item.value) for item in items) <= INLINE_VALIDATION_BYTES:
             return [self.validate_record(item) for item in items]
         return await trio.to_thread.run_sync(
-            lambda: [self.validate_record(item) for item in items], limiter=self._validation_limiter
+            lambda: [self.validate_record(item) for item in items], limiter=self.validation_limiter
         )
 
     def validate_record(self, item: StoreItem) -> bool:

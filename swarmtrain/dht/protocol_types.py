@@ -26,6 +26,11 @@ __all__ = [
 #: seconds a record from a peer may expire beyond now + the horizon: the writer's clock may run
 #: ahead of ours (its own store is capped at its now + the horizon)
 EXPIRATION_CLOCK_ALLOWANCE = 10.0
+#: records with more value bytes than this (a store request, a found value) are validated in a
+#: worker thread (``DHTProtocol.validation_limiter``); below it, the bounded decoder
+#: (``dht.serialization``) keeps the work on the loop to a few ms (a signed record costs ~0.15
+#: ms to check: a dictionary of 2,000 peers' records held the loop 0.3 s per answer)
+INLINE_VALIDATION_BYTES = 16 * 1024
 
 FoundValue = ValueWithExpiration[bytes | DictionaryDHTValue]
 
