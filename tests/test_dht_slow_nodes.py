@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+from polling import read_until_found
 from test_dht_node import FAST, in_routing_table, swarm
 
 from swarmtrain.dht import DHTID, DHTNode, get_dht_time, serialize
@@ -86,11 +87,7 @@ async def test_a_node_answering_late_for_a_while_is_kept_and_read_again():
         answers.late = False
         # it answers again: the reader reads it without any rejoin (it was never alone)
         with trio.fail_after(30):
-            while True:
-                found = await reader.get("on_slow", latest=True)
-                if found is not None:
-                    break
-                await trio.sleep(POLL)
+            found = await read_until_found(lambda: reader.get("on_slow", latest=True), POLL)
         assert found.value == "slow's"
         assert not reader.routing_table.is_stale(slow.node_id)
         assert all(node.statistics().num_rejoins == 0 for node in s.nodes)
@@ -184,9 +181,8 @@ async def test_three_nodes_whose_rpcs_all_time_out_for_a_while_keep_each_other()
         with trio.fail_after(60):
             for node in s.nodes:
                 for i in range(3):
-                    while True:
-                        found = await node.get(f"on_{i}", latest=True)
-                        if found is not None:
-                            break
-                        await trio.sleep(POLL)
+                    found = await read_until_found(
+                        lambda: node.get(f"on_{i}", latest=True),  # noqa: B023 (awaited here)
+                        POLL,
+                    )
                     assert found.value == i
