@@ -47,6 +47,16 @@ from typing import Any
 
 import trio
 
+from swarmtrain.utils.thread_probes import (
+    awaiting_at,
+    awaiting_position,
+    busiest,
+    code_text,
+    other_threads_at,
+    thread_stack,
+    threads_cpu,
+)
+
 logger = logging.getLogger(__name__)
 
 #: the environment variable: a threshold in seconds (``0.1``); unset, empty or ``0``: off
@@ -56,7 +66,6 @@ DEFAULT_MAX_RECORDS = 256
 #: a stall whose CPU time is below this fraction of its wall time was not running: it waited
 #: (for a core: starved; for the GIL, a lock or a call: waiting)
 STARVED_CPU_FRACTION = 0.5
-_STACK_DEPTH = 12
 #: the task name of a stall outside task steps: an I/O wait that overran its timeout
 IO_WAIT_TASK = "<trio scheduler: I/O wait past its timeout>"
 
@@ -173,103 +182,6 @@ class StepHistogram:
         return self.upper_bound(self.BUCKETS - 1)
 
 
-def _code_text(code: CodeType, line: int | None) -> str:
-    path = "/".join(code.co_filename.rsplit("/", 2)[-2:])
-    return f"{path}:{line} {code.co_name}"
-
-
-_plumbing_codes: dict[CodeType, bool] = {}
-
-
-def _is_plumbing(code: CodeType) -> bool:
-    plumbing = _plumbing_codes.get(code)
-    if plumbing is None:
-        path = code.co_filename
-        plumbing = (
-            "/trio/" in path
-            or "/anyio/" in path
-            or path.endswith(("contextlib.py", "threading.py"))
-            or path == __file__  # our GC callback, where a collection's stack is sampled
-        )
-        if len(_plumbing_codes) < 65536:  # bounded: code objects are few, but not fixed
-            _plumbing_codes[code] = plumbing
-    return plumbing
-
-
-def _awaiting_position(coro: Any) -> tuple[CodeType, int | None] | None:
-    """A suspended coroutine chain's innermost frame outside trio, anyio and contextlib
-    (the outermost frame when all are plumbing); None when it has finished."""
-    found = None
-    while coro is not None:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        if frame is not None and (found is None or not _is_plumbing(frame.f_code)):
-            found = (frame.f_code, frame.f_lineno)
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-    return found
-
-
-def awaiting_at(coro: Any) -> str:
-    """Where a suspended coroutine waits (``path:line function``), "" when it has finished."""
-    position = _awaiting_position(coro)
-    return "" if position is None else _code_text(*position)
-
-
-def thread_stack(ident: int, depth: int = _STACK_DEPTH) -> tuple[str, ...]:
-    """The innermost ``depth`` frames of a thread's stack, leaving out trio's own frames."""
-    frame = sys._current_frames().get(ident)
-    stack: list[str] = []
-    while frame is not None and len(stack) < depth:
-        if not _is_plumbing(frame.f_code):
-            stack.append(_code_text(frame.f_code, frame.f_lineno))
-        frame = frame.f_back
-    return tuple(stack)
-
-
-def _other_threads_at(exclude: set[int | None]) -> dict[str, str]:
-    """``{thread name: its innermost frame outside trio}`` of the other Python threads."""
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
-    found = {}
-    for ident, frame in sys._current_frames().items():
-        if ident in exclude or ident not in names:
-            continue
-        while frame is not None and _is_plumbing(frame.f_code) and frame.f_back is not None:
-            frame = frame.f_back
-        found[names[ident]] = _code_text(frame.f_code, frame.f_lineno)
-    return found
-
-
-def _thread_cpu(native_id: int) -> float | None:
-    """A thread's CPU seconds from ``/proc/self/task/<id>/schedstat`` (None: gone or not
-    Linux). Safe for threads that exited, unlike their pthread CPU clocks."""
-    try:
-        with open(f"/proc/self/task/{native_id}/schedstat", "rb") as file:
-            return int(file.read().split()[0]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _threads_cpu(exclude: set[int | None]) -> dict[int, tuple[str, float]]:
-    """``{native id: (name, CPU seconds)}`` of this process's other Python threads."""
-    found = {}
-    for thread in threading.enumerate():
-        if thread.ident in exclude or thread.native_id is None:
-            continue
-        cpu = _thread_cpu(thread.native_id)
-        if cpu is not None:
-            found[thread.native_id] = (thread.name, cpu)
-    return found
-
-
-def _busiest(before: dict[int, tuple[str, float]], top: int = 3) -> tuple[tuple[str, float], ...]:
-    """The threads that used the most CPU since ``before`` (over 1 ms), busiest first."""
-    used = []
-    for native_id, (name, cpu) in before.items():
-        now = _thread_cpu(native_id)
-        if now is not None and now - cpu > 0.001:
-            used.append((name, now - cpu))
-    return tuple(sorted(used, key=lambda entry: -entry[1])[:top])
-
-
 class LoopStallDetector(trio.abc.Instrument):
     """A trio instrument recording task steps longer than ``threshold`` seconds (see the
     module's docstring). Add it with ``watch_loop_stalls`` or ``detect_loop_stalls``; read
@@ -362,7 +274,7 @@ class LoopStallDetector(trio.abc.Instrument):
         if self._loop_ident is None:
             self._start(threading.get_ident())
         self._step_seq += 1
-        self._resumed_at = _awaiting_position(task.coro)
+        self._resumed_at = awaiting_position(task.coro)
         self._step = (
             time.perf_counter(),
             time.thread_time(),
@@ -391,7 +303,7 @@ class LoopStallDetector(trio.abc.Instrument):
             cpu_s=cpu,
             runqueue_s=None if self._schedstat is None else self._runqueue() - step[3],
             gc_s=self._gc_seconds - step[2],
-            resumed_at="" if self._resumed_at is None else _code_text(*self._resumed_at),
+            resumed_at="" if self._resumed_at is None else code_text(*self._resumed_at),
             suspended_at=awaiting_at(task.coro),
             ended_at=time.time(),
             stack=sampled[1] if sampled is not None and sampled[0] == seq else (),
@@ -406,8 +318,8 @@ class LoopStallDetector(trio.abc.Instrument):
         seen = list(self._threads_seen or ())
         before = [threads for at, threads in seen if at <= started]
         if before:
-            return _busiest(before[-1])
-        return _busiest(seen[0][1]) if seen else ()
+            return busiest(before[-1])
+        return busiest(seen[0][1]) if seen else ()
 
     def before_io_wait(self, timeout: float) -> None:
         self._io_wait = (
@@ -498,14 +410,14 @@ class LoopStallDetector(trio.abc.Instrument):
         exclude: set[int | None] = {self._loop_ident, threading.get_ident()}
         while not self._closed.wait(interval):
             if self._threads_seen is not None:
-                self._threads_seen.append((time.perf_counter(), _threads_cpu(exclude)))
+                self._threads_seen.append((time.perf_counter(), threads_cpu(exclude)))
             step, seq = self._step, self._step_seq
             if step is None or time.perf_counter() - step[0] <= self.threshold:
                 continue
             if self._sampled is not None and self._sampled[0] == seq:
                 continue
             stack = thread_stack(self._loop_ident)
-            others = _other_threads_at(exclude)
+            others = other_threads_at(exclude)
             with self._lock:
                 if self._step_seq == seq and self._step is step:
                     self._sampled = (seq, stack, others)
